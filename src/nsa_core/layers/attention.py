@@ -1,0 +1,171 @@
+"""NSAAttention: projections, RoPE, compression phi, gates and the dispatch to the three branches.
+
+One code path serves the batched forward, the sequential prefill and decode: queries at positions
+``pos0 .. pos0 + T - 1`` attend to the keys of every position up to their own, where ``pos0`` is the
+length of the cache (0 without one). The branch functions in `nsa_core.ops` take ``q_offset = pos0``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from nsa_core.cache import LayerCache, append
+from nsa_core.config import ModelConfig
+from nsa_core.ops.compression import compressed_attention, num_compressed_blocks, unfold_blocks
+from nsa_core.ops.reference import naive_select_blocks
+from nsa_core.ops.selection import block_importance, select_blocks, selected_attention
+from nsa_core.ops.window import sliding_window_attention
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of ``x [B, T, H, D]`` at ``positions [T]``, per head, rotating the two halves of D.
+
+    Dot products of a rotated query and key depend only on their position difference.
+    """
+    half = x.shape[-1] // 2
+    angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv_freq = theta ** (-torch.arange(half, dtype=angle_dtype, device=x.device) / half)
+    angles = positions.to(angle_dtype)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = angles.cos().to(x.dtype)[None, :, None, :]
+    sin = angles.sin().to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class BlockCompressor(nn.Module):
+    """phi: one vector per block of ``l`` tokens: an MLP over the block plus an intra-block position code."""
+
+    def __init__(self, block_len: int, head_dim: int) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(block_len, head_dim) * 0.02)
+        self.mlp = nn.Sequential(
+            nn.Linear(block_len * head_dim, head_dim), nn.SiLU(), nn.Linear(head_dim, head_dim)
+        )
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        # [B, N, H, l, D] -> [B, N, H, D]
+        return self.mlp((blocks + self.pos).flatten(-2))
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention (arXiv 2502.11089) with grouped-query heads.
+
+    Three branches with their own key/value projections, combined by per-head sigmoid gates:
+    compressed (attention over learned summaries of overlapping blocks), selected (attention over the
+    top-n blocks the compressed scores rank, plus forced initial and local blocks) and sliding window.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg, self.nsa = cfg, cfg.nsa
+        H, HKV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, H * D, bias=False)
+        self.kv_cmp = nn.Linear(cfg.dim, 2 * HKV * D, bias=False)
+        self.kv_sel = nn.Linear(cfg.dim, 2 * HKV * D, bias=False)
+        self.kv_win = nn.Linear(cfg.dim, 2 * HKV * D, bias=False)
+        self.phi_k = BlockCompressor(self.nsa.block_len, D)
+        self.phi_v = BlockCompressor(self.nsa.block_len, D)
+        self.gate = nn.Sequential(nn.Linear(cfg.dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, 3 * H))
+        self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
+
+    def _kv(self, proj: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        k, v = proj(x).view(B, T, 2, self.cfg.kv_heads, self.cfg.head_dim).unbind(2)
+        return k, v
+
+    def _compress(self, phi: BlockCompressor, raw: torch.Tensor, first: int, rotate: bool) -> torch.Tensor:
+        # blocks `first`.. that `raw` completes, through phi; keys rotated at each block's last token
+        out = phi(unfold_blocks(raw, self.nsa.block_len, self.nsa.block_stride, first))
+        if rotate and out.shape[1]:
+            ends = torch.arange(first, first + out.shape[1], device=raw.device)
+            out = apply_rope(out, ends * self.nsa.block_stride + self.nsa.block_len - 1, self.cfg.rope_theta)
+        return out
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """``x [B, T, dim]`` -> ``[B, T, dim]``; with a cache, ``x`` is the next tokens; the cache grows."""
+        cfg, nsa = self.cfg, self.nsa
+        B, T, _ = x.shape
+        c = cache if cache is not None else LayerCache()
+        pos0 = c.length
+        num_keys = pos0 + T
+        positions = torch.arange(pos0, num_keys, device=x.device)
+        q = apply_rope(self.q_proj(x).view(B, T, cfg.heads, cfg.head_dim), positions, cfg.rope_theta)
+        branches = nsa.branches
+        outputs: dict[str, torch.Tensor] = {}
+
+        if "cmp" in branches or "sel" in branches:
+            # with force_branch="sel" the compressed keys only rank blocks: no gradient, no values
+            scoring_only = "cmp" not in branches
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not scoring_only):
+                k_raw, v_raw = self._kv(self.kv_cmp, x)
+                c.k_cmp_raw = append(c.k_cmp_raw, k_raw)
+                first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
+                c.k_cmp = append(c.k_cmp, self._compress(self.phi_k, c.k_cmp_raw, first, rotate=True))
+                if not scoring_only:
+                    c.v_cmp_raw = append(c.v_cmp_raw, v_raw)
+                    c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
+                o_cmp, p = compressed_attention(
+                    q.detach() if scoring_only else q,
+                    c.k_cmp,
+                    c.k_cmp if scoring_only else c.v_cmp,  # values unused when only scoring
+                    block_len=nsa.block_len,
+                    block_stride=nsa.block_stride,
+                    q_offset=pos0,
+                    backend=nsa.cmp_backend,
+                )
+            if not scoring_only:
+                outputs["cmp"] = o_cmp
+
+        if "sel" in branches:
+            k_sel, v_sel = self._kv(self.kv_sel, x)
+            c.k_sel = append(c.k_sel, apply_rope(k_sel, positions, cfg.rope_theta))
+            c.v_sel = append(c.v_sel, v_sel)
+            geometry = dict(
+                sel_block_len=nsa.sel_block_len,
+                n_sel=nsa.n_sel,
+                n_init=nsa.n_init,
+                n_local=nsa.n_local,
+                q_offset=pos0,
+            )
+            if nsa.sel_backend == "reference":
+                block_idx = naive_select_blocks(
+                    p.detach(),
+                    kv_heads=cfg.kv_heads,
+                    block_len=nsa.block_len,
+                    block_stride=nsa.block_stride,
+                    num_keys=num_keys,
+                    **geometry,
+                )
+            else:
+                importance = block_importance(
+                    p.detach(),
+                    kv_heads=cfg.kv_heads,
+                    block_len=nsa.block_len,
+                    block_stride=nsa.block_stride,
+                    sel_block_len=nsa.sel_block_len,
+                    num_keys=num_keys,
+                )
+                block_idx = select_blocks(importance, **geometry)
+            outputs["sel"] = selected_attention(
+                q,
+                c.k_sel,
+                c.v_sel,
+                block_idx,
+                sel_block_len=nsa.sel_block_len,
+                q_offset=pos0,
+                backend=nsa.sel_backend,
+            )
+
+        if "win" in branches:
+            k_win, v_win = self._kv(self.kv_win, x)
+            c.k_win = append(c.k_win, apply_rope(k_win, positions, cfg.rope_theta))
+            c.v_win = append(c.v_win, v_win)
+            outputs["win"] = sliding_window_attention(
+                q, c.k_win, c.v_win, window=nsa.window, q_offset=pos0, backend=nsa.win_backend
+            )
+
+        c.length = num_keys
+        gates = torch.sigmoid(self.gate(x)).view(B, T, cfg.heads, 3, 1)  # per head: cmp, sel, win
+        out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
+        return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))

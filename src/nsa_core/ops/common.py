@@ -1,0 +1,50 @@
+"""Small pieces shared by the batched NSA backends: masked softmax, GQA views, argument checks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """Scores of half-precision inputs are normalised in float32; float32/float64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over ``dim`` restricted to ``mask``; rows with no allowed entry are all zeros (never NaN)."""
+    scores = upcast(scores).masked_fill(~mask, float("-inf"))
+    if scores.shape[dim] == 0:
+        return scores
+    # the row max is detached: softmax is shift-invariant, and an all-masked row gets 0 instead of -inf
+    row_max = scores.detach().amax(dim=dim, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    weights = torch.exp(scores - row_max)
+    return weights / weights.sum(dim=dim, keepdim=True).clamp_min(torch.finfo(weights.dtype).tiny)
+
+
+def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[B, T, HQ, D] -> [B, T, HKV, G, D]``: the query heads of each KV group side by side."""
+    B, T, HQ, D = q.shape
+    return q.view(B, T, kv_heads, HQ // kv_heads, D)
+
+
+def check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int, *, raw_keys: bool = True
+) -> None:
+    """Check the contract: ``q [B, Tq, HQ, D]``, ``k/v [B, Tk, HKV, D]`` with ``Tk = q_offset + Tq``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be [B, T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of KV heads {k.shape[2]}")
+    if q_offset < 0:
+        raise ValueError(f"q_offset={q_offset} must be >= 0")
+    if raw_keys and k.shape[1] != q_offset + q.shape[1]:
+        raise ValueError(
+            f"keys must cover positions 0 .. q_offset + Tq - 1: got Tk={k.shape[1]}, "
+            f"q_offset={q_offset}, Tq={q.shape[1]}"
+        )
