@@ -1,0 +1,44 @@
+# Set-up and everyday commands. Everything runs in ./.venv, created on first use.
+#
+#   make demo    one forward+backward of the NSA model on the embedded default (CPU unless CUDA is present)
+#   make test    the test suite
+#   make lint    ruff check + ruff format --check
+#   make bench   the backend benchmarks (benchmarks/backends.py)
+#
+# TORCH_SPEC is the torch requirement installed first into a venv that has no torch yet. The default
+# `torch==2.13.0` resolves to the CPU wheel kept on this machine's disk, where a plain `torch` would
+# download a multi-GB CUDA build. Any release in the supported range works, e.g.
+#   make install TORCH_SPEC='torch>=2.11,<2.15'
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+LINT_PATHS ?= $(wildcard src tests benchmarks)
+PYTEST_ARGS ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml is newer than the stamp (or the venv is gone).
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e '.[dev]'
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/python -m nsa_diag.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+	$(BIN)/ruff format --check $(LINT_PATHS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/backends.py
