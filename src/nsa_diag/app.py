@@ -1,0 +1,100 @@
+"""The `nsa-diag` command line: the Typer app, its commands, and `main()` with the exit-code contract.
+
+Exit codes: 0 success; 1 some case did not pass; 2 a usage or configuration error (one line on stderr,
+no traceback); 3 an internal error of the toolkit. `--debug` adds the traceback. Commands import torch
+inside their functions, so `nsa-diag --help` never loads it.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Annotated, NoReturn, TextIO
+
+import typer
+
+from nsa_diag import __version__
+from nsa_diag._cli_utils import DebugOpt
+from nsa_diag.commands.env import env
+from nsa_diag.errors import EXIT_INTERNAL, describe_error
+
+# Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
+HELP = """\
+Diagnostics for Native Sparse Attention (NSA) training.
+
+Its aim: find out, with evidence, whether a job is hung or only slow and where, which branch, backend or
+setting reproduces a failure, how memory and time grow with sequence length, and whether the gradients
+are right. It drives the NSA model of the `nsa_core` package.
+
+Work in progress: `env` is the first command. Planned: `run`, `branch`, `backend`, `scale`, `gc-bisect`,
+`ddp`, `verify`, `matrix`, `report`, `compare`, `selftest`.
+
+Exit codes: 0 success, 1 a case did not pass, 2 usage or configuration error, 3 internal error
+(`--debug` shows its traceback).
+"""
+
+app = typer.Typer(
+    name="nsa-diag",
+    help=HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="markdown",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"nsa-diag {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: DebugOpt = False,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    pass
+
+
+app.command("env")(env)
+
+
+def report_error(exc: BaseException, *, debug: bool, stream: TextIO | None = None) -> int:
+    """Print what went wrong to `stream` (stderr) and return the exit code from the error table.
+
+    Without `debug` the report is the message alone: one line (pydantic: one line per invalid field).
+    """
+    stream = stream or sys.stderr
+    code, message = describe_error(exc)
+    if debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
+    elif code == EXIT_INTERNAL:
+        message += " (run again with --debug for the traceback)"
+    print(f"nsa-diag: {message}", file=stream)
+    return code
+
+
+def _wants_debug(args: Sequence[str]) -> bool:
+    options = args[: args.index("--")] if "--" in args else args
+    return "--debug" in options
+
+
+def run_cli(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI on `argv` (default: the process arguments) and return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
+    try:
+        result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
+    except Exception as exc:
+        return report_error(exc, debug=_wants_debug(args))
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Console-script entry point (`nsa-diag`)."""
+    sys.exit(run_cli(argv))

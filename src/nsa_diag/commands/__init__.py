@@ -1,0 +1,1 @@
+"""One module per CLI command, each exporting a plain function that `nsa_diag.app` wires into Typer."""

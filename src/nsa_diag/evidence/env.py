@@ -1,0 +1,231 @@
+"""The environment snapshot: the software, hardware and settings a run depends on, as a JSON-ready dict.
+
+It is what `nsa-diag env` prints and what every run folder records as `env.json`. Each probe records the
+fact or, where the fact cannot be had (no CUDA, no NVML, not a git checkout), why not, and never raises.
+
+Environment variables: only those whose names start with one of `ENV_VAR_PREFIXES` are recorded, and no
+other variable, so that tokens and passwords never reach an artifact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import platform
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nsa_diag import __version__
+
+ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_")
+
+_GIT_TIMEOUT_S = 5.0
+
+
+def select_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` whose names start with one of `ENV_VAR_PREFIXES`, sorted by name."""
+    return {name: environ[name] for name in sorted(environ) if name.startswith(ENV_VAR_PREFIXES)}
+
+
+def _python() -> dict[str, Any]:
+    return {
+        "version": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "executable": sys.executable,
+    }
+
+
+def _platform() -> dict[str, Any]:
+    return {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+    }
+
+
+def _cpu_and_memory() -> dict[str, Any]:
+    import psutil
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    memory = psutil.virtual_memory()
+    return {
+        "cpu_count_logical": os.cpu_count(),
+        "cpu_count_physical": psutil.cpu_count(logical=False),
+        "cpu_count_usable": usable,
+        "memory_total_bytes": memory.total,
+        "memory_available_bytes": memory.available,
+    }
+
+
+def _torch() -> dict[str, Any]:
+    try:
+        import torch
+    except Exception as exc:  # a broken CUDA install fails with OSError, not only ImportError
+        return {"version": None, "why": f"torch cannot be imported: {type(exc).__name__}: {exc}"}
+
+    facts: dict[str, Any] = {
+        "version": torch.__version__,
+        "git_version": getattr(torch.version, "git_version", None),
+        "debug_build": bool(torch.version.debug),
+        "num_threads": torch.get_num_threads(),
+        "cuda_build": torch.version.cuda,  # None for a CPU-only build
+        "hip_build": getattr(torch.version, "hip", None),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if not facts["cuda_available"]:
+        facts["cuda_why"] = (
+            "torch is a CPU-only build"
+            if torch.version.cuda is None
+            else "no CUDA device is visible to torch"
+        )
+    facts["cudnn_available"] = torch.backends.cudnn.is_available()
+    facts["cudnn_version"] = torch.backends.cudnn.version() if facts["cudnn_available"] else None
+    facts["nccl_version"] = _nccl_version(torch)
+    devices = []
+    if facts["cuda_available"]:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            devices.append(
+                {
+                    "index": index,
+                    "name": props.name,
+                    "capability": f"{props.major}.{props.minor}",
+                    "total_memory_bytes": props.total_memory,
+                    "multiprocessors": props.multi_processor_count,
+                }
+            )
+    facts["devices"] = devices
+    return facts
+
+
+def _nccl_version(torch: Any) -> str | None:
+    if torch.version.cuda is None or not torch.distributed.is_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError, ImportError):
+        return None
+    if isinstance(version, tuple):
+        return ".".join(str(part) for part in version)
+    return str(version)
+
+
+def _triton() -> dict[str, Any]:
+    try:
+        import triton
+    except Exception as exc:
+        return {"version": None, "why": f"triton cannot be imported: {type(exc).__name__}: {exc}"}
+    return {"version": triton.__version__}
+
+
+def _nvml() -> dict[str, Any]:
+    """Driver and GPUs as NVML sees them, independent of torch (works while a CUDA context is wedged)."""
+    try:
+        import pynvml
+    except ImportError as exc:
+        return {"available": False, "why": f"pynvml (nvidia-ml-py) cannot be imported: {exc}"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        return {"available": False, "why": f"NVML did not initialise: {exc}"}
+    try:
+        facts: dict[str, Any] = {
+            "available": True,
+            "driver_version": _text(pynvml.nvmlSystemGetDriverVersion()),
+            "cuda_driver_version": _cuda_driver_version(pynvml.nvmlSystemGetCudaDriverVersion_v2()),
+        }
+        gpus = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                {
+                    "index": index,
+                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
+                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
+                    "pci_bus_id": _text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+                    "memory_total_bytes": memory.total,
+                    "memory_used_bytes": memory.used,
+                }
+            )
+        facts["gpus"] = gpus
+        return facts
+    except pynvml.NVMLError as exc:
+        return {"available": False, "why": f"NVML query failed: {exc}"}
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _cuda_driver_version(version: int) -> str:
+    """NVML's integer form (12040) as a release string ("12.4")."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _git(cwd: Path) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=_GIT_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    try:
+        top = git("rev-parse", "--show-toplevel")
+    except FileNotFoundError:
+        return {"revision": None, "why": "git is not installed"}
+    except subprocess.TimeoutExpired:
+        return {"revision": None, "why": f"git did not answer within {_GIT_TIMEOUT_S:g} s"}
+    except subprocess.CalledProcessError:
+        return {"revision": None, "why": f"{cwd} is not inside a git working tree"}
+    try:
+        revision = git("rev-parse", "HEAD")
+    except subprocess.CalledProcessError:
+        return {"revision": None, "toplevel": top, "why": "the repository has no commit yet"}
+    except subprocess.TimeoutExpired:
+        return {"revision": None, "toplevel": top, "why": f"git did not answer within {_GIT_TIMEOUT_S:g} s"}
+    try:
+        dirty: bool | None = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        dirty = None
+    return {"revision": revision, "toplevel": top, "dirty": dirty}
+
+
+def _probe(section: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one section's probe; an unexpected failure becomes the section's `why`, never an exception."""
+    try:
+        return section()
+    except Exception as exc:
+        return {"why": f"probe failed: {type(exc).__name__}: {exc}"}
+
+
+def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
+    """Collect the snapshot. `environ` defaults to `os.environ` and `cwd` to the working directory."""
+    return {
+        "nsa_diag_version": __version__,
+        "collected_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": _probe(_python),
+        "platform": _probe(_platform),
+        "cpu_memory": _probe(_cpu_and_memory),
+        "torch": _probe(_torch),
+        "triton": _probe(_triton),
+        "nvml": _probe(_nvml),
+        "git": _probe(lambda: _git(cwd or Path.cwd())),
+        "env_vars": select_env_vars(os.environ if environ is None else environ),
+    }

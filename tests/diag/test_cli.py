@@ -1,0 +1,250 @@
+"""The CLI contract: help, `env` and its variable filter, exit codes, and the error table.
+
+Most tests run `python -m nsa_diag` in a real subprocess, as a user or a script would, so that exit codes,
+stdout and stderr are the real ones.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nsa_diag.app import report_error, run_cli
+from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, ConfigError, UsageError, describe_error
+from nsa_diag.evidence.env import ENV_VAR_PREFIXES, select_env_vars
+
+CLI_TIMEOUT_S = 120
+
+
+def run_nsa_diag(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def test_help_lists_env_and_exits_0() -> None:
+    done = run_nsa_diag("--help")
+    assert done.returncode == 0, done.stderr
+    assert "Native Sparse Attention" in done.stdout
+    assert "env" in done.stdout.split("Commands", 1)[1]
+
+
+def test_no_arguments_shows_help() -> None:
+    done = run_nsa_diag()
+    assert done.returncode == 0, done.stderr
+    assert "Usage: nsa-diag" in done.stdout
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys; from nsa_diag.app import run_cli; run_cli(['--help']); print('torch' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=True
+    )
+    assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("nsa-diag")
+    if not script.exists():
+        pytest.skip(f"no console script next to {sys.executable}: the package is not pip-installed here")
+    start = time.perf_counter()
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert "env" in done.stdout
+    assert time.perf_counter() - start < 10  # generous; it takes well under a second without torch
+
+
+def test_env_json_is_valid_and_names_torch() -> None:
+    import torch
+
+    done = run_nsa_diag("env", "--json")
+    assert done.returncode == 0, done.stderr
+    snapshot = json.loads(done.stdout)
+    assert snapshot["torch"]["version"] == torch.__version__
+    assert snapshot["torch"]["cuda_available"] == torch.cuda.is_available()
+    assert snapshot["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
+    nvml = snapshot["nvml"]
+    assert nvml["available"] or nvml["why"]  # either the facts or the reason they are missing
+
+
+def test_env_records_only_the_listed_variables() -> None:
+    secrets = {"SECRET_TOKEN": "hunter2-secret", "AWS_SECRET_ACCESS_KEY": "aws-secret-value"}
+    done = run_nsa_diag("env", "--json", env={"NSA_FOO": "bar", "TORCH_SHOW_CPP_STACKTRACES": "1", **secrets})
+    assert done.returncode == 0, done.stderr
+    env_vars = json.loads(done.stdout)["env_vars"]
+    assert env_vars["NSA_FOO"] == "bar"
+    assert env_vars["TORCH_SHOW_CPP_STACKTRACES"] == "1"
+    assert all(name.startswith(ENV_VAR_PREFIXES) for name in env_vars)
+    for name, value in secrets.items():
+        assert name not in done.stdout
+        assert value not in done.stdout
+
+
+def test_env_table_shows_nsa_variable_and_hides_others() -> None:
+    done = run_nsa_diag("env", env={"NSA_FOO": "bar", "SECRET_TOKEN": "hunter2-secret"})
+    assert done.returncode == 0, done.stderr
+    assert "NSA_FOO" in done.stdout
+    assert "torch" in done.stdout
+    assert "SECRET_TOKEN" not in done.stdout
+    assert "hunter2-secret" not in done.stdout
+
+
+def test_select_env_vars_matches_prefixes_exactly() -> None:
+    environ = {
+        "NSA_SEQ": "1",
+        "NCCL_DEBUG": "INFO",
+        "CUDA_VISIBLE_DEVICES": "0",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TRITON_INTERPRET": "1",
+        "TORCH_LOGS": "+dynamo",
+        "TORCHINDUCTOR_CACHE_DIR": "/tmp/x",  # TORCHINDUCTOR_ is not TORCH_
+        "nsa_lower": "1",  # names are case-sensitive
+        "MY_NSA_THING": "1",  # a prefix, not a substring
+        "HF_TOKEN": "secret",
+    }
+    assert select_env_vars(environ) == {
+        "CUDA_VISIBLE_DEVICES": "0",
+        "NCCL_DEBUG": "INFO",
+        "NSA_SEQ": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_LOGS": "+dynamo",
+        "TRITON_INTERPRET": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["--bogus"], id="root"),
+        pytest.param(["env", "--bogus"], id="env"),
+        pytest.param(["no-such-command"], id="command"),
+    ],
+)
+def test_usage_error_exits_2_with_one_line(args: list[str]) -> None:
+    done = run_nsa_diag(*args)
+    assert done.returncode == EXIT_USAGE
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("nsa-diag: ")
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code() -> None:
+    done = run_nsa_diag("--debug", "env", "--bogus")
+    assert done.returncode == EXIT_USAGE
+    assert "Traceback" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("nsa-diag: No such option: --bogus")
+
+
+def _raise_and_catch(fn: object) -> BaseException:
+    try:
+        fn()  # type: ignore[operator]
+    except BaseException as exc:  # the test hands any exception to the table
+        return exc
+    raise AssertionError("expected an exception")
+
+
+def test_config_value_error_from_nsa_core_maps_to_2() -> None:
+    import nsa_core
+
+    exc = _raise_and_catch(lambda: nsa_core.preset("tiny", heads=3))
+    assert isinstance(exc, ValueError)
+    code, message = describe_error(exc)
+    assert code == EXIT_USAGE
+    assert "heads=3" in message
+    assert "\n" not in message
+
+
+def test_unknown_preset_maps_to_2() -> None:
+    import nsa_core
+
+    code, message = describe_error(_raise_and_catch(lambda: nsa_core.preset("huge")))
+    assert code == EXIT_USAGE
+    assert "huge" in message
+
+
+def test_value_error_outside_nsa_core_is_internal() -> None:
+    code, message = describe_error(_raise_and_catch(lambda: int("not a number")))
+    assert code == EXIT_INTERNAL
+    assert message.startswith("internal error: ValueError")
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        pytest.param(UsageError("--gc 3:1 needs A < B"), EXIT_USAGE, id="usage"),
+        pytest.param(ConfigError("seq_len must be\npositive"), EXIT_USAGE, id="config-multiline"),
+        pytest.param(RuntimeError("boom"), EXIT_INTERNAL, id="runtime"),
+        pytest.param(KeyError("x"), EXIT_INTERNAL, id="key"),
+    ],
+)
+def test_error_table(exc: BaseException, code: int) -> None:
+    got_code, message = describe_error(exc)
+    assert got_code == code
+    assert message
+    assert "\n" not in message
+
+
+def test_pydantic_errors_print_one_field_per_line() -> None:
+    from pydantic import BaseModel, ConfigDict
+
+    class Spec(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        seq_len: int
+        batch: int
+
+    exc = _raise_and_catch(lambda: Spec.model_validate({"seq_len": "x", "batch": 1, "extra": 2}))
+    code, message = describe_error(exc)
+    assert code == EXIT_USAGE
+    lines = message.splitlines()
+    assert len(lines) == 3  # a heading, then seq_len and extra
+    assert lines[1].strip().startswith("seq_len:")
+    assert lines[2].strip().startswith("extra:")
+
+
+def test_report_error_prints_traceback_only_with_debug() -> None:
+    exc = _raise_and_catch(lambda: 1 / 0)
+
+    quiet = io.StringIO()
+    assert report_error(exc, debug=False, stream=quiet) == EXIT_INTERNAL
+    assert quiet.getvalue().count("\n") == 1
+    assert "Traceback" not in quiet.getvalue()
+    assert "--debug" in quiet.getvalue()
+
+    loud = io.StringIO()
+    assert report_error(exc, debug=True, stream=loud) == EXIT_INTERNAL
+    assert "Traceback" in loud.getvalue()
+    assert loud.getvalue().rstrip().splitlines()[-1].startswith("nsa-diag: internal error: ZeroDivisionError")
+
+
+def test_run_cli_returns_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["--version"]) == 0
+    assert "nsa-diag" in capsys.readouterr().out
+    assert run_cli(["env", "--no-such-flag"]) == EXIT_USAGE
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_failing_probe_becomes_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nsa_diag.evidence import env as env_module
+
+    def broken() -> dict[str, object]:
+        raise RuntimeError("CUDA unknown error")
+
+    monkeypatch.setattr(env_module, "_nvml", broken)
+    snapshot = env_module.collect_env(environ={"NSA_X": "1", "PASSWORD": "p"})
+    assert snapshot["nvml"] == {"why": "probe failed: RuntimeError: CUDA unknown error"}
+    assert snapshot["env_vars"] == {"NSA_X": "1"}
