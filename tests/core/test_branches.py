@@ -104,6 +104,25 @@ def test_forced_sel_ranks_with_compressed_keys() -> None:
         assert_grads_close(ref, tri, allow_none=True)
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 64, 1000], ids=lambda n: f"chunk{n}")
+def test_forced_sel_scoring_in_query_chunks(monkeypatch: pytest.MonkeyPatch, chunk_elements: int) -> None:
+    """Scoring alone runs in query chunks to stay linear in memory; any chunking selects the same blocks."""
+    import nsa_core.layers.attention as attention
+
+    tokens = random_tokens(BATCH, SEQ_LEN)
+    for backend in ("reference", "gather"):
+        ref = make_model(force_branch="sel", sel_backend=backend, **MODEL_OVERRIDES)
+        ref_logits = ref(tokens)
+        logits_loss(ref_logits).backward()
+        tri = clone_model(ref, force_branch="sel", sel_backend=backend, **MODEL_OVERRIDES)
+        with monkeypatch.context() as patch:
+            patch.setattr(attention, "SCORE_CHUNK_ELEMENTS", chunk_elements)
+            tri_logits = tri(tokens)
+        logits_loss(tri_logits).backward()
+        assert_close(f"{backend} chunked-scoring logits", ref_logits, tri_logits)
+        assert_grads_close(ref, tri, allow_none=True)
+
+
 def test_forced_sel_selection_depends_on_compressed_weights() -> None:
     """The compressed keys decide which blocks the sel branch reads: other kv_cmp weights, other logits."""
     tokens = random_tokens(BATCH, SEQ_LEN)

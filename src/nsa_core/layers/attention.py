@@ -17,6 +17,9 @@ from nsa_core.ops.reference import naive_select_blocks
 from nsa_core.ops.selection import block_importance, select_blocks, selected_attention
 from nsa_core.ops.window import sliding_window_attention
 
+# Scoring without gradient runs in query chunks of at most this many probabilities ([B, chunk, HQ, Nc]).
+SCORE_CHUNK_ELEMENTS = 1 << 24
+
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotary embedding of ``x [B, T, H, D]`` at ``positions [T]``, per head, rotating the two halves of D.
@@ -82,6 +85,42 @@ class NSAAttention(nn.Module):
             out = apply_rope(out, ends * self.nsa.block_stride + self.nsa.block_len - 1, self.cfg.rope_theta)
         return out
 
+    def _choose_blocks(self, p: torch.Tensor, q_offset: int) -> torch.Tensor:
+        # p [B, Tq, HQ, Nc] of queries at q_offset.. -> block_idx [B, Tq, HKV, n]
+        nsa = self.nsa
+        num_keys = q_offset + p.shape[1]
+        geometry = dict(
+            sel_block_len=nsa.sel_block_len, n_sel=nsa.n_sel, n_init=nsa.n_init, n_local=nsa.n_local
+        )
+        blocks = dict(kv_heads=self.cfg.kv_heads, block_len=nsa.block_len, block_stride=nsa.block_stride)
+        if nsa.sel_backend == "reference":
+            return naive_select_blocks(p, num_keys=num_keys, q_offset=q_offset, **blocks, **geometry)
+        importance = block_importance(p, sel_block_len=nsa.sel_block_len, num_keys=num_keys, **blocks)
+        return select_blocks(importance, q_offset=q_offset, **geometry)
+
+    @torch.no_grad()
+    def _rank_in_chunks(self, q: torch.Tensor, k_cmp: torch.Tensor, pos0: int) -> torch.Tensor:
+        # Scoring alone (force_branch="sel"): query chunks bound the [chunk, Nc] probabilities, so memory
+        # stays linear in T. Chunk i's queries see only the blocks complete by its last query.
+        nsa = self.nsa
+        T = q.shape[1]
+        chunk = max(1, SCORE_CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[2] * k_cmp.shape[1]))
+        chosen = []
+        for start in range(0, T, chunk):
+            stop = min(T, start + chunk)
+            visible = num_compressed_blocks(pos0 + stop, nsa.block_len, nsa.block_stride)
+            _, p = compressed_attention(
+                q[:, start:stop],
+                k_cmp[:, :visible],
+                k_cmp[:, :visible],  # values are not needed for the probabilities
+                block_len=nsa.block_len,
+                block_stride=nsa.block_stride,
+                q_offset=pos0 + start,
+                backend=nsa.cmp_backend,
+            )
+            chosen.append(self._choose_blocks(p, pos0 + start))
+        return torch.cat(chosen, dim=1)
+
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
         """``x [B, T, dim]`` -> ``[B, T, dim]``; with a cache, ``x`` is the next tokens; the cache grows."""
         cfg, nsa = self.cfg, self.nsa
@@ -94,6 +133,7 @@ class NSAAttention(nn.Module):
         branches = nsa.branches
         outputs: dict[str, torch.Tensor] = {}
 
+        block_idx = None
         if "cmp" in branches or "sel" in branches:
             # with force_branch="sel" the compressed keys only rank blocks: no gradient, no values
             scoring_only = "cmp" not in branches
@@ -102,51 +142,27 @@ class NSAAttention(nn.Module):
                 c.k_cmp_raw = append(c.k_cmp_raw, k_raw)
                 first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
                 c.k_cmp = append(c.k_cmp, self._compress(self.phi_k, c.k_cmp_raw, first, rotate=True))
-                if not scoring_only:
-                    c.v_cmp_raw = append(c.v_cmp_raw, v_raw)
-                    c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
-                o_cmp, p = compressed_attention(
-                    q.detach() if scoring_only else q,
+            if scoring_only:
+                block_idx = self._rank_in_chunks(q.detach(), c.k_cmp.detach(), pos0)
+            else:
+                c.v_cmp_raw = append(c.v_cmp_raw, v_raw)
+                c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
+                outputs["cmp"], p = compressed_attention(
+                    q,
                     c.k_cmp,
-                    c.k_cmp if scoring_only else c.v_cmp,  # values unused when only scoring
+                    c.v_cmp,
                     block_len=nsa.block_len,
                     block_stride=nsa.block_stride,
                     q_offset=pos0,
                     backend=nsa.cmp_backend,
                 )
-            if not scoring_only:
-                outputs["cmp"] = o_cmp
+                if "sel" in branches:
+                    block_idx = self._choose_blocks(p.detach(), pos0)
 
         if "sel" in branches:
             k_sel, v_sel = self._kv(self.kv_sel, x)
             c.k_sel = append(c.k_sel, apply_rope(k_sel, positions, cfg.rope_theta))
             c.v_sel = append(c.v_sel, v_sel)
-            geometry = dict(
-                sel_block_len=nsa.sel_block_len,
-                n_sel=nsa.n_sel,
-                n_init=nsa.n_init,
-                n_local=nsa.n_local,
-                q_offset=pos0,
-            )
-            if nsa.sel_backend == "reference":
-                block_idx = naive_select_blocks(
-                    p.detach(),
-                    kv_heads=cfg.kv_heads,
-                    block_len=nsa.block_len,
-                    block_stride=nsa.block_stride,
-                    num_keys=num_keys,
-                    **geometry,
-                )
-            else:
-                importance = block_importance(
-                    p.detach(),
-                    kv_heads=cfg.kv_heads,
-                    block_len=nsa.block_len,
-                    block_stride=nsa.block_stride,
-                    sel_block_len=nsa.sel_block_len,
-                    num_keys=num_keys,
-                )
-                block_idx = select_blocks(importance, **geometry)
             outputs["sel"] = selected_attention(
                 q,
                 c.k_sel,
