@@ -37,7 +37,7 @@ def _peak_rss_bytes() -> int:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """One point, in this process: build, run forward+backward once, report time and peak memory."""
+    """One point, in this process: build, warm up, time forward+backward, report time and peak memory."""
     import torch
 
     import nsa_core
@@ -49,27 +49,47 @@ def measure(args: argparse.Namespace) -> dict:
     cfg = nsa_core.preset(args.preset, **overrides)
     model = nsa_core.TinyLM(cfg).to(device=device, dtype=dtype)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq_len), device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
+    if device.type != "cuda":
         import psutil
 
+        # taken before any step: freed CPU memory stays in the process, so a later base would hide the peak
         base = psutil.Process().memory_info().rss
-    start = time.perf_counter()
-    logits = model(tokens)
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+
+    def step() -> float:
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        sync()
+        forward_done = time.perf_counter()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return forward_done
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):  # first calls pay for kernel loading and allocator growth
+        step()
+    sync()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-    forward_s = time.perf_counter() - start
-    loss.backward()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    forward_s, total_s = [], []
+    for _ in range(args.repeat):
+        start = time.perf_counter()
+        forward_done = step()
+        sync()
+        forward_s.append(forward_done - start)
+        total_s.append(time.perf_counter() - start)
     if device.type == "cuda":
-        torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-    else:
+    else:  # peak RSS cannot be reset: on the CPU it covers the warm-up steps too, which are the same
         peak = _peak_rss_bytes() - base
-    return {"forward_s": forward_s, "total_s": time.perf_counter() - start, "peak_bytes": max(peak, 0)}
+    return {
+        "forward_s": sorted(forward_s)[len(forward_s) // 2],
+        "total_s": sorted(total_s)[len(total_s) // 2],
+        "peak_bytes": max(peak, 0),
+    }
 
 
 def run_point(args: argparse.Namespace, branch: str, field: str, backend: str, seq_len: int) -> dict:
@@ -77,6 +97,7 @@ def run_point(args: argparse.Namespace, branch: str, field: str, backend: str, s
         sys.executable, __file__, "--_point",
         "--preset", args.preset, "--layers", str(args.layers), "--batch", str(args.batch),
         "--device", args.device, "--dtype", args.dtype,
+        "--warmup", str(args.warmup), "--repeat", str(args.repeat),
         "--branch", branch, "--field", field, "--backend", backend, "--seq-len", str(seq_len),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.point_timeout)
@@ -98,6 +119,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp64"])
     parser.add_argument("--backends", nargs="*", help="subset, e.g. sel:masked win:chunked")
     parser.add_argument("--max-reference-len", type=int, default=1024, help="the per-token reference is slow")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring")
+    parser.add_argument("--repeat", type=int, default=3, help="timed steps; the median is reported")
     parser.add_argument("--point-timeout", type=float, default=900.0)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--_point", action="store_true", help=argparse.SUPPRESS)
@@ -113,7 +136,8 @@ def main() -> None:
     cases = [c for c in CASES if not args.backends or f"{c[0]}:{c[2]}" in args.backends]
     print(
         f"# preset={args.preset} layers={args.layers} batch={args.batch} device={args.device} "
-        f"dtype={args.dtype}; one forward+backward per point; growth = d log(mem) / d log(S)",
+        f"dtype={args.dtype}; times: median of {args.repeat} forward+backward steps after {args.warmup} "
+        "warm-up; growth = d log(mem) / d log(S)",
         flush=True,
     )
     columns = ("branch", "backend", "S", "fwd ms", "fwd+bwd ms", "peak MiB", "growth")

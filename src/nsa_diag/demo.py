@@ -170,7 +170,11 @@ def render(result: DemoResult, console: Console) -> None:
         config.add_row(key, value)
     console.print(config)
 
-    step = Table(title="one forward + backward step", title_justify="left", show_header=False)
+    step = Table(
+        title="one forward + backward step (the first: one-time warm-up included)",
+        title_justify="left",
+        show_header=False,
+    )
     step.add_column(style="bold")
     step.add_column(overflow="fold")
     step.add_row("device", result.device)
