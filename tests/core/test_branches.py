@@ -168,3 +168,12 @@ def test_unforced_model_reads_beyond_the_window() -> None:
         base = model(tokens)
         out = model(changed_before(tokens, stop, model.cfg.vocab))
     assert (out[:, -1] - base[:, -1]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("branch", [None, "cmp", "sel", "win"], ids=lambda b: f"force-{b}")
+def test_idle_parameter_names_are_exactly_the_ungraded(branch: str | None) -> None:
+    """`idle_parameter_names` lists what a forced branch leaves without gradient: tools tell it from a bug."""
+    model = make_model(force_branch=branch, **MODEL_OVERRIDES)
+    logits_loss(model(random_tokens(BATCH, SEQ_LEN))).backward()
+    ungraded = sorted(name for name, p in model.named_parameters() if p.grad is None)
+    assert ungraded == sorted(model.idle_parameter_names())

@@ -17,6 +17,9 @@ from nsa_core.ops.reference import naive_select_blocks
 from nsa_core.ops.selection import block_importance, select_blocks, selected_attention
 from nsa_core.ops.window import sliding_window_attention
 
+# The modules each branch owns; q_proj, gate and o_proj serve all three.
+BRANCH_MODULES = {"cmp": ("kv_cmp", "phi_k", "phi_v"), "sel": ("kv_sel",), "win": ("kv_win",)}
+
 # Scoring without gradient runs in query chunks of at most this many probabilities ([B, chunk, HQ, Nc]).
 SCORE_CHUNK_ELEMENTS = 1 << 24
 
@@ -71,6 +74,19 @@ class NSAAttention(nn.Module):
         self.phi_v = BlockCompressor(self.nsa.block_len, D)
         self.gate = nn.Sequential(nn.Linear(cfg.dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, 3 * H))
         self.o_proj = nn.Linear(H * D, cfg.dim, bias=False)
+        # Identity taps on each branch's output [B, T, HQ, D]: points where tools hook a branch's forward end
+        # and backward start (the branch's kv projection marks its forward start and backward end).
+        self.branch_out = nn.ModuleDict({name: nn.Identity() for name in ("cmp", "sel", "win")})
+
+    def idle_parameter_names(self) -> list[str]:
+        """Parameters the configuration never trains: those of the branches `force_branch` leaves out."""
+        idle = [
+            name
+            for branch in ("cmp", "sel", "win")
+            if branch not in self.nsa.branches
+            for name in BRANCH_MODULES[branch]
+        ]
+        return [n for n, _ in self.named_parameters() if n.split(".")[0] in idle]
 
     def _kv(self, proj: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
@@ -182,6 +198,7 @@ class NSAAttention(nn.Module):
             )
 
         c.length = num_keys
+        outputs = {name: self.branch_out[name](o) for name, o in outputs.items()}
         gates = torch.sigmoid(self.gate(x)).view(B, T, cfg.heads, 3, 1)  # per head: cmp, sel, win
         out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))

@@ -69,6 +69,14 @@ class TinyLM(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
+    def idle_parameter_names(self) -> list[str]:
+        """Parameters this configuration never gives a gradient (the branches ``force_branch`` leaves out)."""
+        return [
+            f"blocks.{block.index}.attn.{name}"
+            for block in self.blocks
+            for name in block.attn.idle_parameter_names()
+        ]
+
     def _check_tokens(self, tokens: torch.Tensor) -> None:
         if tokens.dim() != 2 or tokens.shape[1] < 1:
             raise ValueError(f"tokens must be [B, S] with S >= 1, got {tuple(tokens.shape)}")
