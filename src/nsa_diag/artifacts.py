@@ -1,0 +1,102 @@
+"""The only module that writes files: the run-folder layout and atomic writes (temporary file + rename).
+
+    <out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]/
+      summary.json  summary.md  env.json
+      cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
+
+A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_OUT = Path("nsa-diag-runs")
+
+# File names of a case folder (DESIGN.md "Artifacts").
+SPEC = "spec.json"
+RESULT = "result.json"
+REPLAY = "replay.sh"
+STDOUT = "stdout.log"
+STDERR = "stderr.log"
+PROGRESS = "progress.jsonl"
+BEACON = "beacon.bin"
+WORKER_RESULT = "worker_result.json"  # the worker's own account; the runner folds it into result.json
+MEMORY_STATS = "memory_stats.json"
+MEMORY_SUMMARY = "memory_summary.txt"
+GPU = "gpu.json"
+NVIDIA_SMI = "nvidia-smi.txt"
+STACKS = "stacks.txt"
+PYSPY = "pyspy.txt"
+PROC = "proc.json"
+TRACE = "trace.json"
+MEMORY_TIMELINE = "memory_timeline.html"
+MEMORY_SNAPSHOT = "memory_snapshot.pickle"
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (same-folder temporary file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: Path, text: str) -> Path:
+    return write_bytes(path, text.encode())
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Atomic JSON (pydantic models are dumped in JSON mode)."""
+    if hasattr(data, "model_dump"):
+        data = data.model_dump(mode="json")
+    return write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def new_run_dir(command: str, out: Path | None = None, tag: str | None = None) -> Path:
+    """Create ``<out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]``, with a numeric suffix if it already exists."""
+    base = Path(out or DEFAULT_OUT)
+    stem = time.strftime("%Y%m%d-%H%M%S") + f"-{command}" + (f"-{tag}" if tag else "")
+    for n in range(1000):
+        path = base / (stem if n == 0 else f"{stem}.{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"cannot create a run folder under {base}")
+
+
+def case_dir(run_dir: Path, name: str) -> Path:
+    path = Path(run_dir) / "cases" / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_replay(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Path:
+    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set."""
+    lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    lines.append(shlex.join(argv) + ' "$@"')
+    write_text(path, "\n".join(lines) + "\n")
+    os.chmod(path, 0o755)
+    return path

@@ -1,0 +1,187 @@
+"""What a case is and what came of it: `CaseSpec`, `Injection` and `CaseResult` (pydantic, extra="forbid").
+
+A `CaseSpec` is everything a worker needs to run one case; it is written to ``spec.json`` and hashed, so a
+finished case can be recognised. A `CaseResult` is written to ``result.json`` for every case, whatever
+happened to the worker. `nsa-diag schema` prints the JSON schema of `CaseSpec`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Verdict = Literal[
+    "pass", "hang", "slow", "oom", "crash", "error", "nonfinite", "grad-missing", "mismatch", "skipped"
+]
+HangKind = Literal["python-deadlock", "python-busy", "gil-held", "cuda-kernel", "collective", "unknown"]
+InjectKind = Literal[
+    "deadlock", "busy", "slow", "nan", "oom", "segfault", "abort", "exit",
+    "unused-param", "skip-collective", "gil-hog", "gpu-spin",
+]  # fmt: skip
+Phase = Literal["forward", "backward", "recompute"]
+PRESET_NAMES = ("tiny", "small", "m7c-125m")
+OverrideValue = int | float | str | bool | None
+
+
+class Injection(BaseModel):
+    """One fault to inject: ``KIND[:key=value,...]`` with keys layer, phase, step, rank, seconds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: InjectKind
+    layer: int = Field(0, ge=0, description="block index the fault is attached to")
+    phase: Phase = Field("backward", description="recompute: only when a checkpointed layer re-runs forward")
+    step: int = Field(1, ge=1, description="training step (1-based) in which the fault fires")
+    rank: int | None = Field(None, ge=0, description="ddp rank; None: every rank")
+    seconds: float = Field(1.0, gt=0, description="delay per call for `slow`; duration for `gpu-spin`")
+
+    @classmethod
+    def parse(cls, text: str) -> Injection:
+        """``"deadlock:layer=1,phase=backward"`` -> `Injection`; ValueError naming the bad part."""
+        kind, _, rest = text.strip().partition(":")
+        fields: dict[str, Any] = {"kind": kind}
+        for item in filter(None, (part.strip() for part in rest.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--inject {text!r}: {item!r} must be key=value")
+            fields[key.strip()] = value.strip()
+        return cls.model_validate(fields)
+
+    def __str__(self) -> str:
+        defaults = Injection(kind=self.kind)
+        keys = [
+            k
+            for k in ("layer", "phase", "step", "rank", "seconds")
+            if getattr(self, k) != getattr(defaults, k)
+        ]
+        return self.kind + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
+
+
+class CaseSpec(BaseModel):
+    """One case: the model, the batch, the run options and the faults to inject."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("case", pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", description="case id (folder name)")
+    preset: Literal["tiny", "small", "m7c-125m"] = "tiny"
+    overrides: dict[str, OverrideValue] = Field(
+        default_factory=dict, description="flat nsa_core.preset overrides: layers, dim, sel_backend, gc, ..."
+    )
+    model: str | None = Field(
+        None, description="user model factory 'pkg.module:factory', factory(spec) -> Module"
+    )
+    seq_len: int = Field(128, ge=1)
+    batch: int = Field(2, ge=1)
+    steps: int = Field(1, ge=1)
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    timeout: float = Field(300.0, gt=0, description="seconds for the whole case; past it with progress: slow")
+    stall: float = Field(30.0, gt=0, description="seconds without progress that make a hang")
+    inject: tuple[Injection, ...] = ()
+    anomaly: bool = False
+    launch_blocking: bool = False
+    profile: bool = False
+    memory_snapshot: bool = False
+    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the worker")
+    reference_check: bool = Field(False, description="compare loss and gradients with the reference backends")
+    tolerance: float = Field(
+        1e-2, gt=0, description="relative error above which reference_check is a mismatch"
+    )
+
+    @field_validator("overrides")
+    @classmethod
+    def _known_overrides(cls, value: dict[str, OverrideValue]) -> dict[str, OverrideValue]:
+        from nsa_core.config import _MODEL_FIELDS, _NSA_FIELDS
+
+        unknown = sorted(set(value) - _MODEL_FIELDS - _NSA_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown model field(s) {', '.join(unknown)}")
+        return value
+
+    @model_validator(mode="after")
+    def _valid_model(self) -> CaseSpec:
+        if self.model is None:
+            self.nsa_config()  # raises ValueError with the field and the fix
+        elif ":" not in self.model:
+            raise ValueError(f"model={self.model!r} must be 'pkg.module:factory'")
+        return self
+
+    def nsa_config(self) -> Any:
+        """The `nsa_core.ModelConfig` of this case (preset plus overrides)."""
+        import nsa_core
+
+        return nsa_core.preset(self.preset, **self.overrides)
+
+    def with_overrides(self, **overrides: OverrideValue) -> CaseSpec:
+        """A copy with more model overrides (validated)."""
+        return CaseSpec.model_validate({**self.model_dump(), "overrides": {**self.overrides, **overrides}})
+
+    def spec_hash(self) -> str:
+        """Stable hash of what the case computes (the name excluded), to find finished cases again."""
+        data = self.model_dump(mode="json", exclude={"name"})
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Where(BaseModel):
+    """A location in a training step, as the progress beacon last reported it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: str | None = None  # setup | forward | backward | recompute | optimizer | step | check | done
+    step: int | None = None
+    layer: int | None = None
+    branch: str | None = None
+    module: str | None = None
+    event: str | None = None  # begin | end
+
+    def describe(self) -> str:
+        """``"layer 1 backward (branch sel) step 1"``-style text."""
+        parts = []
+        if self.layer is not None:
+            parts.append(f"layer {self.layer}")
+        if self.phase:
+            parts.append(self.phase)
+        if self.branch:
+            parts.append(f"(branch {self.branch})")
+        if self.module and self.layer is None:
+            parts.append(f"in {self.module}")
+        if self.step is not None:
+            parts.append(f"step {self.step}")
+        return " ".join(parts) or "unknown"
+
+
+class CaseResult(BaseModel):
+    """What came of a case; ``result.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    spec_hash: str
+    verdict: Verdict
+    reason: str = Field(description="one line saying why this verdict")
+    hang_kind: HangKind | None = None
+    where: Where | None = None
+    elapsed_s: float = 0.0
+    stall_limit_s: float | None = None
+    stall_reason: str | None = None
+    timeout_s: float | None = None
+    device: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    steps_done: int = 0
+    metrics: dict[str, Any] = Field(default_factory=dict)  # phase times, tokens/s, losses, grad norm, memory
+    rate: dict[str, Any] | None = None  # slow: progress rate and the estimated time it would need
+    missing_grads: list[str] = Field(default_factory=list)
+    nonfinite: dict[str, Any] | None = None  # {"where": "loss"|"grad", "module": "blocks.1", ...}
+    parity: dict[str, Any] | None = None  # reference_check: relative errors of loss and gradients
+    evidence: dict[str, Any] = Field(default_factory=dict)  # cpu%, heartbeat, gpu util, file names
+    files: list[str] = Field(default_factory=list)  # artifact files of the case folder
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "pass"

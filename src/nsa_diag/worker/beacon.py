@@ -1,0 +1,139 @@
+"""The progress beacon: a small shared-memory record the worker updates and the watchdog reads.
+
+The worker maps ``beacon.bin`` in its case folder and writes the latest progress event into it (a seqlock:
+the version is odd while a write is under way), and a heartbeat thread bumps a counter ten times a second.
+The watchdog maps the same file read-only. Reading needs nothing from the worker: it works while the worker
+is wedged in C++ or holds the GIL, which is exactly when a pipe or a log line would fall silent. A
+heartbeat that stops while the event counter also stops means the GIL is held (no Python thread can run).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", "check", "done")
+BRANCHES = ("", "cmp", "sel", "win")
+EVENTS = ("", "begin", "end")
+MODULE_BYTES = 96
+# version, seq, time, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time, module
+_FORMAT = f"<QQdiiiiiiQd{MODULE_BYTES}s"
+SIZE = struct.calcsize(_FORMAT)
+_HEARTBEAT_OFFSET = struct.calcsize("<QQdiiiiii")  # heartbeat and its time live after the event fields
+
+
+@dataclass(frozen=True)
+class BeaconState:
+    """One consistent read of the beacon."""
+
+    seq: int  # progress events so far
+    time: float  # wall-clock time of the last event
+    step: int | None
+    layer: int | None
+    phase: str | None
+    branch: str | None
+    event: str | None
+    pid: int
+    heartbeat: int  # heartbeat-thread ticks so far
+    heartbeat_time: float
+    module: str | None
+
+    def where(self) -> dict[str, object]:
+        return {
+            "phase": self.phase, "step": self.step, "layer": self.layer,
+            "branch": self.branch, "module": self.module, "event": self.event,
+        }  # fmt: skip
+
+
+def _code(table: tuple[str, ...], value: str | None) -> int:
+    return table.index(value) if value in table else 0
+
+
+class BeaconWriter:
+    """The worker's side. Not thread-safe for `update`; `tick` may run in another thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        with open(self.path, "wb") as f:
+            f.write(b"\0" * SIZE)
+        self._file = open(self.path, "r+b")  # noqa: SIM115 - kept open for the worker's lifetime
+        self._map = mmap.mmap(self._file.fileno(), SIZE)
+        self._version = 0
+        self._seq = 0
+        self._heartbeat = 0
+        self.update(phase="setup", event="begin")
+
+    def update(
+        self,
+        *,
+        phase: str | None = None,
+        step: int | None = None,
+        layer: int | None = None,
+        branch: str | None = None,
+        event: str | None = None,
+        module: str | None = None,
+    ) -> int:
+        """Record one progress event; returns its sequence number."""
+        self._seq += 1
+        self._version += 1  # odd: a write is under way
+        struct.pack_into("<Q", self._map, 0, self._version)
+        fields = struct.pack(
+            "<Qdiiiiii",
+            self._seq, time.time(),
+            -1 if step is None else step, -1 if layer is None else layer,
+            _code(PHASES, phase), _code(BRANCHES, branch), _code(EVENTS, event), os.getpid(),
+        )  # fmt: skip
+        self._map[8 : 8 + len(fields)] = fields
+        name = (module or "").encode()[:MODULE_BYTES].ljust(MODULE_BYTES, b"\0")
+        self._map[SIZE - MODULE_BYTES : SIZE] = name
+        self._version += 1  # even: consistent
+        struct.pack_into("<Q", self._map, 0, self._version)
+        return self._seq
+
+    def tick(self) -> None:
+        """One heartbeat (from the heartbeat thread): proves a Python thread can still run."""
+        self._heartbeat += 1
+        struct.pack_into("<Qd", self._map, _HEARTBEAT_OFFSET, self._heartbeat, time.time())
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+def read_beacon(path: Path, retries: int = 50) -> BeaconState | None:
+    """A consistent snapshot of the beacon at ``path``, or None if it does not exist (yet)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(SIZE)
+    except FileNotFoundError:
+        return None
+    for _ in range(retries):
+        if len(raw) < SIZE:
+            return None
+        v1 = struct.unpack_from("<Q", raw, 0)[0]
+        values = struct.unpack(_FORMAT, raw)
+        if v1 % 2 == 0 and values[0] == v1:
+            break
+        time.sleep(0.001)
+        with open(path, "rb") as f:
+            raw = f.read(SIZE)
+    else:
+        return None
+    _, seq, t, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time, module = values
+    return BeaconState(
+        seq=seq,
+        time=t,
+        step=None if step < 0 else step,
+        layer=None if layer < 0 else layer,
+        phase=PHASES[phase] or None if 0 <= phase < len(PHASES) else None,
+        branch=BRANCHES[branch] or None if 0 <= branch < len(BRANCHES) else None,
+        event=EVENTS[event] or None if 0 <= event < len(EVENTS) else None,
+        pid=pid,
+        heartbeat=heartbeat,
+        heartbeat_time=heartbeat_time,
+        module=module.rstrip(b"\0").decode(errors="replace") or None,
+    )
