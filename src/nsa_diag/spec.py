@@ -89,9 +89,14 @@ class CaseSpec(BaseModel):
     memory_snapshot: bool = False
     alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the worker")
     reference_check: bool = Field(False, description="compare loss and gradients with the reference backends")
-    tolerance: float = Field(
-        1e-2, gt=0, description="relative error above which reference_check is a mismatch"
+    tolerance: float | None = Field(
+        None, gt=0, description="relative error above which reference_check is a mismatch; None: by dtype"
     )
+
+    @property
+    def parity_tolerance(self) -> float:
+        """Relative-error limit of `reference_check`: given, or by dtype (fp32 1e-4, fp16 1e-2, bf16 5e-2)."""
+        return self.tolerance or {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}[self.dtype]
 
     @field_validator("overrides")
     @classmethod
