@@ -14,10 +14,13 @@ import os
 import shlex
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 DEFAULT_OUT = Path("nsa-diag-runs")
+
+ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 
 # File names of a case folder (DESIGN.md "Artifacts").
 SPEC = "spec.json"
@@ -38,6 +41,8 @@ PROC = "proc.json"
 TRACE = "trace.json"
 MEMORY_TIMELINE = "memory_timeline.html"
 MEMORY_SNAPSHOT = "memory_snapshot.pickle"
+DUMP_REQUEST = "dump.request"  # the runner asks the worker's heartbeat thread for memory evidence at a hang
+DUMP_DONE = "dump.done"  # ... and the worker says it has written it
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -50,6 +55,7 @@ def write_bytes(path: Path, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -66,6 +72,42 @@ def write_json(path: Path, data: Any) -> Path:
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
     return write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_with(path: Path, writer: Callable[[Path], object]) -> Path:
+    """Let ``writer`` (a library exporter, e.g. torch's ``export_chrome_trace``) write a temporary sibling of
+    ``path`` with the same suffix, then rename it into place: readers never see a half-written export."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        writer(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def open_append(path: Path, *, binary: bool = False) -> IO[Any]:
+    """Open a streaming file (progress.jsonl, stacks.txt, a log) for appending; the caller closes it.
+
+    Text mode is line-buffered, so each complete line reaches the file at once; binary mode is unbuffered
+    (faulthandler writes to the descriptor directly). Appends are not atomic writes: these files are
+    read line by line, and a killed writer leaves at most one partial last line.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if binary:
+        return open(path, "ab", buffering=0)
+    return open(path, "a", buffering=1, encoding="utf-8")
+
+
+def append_text(path: Path, text: str) -> Path:
+    """Append ``text`` to ``path`` (memory_summary.txt: one section per moment measured)."""
+    with open_append(path) as f:
+        f.write(text)
+    return path
 
 
 def read_json(path: Path) -> Any:

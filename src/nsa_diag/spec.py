@@ -36,7 +36,7 @@ class Injection(BaseModel):
     phase: Phase = Field("backward", description="recompute: only when a checkpointed layer re-runs forward")
     step: int = Field(1, ge=1, description="training step (1-based) in which the fault fires")
     rank: int | None = Field(None, ge=0, description="ddp rank; None: every rank")
-    seconds: float = Field(1.0, gt=0, description="delay per call for `slow`; duration for `gpu-spin`")
+    seconds: float = Field(1.0, gt=0, description="delay per call for `slow`")
 
     @classmethod
     def parse(cls, text: str) -> Injection:

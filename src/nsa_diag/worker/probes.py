@@ -1,0 +1,405 @@
+"""What the worker measures and reports: progress events, the hooks that emit them, memory, the heartbeat,
+and the checks that run only on failure (where non-finite values first appeared, which gradients are missing).
+
+Every progress event goes to the shared-memory beacon (which the watchdog reads even when this process is
+wedged) and to ``progress.jsonl`` (the record a person reads afterwards). The hooks are registered by
+`nsa_diag` on the model's blocks and on the NSA branch modules; `nsa_core` knows nothing of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from nsa_diag import artifacts
+from nsa_diag.worker.beacon import BeaconWriter
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
+
+
+def _json(value: str | int | None) -> str:
+    """JSON text of a progress field: None, an int, or a string (plain names are written as they are)."""
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
+        return f'"{value}"'
+    return json.dumps(value)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: a non-finite measurement is written as null (the status says why)."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+class Progress:
+    """Progress events of the training step, to the beacon and to ``progress.jsonl``.
+
+    `step` and `in_backward` are set by the training loop; hooks read them: a block's forward that runs
+    while ``loss.backward()`` is under way is a gradient-checkpoint recompute. `phase_override` relabels
+    hook events (the reference model of a parity check runs in phase "check").
+    """
+
+    def __init__(self, beacon: BeaconWriter, stream: IO[str]) -> None:
+        self.beacon = beacon
+        self.step: int | None = None
+        self.in_backward = False
+        self.phase_override: str | None = None
+        self.seq = 1  # BeaconWriter's constructor recorded event 1: setup begin
+        self.where: dict[str, Any] = {"phase": "setup", "event": "begin"}  # the last event's location
+        self._stream = stream
+        self._lock = threading.Lock()  # hooks may run in autograd's device threads (CUDA backward)
+        self._write({"seq": 1, "t": time.time(), "phase": "setup", "step": None, "layer": None,
+                     "branch": None, "module": None, "event": "begin"})  # fmt: skip
+
+    @property
+    def forward_phase(self) -> str:
+        """The phase of a block's forward right now: forward, or recompute inside backward."""
+        if self.phase_override:
+            return self.phase_override
+        return "recompute" if self.in_backward else "forward"
+
+    @property
+    def backward_phase(self) -> str:
+        return self.phase_override or "backward"
+
+    def event(
+        self,
+        phase: str,
+        event: str | None = None,
+        *,
+        layer: int | None = None,
+        branch: str | None = None,
+        module: str | None = None,
+        **extra: Any,
+    ) -> int:
+        """Record one progress event; returns its sequence number."""
+        with self._lock:
+            step = self.step
+            seq = self.seq = self.beacon.update(
+                phase=phase, step=step, layer=layer, branch=branch, event=event, module=module
+            )
+            self.where = {"phase": phase, "step": step, "layer": layer, "branch": branch,
+                          "module": module, "event": event}  # fmt: skip
+            # Formatted by hand: this runs several times per layer and step, json.dumps of a dict costs
+            # more than the beacon update. Extras (rare) go through json.
+            line = (
+                f'{{"seq": {seq}, "t": {time.time():.6f}, "phase": {_json(phase)}, "step": {_json(step)}, '
+                f'"layer": {_json(layer)}, "branch": {_json(branch)}, "module": {_json(module)}, '
+                f'"event": {_json(event)}'
+            )
+            if extra:
+                line += ", " + json.dumps(extra, default=str)[1:-1]
+            self._stream.write(line + "}\n")
+        return seq
+
+    def note(self, event: str, **extra: Any) -> None:
+        """A line in ``progress.jsonl`` that is not progress (e.g. an injected fault firing): the beacon,
+        and so the watchdog's stall timer and its idea of where the step is, stay as they were."""
+        with self._lock:
+            state = {"seq": self.seq, "t": time.time(), "step": self.step, "event": event}
+            self._write({**state, **extra})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._stream.write(json.dumps(record, default=str) + "\n")
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The model's layers: the first `nn.ModuleList` in ``named_modules()`` (layer i is its i-th child)."""
+    from torch import nn
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            return name, module
+    raise ValueError(
+        f"{type(model).__name__} has no nn.ModuleList of layers: nsa-diag reports progress per layer"
+    )
+
+
+def nsa_attentions(block: nn.Module) -> list[tuple[str, Any]]:
+    """The `nsa_core.NSAAttention` modules inside ``block`` with their names relative to it."""
+    from nsa_core import NSAAttention
+
+    return [(name, m) for name, m in block.named_modules() if isinstance(m, NSAAttention)]
+
+
+def attach_progress(model: nn.Module, progress: Progress) -> list[RemovableHandle]:
+    """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
+
+    Branch forward begins at the forward pre-hook of ``attn.kv_<branch>`` and ends at the forward hook of
+    ``attn.branch_out[branch]``; branch backward begins at the backward pre-hook of ``branch_out[branch]``
+    and ends at the backward hook of ``kv_<branch>``. Only branches the layer computes are hooked.
+    """
+    prefix, blocks = find_blocks(model)
+    handles: list[RemovableHandle] = []
+    for layer, block in enumerate(blocks):
+        name = f"{prefix}.{layer}" if prefix else str(layer)
+        handles += _block_hooks(block, layer, name, progress)
+        for rel, attn in nsa_attentions(block):
+            for branch in attn.nsa.branches:
+                base = f"{name}.{rel}" if rel else name
+                handles += _branch_hooks(attn, branch, layer, base, progress)
+    return handles
+
+
+def _block_hooks(block: nn.Module, layer: int, name: str, progress: Progress) -> list[RemovableHandle]:
+    def forward_begin(module: nn.Module, args: Any) -> None:
+        progress.event(progress.forward_phase, "begin", layer=layer, module=name)
+
+    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+        progress.event(progress.forward_phase, "end", layer=layer, module=name)
+
+    def backward_begin(module: nn.Module, grad_output: Any) -> None:
+        progress.event(progress.backward_phase, "begin", layer=layer, module=name)
+
+    def backward_end(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        progress.event(progress.backward_phase, "end", layer=layer, module=name)
+
+    return [
+        block.register_forward_pre_hook(forward_begin),
+        block.register_forward_hook(forward_end),
+        block.register_full_backward_pre_hook(backward_begin),
+        block.register_full_backward_hook(backward_end),
+    ]
+
+
+def _branch_hooks(attn: Any, branch: str, layer: int, base: str, progress: Progress) -> list[RemovableHandle]:
+    kv, tap = getattr(attn, f"kv_{branch}"), attn.branch_out[branch]
+    kv_name, tap_name = f"{base}.kv_{branch}", f"{base}.branch_out.{branch}"
+
+    def forward_begin(module: nn.Module, args: Any) -> None:
+        progress.event(progress.forward_phase, "begin", layer=layer, branch=branch, module=kv_name)
+
+    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+        progress.event(progress.forward_phase, "end", layer=layer, branch=branch, module=tap_name)
+
+    def backward_begin(module: nn.Module, grad_output: Any) -> None:
+        progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
+
+    def backward_end(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+        progress.event(progress.backward_phase, "end", layer=layer, branch=branch, module=kv_name)
+
+    return [
+        kv.register_forward_pre_hook(forward_begin),
+        tap.register_forward_hook(forward_end),
+        tap.register_full_backward_pre_hook(backward_begin),
+        kv.register_full_backward_hook(backward_end),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------- memory
+
+
+def cpu_peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux, bytes on macOS
+
+
+def cpu_rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def memory_now(device: torch.device | None) -> dict[str, Any]:
+    """Memory facts of this moment: the CUDA caching allocator's statistics, or the process RSS on the CPU."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return dict(torch.cuda.memory_stats(device).items())
+    return {"cpu_rss_bytes": cpu_rss_bytes(), "cpu_peak_rss_bytes": cpu_peak_rss_bytes()}
+
+
+def peak_memory(device: torch.device | None) -> dict[str, int]:
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return {
+            "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        }
+    return {"cpu_peak_rss_bytes": cpu_peak_rss_bytes()}
+
+
+class MemoryRecorder:
+    """Keeps ``memory_stats.json`` ({moment: stats}) and ``memory_summary.txt`` (CUDA) of the case folder.
+
+    Called from the main thread (after forward/backward of step 1) and the heartbeat thread ("at_hang"),
+    hence the lock. `snapshot_path` is set when a CUDA memory history is being recorded.
+    """
+
+    def __init__(self, case_dir: Path) -> None:
+        self.case_dir = Path(case_dir)
+        self.device: torch.device | None = None
+        self.snapshot_path: Path | None = None
+        self._stats: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def record(self, moment: str) -> None:
+        stats = memory_now(self.device)
+        summary = None
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            summary = torch.cuda.memory_summary(self.device)
+        with self._lock:
+            self._stats[moment] = stats
+            artifacts.write_json(self.case_dir / artifacts.MEMORY_STATS, self._stats)
+            if summary is not None:
+                header = f"=== {moment} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+                artifacts.append_text(self.case_dir / artifacts.MEMORY_SUMMARY, header + summary + "\n")
+
+    def dump_snapshot(self) -> None:
+        """Write the CUDA allocator's recorded history (``--memory-snapshot``), if one is being kept."""
+        if self.snapshot_path is None:
+            return
+        import torch
+
+        with self._lock:
+            artifacts.write_with(self.snapshot_path, lambda p: torch.cuda.memory._dump_snapshot(str(p)))
+
+
+class Heartbeat(threading.Thread):
+    """Daemon thread: a beacon heartbeat every 0.1 s, and memory evidence when the runner asks for it.
+
+    The runner creates ``dump.request`` before it kills a hung worker; this thread then records memory
+    "at_hang" and creates ``dump.done``. While the GIL is held (a C call that never releases it) this
+    thread cannot run: the heartbeat stops, which is exactly how the watchdog tells a held GIL.
+    """
+
+    def __init__(self, beacon: BeaconWriter, case_dir: Path, on_dump: Callable[[], None]) -> None:
+        super().__init__(name="nsa-diag-heartbeat", daemon=True)
+        self.beacon = beacon
+        self.request = Path(case_dir) / artifacts.DUMP_REQUEST
+        self.done = Path(case_dir) / artifacts.DUMP_DONE
+        self.on_dump = on_dump
+        self.stopped = False
+
+    def run(self) -> None:
+        self._heartbeat_loop()
+
+    def _heartbeat_loop(self) -> None:
+        # A plain sleep, not Event.wait: in stack samples this thread shows no lock or condition frames a
+        # classifier could mistake for the training thread's deadlock ("probes.py ... in _heartbeat_loop").
+        answered = False
+        while not self.stopped:
+            time.sleep(0.1)
+            self.beacon.tick()
+            if not answered and self.request.exists():
+                answered = True
+                try:
+                    self.on_dump()
+                    artifacts.write_text(self.done, "ok\n")
+                except Exception as exc:  # evidence is best effort; say what failed
+                    artifacts.write_text(self.done, f"failed: {type(exc).__name__}: {exc}\n")
+
+
+# ------------------------------------------------------------------------------------ failure-only checks
+
+
+def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
+    """Total 2-norm of the gradients present (non-finite if any gradient is)."""
+    import torch
+
+    norms = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
+    if not norms:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack(norms)))
+
+
+def missing_grads(model: nn.Module, idle: Iterable[str]) -> list[str]:
+    """Trainable parameters with no gradient after backward, except those the configuration leaves idle."""
+    idle = set(idle)
+    return [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None and n not in idle]
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _nonfinite(value: Any) -> bool:
+    import torch
+
+    # Detached and without grad: isfinite is built from differentiable ops (abs) that would otherwise save
+    # tensors, and a checkpoint recompute that saves more than its forward did fails torch's check.
+    with torch.no_grad():
+        return any(
+            t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()) for t in _tensors(value)
+        )
+
+
+class NonfiniteLocator:
+    """Hooks on every module that record where non-finite values first appear, in execution order.
+
+    Forward: a module's inputs (pre-hook) and outputs. Backward: the gradient reaching a module's outputs
+    (pre-hook) and the gradient it passes to its inputs, and forward recomputes of checkpointed layers inside
+    backward. Registered after the progress and injection hooks,
+    so it sees what they did. Used only to re-run a failed step: checking every tensor costs a sync each.
+    """
+
+    def __init__(self, model: nn.Module, progress: Progress, *, forward: bool, backward: bool) -> None:
+        self.model, self.progress = model, progress
+        self.forward, self.backward = forward, backward
+        self.first: dict[str, str] | None = None
+        self._handles: list[RemovableHandle] = []
+
+    def _hit(self, name: str, seen: str, value: Any) -> None:
+        if self.first is None and _nonfinite(value):
+            self.first = {"module": name or type(self.model).__name__, "seen": seen}
+
+    def _forward_hit(self, name: str, seen: str, value: Any) -> None:
+        # Checking gradients, forwards count only as recomputes inside backward (checkpointed layers).
+        if self.forward:
+            self._hit(name, seen, value)
+        elif self.progress.in_backward:
+            self._hit(name, f"{seen} (recompute)", value)
+
+    def __enter__(self) -> NonfiniteLocator:
+        import warnings
+
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(
+                lambda m, args, n=name: self._forward_hit(n, "input", args)))  # fmt: skip
+            self._handles.append(module.register_forward_hook(
+                lambda m, args, out, n=name: self._forward_hit(n, "output", out)))  # fmt: skip
+            if self.backward:
+                self._handles.append(module.register_full_backward_pre_hook(
+                    lambda m, g_out, n=name: self._hit(n, "output gradient", g_out)))  # fmt: skip
+                self._handles.append(module.register_full_backward_hook(
+                    lambda m, g_in, g_out, n=name: self._hit(n, "input gradient", g_in)))  # fmt: skip
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")  # "full backward hook ... no inputs require gradients" on the root
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._warnings.__exit__(*exc)
+
+    def first_nonfinite_grad(self) -> dict[str, str] | None:
+        """Fallback when no hook saw it: the parameter, in backward order, whose gradient is non-finite."""
+        for name, p in reversed(list(self.model.named_parameters())):
+            if p.grad is not None and _nonfinite(p.grad):
+                return {"module": name.rpartition(".")[0] or name, "seen": f"gradient of parameter {name}"}
+        return None

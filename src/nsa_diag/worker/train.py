@@ -1,0 +1,515 @@
+"""The training run of one case, inside the worker: build the model, run real training steps, measure them,
+and check what the case asks for (non-finite values, missing gradients, parity with the reference backends).
+
+A step is what a training job does: random tokens (seeded), next-token cross-entropy, backward, AdamW.
+Checks that cost more than a norm run only on failure: a non-finite loss or gradient re-runs that step with
+a hook on every module to find where the values first went non-finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import re
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nsa_diag import artifacts
+from nsa_diag.spec import CaseSpec, Where
+from nsa_diag.worker import inject
+from nsa_diag.worker.probes import (
+    MemoryRecorder,
+    NonfiniteLocator,
+    Progress,
+    attach_progress,
+    find_blocks,
+    finite_or_none,
+    grad_norm,
+    missing_grads,
+    peak_memory,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+OOM_MESSAGES = ("out of memory", "can't allocate memory")
+ANOMALY_NAN = re.compile(r"Function '(\w+)' returned nan values")
+
+
+class CaseFailed(Exception):
+    """Ends the run with a status other than ok (raised inside the loop, turned into the result)."""
+
+    def __init__(self, status: str, reason: str, **fields: Any) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.fields = status, reason, fields
+
+
+@dataclass
+class LoadedModel:
+    """The model of a case and what the worker needs to know about it."""
+
+    model: nn.Module
+    prefix: str  # name of the layer list in named_modules() ("blocks" for TinyLM)
+    blocks: nn.ModuleList
+    vocab: int
+    idle: list[str] = field(default_factory=list)  # parameters the configuration leaves without gradient
+    cfg: Any = None  # the nsa_core.ModelConfig of the built-in model; None for a user model
+
+
+def resolve_device(name: str) -> torch.device:
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CaseFailed("skipped", "device cuda: torch sees no CUDA device here")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
+
+
+def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
+    """``"pkg.module:factory"`` -> the factory; CaseFailed("error") saying what could not be imported."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise CaseFailed(
+            "error", f"model {ref}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+        ) from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CaseFailed("error", f"model {ref}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
+    """The built-in `nsa_core.TinyLM` of the spec's config, or the user's ``factory(spec)``."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(spec.seed)
+    if spec.model is None:
+        import nsa_core
+
+        cfg = spec.nsa_config()
+        model: nn.Module = nsa_core.TinyLM(cfg)
+        vocab, idle = cfg.vocab, model.idle_parameter_names()
+    else:
+        cfg = None
+        model = load_factory(spec.model)(spec)
+        if not isinstance(model, nn.Module):
+            raise CaseFailed("error", f"model {spec.model} returned {type(model).__name__}, not an nn.Module")
+        vocab = getattr(model, "vocab_size", None) or spec.nsa_config().vocab
+        idle_names = getattr(model, "idle_parameter_names", None)
+        idle = list(idle_names()) if callable(idle_names) else []
+    prefix, blocks = find_blocks(model)
+    return LoadedModel(model.to(device), prefix, blocks, vocab, idle, cfg)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+class Trainer:
+    """Runs the steps of one case and builds ``worker_result.json``'s content (`run` never raises)."""
+
+    def __init__(self, spec: CaseSpec, case_dir: Path, progress: Progress, memory: MemoryRecorder) -> None:
+        self.spec, self.case_dir, self.progress, self.memory = spec, Path(case_dir), progress, memory
+        self.notes: list[str] = []
+        self.phase_s: dict[str, Any] = {
+            "setup": None,
+            "forward": [],
+            "backward": [],
+            "optimizer": [],
+            "check": [],
+        }
+        self.step_s: list[float] = []
+        self.losses: list[float | None] = []
+        self.grad_norms: list[float | None] = []
+        self.scaler_skipped = 0
+        self.steps_done = 0
+        self.device: torch.device | None = None
+        self.loaded: LoadedModel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaler: torch.amp.GradScaler | None = None  # fp16 only
+        self.parity: dict[str, Any] | None = None
+        self.faults: list[inject.Fault] = []
+
+    # ---------------------------------------------------------------------------------------- the run
+
+    def run(self, started: float) -> dict[str, Any]:
+        """All steps of the case; the worker result (status ok or why not)."""
+        result: dict[str, Any] = {"status": "ok", "reason": "", "exception": None, "device": None,
+                                  "steps_done": 0, "metrics": {}, "missing_grads": [], "nonfinite": None,
+                                  "parity": None}  # fmt: skip
+        try:
+            self._setup()
+            self.phase_s["setup"] = time.perf_counter() - started
+            with self._profiled():
+                for step in range(1, self.spec.steps + 1):
+                    self._step(step)
+            result["reason"] = self._ok_reason()
+        except CaseFailed as failed:
+            result.update(status=failed.status, reason=failed.reason, **failed.fields)
+        except Exception as exc:
+            result.update(self._exception_result(exc))
+        finally:
+            self.progress.step = None
+        self._finish(result)
+        return result
+
+    def _exception_result(self, exc: Exception) -> dict[str, Any]:
+        """Status, reason and exception of a run that raised: oom, nonfinite (anomaly mode) or error."""
+        where = Where(**self.progress.where).describe()
+        exception = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        fields: dict[str, Any] = {"exception": exception}
+        anomaly = ANOMALY_NAN.search(str(exc)) if isinstance(exc, RuntimeError) else None
+        if anomaly:  # set_detect_anomaly stopped backward at the first Function that produced NaN
+            seen = f"output of autograd Function {anomaly.group(1)} (anomaly mode)"
+            module = self.progress.where.get("module") or "backward"
+            nonfinite = {"where": "grad", "module": module, "seen": seen, "step": self.progress.step}
+            reason = f"non-finite gradients at {where}, first seen in the {seen}"
+            return {**fields, "status": "nonfinite", "reason": reason, "nonfinite": nonfinite}
+        status = "oom" if is_oom(exc) else "error"
+        what = "out of memory" if status == "oom" else type(exc).__name__
+        return {**fields, "status": status, "reason": f"{what} at {where}: {_first_line(str(exc))}"}
+
+    def _setup(self) -> None:
+        # Setup events mark milestones, so a slow start (imports take seconds) still shows progress and a
+        # start that hangs shows where.
+        import torch
+
+        spec = self.spec
+        self.progress.event("setup", detail="torch imported")
+        self.device = self.memory.device = resolve_device(spec.device)
+        reason = inject.skip_reason(spec.inject, self.device)
+        if reason:
+            raise CaseFailed("skipped", reason)
+        if spec.anomaly:
+            torch.autograd.set_detect_anomaly(True)
+        if spec.memory_snapshot:
+            if self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+                self.memory.snapshot_path = self.case_dir / artifacts.MEMORY_SNAPSHOT
+            else:
+                self.notes.append("memory_snapshot: not available on the CPU (a CUDA allocator feature)")
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.loaded = loaded = build_model(spec, self.device)
+        self.progress.event("setup", detail="model built")
+        attach_progress(loaded.model, self.progress)
+        self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
+        self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.dtype == "fp16" else None
+        self.progress.event("setup", "end", device=str(self.device), params=self._params())
+
+    def _params(self) -> int:
+        assert self.loaded is not None
+        return sum(p.numel() for p in self.loaded.model.parameters())
+
+    def _step(self, step: int) -> None:
+        assert self.loaded is not None
+        progress, model, spec = self.progress, self.loaded.model, self.spec
+        progress.step = step
+        progress.event("step", "begin")
+        t_step = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = self._batch(step)
+
+        progress.event("forward", "begin")
+        t = time.perf_counter()
+        loss = self._loss(model, tokens)
+        loss_value = float(loss.detach())  # syncs the device
+        self.phase_s["forward"].append(time.perf_counter() - t)
+        progress.event("forward", "end", loss=finite_or_none(loss_value))
+        if step == 1:
+            self.memory.record("after_forward")
+        if not math.isfinite(loss_value):
+            self._nonfinite(step, tokens, "loss")
+
+        progress.event("backward", "begin")
+        t = time.perf_counter()
+        self._backward(loss, scaled=True)
+        self._sync()
+        self.phase_s["backward"].append(time.perf_counter() - t)
+        progress.event("backward", "end")
+        if step == 1:
+            self.memory.record("after_backward")
+
+        missing = missing_grads(model, self.loaded.idle)
+        if missing:
+            raise CaseFailed(
+                "grad-missing",
+                f"{len(missing)} parameter(s) got no gradient at step {step}: {', '.join(missing[:3])}"
+                + (" ..." if len(missing) > 3 else ""),
+                missing_grads=missing,
+            )
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        norm = grad_norm(model.parameters())
+        if not math.isfinite(norm):
+            self._nonfinite(step, tokens, "grad")  # returns only when fp16 loss scaling overflowed
+        check_s = 0.0
+        if step == 1 and spec.reference_check:
+            t = time.perf_counter()
+            self._reference_check(tokens, loss_value)
+            check_s = time.perf_counter() - t
+
+        progress.event("optimizer", "begin")
+        t = time.perf_counter()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self._sync()
+        self.phase_s["optimizer"].append(time.perf_counter() - t)
+        progress.event("optimizer", "end")
+
+        self.phase_s["check"].append(check_s)
+        self.step_s.append(time.perf_counter() - t_step - check_s)  # training time: checks left out
+        self.losses.append(finite_or_none(loss_value))
+        self.grad_norms.append(finite_or_none(norm))
+        self.steps_done = step
+        progress.event("step", "end", loss=finite_or_none(loss_value), grad_norm=finite_or_none(norm))
+
+    # ------------------------------------------------------------------------------- step pieces
+
+    def _batch(self, step: int) -> torch.Tensor:
+        """``[B, S + 1]`` token ids, the same for a step whatever else changes (seed and step only)."""
+        import torch
+
+        assert self.loaded is not None
+        assert self.device is not None
+        gen = torch.Generator().manual_seed(self.spec.seed * 1_000_003 + step)
+        shape = (self.spec.batch, self.spec.seq_len + 1)
+        return torch.randint(0, self.loaded.vocab, shape, generator=gen).to(self.device)
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        import torch
+
+        assert self.device is not None
+        if self.spec.dtype == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.spec.dtype == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy of ``model`` on ``tokens [B, S + 1]`` (the model sees S tokens)."""
+        import torch.nn.functional as F
+
+        with self._autocast():
+            logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    def _backward(self, loss: torch.Tensor, *, scaled: bool) -> None:
+        self.progress.in_backward = True  # block forwards from here on are checkpoint recomputes
+        try:
+            if scaled and self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        finally:
+            self.progress.in_backward = False
+
+    def _sync(self) -> None:
+        import torch
+
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------------------------- checks
+
+    def _nonfinite(self, step: int, tokens: torch.Tensor, where: str) -> None:
+        """Re-run the step with a finiteness hook on every module; raise CaseFailed("nonfinite") saying
+        where the values first went non-finite. Returns only when fp16 loss scaling alone overflowed
+        (unscaled gradients are finite): the GradScaler skips that step, as it is built to."""
+        import torch
+
+        assert self.loaded is not None
+        model = self.loaded.model
+        self.progress.event("check", "begin", check="nonfinite", where=where)
+        self.optimizer.zero_grad(set_to_none=True)
+        with NonfiniteLocator(
+            model, self.progress, forward=where == "loss", backward=where == "grad"
+        ) as locator:
+            if where == "loss":
+                with torch.no_grad():
+                    self._loss(model, tokens)
+            else:
+                self._backward(self._loss(model, tokens), scaled=False)
+        first = locator.first
+        if where == "grad":
+            first = first or locator.first_nonfinite_grad()
+            if self.scaler is not None and math.isfinite(grad_norm(model.parameters())):
+                self.scaler_skipped += 1
+                self.notes.append(f"step {step}: fp16 loss scaling overflowed; the GradScaler skipped it")
+                self.progress.event("check", "end", check="nonfinite", result="scaling overflow")
+                return
+        self.progress.event("check", "end", check="nonfinite", result=first)
+        module = first["module"] if first else "loss"
+        seen = first["seen"] if first else "cross-entropy of finite logits"
+        what = "loss" if where == "loss" else "gradients"
+        raise CaseFailed(
+            "nonfinite",
+            f"non-finite {what} at step {step}, first seen in the {seen} of {module}"
+            if first
+            else f"non-finite {what} at step {step}, first seen in the {seen}",
+            nonfinite={"where": where, "module": module, "seen": seen, "step": step},
+        )
+
+    def _reference_check(self, tokens: torch.Tensor, loss_value: float) -> None:
+        """Same weights, batch, dtype and device through the reference backends; relative errors of the
+        loss and of every gradient. CaseFailed("mismatch") above the spec's tolerance."""
+        import nsa_core
+
+        assert self.loaded is not None
+        assert self.device is not None
+        if self.loaded.cfg is None:
+            self.notes.append("reference_check: needs the built-in NSA model (not --model)")
+            return
+        progress, model = self.progress, self.loaded.model
+        progress.event("check", "begin", check="reference")
+        cfg = self.loaded.cfg
+        nsa = replace(cfg.nsa, sel_backend="reference", cmp_backend="reference", win_backend="reference")
+        ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
+        ref.load_state_dict(model.state_dict())
+        handles = attach_progress(ref, progress)
+        progress.phase_override = "check"
+        try:
+            ref_loss = self._loss(ref, tokens)
+            ref_loss.backward()
+        finally:
+            progress.phase_override = None
+            for handle in handles:
+                handle.remove()
+        parity = parity_errors(model, ref, loss_value, float(ref_loss.detach()), self.spec.parity_tolerance)
+        progress.event("check", "end", check="reference", **parity)
+        worst = max(parity["loss_rel_err"], parity["grad_rel_err_max"])
+        if not worst <= parity["tolerance"]:  # NaN counts as a mismatch
+            what = "loss" if parity["loss_rel_err"] >= parity["grad_rel_err_max"] else parity["worst_param"]
+            raise CaseFailed(
+                "mismatch",
+                f"{what} differs from the reference backends by {worst:.3g} "
+                f"(relative; tolerance {parity['tolerance']:g})",
+                parity=sanitize_parity(parity),
+            )
+        self.parity = sanitize_parity(parity)
+
+    # ------------------------------------------------------------------------------------ the result
+
+    @contextlib.contextmanager
+    def _profiled(self) -> Iterator[None]:
+        """torch.profiler over the steps (``--profile``): trace.json, and the memory timeline on CUDA."""
+        if not self.spec.profile:
+            yield
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        assert self.device is not None
+        cuda = self.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=activities, record_shapes=True, profile_memory=True, with_stack=cuda)
+        prof.start()
+        try:
+            yield
+        finally:
+            prof.stop()
+            self._export(artifacts.TRACE, lambda p: prof.export_chrome_trace(str(p)))
+            if cuda:
+                device = f"cuda:{torch.cuda.current_device()}"
+                self._export(artifacts.MEMORY_TIMELINE, lambda p: prof.export_memory_timeline(str(p), device))
+
+    def _export(self, name: str, writer: Callable[[Path], object]) -> None:
+        try:
+            artifacts.write_with(self.case_dir / name, writer)
+        except Exception as exc:  # an exporter's failure must not hide the case's own outcome
+            self.notes.append(f"{name}: not written ({type(exc).__name__}: {_first_line(str(exc))})")
+
+    def _ok_reason(self) -> str:
+        loss = self.losses[-1] if self.losses else None
+        text = f"{self.steps_done} step(s) done"
+        return text + (f", final loss {loss:.4f}" if loss is not None else "")
+
+    def _finish(self, result: dict[str, Any]) -> None:
+        spec = self.spec
+        result["device"] = str(self.device) if self.device is not None else None
+        result["steps_done"] = self.steps_done
+        if result["parity"] is None:
+            result["parity"] = self.parity
+        tokens = spec.batch * spec.seq_len * len(self.step_s)
+        metrics: dict[str, Any] = {
+            "phase_s": self.phase_s,
+            "step_s": self.step_s,
+            "tokens_per_s": tokens / sum(self.step_s) if self.step_s else None,
+            "loss": self.losses,
+            "grad_norm": self.grad_norms,
+            "params": self._params() if self.loaded is not None else None,
+            "dtype": spec.dtype,
+            "peak_memory": self._safe(lambda: peak_memory(self.device), {}),
+        }
+        if self.scaler is not None:
+            metrics["scaler_skipped_steps"] = self.scaler_skipped
+        if self.faults:
+            metrics["injections"] = [fault.report() for fault in self.faults]
+        for fault in self.faults:
+            if not fault.fired and self.steps_done >= fault.inj.step:
+                hint = " (no checkpointed layer re-ran it: recompute needs --gc over that layer)"
+                self.notes.append(
+                    f"inject {fault.inj}: never fired" + (hint if fault.inj.phase == "recompute" else "")
+                )
+        try:
+            self.memory.dump_snapshot()
+        except Exception as exc:
+            self.notes.append(f"{artifacts.MEMORY_SNAPSHOT}: not written ({type(exc).__name__}: {exc})")
+        if self.notes:
+            metrics["notes"] = self.notes
+        result["metrics"] = metrics
+
+    @staticmethod
+    def _safe(fn: Callable[[], Any], default: Any) -> Any:
+        try:
+            return fn()
+        except Exception:
+            return default
+
+
+def parity_errors(
+    model: nn.Module, ref: nn.Module, loss: float, ref_loss: float, tolerance: float
+) -> dict[str, Any]:
+    """Relative errors ``|a - r| / |r|`` of the loss and ``||g - g_ref|| / ||g_ref||`` of every gradient (a
+    gradient present on one side only counts as relative error 1: the other side is zero)."""
+    ref_grads = dict(ref.named_parameters())
+    worst_name, worst = None, 0.0
+    for name, p in model.named_parameters():
+        r = ref_grads[name].grad
+        if p.grad is None and r is None:
+            continue
+        if p.grad is None or r is None:
+            err = 1.0
+        else:
+            r64 = r.detach().double()
+            err = float((p.grad.detach().double() - r64).norm() / r64.norm().clamp_min(1e-30))
+        if not err <= worst:  # NaN wins
+            worst_name, worst = name, err
+    loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
+    return {"loss_rel_err": loss_err, "grad_rel_err_max": worst, "worst_param": worst_name,
+            "tolerance": tolerance, "reference": "all reference backends"}  # fmt: skip
+
+
+def sanitize_parity(parity: dict[str, Any]) -> dict[str, Any]:
+    return {k: finite_or_none(v) if isinstance(v, float) else v for k, v in parity.items()}
