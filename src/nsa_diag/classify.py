@@ -1,0 +1,423 @@
+"""Verdict, hang kind and a one-line reason from the recorded evidence of a case (pure functions).
+
+The runner records an `Evidence` (how the worker ended, its own result, stack samples, CPU%, heartbeat,
+GPU utilisation, where the beacon last was) and `classify` decides, without touching processes or files:
+
+- exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch, error,
+  skipped as they are); killed by a signal the runner did not send, or exited without a result -> crash.
+- timeout (progress continued past ``--timeout``) -> slow, with the rate and the time it would still need.
+- interrupted (nsa-diag got SIGINT/SIGTERM) -> error.
+- stalled (no progress for ``--stall`` seconds) -> hang, and the hang kind, first match wins:
+  collective   torch.distributed frames (Python or c10d/NCCL/Gloo native) in the training thread;
+  cuda-kernel  a device sync (torch.cuda.synchronize, cuda*Synchronize, or a ``.item()``/``.cpu()``-like
+               line while the GPU is busy) in every sample;
+  gil-held     the heartbeat thread stopped ticking (before or between the samples): no Python thread
+               can run, so a C call holds the GIL;
+  python-deadlock  the same top frame in every sample, blocked in a lock/wait/sleep (a blocking stdlib
+               frame, the source line's call, py-spy's native frames or the kernel wait channel) and
+               CPU < 20%;
+  python-busy  CPU >= 50% (or a running main thread at >= 20%) with the heartbeat alive and Python on
+               top (py-spy, when there, agrees);
+  unknown      anything else, with what was seen.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nsa_diag.evidence.stacks import Frame, ThreadStack, fatal_error, parse_faulthandler, parse_pyspy
+from nsa_diag.spec import HangKind, Verdict, Where
+
+Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
+WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped")
+DEADLOCK_CPU_MAX = 20.0  # percent of one core: a blocked wait uses (almost) none
+BUSY_CPU_MIN = 50.0
+
+# Python frames (file suffix, function) that wait: threading, queue, subprocess, multiprocessing, futures.
+_BLOCKING_PY = {
+    ("threading.py", "wait"): "threading wait (Condition/Event)",
+    ("threading.py", "acquire"): "threading lock acquire",
+    ("threading.py", "_wait_for_tstate_lock"): "thread join",
+    ("threading.py", "join"): "thread join",
+    ("queue.py", "get"): "queue get",
+    ("queue.py", "put"): "queue put",
+    ("subprocess.py", "wait"): "subprocess wait",
+    ("subprocess.py", "_try_wait"): "subprocess wait",
+    ("connection.py", "_recv"): "multiprocessing receive",
+    ("connection.py", "poll"): "multiprocessing poll",
+    ("selectors.py", "select"): "select",
+    ("_base.py", "result"): "future result",
+    ("_base.py", "wait"): "futures wait",
+}
+# The call on a source line that blocks in C (faulthandler cannot show C functions).
+_BLOCKING_SOURCE = (
+    (re.compile(r"\.acquire\("), "threading lock acquire"),
+    (re.compile(r"\.wait\("), "wait"),
+    (re.compile(r"\.join\("), "join"),
+    (re.compile(r"\bsleep\("), "sleep"),
+    (re.compile(r"\.recv\w*\(|\.accept\("), "socket receive"),
+    (re.compile(r"\.barrier\("), "barrier"),
+)
+# Native frames (py-spy --native) of a blocked thread: patterns searched in the function name.
+_BLOCKING_NATIVE = (
+    (re.compile(r"acquire_lock"), "threading lock acquire"),
+    (re.compile(r"pthread_mutex_(timed)?lock|__lll_lock_wait"), "mutex lock"),
+    (re.compile(r"pthread_cond_\w*wait|condition_variable::wait"), "condition wait"),
+    (re.compile(r"^sem_(wait|timedwait|clockwait)$"), "semaphore wait"),
+    (re.compile(r"^(clock_)?nanosleep$"), "sleep"),
+    (re.compile(r"futex"), "futex wait"),
+    (re.compile(r"^(__)?(e?poll(_wait)?|ppoll|p?select6?|read|recv\w*)$"), "I/O wait"),
+)
+# Kernel wait channels (/proc/<pid>/wchan) of a sleeping main thread.
+_BLOCKING_WCHAN = (
+    ("futex", "futex wait (lock or condition)"),
+    ("nanosleep", "sleep"),
+    ("poll", "I/O wait"),
+    ("select", "I/O wait"),
+    ("pipe", "pipe wait"),
+    ("sk_wait", "socket wait"),
+    ("do_wait", "child wait"),
+)
+_CUDA_PY = (("torch/cuda/__init__.py", "synchronize"), ("torch/cuda/streams.py", "synchronize"))
+_CUDA_NATIVE = ("Synchronize", "cudaMemcpy", "cuMemcpy", "libcuda.so", "cudaStreamWait", "cuStreamWait")
+_CUDA_SOURCE = re.compile(r"\.(item|cpu|tolist|numpy|synchronize)\(|\.to\(\s*['\"]cpu|cuda\._sleep\(")
+_DIST_NATIVE = ("c10d::", "ProcessGroupNCCL", "ProcessGroupGloo", "gloo::", "nccl")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything `classify` looks at, recorded by the runner (and by tests, by hand)."""
+
+    outcome: Outcome
+    exit_code: int | None = None  # the worker's status; negative: killed by that signal
+    signal: str | None = None  # "SIGSEGV": the signal that ended the worker, when the runner did not send it
+    worker_result: Mapping[str, Any] | None = None  # worker_result.json
+    stack_samples: Sequence[str] = ()  # faulthandler texts, one per sample, in order
+    fatal_stack: str | None = None  # faulthandler's dump at a fatal signal (segfault, abort)
+    pyspy: str | None = None  # py-spy dump text
+    cpu_percent: float | None = None  # of the worker between the two samples (100 = one core)
+    heartbeat_advancing: bool | None = None  # the heartbeat ticked before and between the samples
+    gpu_utilization: float | None = None  # percent; None without NVML
+    main_wchan: str | None = None  # kernel wait channel of the worker's main thread
+    main_state: str | None = None  # its /proc state: R running, S sleeping, D uninterruptible
+    where: Where | None = None  # last beacon position
+    stalled_for_s: float | None = None
+    elapsed_s: float = 0.0
+    timeout_s: float | None = None
+    rate: Mapping[str, Any] | None = None  # timeout: watchdog.progress_rate()
+    source_lines: Mapping[str, str] = field(default_factory=dict)  # "file:line" -> source text
+    stderr_tail: str = ""
+    interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" to nsa-diag
+
+
+@dataclass(frozen=True)
+class Classification:
+    verdict: Verdict
+    hang_kind: HangKind | None
+    reason: str
+
+
+# --- stacks -------------------------------------------------------------------------------------------
+
+
+def _is_tooling(thread: ThreadStack) -> bool:
+    """nsa-diag's own threads (heartbeat): started by threading, in nsa_diag code, not in torch."""
+    files = [f.file.replace("\\", "/") for f in thread.frames]
+    return (
+        thread.started_by_threading
+        and any("/nsa_diag/" in f for f in files)
+        and not any("/torch/" in f for f in files)
+    )
+
+
+def _in_autograd_wait(thread: ThreadStack) -> bool:
+    top = thread.python_frames[:1]
+    return bool(top) and "torch/autograd" in top[0].file.replace("\\", "/")
+
+
+def focus_thread(threads: Sequence[ThreadStack]) -> ThreadStack | None:
+    """The thread that runs the training step: the main thread, or the autograd engine thread running
+    Python hooks while the main thread waits in ``backward()`` (CUDA backward runs on device threads)."""
+    training = [t for t in threads if not _is_tooling(t) and t.frames]
+    if not training:
+        return None
+    main = next((t for t in training if t.is_main), None) or next((t for t in training if t.current), None)
+    main = main or training[0]
+    if _in_autograd_wait(main):
+        engine = [t for t in training if t is not main and not t.started_by_threading]
+        if engine:
+            return engine[0]
+    return main
+
+
+def _top_python(thread: ThreadStack | None) -> Frame | None:
+    frames = thread.python_frames if thread else ()
+    return frames[0] if frames else None
+
+
+def _same_top(threads: Sequence[ThreadStack | None]) -> bool:
+    tops = [_top_python(t) for t in threads]
+    return len(tops) > 0 and all(t is not None for t in tops) and len({(t.file, t.line) for t in tops}) == 1  # type: ignore[union-attr]
+
+
+def _pyspy_match(pyspy_threads: Sequence[ThreadStack], focus: ThreadStack | None) -> ThreadStack | None:
+    """The py-spy thread that is the faulthandler ``focus`` thread (same top Python frame; else main)."""
+    top = _top_python(focus)
+    if top is not None:
+        for t in pyspy_threads:
+            mine = _top_python(t)
+            if mine and mine.line == top.line and mine.file.endswith(top.file.rsplit("/", 1)[-1]):
+                return t
+    if focus is not None and focus.is_main:
+        return next((t for t in pyspy_threads if t.is_main), None)
+    return None
+
+
+def _innermost_native(thread: ThreadStack | None) -> list[Frame]:
+    """The native frames above the innermost Python frame (what the Python line is blocked in)."""
+    frames: list[Frame] = []
+    for frame in thread.frames if thread else ():
+        if not frame.native:
+            break
+        frames.append(frame)
+    return frames
+
+
+def _frame_text(frame: Frame | None, sources: Mapping[str, str]) -> str:
+    if frame is None:
+        return "no Python frame"
+    source = sources.get(frame.key)
+    return f"`{source}` at {frame.short()}" if source else frame.short()
+
+
+def _is_library(frame: Frame) -> bool:
+    """A frame of Python's own library (threading, ctypes, ...): the interesting one is its caller."""
+    path = frame.file.replace("\\", "/")
+    return "/lib/python3" in path and "-packages/" not in path
+
+
+def _thread_text(thread: ThreadStack | None, sources: Mapping[str, str]) -> str:
+    """The top Python frame, and the first caller outside Python's library when the top is inside it."""
+    frames = thread.python_frames if thread else ()
+    if not frames:
+        return "no Python frame"
+    text = _frame_text(frames[0], sources)
+    if _is_library(frames[0]):
+        caller = next((f for f in frames[1:] if not _is_library(f)), None)
+        if caller is not None:
+            text += f", called from {_frame_text(caller, sources)}"
+    return text
+
+
+def _native_match(
+    frames: Sequence[Frame], table: Sequence[tuple[re.Pattern[str], str]]
+) -> tuple[str, Frame] | None:
+    for frame in frames:
+        for pattern, what in table:
+            if pattern.search(frame.func):
+                return what, frame
+    return None
+
+
+def _blocking(
+    focus: ThreadStack | None, native: Sequence[Frame], sources: Mapping[str, str], wchan: str | None
+) -> str | None:
+    """What the focus thread is blocked in, from the most specific evidence available."""
+    for frame in focus.python_frames[:2] if focus else ():
+        what = _BLOCKING_PY.get((frame.file.replace("\\", "/").rsplit("/", 1)[-1], frame.func))
+        if what:
+            return what
+    top = _top_python(focus)
+    source = sources.get(top.key, "") if top else ""
+    for pattern, what in _BLOCKING_SOURCE:
+        if pattern.search(source):
+            return what
+    hit = _native_match(native, _BLOCKING_NATIVE)
+    if hit:
+        return f"{hit[0]} ({hit[1].func})"
+    for needle, what in _BLOCKING_WCHAN:
+        if wchan and needle in wchan:
+            return f"{what} (kernel wchan {wchan})"
+    return None
+
+
+def _distributed(focus: ThreadStack | None, native: Sequence[Frame]) -> Frame | None:
+    for frame in focus.python_frames if focus else ():
+        if "torch/distributed/" in frame.file.replace("\\", "/"):
+            return frame
+    hit = next((f for f in native if any(n in f.func for n in _DIST_NATIVE)), None)
+    return hit
+
+
+def _cuda_sync(focus: ThreadStack | None, native: Sequence[Frame]) -> str | None:
+    """A device sync the focus thread waits in (Python or native frame), or None."""
+    for frame in focus.python_frames[:3] if focus else ():
+        path = frame.file.replace("\\", "/")
+        if any(path.endswith(suffix) and frame.func == func for suffix, func in _CUDA_PY):
+            return frame.short()
+    hit = next((f for f in native if any(n in f.func or n in f.file for n in _CUDA_NATIVE)), None)
+    if hit:
+        return hit.short()
+    return None
+
+
+def _cuda_source(focus: ThreadStack | None, sources: Mapping[str, str]) -> str | None:
+    top = _top_python(focus)
+    source = sources.get(top.key, "") if top else ""
+    return _frame_text(top, sources) if _CUDA_SOURCE.search(source) else None
+
+
+# --- verdicts -----------------------------------------------------------------------------------------
+
+
+def _at(where: Where | None) -> str:
+    return where.describe() if where else "an unknown place (no progress reported)"
+
+
+def _pct(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.0f}%"
+
+
+def _busy(ev: Evidence) -> bool:
+    """CPU-bound: >= 50% of a core, or a running (R) main thread at >= 20% (other processes share the
+    cores: a busy loop on a loaded machine gets less than a core)."""
+    if ev.cpu_percent is None:
+        return False
+    running = ev.main_state == "R" and ev.cpu_percent >= DEADLOCK_CPU_MAX
+    return ev.cpu_percent >= BUSY_CPU_MIN or running
+
+
+def _samples_phrase(n: int) -> str:
+    return {1: "in the stack sample", 2: "in both stack samples"}.get(n, f"in all {n} stack samples")
+
+
+def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
+    """The hang kind and what shows it (the part of the reason after the place)."""
+    samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
+    focus = [focus_thread(threads) for threads in samples]
+    last = focus[-1] if focus else None
+    pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
+    native = _innermost_native(pyspy_focus)
+    sources = ev.source_lines
+    at_top = _thread_text(last, sources)
+    both = _samples_phrase(len(samples))
+    same = _same_top(focus)
+    cpu = f"CPU {_pct(ev.cpu_percent)}"
+    gpu = f"GPU {_pct(ev.gpu_utilization)}"
+
+    dist = _distributed(last, native)
+    if dist and (same or all(_distributed(t, ()) for t in focus)):
+        return "collective", f"blocked in torch.distributed at {dist.short()} {both}"
+
+    sync = _cuda_sync(last, native)
+    if sync and (same or all(_cuda_sync(t, ()) for t in focus)):
+        return "cuda-kernel", f"waiting for the GPU in {sync} {both}, {gpu}"
+    cuda_line = _cuda_source(last, sources)
+    if cuda_line and same and (ev.gpu_utilization or 0) > 0:
+        return "cuda-kernel", f"waiting for the GPU at {cuda_line} {both}, {gpu}"
+
+    if ev.heartbeat_advancing is False:
+        named = next((f for f in native if not f.func.startswith("0x")), None)
+        native_note = f" (native: {named.short()})" if named else ""
+        return "gil-held", f"the heartbeat stopped too: the GIL is held at {at_top}{native_note}, {cpu}"
+
+    blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
+    if blocked and same and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
+        return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"
+
+    if _busy(ev) and last is not None:
+        top = pyspy_focus.frames[0] if pyspy_focus is not None and pyspy_focus.frames else None
+        if top is not None and top.native and "gil" not in (pyspy_focus.status or ""):  # type: ignore[union-attr]
+            return "unknown", f"CPU busy ({cpu}) in native code {top.short()} under {at_top}"
+        return "python-busy", f"busy in Python at {at_top}, {cpu}, heartbeat alive"
+
+    seen = [cpu, f"heartbeat {'alive' if ev.heartbeat_advancing else 'unknown'}"]
+    seen.append(f"top frame {at_top}" if last is not None else "no stack sample")
+    if last is not None and not same:
+        seen.append("top frames differ between samples")
+    if blocked:
+        seen.append(f"waiting in {blocked}")
+    return "unknown", "cause unclear: " + ", ".join(seen)
+
+
+def _slow_reason(ev: Evidence) -> str:
+    rate = dict(ev.rate or {})
+    parts = [
+        f"still progressing when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out, at {_at(ev.where)}"
+    ]
+    if rate.get("steps_per_s") is not None:
+        parts.append(f"{rate['steps_per_s']:.3g} steps/s")
+    if rate.get("events_per_s") is not None:
+        parts.append(f"{rate['events_per_s']:.3g} progress events/s")
+    if rate.get("steps_done") is not None and rate.get("steps_total") is not None:
+        parts.append(f"{rate['steps_done']}/{rate['steps_total']} steps done")
+    if rate.get("eta_s") is not None:
+        parts.append(f"needs about {rate['eta_s']:.0f} s more")
+    return "; ".join(parts)
+
+
+def _crash(ev: Evidence) -> Classification:
+    at = _at(ev.where)
+    fatal = fatal_error(ev.fatal_stack)
+    frame = None
+    if ev.fatal_stack:
+        threads = parse_faulthandler(ev.fatal_stack)
+        current = next((t for t in threads if t.current), None) or focus_thread(threads)
+        frame = _top_python(current)
+    where_frame = f" in {_thread_text(current, ev.source_lines)}" if frame else ""
+    if ev.signal:
+        what = f" ({fatal})" if fatal else ""
+        return Classification("crash", None, f"killed by {ev.signal}{what} at {at}{where_frame}")
+    wr = ev.worker_result
+    if wr is not None and wr.get("status") == "ok":
+        return Classification(
+            "crash", None, f"reported ok, then exited with code {ev.exit_code} at {at}{where_frame}"
+        )
+    tail = _last_line(ev.stderr_tail)
+    said = f"; stderr: {tail}" if tail else ""
+    return Classification(
+        "crash", None, f"exited with code {ev.exit_code} without a result at {at}{where_frame}{said}"
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:200] if lines else ""
+
+
+def _exited(ev: Evidence) -> Classification:
+    wr = ev.worker_result
+    if ev.signal or wr is None or (ev.exit_code not in (0, None) and wr.get("status") == "ok"):
+        return _crash(ev)
+    status = str(wr.get("status"))
+    reason = " ".join(str(wr.get("reason") or "").split())
+    if status == "ok":
+        return Classification("pass", None, reason or f"{wr.get('steps_done', 0)} steps completed")
+    if status in WORKER_VERDICTS:
+        return Classification(status, None, reason or f"the worker reported {status}")  # type: ignore[arg-type]
+    return Classification("error", None, f"the worker reported an unknown status {status!r}: {reason}")
+
+
+def classify(ev: Evidence) -> Classification:
+    """The verdict, hang kind (hangs only) and a one-line reason for ``ev``."""
+    if ev.outcome == "interrupted":
+        return Classification(
+            "error",
+            None,
+            f"interrupted by {ev.interrupted_by or 'a signal'} after {ev.elapsed_s:.1f} s at {_at(ev.where)}",
+        )
+    if ev.outcome == "timeout":
+        return Classification("slow", None, _slow_reason(ev))
+    if ev.outcome == "stalled":
+        kind, why = hang_kind(ev)
+        stalled = (
+            f"no progress for {ev.stalled_for_s:.1f} s" if ev.stalled_for_s is not None else "no progress"
+        )
+        reason = f"{stalled} at {_at(ev.where)}; {why}"
+        if ev.worker_result is not None:  # it finished the case, then did not exit (shutdown hang)
+            reason = f"the worker reported {ev.worker_result.get('status')!s} but did not exit: {reason}"
+        return Classification("hang", kind, reason)
+    return _exited(ev)

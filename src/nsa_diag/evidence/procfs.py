@@ -1,0 +1,160 @@
+"""Process evidence from ``/proc`` (Linux): state, CPU time and kernel wait channel of a case's processes.
+
+What the kernel says about a wedged process needs nothing from the process: ``State`` (R running,
+S sleeping, D uninterruptible), user and system CPU time (their growth between two stack samples is the
+CPU% that tells a busy loop from a blocked wait), and ``wchan``, the kernel function a sleeping thread
+waits in (``futex_wait_queue``: a lock or condition; ``hrtimer_nanosleep``: a sleep; ``pipe_read``: I/O).
+Every reader returns what it could read and never raises for a process that has gone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+STATUS_FIELDS = (
+    "Name", "State", "Tgid", "PPid", "Threads", "VmPeak", "VmSize", "VmHWM", "VmRSS", "VmSwap",
+    "SigBlk", "SigIgn", "SigCgt", "voluntary_ctxt_switches", "nonvoluntary_ctxt_switches",
+)  # fmt: skip
+STATE_NAMES = {
+    "R": "running", "S": "sleeping", "D": "disk sleep", "Z": "zombie", "T": "stopped",
+    "t": "tracing stop", "X": "dead", "I": "idle",
+}  # fmt: skip
+
+
+def available() -> bool:
+    return (PROC / "self" / "stat").exists()
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except (OSError, ValueError):
+        return None
+
+
+def parse_stat(text: str) -> dict[str, Any]:
+    """Fields of a ``/proc/<pid>/stat`` line (the command name may hold spaces and parentheses)."""
+    head, _, tail = text.rpartition(")")
+    fields = tail.split()
+    # fields[0] is field 3 of proc(5): state; ppid 4, pgrp 5, session 6, utime 14, stime 15, threads 20
+    return {
+        "comm": head.partition("(")[2],
+        "state": fields[0],
+        "ppid": int(fields[1]),
+        "pgrp": int(fields[2]),
+        "session": int(fields[3]),
+        "utime_s": int(fields[11]) / CLOCK_TICKS,
+        "stime_s": int(fields[12]) / CLOCK_TICKS,
+        "num_threads": int(fields[17]),
+    }
+
+
+def read_stat(pid: int, tid: int | None = None) -> dict[str, Any] | None:
+    """``/proc/<pid>/stat`` (or the thread's ``task/<tid>/stat``) parsed; None if the process is gone."""
+    base = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
+    text = _read(base / "stat")
+    if not text:
+        return None
+    try:
+        return parse_stat(text)
+    except (IndexError, ValueError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of all threads of ``pid`` so far; None if it is gone."""
+    stat = read_stat(pid)
+    return None if stat is None else stat["utime_s"] + stat["stime_s"]
+
+
+def cpu_percent(cpu_before: float | None, cpu_after: float | None, wall_s: float) -> float | None:
+    """CPU% over a wall-clock interval (100 = one core busy; threads add up)."""
+    if cpu_before is None or cpu_after is None or wall_s <= 0:
+        return None
+    return round(100.0 * (cpu_after - cpu_before) / wall_s, 1)
+
+
+def wchan(pid: int, tid: int | None = None) -> str | None:
+    """The kernel function the process (thread) sleeps in; None when running or unreadable."""
+    base = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
+    text = (_read(base / "wchan") or "").strip()
+    return None if text in ("", "0") else text
+
+
+def session_pids(session: int) -> list[int]:
+    """Every live process whose session id is ``session`` (the worker's descendants that did not setsid)."""
+    pids = []
+    for entry in PROC.iterdir() if available() else ():
+        if entry.name.isdigit():
+            stat = read_stat(int(entry.name))
+            if stat is not None and (stat["session"] == session or stat["pgrp"] == session):
+                pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def _status(pid: int) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for line in (_read(PROC / str(pid) / "status") or "").splitlines():
+        key, _, value = line.partition(":")
+        if key in STATUS_FIELDS:
+            fields[key] = " ".join(value.split())
+    return fields
+
+
+def _threads(pid: int) -> list[dict[str, Any]]:
+    threads = []
+    try:
+        tids = sorted(int(t.name) for t in (PROC / str(pid) / "task").iterdir() if t.name.isdigit())
+    except OSError:
+        return threads
+    for tid in tids:
+        stat = read_stat(pid, tid)
+        if stat is None:
+            continue
+        threads.append(
+            {
+                "tid": tid,
+                "comm": stat["comm"],
+                "state": stat["state"],
+                "wchan": wchan(pid, tid),
+                "utime_s": stat["utime_s"],
+                "stime_s": stat["stime_s"],
+            }
+        )
+    return threads
+
+
+def process_snapshot(pid: int) -> dict[str, Any]:
+    """State, CPU time, wait channel and threads of ``pid`` (``{"pid", "gone": True}`` if it has exited)."""
+    stat = read_stat(pid)
+    if stat is None:
+        return {"pid": pid, "gone": True}
+    cmdline = (_read(PROC / str(pid) / "cmdline") or "").replace("\0", " ").strip()
+    return {
+        "pid": pid,
+        "cmdline": cmdline,
+        **stat,
+        "state_name": STATE_NAMES.get(stat["state"], stat["state"]),
+        "wchan": wchan(pid),
+        "status": _status(pid),
+        "threads": _threads(pid),
+    }
+
+
+def group_snapshot(session: int) -> dict[str, Any]:
+    """`process_snapshot` of every process of the case (its session), for ``proc.json``."""
+    if not available():
+        return {"available": False, "why": "/proc is not available on this system"}
+    return {"available": True, "processes": [process_snapshot(pid) for pid in session_pids(session)]}
+
+
+def main_thread(snapshot: dict[str, Any]) -> dict[str, Any] | None:
+    """The main thread's record (tid == pid) of a `process_snapshot`."""
+    for thread in snapshot.get("threads", ()):
+        if thread["tid"] == snapshot.get("pid"):
+            return thread
+    return None

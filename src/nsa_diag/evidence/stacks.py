@@ -1,0 +1,268 @@
+"""Stack evidence of a wedged worker: faulthandler samples (SIGUSR1) and py-spy dumps, taken and parsed.
+
+The worker registers `faulthandler` for SIGUSR1 with ``all_threads=True`` into ``stacks.txt``. Its C signal
+handler dumps every thread without taking the GIL, so a sample comes back also while the worker sits in C++
+or holds the GIL. The handler cannot write a header, so the runner appends ``=== stack sample N at <time>``
+before each signal; a fatal error (segfault, abort) dumps into the same file with no header of ours.
+
+faulthandler shows Python frames only; ``py-spy dump --native`` adds the C/C++ frames (the lock, the CUDA
+sync, the collective the thread is blocked in) when py-spy is installed (``pip install 'nsa-diag[pyspy]'``).
+Parsing is pure: `parse_faulthandler` / `parse_pyspy` turn texts into `ThreadStack` records.
+"""
+
+from __future__ import annotations
+
+import datetime
+import linecache
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nsa_diag import artifacts
+
+SAMPLE_HEADER = "=== stack sample"
+PYSPY_TIMEOUT_S = 20.0
+PYSPY_HINT = "install it for native frames: pip install 'nsa-diag[pyspy]'"
+
+_THREAD_RE = re.compile(
+    r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
+    r" \(most recent call first\):"
+)
+_STACK_RE = re.compile(r"^Stack \(most recent call first\):")
+_FRAME_RE = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<func>.*)$')
+_FATAL_RE = re.compile(r"^Fatal Python error: (?P<what>.*)$")
+_PYSPY_THREAD_RE = re.compile(r'^Thread (?P<id>\d+) \((?P<status>[^)]*)\)(?:: "(?P<name>.*)")?')
+_PYSPY_FRAME_RE = re.compile(r"^\s+(?P<func>.+?) \((?P<where>[^()]*)\)$")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame; ``line`` is 0 where it is unknown, ``native`` for C/C++ frames (py-spy)."""
+
+    file: str
+    line: int
+    func: str
+    native: bool = False
+
+    @property
+    def key(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def short(self) -> str:
+        """``inject.py:42 in _deadlock`` (``lock_PyThread_acquire_lock (libpython3.11.so)`` if native)."""
+        if self.native:
+            return f"{self.func} ({os.path.basename(self.file)})"
+        return f"{os.path.basename(self.file)}:{self.line} in {self.func}"
+
+
+@dataclass(frozen=True)
+class ThreadStack:
+    """The frames of one thread, most recent call first."""
+
+    thread_id: str
+    frames: tuple[Frame, ...]
+    current: bool = False  # faulthandler: the thread that ran the handler; py-spy: holds the GIL
+    name: str | None = None
+    status: str | None = None  # py-spy: "idle", "active", "active+gil"
+
+    @property
+    def top(self) -> Frame | None:
+        return self.frames[0] if self.frames else None
+
+    @property
+    def python_frames(self) -> tuple[Frame, ...]:
+        return tuple(f for f in self.frames if not f.native)
+
+    @property
+    def is_main(self) -> bool:
+        """The interpreter's main thread: its outermost Python frame is a module body or runpy."""
+        outer = self.python_frames[-1:] or ()
+        return any(f.func == "<module>" or f.file.endswith("runpy.py") for f in outer)
+
+    @property
+    def started_by_threading(self) -> bool:
+        return any(
+            f.file.endswith("threading.py") and f.func.rpartition(".")[2] == "_bootstrap" for f in self.frames
+        )
+
+
+def parse_faulthandler(text: str) -> list[ThreadStack]:
+    """The threads of one faulthandler dump (``Thread 0x...`` / ``Current thread 0x...`` blocks)."""
+    threads: list[ThreadStack] = []
+    header: dict[str, object] | None = None
+    frames: list[Frame] = []
+
+    def flush() -> None:
+        if header is not None:
+            threads.append(ThreadStack(frames=tuple(frames), **header))  # type: ignore[arg-type]
+
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        match = _THREAD_RE.match(line)
+        if match or _STACK_RE.match(line):
+            flush()
+            frames = []
+            header = (
+                {"thread_id": match["id"], "current": match["current"] != "Thread", "name": match["name"]}
+                if match
+                else {"thread_id": "current", "current": True}
+            )
+            continue
+        frame = _FRAME_RE.match(line)
+        if frame and header is not None:
+            number = frame["line"]
+            frames.append(Frame(frame["file"], int(number) if number.isdigit() else 0, frame["func"]))
+        elif header is not None and line and not line.startswith("  "):
+            flush()  # any other unindented line ends the block ("Extension modules: ...", C stacks)
+            header, frames = None, []
+    flush()
+    return threads
+
+
+def split_samples(text: str) -> tuple[list[str], str | None]:
+    """``stacks.txt`` -> (the texts of the runner's samples in order, a fatal-error dump or None).
+
+    A fatal error dump (``Fatal Python error: Segmentation fault`` ...) is text outside any sample whose
+    threads parse; the last such text is returned.
+    """
+    samples: list[str] = []
+    fatal: str | None = None
+    chunks = re.split(rf"^{re.escape(SAMPLE_HEADER)}[^\n]*\n", text, flags=re.MULTILINE)
+    outside = [chunks[0]]
+    for chunk in chunks[1:]:
+        # A fatal dump written after a sample header lands in that chunk: split it off.
+        head, sep, tail = chunk.partition("Fatal Python error:")
+        samples.append(head)
+        if sep:
+            outside.append(sep + tail)
+    for chunk in outside:
+        start = chunk.rfind("Fatal Python error:")
+        if start >= 0 and parse_faulthandler(chunk[start:]):
+            fatal = chunk[start:]
+    return samples, fatal
+
+
+def fatal_error(text: str | None) -> str | None:
+    """``"Segmentation fault"`` from a fatal dump, or None."""
+    for line in (text or "").splitlines():
+        match = _FATAL_RE.match(line.strip())
+        if match:
+            return match["what"].strip()
+    return None
+
+
+def parse_pyspy(text: str) -> list[ThreadStack]:
+    """The threads of a ``py-spy dump [--native]`` text. Python frames read ``func (file.py:line)``."""
+    threads: list[ThreadStack] = []
+    header: dict[str, object] | None = None
+    frames: list[Frame] = []
+    for raw in text.splitlines():
+        match = _PYSPY_THREAD_RE.match(raw)
+        if match:
+            if header is not None:
+                threads.append(ThreadStack(frames=tuple(frames), **header))  # type: ignore[arg-type]
+            status = match["status"]
+            header = {
+                "thread_id": match["id"],
+                "name": match["name"],
+                "status": status,
+                "current": "gil" in status,
+            }
+            frames = []
+            continue
+        frame = _PYSPY_FRAME_RE.match(raw)
+        if frame and header is not None:
+            where = frame["where"]
+            file, _, number = where.rpartition(":")
+            if number.isdigit() and (file.endswith(".py") or file.startswith("<")):
+                frames.append(Frame(file, int(number), frame["func"]))
+            else:
+                frames.append(Frame(where, 0, frame["func"], native=True))
+    if header is not None:
+        threads.append(ThreadStack(frames=tuple(frames), **header))  # type: ignore[arg-type]
+    return threads
+
+
+def source_lines(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str, str]:
+    """``{"file:line": source text}`` of the innermost ``depth`` Python frames of each thread.
+
+    faulthandler shows the Python line, not the C call made from it (``lock.acquire()``, ``x.item()``);
+    the source says which. Read on this machine, where the worker's files are.
+    """
+    found: dict[str, str] = {}
+    for thread in threads:
+        for frame in thread.python_frames[:depth]:
+            if frame.line and frame.key not in found:
+                linecache.checkcache(frame.file)  # the file may have changed since it was cached
+                text = linecache.getline(frame.file, frame.line).strip().split("  #")[0].rstrip()
+                if text and not text.startswith("#"):
+                    found[frame.key] = text
+    return found
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
+
+
+def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> bool:
+    """Write the header of sample ``number`` into ``stacks.txt`` and SIGUSR1 ``pid``; False if it is gone."""
+    suffix = f" ({note})" if note else ""
+    artifacts.append_text(stacks_path, f"{SAMPLE_HEADER} {number} at {_now()}{suffix}\n")
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for_dump(stacks_path: Path, size_before: int, timeout_s: float = 0.5) -> None:
+    """Wait until faulthandler's output stops growing (it writes in a burst), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        size = stacks_path.stat().st_size if stacks_path.exists() else 0
+        if size > size_before and size == last:
+            return
+        last = size
+        time.sleep(0.05)
+
+
+def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> dict[str, object]:
+    """``py-spy dump --native --pid`` into ``out_path``; returns what happened (and why not, if not).
+
+    Falls back to a dump without ``--native`` when the native unwinder fails (some kernels and builds).
+    """
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return {"taken": False, "why": f"py-spy is not on PATH; {PYSPY_HINT}"}
+    attempts = []
+    for args in (["dump", "--native", "--pid", str(pid)], ["dump", "--pid", str(pid)]):
+        try:
+            done = subprocess.run(
+                [exe, *args], capture_output=True, text=True, timeout=timeout_s,
+                stdin=subprocess.DEVNULL, check=False,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            attempts.append(f"py-spy {' '.join(args)} did not finish within {timeout_s:g} s")
+            continue
+        text = done.stdout + (f"\n--- stderr ---\n{done.stderr}" if done.stderr.strip() else "")
+        if done.returncode == 0 and parse_pyspy(done.stdout):
+            artifacts.write_text(out_path, text)
+            return {"taken": True, "native": "--native" in args, "file": out_path.name}
+        said = _last_line(done.stderr or done.stdout)
+        if "ermission" in said or "not permitted" in said:
+            said += " (py-spy needs ptrace rights: run as root or set kernel.yama.ptrace_scope=0)"
+        attempts.append(f"py-spy {' '.join(args)} exited {done.returncode}: {said}")
+    artifacts.write_text(out_path, "\n".join(attempts) + "\n")
+    return {"taken": False, "why": "; ".join(attempts), "file": out_path.name}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"

@@ -1,0 +1,394 @@
+"""The watchdog: pure decisions over beacon reads, the short polling loop, and stopping a case's processes.
+
+`decide` looks at the history of beacon reads and says whether the worker is running, stalled (no new
+progress event for ``spec.stall`` seconds; heartbeat ticks are not progress) or past ``spec.timeout`` while
+still making progress (slow). `progress_rate` gives the rate and the time a slow case would still need.
+Both are pure functions of `Observation` lists, tested without processes. `watch` is the polling loop.
+`gather_hang_evidence` is the escalation before any kill: memory at the hang (asked of the worker's
+heartbeat thread), two faulthandler stack samples a second apart with the CPU% and heartbeat between them,
+``/proc`` state, py-spy, GPU state. `terminate_group` is the end of every case: SIGTERM to the worker's
+process group, a grace period, SIGKILL, reap, and SIGKILL to anything of the case's session still alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from nsa_diag import artifacts
+from nsa_diag.evidence import gpu, procfs, stacks
+from nsa_diag.spec import CaseSpec
+from nsa_diag.worker.beacon import BeaconState, read_beacon
+
+Status = Literal["running", "stalled", "timeout"]
+POLL_S = 0.2
+# The worker imports torch and builds the model in phase "setup", which reports no progress inside: until
+# setup ends, a stall needs at least this long (a wedged CUDA or NCCL init is still caught). On a loaded
+# machine importing torch alone has taken over 20 s.
+SETUP_STALL_S = 60.0
+# After "done" the worker writes its result and the interpreter shuts down (torch teardown, garbage
+# collection): seconds on a loaded machine, which are not a hang of the training step. Longer is one.
+EXIT_STALL_S = 30.0
+HEARTBEAT_STALE_S = 1.0  # the heartbeat ticks every 0.1 s; this long without a tick: it cannot run
+GRACE_S = 3.0
+DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory evidence at a hang
+SAMPLE_INTERVAL_S = 1.0
+_KEEP_TAIL = 64  # observations kept verbatim at the end of a compacted history
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One beacon read: the wall-clock time of the read and what it said (None: no beacon yet)."""
+
+    t: float
+    state: BeaconState | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: Status
+    elapsed_s: float  # since the worker started
+    idle_s: float  # since the last progress event
+    stall_limit_s: float  # the limit that applied (spec.stall, or longer during setup and exit)
+
+
+def _last_state(history: Sequence[Observation]) -> BeaconState | None:
+    for obs in reversed(history):
+        if obs.state is not None:
+            return obs.state
+    return None
+
+
+def in_setup(state: BeaconState | None) -> bool:
+    return state is None or (state.phase == "setup" and state.event != "end")
+
+
+def decide(history: Sequence[Observation], now: float, spec: CaseSpec) -> Decision:
+    """running | stalled | timeout, from the beacon reads so far (``history[0]`` is the worker's start)."""
+    started = history[0].t
+    state = _last_state(history)
+    last_progress = started if state is None else min(max(state.time, started), now)
+    idle = now - last_progress
+    limit = spec.stall
+    if in_setup(state):
+        limit = max(spec.stall, SETUP_STALL_S)
+    elif state is not None and state.phase == "done":
+        limit = max(spec.stall, EXIT_STALL_S)
+    elapsed = now - started
+    if idle >= limit:
+        return Decision("stalled", elapsed, idle, limit)
+    if elapsed > spec.timeout:
+        return Decision("timeout", elapsed, idle, limit)
+    return Decision("running", elapsed, idle, limit)
+
+
+def heartbeat_alive(state: BeaconState | None, now: float) -> bool | None:
+    """Whether the worker's heartbeat thread ticked within `HEARTBEAT_STALE_S`; None if it never ticked."""
+    if state is None or state.heartbeat == 0:
+        return None
+    return now - state.heartbeat_time < HEARTBEAT_STALE_S
+
+
+def steps_done(state: BeaconState | None, steps: int) -> int:
+    """Completed training steps according to the beacon (steps are numbered from 1)."""
+    if state is None or state.step is None:
+        return steps if state is not None and state.phase == "done" else 0
+    if state.phase == "done" or (state.phase == "step" and state.event == "end"):
+        return min(state.step, steps)
+    return max(state.step - 1, 0)
+
+
+def _step_starts(history: Sequence[Observation]) -> dict[int, int]:
+    """step -> the lowest beacon seq seen while in that step (approximately the seq of its start)."""
+    starts: dict[int, int] = {}
+    for obs in history:
+        s = obs.state
+        if s is not None and s.step is not None:
+            starts[s.step] = min(starts.get(s.step, s.seq), s.seq)
+    return starts
+
+
+def _phase_fraction(state: BeaconState, layers: int | None) -> float | None:
+    """Where in a step the beacon is, as a fraction, from the phase and layer (forward ~1/3 of a step)."""
+    if state.phase == "optimizer" or (state.phase == "step" and state.event == "end"):
+        return 0.99
+    if not layers or state.layer is None:
+        return {"forward": 0.15, "backward": 0.6, "recompute": 0.6}.get(state.phase or "")
+    done_layers = min(state.layer + (state.event == "end"), layers) / layers
+    if state.phase == "forward":
+        return done_layers / 3
+    if state.phase in ("backward", "recompute"):  # backward runs from the last layer to the first
+        return 1 / 3 + (1 - state.layer / layers) * 2 / 3
+    return None
+
+
+def progress_rate(
+    history: Sequence[Observation], now: float, spec: CaseSpec, layers: int | None = None
+) -> dict[str, Any]:
+    """Progress events/s, steps/s, steps done and the estimated seconds still needed (``eta_s``).
+
+    The fraction done is (steps done + the fraction of the current step) / steps; the current step's
+    fraction comes from the events per step of the steps already done, else from its phase and layer.
+    ETA = elapsed / fraction - elapsed.
+    """
+    started = history[0].t
+    elapsed = max(now - started, 1e-9)
+    state = _last_state(history)
+    first = next((obs for obs in history if obs.state is not None), None)
+    rate: dict[str, Any] = {"elapsed_s": round(elapsed, 3), "steps_total": spec.steps}
+    if state is None or first is None or first.state is None:
+        return {**rate, "steps_done": 0, "events_per_s": 0.0, "steps_per_s": 0.0, "fraction_done": 0.0}
+    done = steps_done(state, spec.steps)
+    events_span = max(state.time - first.state.time, 1e-9)
+    rate["events"] = state.seq
+    rate["events_per_s"] = round((state.seq - first.state.seq) / events_span, 3) if state.seq > 1 else 0.0
+    rate["steps_done"] = done
+    rate["steps_per_s"] = round(done / elapsed, 4)
+    within = 0.0
+    starts = _step_starts(history)
+    current = state.step
+    if current is not None and done < spec.steps and current in starts:
+        finished = [s for s in starts if s < current]
+        if finished and current - min(finished) > 0:
+            per_step = (starts[current] - starts[min(finished)]) / (current - min(finished))
+            if per_step > 0:
+                within = min((state.seq - starts[current]) / per_step, 0.99)
+        else:
+            within = _phase_fraction(state, layers) or 0.0
+    fraction = min((done + within) / spec.steps, 1.0)
+    rate["fraction_done"] = round(fraction, 4)
+    if 0 < fraction < 1:
+        rate["eta_s"] = round(elapsed / fraction - elapsed, 1)
+        rate["estimated_total_s"] = round(elapsed / fraction, 1)
+    return rate
+
+
+def compact(history: list[Observation], keep_tail: int = _KEEP_TAIL) -> list[Observation]:
+    """The history with what `decide` and `progress_rate` need: the start, the first read of the beacon
+    and of every step, and the last ``keep_tail`` reads (keeps a long run's polling O(1) per poll)."""
+    if len(history) <= 4 * keep_tail:
+        return history
+    head = history[:-keep_tail]
+    kept = [head[0]]
+    seen_steps: set[int | None] = set()
+    for obs in head[1:]:
+        step = obs.state.step if obs.state is not None else None
+        if obs.state is not None and (step not in seen_steps or len(kept) == 1):
+            seen_steps.add(step)
+            kept.append(obs)
+    return kept + history[-keep_tail:]
+
+
+@dataclass
+class WatchResult:
+    outcome: Literal["exited", "stalled", "timeout"]
+    history: list[Observation]
+    decision: Decision | None  # None when the worker exited by itself
+    exit_code: int | None
+
+
+def watch(
+    proc: subprocess.Popen[bytes],
+    beacon_path: Path,
+    spec: CaseSpec,
+    started: float,
+    on_progress: Callable[[BeaconState | None, float], None] | None = None,
+    poll_s: float = POLL_S,
+) -> WatchResult:
+    """Poll the worker until it exits, stalls or runs past its timeout."""
+    history = [Observation(started, None)]
+    while True:
+        code = proc.poll()
+        now = time.time()
+        history.append(Observation(now, read_beacon(beacon_path)))
+        history = compact(history)
+        if on_progress is not None:
+            on_progress(history[-1].state, now - started)
+        if code is not None:
+            return WatchResult("exited", history, None, code)
+        decision = decide(history, now, spec)
+        if decision.status != "running":
+            return WatchResult(decision.status, history, decision, None)
+        time.sleep(poll_s)
+
+
+def _signal_session(session: int, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` to the process group and to every other live process of the session; their pids."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(session, sig)
+    hit = []
+    for pid in procfs.session_pids(session):
+        stat = procfs.read_stat(pid)
+        if stat is None or stat["state"] == "Z":
+            continue
+        hit.append(pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+    return hit
+
+
+def terminate_group(proc: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> dict[str, Any]:
+    """Stop every process of the case: SIGTERM to the group, ``grace_s``, SIGKILL, reap; what it took."""
+    session = proc.pid
+    report: dict[str, Any] = {"sigterm": False, "sigkill": False}
+    if proc.poll() is None or procfs.session_pids(session):
+        report["sigterm"] = True
+        _signal_session(session, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            proc.poll()
+            if proc.returncode is not None and not _alive(session):
+                break
+            time.sleep(0.05)
+    if proc.poll() is None or _alive(session):
+        report["sigkill"] = True
+        for _ in range(50):
+            if not _signal_session(session, signal.SIGKILL) and proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        report["unreaped"] = proc.pid
+    survivors = [pid for pid in procfs.session_pids(session) if _not_zombie(pid)]
+    if survivors:
+        report["survivors"] = survivors
+    return report
+
+
+def _not_zombie(pid: int) -> bool:
+    stat = procfs.read_stat(pid)
+    return stat is not None and stat["state"] != "Z"
+
+
+def _alive(session: int) -> bool:
+    return any(_not_zombie(pid) for pid in procfs.session_pids(session))
+
+
+# --- the escalation: evidence before any kill ----------------------------------------------------------
+
+
+@dataclass
+class HangEvidence:
+    """What was gathered from a stalled or slow worker before it was stopped."""
+
+    samples: list[str] = field(default_factory=list)
+    cpu_percent: float | None = None
+    heartbeat_before: bool | None = None
+    heartbeat_between: bool | None = None
+    gpu_utilization: float | None = None
+    main_wchan: str | None = None
+    main_state: str | None = None
+    pyspy_text: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def heartbeat_advancing(self) -> bool | None:
+        """Whether the heartbeat thread runs. The read before any request or signal decides: between
+        the samples the thread may be busy writing the memory evidence (a large CUDA snapshot)."""
+        return self.heartbeat_before if self.heartbeat_before is not None else self.heartbeat_between
+
+
+def catches_sigusr1(pid: int) -> bool | None:
+    """Whether ``pid`` has a SIGUSR1 handler (faulthandler registered); None if /proc cannot say."""
+    snapshot = procfs.process_snapshot(pid)
+    mask = snapshot.get("status", {}).get("SigCgt")
+    if mask is None:
+        return None
+    return bool(int(mask, 16) & (1 << (signal.SIGUSR1 - 1)))
+
+
+def _request_memory_dump(
+    case_dir: Path, proc: subprocess.Popen[bytes], heartbeat: bool | None
+) -> dict[str, Any]:
+    """Ask the worker's heartbeat thread for memory evidence; a stopped heartbeat cannot answer."""
+    artifacts.write_text(case_dir / artifacts.DUMP_REQUEST, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+    if heartbeat is False:
+        return {"written": False, "why": "the heartbeat thread has stopped (GIL held): it cannot answer"}
+    deadline = time.monotonic() + DUMP_WAIT_S
+    done = case_dir / artifacts.DUMP_DONE
+    while time.monotonic() < deadline and proc.poll() is None:
+        if done.exists():
+            return {"written": True, "answer": done.read_text(errors="replace").strip()}
+        time.sleep(0.05)
+    return {"written": False, "why": f"the worker did not answer within {DUMP_WAIT_S:g} s"}
+
+
+def _heartbeat(case_dir: Path) -> int | None:
+    state = read_beacon(case_dir / artifacts.BEACON)
+    return None if state is None else state.heartbeat
+
+
+def gather_hang_evidence(
+    proc: subprocess.Popen[bytes], case_dir: Path, spec: CaseSpec, last: BeaconState | None
+) -> HangEvidence:
+    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy."""
+    pid = proc.pid
+    ev = HangEvidence(
+        heartbeat_before=heartbeat_alive(read_beacon(case_dir / artifacts.BEACON) or last, time.time())
+    )
+    ev.notes["memory_at_hang"] = _request_memory_dump(case_dir, proc, ev.heartbeat_before)
+    stacks_path = case_dir / artifacts.STACKS
+    sampling = catches_sigusr1(pid) is not False
+    if not sampling:
+        ev.notes["stack_samples"] = "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
+
+    t0 = time.monotonic()
+    cpu0 = procfs.cpu_seconds(pid)
+    beat0 = _heartbeat(case_dir)
+    if sampling:
+        size = stacks_path.stat().st_size if stacks_path.exists() else 0
+        stacks.request_sample(pid, stacks_path, 1)
+        stacks.wait_for_dump(stacks_path, size)
+    snapshot = (
+        gpu.nvml_snapshot()
+        if spec.device != "cpu"
+        else {"available": False, "why": "not queried: the case runs with --device cpu"}
+    )
+    time.sleep(max(0.0, t0 + SAMPLE_INTERVAL_S - time.monotonic()))
+    # CPU time, heartbeat and thread states before the second signal, whose handler runs for a moment.
+    cpu1, t1 = procfs.cpu_seconds(pid), time.monotonic()
+    beat1 = _heartbeat(case_dir)
+    proc_json = procfs.group_snapshot(pid)
+    if sampling:
+        size = stacks_path.stat().st_size if stacks_path.exists() else 0
+        stacks.request_sample(pid, stacks_path, 2)
+        stacks.wait_for_dump(stacks_path, size)
+    ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
+    if beat0 is not None and beat1 is not None and beat0 > 0:
+        ev.heartbeat_between = beat1 > beat0
+    ev.notes["heartbeat_ticks_between_samples"] = None if beat0 is None or beat1 is None else beat1 - beat0
+
+    main = next((p for p in proc_json.get("processes", ()) if p.get("pid") == pid), None)
+    thread = procfs.main_thread(main) if main else None
+    if thread is not None:
+        ev.main_wchan, ev.main_state = thread["wchan"], thread["state"]
+    artifacts.write_json(case_dir / artifacts.PROC, proc_json)
+
+    pyspy = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY)
+    ev.notes["pyspy"] = pyspy
+    if pyspy.get("taken"):
+        ev.pyspy_text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
+
+    ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
+    ev.notes["gpu"] = _gpu_files(case_dir, snapshot)
+    if stacks_path.exists():
+        ev.samples = stacks.split_samples(stacks_path.read_text(errors="replace"))[0]
+    return ev
+
+
+def _gpu_files(case_dir: Path, snapshot: dict[str, Any]) -> dict[str, Any]:
+    if not snapshot.get("available"):
+        return {"available": False, "why": snapshot.get("why")}
+    artifacts.write_json(case_dir / artifacts.GPU, snapshot)
+    text, why = gpu.nvidia_smi()
+    if text is not None:
+        artifacts.write_text(case_dir / artifacts.NVIDIA_SMI, text)
+    return {"available": True, "file": artifacts.GPU, "nvidia_smi": artifacts.NVIDIA_SMI if text else why}

@@ -1,0 +1,364 @@
+"""Verdicts and hang kinds from recorded evidence, without processes.
+
+The stack texts under ``recorded/`` are real: faulthandler SIGUSR1 dumps (two samples a second apart) and
+``py-spy dump --native`` output of small processes wedged inside a torch backward hook, made by
+``recorded/record_stacks.py`` (run it to regenerate them). The CUDA texts are written by hand in the same
+format, since this machine has no GPU. The source lines that the runner reads with linecache are given
+explicitly, so the tests do not depend on where the recording was made.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind
+from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
+from nsa_diag.spec import Where
+
+RECORDED = Path(__file__).parent / "recorded"
+WHERE = Where(phase="backward", step=1, layer=1, event="begin", module="blocks.1")
+
+
+def samples(kind: str) -> list[str]:
+    found, fatal = split_samples((RECORDED / f"{kind}.faulthandler.txt").read_text())
+    assert fatal is None
+    assert len(found) == 2
+    return found
+
+
+def pyspy(kind: str) -> str:
+    return (RECORDED / f"{kind}.pyspy.txt").read_text()
+
+
+def top_key(text: str) -> str:
+    """``file:line`` of the training thread's innermost Python frame in a faulthandler dump."""
+    thread = focus_thread(parse_faulthandler(text))
+    assert thread is not None
+    return thread.python_frames[0].key
+
+
+def stalled(kind: str, source: str | None = None, **fields: object) -> Evidence:
+    texts = samples(kind)
+    sources = {top_key(texts[-1]): source} if source else {}
+    return Evidence(
+        outcome="stalled", stack_samples=texts, where=WHERE, stalled_for_s=2.1, source_lines=sources,
+        **{"heartbeat_advancing": True, **fields},  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+# --- parsing ------------------------------------------------------------------------------------------
+
+
+def test_parse_faulthandler_threads_and_frames() -> None:
+    threads = parse_faulthandler(samples("deadlock")[0])
+    assert len(threads) == 2
+    heartbeat, main = threads
+    assert heartbeat.started_by_threading
+    assert not heartbeat.is_main
+    assert main.current
+    assert main.is_main
+    assert main.frames[0].func == "_fault"
+    assert main.frames[0].file.endswith("record_stacks.py")
+    assert [f.func for f in main.frames][-4:] == ["backward", "backward", "_victim", "<module>"]
+
+
+def test_split_samples_finds_a_fatal_dump_and_its_error() -> None:
+    text = (RECORDED / "segfault.faulthandler.txt").read_text()
+    found, fatal = split_samples(text)
+    assert found == []
+    assert fatal is not None
+    assert fatal_error(fatal) == "Segmentation fault"
+    current = next(t for t in parse_faulthandler(fatal) if t.current)
+    assert current.frames[0].func == "string_at"
+    # A fatal error after a sample header is split off the sample.
+    found, fatal = split_samples(samples("deadlock")[0].join(["=== stack sample 1 at x\n", ""]) + text)
+    assert len(found) == 1
+    assert fatal_error(fatal) == "Segmentation fault"
+
+
+def test_parse_pyspy_native_and_python_frames() -> None:
+    threads = parse_pyspy(pyspy("deadlock"))
+    main = next(t for t in threads if t.name == "MainThread")
+    assert main.status == "idle"
+    assert main.is_main
+    natives = [f.func for f in main.frames if f.native]
+    assert "lock_PyThread_acquire_lock" in natives
+    assert main.python_frames[0].func == "_fault"
+    assert main.python_frames[0].line > 0
+    heartbeat = next(t for t in threads if t is not main)
+    assert heartbeat.started_by_threading
+    busy = next(t for t in parse_pyspy(pyspy("busy")) if t.name == "MainThread")
+    assert busy.current  # holds the GIL
+    assert not busy.frames[0].native
+
+
+# --- hang kinds from the recordings --------------------------------------------------------------------
+
+
+def test_deadlock_from_the_source_line() -> None:
+    v = classify(stalled("deadlock", "lock.acquire()", cpu_percent=0.0))
+    assert (v.verdict, v.hang_kind) == ("hang", "python-deadlock")
+    assert v.reason.startswith("no progress for 2.1 s at layer 1 backward step 1; ")
+    assert "threading lock acquire" in v.reason
+    assert "`lock.acquire()` at record_stacks.py:" in v.reason
+    assert "in both stack samples" in v.reason
+    assert "CPU 0%" in v.reason
+
+
+@pytest.mark.parametrize(
+    "evidence",
+    [
+        pytest.param({"pyspy": pyspy("deadlock")}, id="pyspy-native-frames"),
+        pytest.param({"main_wchan": "futex_wait_queue"}, id="kernel-wchan"),
+    ],
+)
+def test_deadlock_without_the_source_line(evidence: dict[str, object]) -> None:
+    v = classify(stalled("deadlock", cpu_percent=0.0, **evidence))
+    assert v.hang_kind == "python-deadlock"
+
+
+def test_deadlock_with_nothing_that_shows_a_wait_is_unknown() -> None:
+    v = classify(stalled("deadlock", cpu_percent=0.0))
+    assert v.hang_kind == "unknown"
+    assert "cause unclear" in v.reason
+
+
+def test_event_wait_is_a_deadlock_named_by_its_threading_frame_and_caller() -> None:
+    v = classify(stalled("event", cpu_percent=0.0))
+    assert v.hang_kind == "python-deadlock"
+    assert "threading wait (Condition/Event)" in v.reason
+    assert "called from record_stacks.py:" in v.reason
+
+
+def test_a_deadlock_needs_low_cpu_and_the_same_top_frame() -> None:
+    assert classify(stalled("deadlock", "lock.acquire()", cpu_percent=35.0)).hang_kind == "unknown"
+    mixed = stalled("deadlock", "lock.acquire()", cpu_percent=0.0)
+    other = samples("busy")[1]
+    moved = Evidence(**{**mixed.__dict__, "stack_samples": [mixed.stack_samples[0], other]})
+    kind, why = hang_kind(moved)
+    assert kind == "unknown"
+    assert "top frames differ" in why
+
+
+def test_busy_loop() -> None:
+    v = classify(stalled("busy", "n += 1", cpu_percent=70.9, main_state="R", pyspy=pyspy("busy")))
+    assert v.hang_kind == "python-busy"
+    assert "busy in Python at `n += 1` at record_stacks.py:" in v.reason
+    assert "CPU 71%" in v.reason
+
+
+def test_busy_loop_on_a_loaded_machine_counts_a_running_main_thread() -> None:
+    assert classify(stalled("busy", cpu_percent=30.0, main_state="R")).hang_kind == "python-busy"
+    assert classify(stalled("busy", cpu_percent=30.0, main_state="S")).hang_kind == "unknown"
+
+
+def test_busy_in_native_code_is_not_called_python_busy_when_pyspy_shows_it() -> None:
+    v = classify(stalled("native-busy", cpu_percent=98.9, pyspy=pyspy("native-busy")))
+    assert v.hang_kind == "unknown"
+    assert "native code mkl_" in v.reason
+    # Without py-spy the Python frames are all there is.
+    assert classify(stalled("native-busy", cpu_percent=98.9)).hang_kind == "python-busy"
+
+
+def test_gil_held_when_the_heartbeat_stopped() -> None:
+    v = classify(
+        stalled(
+            "gil-hog",
+            "libc.pthread_mutex_lock(mutex)",
+            cpu_percent=0.0,
+            heartbeat_advancing=False,
+            pyspy=pyspy("gil-hog"),
+            main_wchan="futex_wait_queue",
+        )
+    )
+    assert v.hang_kind == "gil-held"
+    assert "the GIL is held at `libc.pthread_mutex_lock(mutex)`" in v.reason
+    assert "(native: pthread_mutex_lock (libc.so.6))" in v.reason
+
+
+def test_the_same_gil_hog_with_a_live_heartbeat_would_be_a_deadlock() -> None:
+    v = classify(
+        stalled("gil-hog", "libc.pthread_mutex_lock(mutex)", cpu_percent=0.0, pyspy=pyspy("gil-hog"))
+    )
+    assert v.hang_kind == "python-deadlock"
+
+
+def test_collective_from_torch_distributed_frames() -> None:
+    v = classify(stalled("collective", cpu_percent=0.0, pyspy=pyspy("collective")))
+    assert v.hang_kind == "collective"
+    assert "distributed_c10d.py:" in v.reason
+    assert "in all_reduce" in v.reason
+
+
+# --- hand-written CUDA and autograd-thread dumps --------------------------------------------------------
+
+SITE = "/usr/lib/python3.11/site-packages"
+HEARTBEAT = f"""Thread 0x00007f0000000001 (most recent call first):
+  File "{SITE}/nsa_diag/worker/probes.py", line 269 in run
+  File "/usr/lib/python3.11/threading.py", line 1045 in _bootstrap_inner
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+"""
+TRAIN_TAIL = f"""  File "{SITE}/nsa_diag/worker/train.py", line 220 in _step
+  File "{SITE}/nsa_diag/worker/main.py", line 60 in run
+  File "<frozen runpy>", line 88 in _run_code
+  File "<frozen runpy>", line 198 in _run_module_as_main
+"""
+CUDA_SYNC = f"""{HEARTBEAT}
+Current thread 0x00007f0000000002 (most recent call first):
+  File "{SITE}/torch/cuda/__init__.py", line 1083 in synchronize
+  File "{SITE}/nsa_diag/worker/inject.py", line 117 in _gpu_spin_synchronize
+{TRAIN_TAIL}"""
+ITEM = f"""{HEARTBEAT}
+Current thread 0x00007f0000000002 (most recent call first):
+  File "{SITE}/nsa_diag/worker/train.py", line 209 in _forward
+{TRAIN_TAIL}"""
+ENGINE_THREAD = f"""{HEARTBEAT}
+Thread 0x00007f0000000003 (most recent call first):
+  File "{SITE}/nsa_diag/worker/inject.py", line 70 in _deadlock_lock_acquire
+  File "{SITE}/nsa_diag/worker/inject.py", line 138 in fire
+  File "{SITE}/torch/utils/hooks.py", line 210 in hook
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "{SITE}/torch/autograd/graph.py", line 979 in _engine_run_backward
+  File "{SITE}/torch/autograd/__init__.py", line 395 in backward
+  File "{SITE}/torch/_tensor.py", line 623 in backward
+{TRAIN_TAIL}"""
+PYSPY_CUDA = """Thread 4242 (active): "MainThread"
+    cudaStreamSynchronize (libcudart.so.12)
+    at::native::_local_scalar_dense_cuda (libtorch_cuda.so)
+    _forward (nsa_diag/worker/train.py:209)
+"""
+
+
+def cuda_evidence(text: str, **fields: object) -> Evidence:
+    return Evidence(
+        outcome="stalled", stack_samples=[text, text], where=WHERE, heartbeat_advancing=True, **fields
+    )  # type: ignore[arg-type]
+
+
+def test_cuda_kernel_from_a_synchronize_frame() -> None:
+    v = classify(cuda_evidence(CUDA_SYNC, cpu_percent=100.0, gpu_utilization=100.0))
+    assert v.hang_kind == "cuda-kernel"
+    assert "__init__.py:1083 in synchronize" in v.reason
+    assert "GPU 100%" in v.reason
+
+
+def test_cuda_kernel_from_an_item_line_while_the_gpu_is_busy() -> None:
+    sources = {f"{SITE}/nsa_diag/worker/train.py:209": "loss_value = loss.item()"}
+    assert classify(
+        cuda_evidence(ITEM, cpu_percent=100.0, gpu_utilization=97.0, source_lines=sources)
+    ).hang_kind == ("cuda-kernel")
+    idle_gpu = classify(cuda_evidence(ITEM, cpu_percent=100.0, gpu_utilization=0.0, source_lines=sources))
+    assert idle_gpu.hang_kind != "cuda-kernel"
+    native = classify(cuda_evidence(ITEM, cpu_percent=100.0, pyspy=PYSPY_CUDA))
+    assert native.hang_kind == "cuda-kernel"
+    assert "cudaStreamSynchronize" in native.reason
+
+
+def test_hook_on_an_autograd_engine_thread_is_the_focus() -> None:
+    threads = parse_faulthandler(ENGINE_THREAD)
+    focus = focus_thread(threads)
+    assert focus is not None
+    assert focus.frames[0].func == "_deadlock_lock_acquire"
+    sources = {f"{SITE}/nsa_diag/worker/inject.py:70": "lock.acquire()"}
+    v = classify(cuda_evidence(ENGINE_THREAD, cpu_percent=0.0, source_lines=sources))
+    assert v.hang_kind == "python-deadlock"
+    assert "inject.py:70 in _deadlock_lock_acquire" in v.reason
+
+
+def test_the_workers_heartbeat_thread_is_never_the_focus() -> None:
+    only_heartbeat = parse_faulthandler(HEARTBEAT)
+    assert focus_thread(only_heartbeat) is None
+    v = classify(cuda_evidence(HEARTBEAT, cpu_percent=0.0))
+    assert v.hang_kind == "unknown"
+    assert "no stack sample" in v.reason
+
+
+# --- other verdicts -----------------------------------------------------------------------------------
+
+
+def ok_result(status: str = "ok", reason: str = "2 step(s) done") -> dict[str, object]:
+    return {"status": status, "reason": reason, "steps_done": 2}
+
+
+def test_pass() -> None:
+    v = classify(Evidence(outcome="exited", exit_code=0, worker_result=ok_result()))
+    assert (v.verdict, v.hang_kind, v.reason) == ("pass", None, "2 step(s) done")
+
+
+@pytest.mark.parametrize("status", ["oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped"])
+def test_worker_statuses_are_verdicts(status: str) -> None:
+    v = classify(Evidence(outcome="exited", exit_code=1, worker_result=ok_result(status, f"why {status}")))
+    assert (v.verdict, v.reason) == (status, f"why {status}")
+
+
+def test_crash_by_signal_names_the_signal_the_error_and_the_frame() -> None:
+    fatal = split_samples((RECORDED / "segfault.faulthandler.txt").read_text())[1]
+    v = classify(Evidence(outcome="exited", exit_code=-11, signal="SIGSEGV", fatal_stack=fatal, where=WHERE))
+    assert v.verdict == "crash"
+    assert v.reason.startswith("killed by SIGSEGV (Segmentation fault) at layer 1 backward step 1 in ")
+    assert "__init__.py:519 in string_at, called from record_stacks.py:" in v.reason
+
+
+def test_exit_without_a_result_is_a_crash() -> None:
+    v = classify(Evidence(outcome="exited", exit_code=17, where=WHERE, stderr_tail="some\nlast words\n"))
+    assert v.verdict == "crash"
+    assert "exited with code 17 without a result at layer 1 backward" in v.reason
+    assert "stderr: last words" in v.reason
+    ok_then_dead = classify(
+        Evidence(outcome="exited", exit_code=-6, worker_result=ok_result(), signal="SIGABRT")
+    )
+    assert ok_then_dead.verdict == "crash"
+
+
+def test_timeout_is_slow_with_rate_and_eta() -> None:
+    rate = {"steps_per_s": 0.4, "events_per_s": 23.0, "steps_done": 2, "steps_total": 20, "eta_s": 45.0}
+    v = classify(Evidence(outcome="timeout", where=WHERE, timeout_s=6.0, elapsed_s=6.1, rate=rate))
+    assert v.verdict == "slow"
+    assert v.hang_kind is None
+    assert "6 s timeout" in v.reason
+    assert "0.4 steps/s" in v.reason
+    assert "2/20 steps done" in v.reason
+    assert "needs about 45 s more" in v.reason
+
+
+def test_interrupted_is_an_error() -> None:
+    v = classify(Evidence(outcome="interrupted", interrupted_by="SIGINT", elapsed_s=3.0, where=WHERE))
+    assert v.verdict == "error"
+    assert v.reason == "interrupted by SIGINT after 3.0 s at layer 1 backward step 1"
+
+
+def test_reasons_are_one_line() -> None:
+    for kind in ("deadlock", "event", "busy", "gil-hog", "collective", "native-busy"):
+        v = classify(stalled(kind, cpu_percent=0.0, pyspy=pyspy(kind)))
+        assert "\n" not in v.reason
+
+
+def test_native_frames_that_compute_are_not_read_as_waits() -> None:
+    text = """Thread 4242 (idle): "MainThread"
+    at::native::index_select_out_cpu_ (libtorch_cpu.so)
+    _fault (record_stacks.py:51)
+    <module> (record_stacks.py:125)
+"""
+    kind, why = hang_kind(stalled("native-busy", cpu_percent=5.0, pyspy=text))
+    assert kind == "unknown"
+    assert "waiting in" not in why
+
+
+def test_a_worker_that_finished_but_does_not_exit_is_a_hang_that_says_so() -> None:
+    done = Where(phase="done", event="end")
+    ev = Evidence(
+        outcome="stalled",
+        worker_result=ok_result("grad-missing"),
+        stack_samples=["Current thread 0x00007f0a0f3bdb80 (most recent call first):\n  Garbage-collecting\n"],
+        where=done,
+        stalled_for_s=31.0,
+        heartbeat_advancing=False,
+    )
+    v = classify(ev)
+    assert v.verdict == "hang"
+    assert v.reason.startswith(
+        "the worker reported grad-missing but did not exit: no progress for 31.0 s at done;"
+    )
