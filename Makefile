@@ -1,6 +1,7 @@
 # Set-up and everyday commands. Everything runs in ./.venv, created on first use.
 #
-#   make demo    one forward+backward of the NSA model on the embedded default (CPU unless CUDA is present)
+#   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
+#                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
 #   make test    the test suite
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
@@ -31,7 +32,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: $(STAMP)
-	$(BIN)/python -m nsa_diag.demo
+	$(BIN)/nsa-diag branch
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

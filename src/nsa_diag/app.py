@@ -16,22 +16,32 @@ import typer
 
 from nsa_diag import __version__
 from nsa_diag._cli_utils import DebugOpt
+from nsa_diag.commands.backend import backend
+from nsa_diag.commands.branch import branch
 from nsa_diag.commands.env import env
+from nsa_diag.commands.run import run
+from nsa_diag.commands.schema import schema
+from nsa_diag.commands.selftest import selftest
 from nsa_diag.errors import EXIT_INTERNAL, describe_error
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
 HELP = """\
 Diagnostics for Native Sparse Attention (NSA) training.
 
-Its aim: find out, with evidence, whether a job is hung or only slow and where, which branch, backend or
-setting reproduces a failure, how memory and time grow with sequence length, and whether the gradients
-are right. It drives the NSA model of the `nsa_core` package.
+It finds out, with evidence, whether a job is hung or only slow and where (phase, step, layer, branch,
+stack samples), which branch or backend reproduces a failure, and whether the gradients match the
+reference. Each case runs a few real training steps of the NSA model of `nsa_core` (or of your own,
+`--model`) in a fresh worker process under a watchdog; every run leaves a folder with the verdicts,
+the evidence and a `replay.sh` per case.
 
-Work in progress: `env` is the first command. Planned: `run`, `branch`, `backend`, `scale`, `gc-bisect`,
-`ddp`, `verify`, `matrix`, `report`, `compare`, `selftest`.
+Verdicts: pass, hang, slow, oom, crash, error, nonfinite, grad-missing, mismatch, skipped.
 
-Exit codes: 0 success, 1 a case did not pass, 2 usage or configuration error, 3 internal error
-(`--debug` shows its traceback).
+Exit codes: 0 every case passed, 1 some case did not, 2 usage or configuration error, 3 internal error
+(`--debug` shows its traceback), 130 interrupted.
+
+Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
+`nsa-diag run --inject deadlock:layer=1 --stall 5`. Still to come: `scale`, `gc-bisect`, `ddp`, `verify`,
+`matrix`, `report`, `compare`.
 """
 
 app = typer.Typer(
@@ -62,7 +72,12 @@ def _root(
     pass
 
 
+app.command("run")(run)
+app.command("branch")(branch)
+app.command("backend")(backend)
+app.command("selftest")(selftest)
 app.command("env")(env)
+app.command("schema")(schema)
 
 
 def report_error(exc: BaseException, *, debug: bool, stream: TextIO | None = None) -> int:

@@ -1,16 +1,33 @@
-"""Output for people and for scripts: Rich tables on stdout, JSON on stdout, diagnostics on stderr."""
+"""Output for people and for scripts: Rich tables on stdout, JSON on stdout, diagnostics on stderr.
+
+The environment snapshot (`render_env`); for case commands the live display on stderr (`LiveProgress`),
+the result table on stdout (`render_summary`), and the run folder's summary.json and summary.md
+(`build_summary`, `write_summary`, which writes through `artifacts`).
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag import __version__
+from nsa_diag.errors import EXIT_ABORTED
 from nsa_diag.evidence.env import ENV_VAR_PREFIXES
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from nsa_diag.cases import Expectation
+    from nsa_diag.spec import CaseResult, CaseSpec
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
 
 _SECTION_TITLES = {
     "python": "Python",
@@ -23,10 +40,16 @@ _SECTION_TITLES = {
 }
 
 
+PIPE_WIDTH = 160  # stdout into a file or a pipe: wide enough that result rows do not wrap
+
+
 def stdout_console() -> Console:
     from rich.console import Console
 
-    return Console()
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=PIPE_WIDTH)
+    return console
 
 
 def stderr_console() -> Console:
@@ -95,3 +118,392 @@ def render_env(snapshot: Mapping[str, Any], console: Console | None = None) -> N
     if not env_vars:
         variables.add_row("(none set)", "")
     console.print(variables)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Case results: the live display while cases run, the table at the end, summary.json and summary.md.
+
+_VERDICT_STYLES = {
+    "pass": "green",
+    "skipped": "yellow",
+    "slow": "yellow",
+    "hang": "bold red",
+}
+_SHOWS_WHERE = {"hang", "slow", "crash", "error", "oom", "nonfinite"}
+
+
+def format_bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    if value >= 2**30:
+        return f"{value / 2**30:.2f} GiB"
+    return f"{value / 2**20:.1f} MiB"
+
+
+def format_seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.1f} s" if value < 600 else f"{value / 60:.1f} min"
+
+
+def _peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The headline peak memory of a case and what it measures."""
+    peak = metrics.get("peak_memory") or {}
+    for key, kind in (
+        ("cuda_max_allocated_bytes", "CUDA max allocated"),
+        ("cpu_peak_rss_bytes", "peak RSS of the worker"),
+    ):
+        if isinstance(peak.get(key), int):
+            return peak[key], kind
+    return None, None
+
+
+def _last(values: Any) -> float | None:
+    if isinstance(values, list) and values and isinstance(values[-1], int | float):
+        return float(values[-1])
+    return None
+
+
+STACK_DEPTH = 8
+_SHOWS_STACK = {"hang", "slow", "crash"}
+
+
+def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
+    """The innermost frames of the worker's main thread in its last stack sample (or fatal-error dump).
+
+    Empty when ``stacks.txt`` holds no sample, e.g. for a case that ended normally.
+    """
+    from nsa_diag import artifacts
+    from nsa_diag.evidence.stacks import parse_faulthandler, split_samples
+
+    try:
+        text = (Path(case_dir) / artifacts.STACKS).read_text(errors="replace")
+    except OSError:
+        return []
+    samples, fatal = split_samples(text)
+    dump = fatal or (samples[-1] if samples else None)
+    if not dump:
+        return []
+    threads = parse_faulthandler(dump)
+    main = next((t for t in threads if t.is_main), None) or next((t for t in threads if t.current), None)
+    return [frame.short() for frame in main.frames[:depth]] if main else []
+
+
+def _where(result: CaseResult) -> str | None:
+    """Where the case went wrong: the first non-finite module, else the beacon's last location."""
+    nonfinite = result.nonfinite or {}
+    if nonfinite.get("module"):
+        step = f" step {nonfinite['step']}" if nonfinite.get("step") is not None else ""
+        return f"{nonfinite['module']} ({nonfinite.get('where', '?')}){step}"
+    if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing
+        return None
+    return result.where.describe()
+
+
+def case_entry(
+    result: CaseResult, expected: Expectation | None = None, case_dir: Path | None = None
+) -> dict[str, Any]:
+    """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
+    case or crash, the innermost frames of the worker's main thread."""
+    metrics = result.metrics or {}
+    peak, peak_kind = _peak_memory(metrics)
+    ok = expected.met_by(result.verdict, result.hang_kind) if expected else result.passed
+    entry: dict[str, Any] = {
+        "name": result.name,
+        "ok": ok,
+        "verdict": result.verdict,
+        "hang_kind": result.hang_kind,
+        "reason": result.reason,
+        "where": _where(result),
+        "elapsed_s": round(result.elapsed_s, 3),
+        "device": result.device,
+        "steps_done": result.steps_done,
+        "tokens_per_s": metrics.get("tokens_per_s"),
+        "loss": _last(metrics.get("loss")),
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "parity": result.parity,
+        "rate": result.rate,
+        "missing_grads": result.missing_grads,
+        "nonfinite": result.nonfinite,
+        "dir": f"cases/{result.name}",
+        "replay": f"cases/{result.name}/replay.sh",
+    }
+    if case_dir is not None and result.verdict in _SHOWS_STACK:
+        entry["stack"] = main_thread_stack(case_dir)
+    if expected is not None:
+        entry["expected"] = {"verdict": expected.verdict, "hang_kind": expected.hang_kind}
+    return entry
+
+
+def build_summary(
+    command: str,
+    run_dir: Path,
+    specs: Sequence[CaseSpec],
+    results: Sequence[CaseResult],
+    *,
+    started_at: float,
+    expectations: Mapping[str, Expectation] | None = None,
+    interrupted: bool = False,
+) -> dict[str, Any]:
+    """summary.json: the invocation, the exit code, and one entry per case that has a result."""
+    expectations = expectations or {}
+    cases = [
+        case_entry(result, expectations.get(result.name), Path(run_dir) / "cases" / result.name)
+        for result in results
+    ]
+    done = {result.name for result in results}
+    not_run = [spec.name for spec in specs if spec.name not in done]
+    counts: dict[str, int] = {}
+    for case in cases:
+        counts[case["verdict"]] = counts.get(case["verdict"], 0) + 1
+    all_ok = bool(cases) and all(case["ok"] for case in cases) and not not_run
+    if interrupted:
+        exit_code = EXIT_ABORTED
+    else:
+        exit_code = 0 if all_ok else 1
+    return {
+        "command": command,
+        "argv": ["nsa-diag", *sys.argv[1:]],
+        "nsa_diag_version": __version__,
+        "run_dir": str(run_dir),
+        "started_at": _iso(started_at),
+        "finished_at": _iso(time.time()),
+        "elapsed_s": round(time.time() - started_at, 3),
+        "interrupted": interrupted,
+        "ok": all_ok and not interrupted,
+        "exit_code": exit_code,
+        "counts": counts,
+        "not_run": not_run,
+        "cases": cases,
+    }
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def _parity_text(parity: Mapping[str, Any] | None) -> str:
+    if not parity:
+        return "-"
+    loss, grad = parity.get("loss_rel_err"), parity.get("grad_rel_err_max")
+    if not isinstance(loss, int | float) or not isinstance(grad, int | float):
+        return "-"
+    return f"loss {loss:.1e} · grad {grad:.1e}"
+
+
+def _cells(case: Mapping[str, Any]) -> dict[str, str]:
+    tokens = case["tokens_per_s"]
+    loss = case["loss"]
+    return {
+        "where": case["where"] if case["where"] and case["verdict"] in _SHOWS_WHERE else "-",
+        "time": format_seconds(case["elapsed_s"]),
+        "tokens/s": f"{tokens:,.0f}" if isinstance(tokens, int | float) else "-",
+        "loss": f"{loss:.4f}" if isinstance(loss, int | float) else "-",
+        "peak memory": format_bytes(case["peak_memory_bytes"]),
+        "parity": _parity_text(case["parity"]),
+    }
+
+
+def render_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:
+    """The result table, then one line per case that did not pass, the run folder and the replay hint."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or stdout_console()
+    cases = summary["cases"]
+    selftest = any("expected" in case for case in cases)
+    with_parity = any(case["parity"] for case in cases)
+    table = Table(title=f"nsa-diag {summary['command']}", title_justify="left")
+    table.add_column("case", style="bold")
+    if selftest:
+        table.add_column("expected")
+    table.add_column("verdict")
+    table.add_column("hang kind")
+    if selftest:
+        table.add_column("ok")
+    columns = ["where", "time", "tokens/s", "loss", "peak memory"] + (["parity"] if with_parity else [])
+    for column in columns:
+        table.add_column(column, justify="right" if column in ("time", "tokens/s", "loss") else "left")
+    for case in cases:
+        style = _VERDICT_STYLES.get(case["verdict"], "red")
+        row = [escape(case["name"])]
+        if selftest:
+            expected = case["expected"]
+            row.append(expected["verdict"] + (f" / {expected['hang_kind']}" if expected["hang_kind"] else ""))
+        row += [f"[{style}]{case['verdict']}[/{style}]", case["hang_kind"] or "-"]
+        if selftest:
+            row.append("[green]yes[/green]" if case["ok"] else "[bold red]NO[/bold red]")
+        cells = _cells(case)
+        row += [escape(cells[column]) for column in columns]
+        table.add_row(*row)
+    console.print(table)
+
+    for case in cases:
+        if case["verdict"] != "pass" or not case["ok"]:
+            reason = f"[bold]{escape(case['name'])}[/bold]: {escape(case['reason'])}"
+            console.print(reason, soft_wrap=True, highlight=False)
+        if case.get("stack"):
+            console.print(f"  main thread, last stack sample ({case['dir']}/stacks.txt):", highlight=False)
+            for frame in case["stack"]:
+                console.print(f"    {escape(frame)}", highlight=False, soft_wrap=True)
+    if summary["not_run"]:
+        console.print(f"not run: {', '.join(summary['not_run'])}")
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in summary["counts"].items()) or "no case ran"
+    status = "interrupted" if summary["interrupted"] else ("all ok" if summary["ok"] else "not all ok")
+    console.print(f"{counts} ({status}) in {format_seconds(summary['elapsed_s'])}", soft_wrap=True)
+    console.print(f"run folder: {escape(summary['run_dir'])}", soft_wrap=True)
+    failed = [case for case in cases if not case["ok"]]
+    if failed:
+        replay = Path(summary["run_dir"]) / failed[0]["replay"]
+        console.print(f"reproduce {escape(failed[0]['name'])}: {escape(str(replay))}", soft_wrap=True)
+
+
+def summary_markdown(summary: Mapping[str, Any]) -> str:
+    """summary.md: the same as the table, for people reading the run folder."""
+    cases = summary["cases"]
+    selftest = any("expected" in case for case in cases)
+    with_parity = any(case["parity"] for case in cases)
+    head = ["case"] + (["expected"] if selftest else []) + ["verdict", "hang kind"]
+    head += (["ok"] if selftest else []) + ["where", "time", "tokens/s", "loss", "peak memory"]
+    head += ["parity"] if with_parity else []
+    lines = [
+        f"# nsa-diag {summary['command']}",
+        "",
+        f"- started {summary['started_at']}, {format_seconds(summary['elapsed_s'])}; "
+        f"nsa-diag {summary['nsa_diag_version']}",
+        f"- command: `{' '.join(summary['argv'])}`",
+        f"- result: {'all ok' if summary['ok'] else 'not all ok'}"
+        + (" (interrupted)" if summary["interrupted"] else "")
+        + f", exit code {summary['exit_code']}",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
+    for case in cases:
+        cells = _cells(case)
+        row = [case["name"]]
+        if selftest:
+            expected = case["expected"]
+            row.append(expected["verdict"] + (f" / {expected['hang_kind']}" if expected["hang_kind"] else ""))
+        row += [case["verdict"], case["hang_kind"] or "-"]
+        row += (["yes" if case["ok"] else "**NO**"] if selftest else []) + [
+            cells[c] for c in ("where", "time", "tokens/s", "loss", "peak memory")
+        ]
+        row += [cells["parity"]] if with_parity else []
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
+    lines += ["", "## Cases", ""]
+    for case in cases:
+        lines.append(f"- **{case['name']}** ({case['verdict']}): {case['reason']}")
+        lines.append(f"  files: `{case['dir']}/`; reproduce: `{case['replay']}`")
+        if case.get("stack"):
+            lines.append(f"  main thread, last stack sample (`{case['dir']}/stacks.txt`):")
+            lines += ["", "  ```", *(f"  {frame}" for frame in case["stack"]), "  ```", ""]
+    if summary["not_run"]:
+        lines += ["", f"Not run: {', '.join(summary['not_run'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
+    """summary.json and summary.md in the run folder (atomic writes, through `artifacts`)."""
+    from nsa_diag import artifacts
+
+    artifacts.write_json(Path(run_dir) / SUMMARY_JSON, dict(summary))
+    artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary))
+
+
+class LiveProgress:
+    """The live display on stderr while cases run: the case, where the worker is, the time elapsed.
+
+    On a terminal a transient status line follows the beacon; elsewhere (CI logs, pipes) one line per
+    case start and end, so logs stay readable. Feed it from the runner's callbacks.
+    """
+
+    def __init__(self, console: Console, specs: Sequence[CaseSpec]) -> None:
+        self.console = console
+        self.total = len(specs)
+        self.index = 0
+        self.spec: CaseSpec | None = None
+        self.state: Any = None
+        self.elapsed = 0.0
+        self._live: Any = None
+
+    def __enter__(self) -> LiveProgress:
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self._live = Live(self._status(), console=self.console, transient=True, refresh_per_second=8)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _prefix(self) -> str:
+        name = self.spec.name if self.spec else "?"
+        return f"[{self.index}/{self.total}] {name}"
+
+    def _status(self) -> Any:
+        from rich.markup import escape
+        from rich.spinner import Spinner
+
+        if self.spec is None:
+            return Spinner("dots", "starting")
+        where = describe_state(self.state, self.spec.steps)
+        text = f"{escape(self._prefix())}: {escape(where)} · {self.elapsed:.1f} s"
+        state = self.state
+        idle = time.time() - state.time if state is not None and state.phase != "setup" else 0.0
+        if idle >= 1.0:  # a hang in the making: count towards --stall (setup has a longer limit)
+            text += f" · no progress for {idle:.1f} s (stall {self.spec.stall:g} s)"
+        return Spinner("dots", text)
+
+    def case_start(self, spec: CaseSpec) -> None:
+        self.index += 1
+        self.spec, self.state, self.elapsed = spec, None, 0.0
+        if self._live is not None:
+            self._live.update(self._status())
+        else:
+            self.console.print(
+                f"{self._prefix()}: running (stall {spec.stall:g} s, timeout {spec.timeout:g} s)",
+                markup=False,
+                highlight=False,
+            )
+
+    def progress(self, state: Any, elapsed: float) -> None:
+        self.state, self.elapsed = state, elapsed
+        if self._live is not None:
+            self._live.update(self._status())
+
+    def case_end(self, result: CaseResult) -> None:
+        from rich.markup import escape
+
+        style = _VERDICT_STYLES.get(result.verdict, "red")
+        kind = f" ({result.hang_kind})" if result.hang_kind else ""
+        self.console.print(
+            f"{escape(self._prefix())}: [{style}]{result.verdict}[/{style}]{kind} "
+            f"in {format_seconds(result.elapsed_s)}",
+            highlight=False,
+        )
+
+
+def describe_state(state: Any, steps: int | None = None) -> str:
+    """A beacon read (`BeaconState` or None) as `step 1/2 · layer 1 backward (sel)`."""
+    if state is None:
+        return "starting the worker"
+    parts = []
+    if state.step is not None:
+        parts.append(f"step {state.step}" + (f"/{steps}" if steps else ""))
+    location = " ".join(
+        part
+        for part in (
+            f"layer {state.layer}" if state.layer is not None else None,
+            state.phase,
+            f"({state.branch})" if state.branch else None,
+        )
+        if part
+    )
+    if location:
+        parts.append(location)
+    return " · ".join(parts) or "running"

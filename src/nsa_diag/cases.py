@@ -1,0 +1,380 @@
+"""From command-line options to `CaseSpec`s: one case (`run`), per branch, per backend, per fault kind.
+
+Everything a command line can get wrong is found here, before a run folder exists: a bad `--inject`, an
+impossible geometry, `--device cuda` without a GPU, a `--model` that cannot be imported, a fault that could
+never fire. Each raises `UsageError` or `ConfigError` with one line naming the option and the fix (exit 2).
+
+`replay_argv(spec, out)` is the inverse: the `nsa-diag run` command line that reproduces one case.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from nsa_diag._cli_utils import Branch, CaseOptions, CmpBackend, SelBackend, WinBackend
+from nsa_diag.errors import ConfigError, UsageError
+from nsa_diag.spec import CaseSpec, Injection
+
+# Shared options that become `nsa_core.preset` overrides under the same name.
+_SAME_NAME_OVERRIDES = (
+    "layers", "dim", "heads", "kv_heads", "head_dim", "vocab", "mlp_hidden",
+    "block_len", "block_stride", "sel_block_len", "n_sel", "n_init", "n_local", "window",
+)  # fmt: skip
+# Override name -> command-line flag, for the ones not spelled `--<name-with-dashes>`.
+_OVERRIDE_FLAGS = {
+    "sel_backend": "--sel",
+    "cmp_backend": "--cmp",
+    "win_backend": "--win",
+    "force_branch": "--branch",
+}
+_TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "sel": tuple(b.value for b in SelBackend),
+    "cmp": tuple(b.value for b in CmpBackend),
+    "win": tuple(b.value for b in WinBackend),
+}
+BRANCH_CASES = ("cmp", "sel", "win", "all")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _validation_line(exc: ValidationError) -> str:
+    """A pydantic error as one line: `field: message; field: message`."""
+    parts = []
+    for err in exc.errors():
+        msg = _one_line(err["msg"]).removeprefix("Value error, ")
+        where = ".".join(str(part) for part in err["loc"])
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts)
+
+
+def parse_injection(text: str) -> Injection:
+    """`--inject` text -> `Injection`, or a `UsageError` naming the bad part."""
+    try:
+        return Injection.parse(text)
+    except ValidationError as exc:
+        raise UsageError(f"--inject {text!r}: {_validation_line(exc)}") from None
+    except ValueError as exc:
+        raise UsageError(_one_line(str(exc))) from None
+
+
+def default_seq_len(cfg: Any) -> int:
+    """2·n_sel·l': twice the tokens selection may pick, so selection is sparse; and at least 2·window."""
+    nsa = cfg.nsa
+    return max(2 * nsa.n_sel * nsa.sel_block_len, 2 * nsa.window)
+
+
+def _overrides(options: CaseOptions) -> dict[str, Any]:
+    overrides: dict[str, Any] = {
+        name: getattr(options, name) for name in _SAME_NAME_OVERRIDES if getattr(options, name) is not None
+    }
+    for option, field in (("sel", "sel_backend"), ("cmp", "cmp_backend"), ("win", "win_backend")):
+        if getattr(options, option) is not None:
+            overrides[field] = getattr(options, option).value
+    if options.branch is not Branch.all:
+        overrides["force_branch"] = options.branch.value
+    if options.prefill is not None:
+        overrides["prefill"] = options.prefill.value
+    if options.gc is not None:
+        overrides["gc"] = options.gc
+    if options.gc_reentrant:
+        overrides["gc_reentrant"] = True
+    return overrides
+
+
+def _model_config(preset: str, overrides: dict[str, Any]) -> Any:
+    import nsa_core
+
+    try:
+        return nsa_core.preset(preset, **overrides)
+    except ValueError as exc:
+        raise ConfigError(_one_line(str(exc))) from None
+
+
+def build_spec(
+    options: CaseOptions, *, name: str = "case", overrides: dict[str, Any] | None = None, **fields: Any
+) -> CaseSpec:
+    """The `CaseSpec` of `options`, with extra model `overrides` and `CaseSpec` `fields` on top.
+
+    An invalid geometry or value raises `ConfigError` in one line.
+    """
+    all_overrides = {**_overrides(options), **(overrides or {})}
+    cfg = _model_config(options.preset.value, all_overrides)
+    injections = tuple(parse_injection(text) for text in options.inject)
+    values: dict[str, Any] = {
+        "name": name,
+        "preset": options.preset.value,
+        "overrides": all_overrides,
+        "model": options.model,
+        "seq_len": options.seq_len or default_seq_len(cfg),
+        "batch": options.batch,
+        "steps": options.steps,
+        "dtype": options.dtype.value,
+        "device": options.device.value,
+        "seed": options.seed,
+        "lr": options.lr,
+        "timeout": options.timeout,
+        "stall": options.stall,
+        "inject": injections,
+        "anomaly": options.anomaly,
+        "launch_blocking": options.launch_blocking,
+        "profile": options.profile,
+        "memory_snapshot": options.memory_snapshot,
+        "alloc_conf": options.alloc_conf,
+        "reference_check": options.reference_check,
+        "tolerance": options.tolerance,
+        **fields,
+    }
+    try:
+        spec = CaseSpec.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_validation_line(exc)) from None
+    check_spec(spec)
+    return spec
+
+
+def check_spec(spec: CaseSpec) -> None:
+    """Combinations a `CaseSpec` allows but that could never run as meant; `UsageError` in one line."""
+    if spec.seq_len < 2:
+        raise UsageError(f"--seq-len {spec.seq_len}: the next-token loss needs at least 2 tokens")
+    cfg = spec.nsa_config()
+    for inj in spec.inject:
+        if inj.kind == "skip-collective":
+            raise UsageError(
+                f"--inject {inj}: skip-collective needs several ranks; it applies only under `nsa-diag ddp`"
+            )
+        if inj.rank not in (None, 0):
+            raise UsageError(f"--inject {inj}: rank={inj.rank}, but this case runs one process (rank 0)")
+        if spec.model is None and inj.layer >= cfg.layers:
+            raise UsageError(
+                f"--inject {inj}: layer={inj.layer}, but the model's layers are 0..{cfg.layers - 1}"
+            )
+        if inj.step > spec.steps:
+            raise UsageError(f"--inject {inj}: step={inj.step} never comes with --steps {spec.steps}")
+        if inj.phase == "recompute" and spec.model is None and inj.layer not in cfg.gc_layers:
+            raise UsageError(
+                f"--inject {inj}: phase=recompute fires only when layer {inj.layer} is checkpointed; "
+                f"add --gc all or --gc A:B covering it"
+            )
+        if inj.kind == "unused-param" and spec.model is not None:
+            raise UsageError(f"--inject {inj}: unused-param detaches attn.kv_win of the built-in TinyLM only")
+
+
+def check_options(options: CaseOptions) -> None:
+    """What can be checked before any case is built: values, the tag, the device, the model factory."""
+    for flag, seconds in (("--stall", options.stall), ("--timeout", options.timeout)):
+        if seconds <= 0:
+            raise UsageError(f"{flag} {seconds:g}: must be more than 0 seconds")
+    if options.lr <= 0:
+        raise UsageError(f"--lr {options.lr}: the learning rate must be > 0")
+    if options.tag is not None and not _TAG_PATTERN.match(options.tag):
+        raise UsageError(f"--tag {options.tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if options.out.exists() and not options.out.is_dir():
+        raise UsageError(f"--out {options.out}: exists and is not a folder")
+    if options.device.value == "cuda" and not cuda_available():
+        raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu or auto")
+    if options.model is not None:
+        check_model_factory(options.model)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def uses_cuda(options: CaseOptions) -> bool:
+    """Whether the worker will run on CUDA (`--device auto` resolves as in the worker)."""
+    return options.device.value == "cuda" or (options.device.value == "auto" and cuda_available())
+
+
+def check_model_factory(target: str) -> None:
+    """`pkg.module:factory` must import and name a callable, as the worker will look it up.
+
+    The worker runs `python -m`, which puts the working directory first on `sys.path`; so does this check.
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model {target!r}: expected 'pkg.module:factory'")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time failure of the user's code is a usage error here
+        raise UsageError(f"--model {target}: cannot import {module_name}: {_one_line(str(exc))}") from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    factory = module
+    for part in attr.split("."):
+        factory = getattr(factory, part, None)
+        if factory is None:
+            raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
+    if not callable(factory):
+        raise UsageError(f"--model {target}: {attr} is not callable; it must be factory(spec) -> nn.Module")
+
+
+def parse_backend_list(branch: str, text: str | None) -> tuple[str, ...]:
+    """`--sel masked,gather` -> ("masked", "gather"); every name checked against the branch's backends."""
+    if text is None:
+        return ()
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    valid = BACKENDS[branch]
+    bad = [name for name in names if name not in valid]
+    if bad or not names:
+        raise UsageError(
+            f"--{branch} {text!r}: {', '.join(bad) or 'empty list'} not a {branch} backend; "
+            f"choose from {', '.join(valid)}"
+        )
+    return names
+
+
+def branch_specs(options: CaseOptions) -> list[CaseSpec]:
+    """One case per branch computing only that branch (force_branch), then every branch (`all`)."""
+    return [
+        build_spec(options.replace(branch=Branch(name)), name=name)
+        for name in BRANCH_CASES  # Branch.all sets no force_branch
+    ]
+
+
+def backend_specs(options: CaseOptions, lists: dict[str, Sequence[str]]) -> list[CaseSpec]:
+    """One case per backend of each branch in `lists`, computing that branch alone, with `reference_check`.
+
+    A branch not in `lists` runs every backend but the reference (which would be compared with itself)
+    when no list is given at all.
+    """
+    if not any(lists.values()):
+        lists = {branch: tuple(b for b in names if b != "reference") for branch, names in BACKENDS.items()}
+    specs = []
+    for branch, backends in lists.items():
+        for backend in backends:
+            specs.append(
+                build_spec(
+                    options.replace(branch=Branch(branch)),
+                    name=f"{branch}-{backend}",
+                    overrides={f"{branch}_backend": backend},
+                    reference_check=True,
+                )
+            )
+    return specs
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What `selftest` expects of one injected fault."""
+
+    kind: str
+    verdict: str
+    hang_kind: str | None = None
+
+    def met_by(self, verdict: str, hang_kind: str | None) -> bool:
+        return verdict == self.verdict and (self.hang_kind is None or hang_kind == self.hang_kind)
+
+    def describe(self) -> str:
+        return self.verdict + (f" / {self.hang_kind}" if self.hang_kind else "")
+
+
+SELFTEST_EXPECTATIONS = (
+    Expectation("deadlock", "hang", "python-deadlock"),
+    Expectation("busy", "hang", "python-busy"),
+    Expectation("slow", "slow"),
+    Expectation("nan", "nonfinite"),
+    Expectation("oom", "oom"),
+    Expectation("segfault", "crash"),
+    Expectation("abort", "crash"),
+    Expectation("exit", "crash"),
+    Expectation("unused-param", "grad-missing"),
+    Expectation("gil-hog", "hang", "gil-held"),
+    Expectation("gpu-spin", "hang", "cuda-kernel"),
+)
+SELFTEST_KINDS = tuple(e.kind for e in SELFTEST_EXPECTATIONS)
+SLOW_SECONDS = 1.0
+
+
+def parse_kinds(text: str | None) -> tuple[str, ...]:
+    """`--kinds deadlock,nan` -> the kinds, checked; None: every kind."""
+    if text is None:
+        return SELFTEST_KINDS
+    kinds = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [kind for kind in kinds if kind not in SELFTEST_KINDS]
+    if bad or not kinds:
+        raise UsageError(
+            f"--kinds {text!r}: {', '.join(bad) or 'empty list'} not a selftest kind; "
+            f"choose from {', '.join(SELFTEST_KINDS)}"
+        )
+    return kinds
+
+
+def selftest_specs(
+    options: CaseOptions, kinds: Iterable[str], *, cuda: bool
+) -> list[tuple[CaseSpec, Expectation]]:
+    """One case per fault kind, injected in the backward of the last layer at step 1.
+
+    `slow` sleeps `SLOW_SECONDS` per step in a case whose timeout is twice the stall and whose steps
+    would take four times that timeout, so the watchdog must call it slow, not hung. Without CUDA,
+    `gpu-spin` is expected to come back `skipped`.
+    """
+    cfg = _model_config(options.preset.value, _overrides(options))
+    layer = cfg.layers - 1
+    expectations = {e.kind: e for e in SELFTEST_EXPECTATIONS}
+    cases = []
+    for kind in kinds:
+        expected = expectations[kind]
+        fields: dict[str, Any] = {}
+        inject = f"{kind}:layer={layer},phase=backward,step=1"
+        if kind == "slow":
+            seconds = min(SLOW_SECONDS, options.stall / 3)
+            timeout = 2 * options.stall
+            inject += f",seconds={seconds:g}"
+            fields = {"timeout": timeout, "steps": max(options.steps, math.ceil(4 * timeout / seconds))}
+        if kind == "gpu-spin" and not cuda:
+            expected = Expectation(kind, "skipped")
+        spec = build_spec(options.replace(inject=(inject,)), name=kind, **fields)
+        cases.append((spec, expected))
+    return cases
+
+
+def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
+    """The `nsa-diag run` command line that reproduces `spec`, its run folder under `out`."""
+    defaults = CaseSpec()
+    argv = [sys.executable, "-m", "nsa_diag", "run", "--name", spec.name, "--preset", spec.preset]
+    for key, value in spec.overrides.items():
+        flag = _OVERRIDE_FLAGS.get(key, "--" + key.replace("_", "-"))
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    if spec.model is not None:
+        argv += ["--model", spec.model]
+    always = ("seq_len", "steps", "stall", "timeout")  # what a hang or slow case depends on, spelled out
+    for field in ("seq_len", "batch", "steps", "dtype", "device", "seed", "lr", "stall", "timeout"):
+        value = getattr(spec, field)
+        if field in always or value != getattr(defaults, field):
+            argv += ["--" + field.replace("_", "-"), str(value)]
+    for inj in spec.inject:
+        argv += ["--inject", str(inj)]
+    for field in ("reference_check", "anomaly", "launch_blocking", "profile", "memory_snapshot"):
+        if getattr(spec, field):
+            argv.append("--" + field.replace("_", "-"))
+    if spec.tolerance is not None:
+        argv += ["--tolerance", str(spec.tolerance)]
+    if spec.alloc_conf is not None:
+        argv += ["--alloc-conf", spec.alloc_conf]
+    argv += ["--out", str(Path(out).resolve())]
+    return argv

@@ -1,0 +1,35 @@
+"""`nsa-diag branch`: the case once per NSA branch, each computing only that branch, then all of them."""
+
+from __future__ import annotations
+
+import typer
+
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+
+
+@case_command(omit=("branch",))
+def branch(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
+    """Run the case four times: compression only (`cmp`), selection only (`sel`), sliding window only
+    (`win`), then every branch (`all`).
+
+    A forced branch truly computes only that branch (`force_branch`): the other branches' projections
+    and kernels do not run, so a hang, a crash or NaN that follows one branch shows which. Each case is
+    an isolated worker under the watchdog, as with `nsa-diag run`; backends and geometry come from the
+    same options.
+
+    Exit code 0 when all four pass, 1 when not, 2 for a bad option.
+
+    Examples:
+
+        nsa-diag branch
+        nsa-diag branch --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda
+        nsa-diag branch --sel masked --win masked --seq-len 1024
+        nsa-diag branch --inject deadlock:layer=1 --stall 5 --json
+    """
+    from nsa_diag.cases import branch_specs, check_options
+    from nsa_diag.session import run_session
+
+    check_options(options)
+    specs = branch_specs(options)
+    code = run_session("branch", specs, out=options.out, tag=options.tag, json_output=json_output)
+    raise typer.Exit(code)

@@ -1,0 +1,50 @@
+"""`nsa-diag run`: one case, isolated in a worker process, under the hang/slow watchdog."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+
+
+@case_command()
+def run(
+    options: CaseOptions,
+    name: Annotated[
+        str,
+        typer.Option(
+            "--name", help="Case id: the name of its folder under cases/.", rich_help_panel="Output"
+        ),
+    ] = "case",
+    json_output: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run one case (a few real training steps) in a fresh worker process under the watchdog.
+
+    The worker reports where it is (step, phase, layer, branch) from inside the model. No progress for
+    `--stall` seconds is a **hang**; progress that outlasts `--timeout` is **slow**, with its rate and
+    the time it would need. Before it stops a hung worker, nsa-diag takes two stack samples of all
+    threads a second apart, py-spy native frames when installed, GPU and /proc state. The verdict,
+    where, why and the numbers (time per phase, tokens/s, loss, peak memory) go to the table and to
+    `<out>/<time>-run/cases/<name>/`, with a `replay.sh` that reproduces the case.
+
+    Exit code 0 when the case passes, 1 when not, 2 for a bad option.
+
+    Examples:
+
+        nsa-diag run
+        nsa-diag run --inject deadlock:layer=1 --stall 5
+        nsa-diag run --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda --steps 3
+        nsa-diag run --inject slow:seconds=2 --steps 10 --timeout 8
+        nsa-diag run --gc 0:1 --inject nan:layer=0,phase=recompute
+        nsa-diag run --model mypkg.models:build --seq-len 512 --json
+    """
+    from nsa_diag.cases import build_spec, check_options
+    from nsa_diag.session import run_session
+
+    check_options(options)
+    spec = build_spec(options, name=name)
+    code = run_session("run", [spec], out=options.out, tag=options.tag, json_output=json_output)
+    raise typer.Exit(code)

@@ -1,0 +1,556 @@
+"""The case commands: run, branch, backend, selftest, schema.
+
+Bad input must end in one line on stderr, exit code 2 and no run folder; those tests run the real CLI in
+a subprocess. Options -> specs, replay command lines and rendering are tested in-process on hand-made
+results. The end-to-end tests run real workers on the tiny CPU default (seconds each).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nsa_diag import _cli_utils as cli
+from nsa_diag.app import run_cli
+from nsa_diag.cases import (
+    SELFTEST_KINDS,
+    backend_specs,
+    branch_specs,
+    build_spec,
+    parse_backend_list,
+    replay_argv,
+    selftest_specs,
+)
+from nsa_diag.errors import EXIT_ABORTED, EXIT_USAGE, UsageError
+from nsa_diag.render import LiveProgress, build_summary, render_summary, summary_markdown, write_summary
+from nsa_diag.spec import CaseResult, CaseSpec, Where
+
+CLI_TIMEOUT_S = 180
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def run_nsa_diag(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "COLUMNS": "200",
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# --- bad input: one line, exit 2, nothing written ---------------------------------------------------------
+
+
+BAD_INPUTS = [
+    pytest.param(["run", "--bogus"], "No such option: --bogus", id="unknown-flag"),
+    pytest.param(["run", "--inject", "bogus"], "--inject 'bogus'", id="inject-kind"),
+    pytest.param(["run", "--inject", "deadlock:layer"], "must be key=value", id="inject-syntax"),
+    pytest.param(["run", "--inject", "deadlock:layer=9"], "layers are 0..1", id="inject-layer"),
+    pytest.param(["run", "--inject", "nan:phase=recompute"], "checkpointed", id="inject-recompute"),
+    pytest.param(["run", "--inject", "skip-collective"], "ddp", id="skip-collective"),
+    pytest.param(["run", "--inject", "exit:step=3", "--steps", "2"], "never comes", id="inject-step"),
+    pytest.param(["branch", "--heads", "3"], "heads=3 must be divisible", id="geometry-heads"),
+    pytest.param(["run", "--block-stride", "3"], "block_stride=3", id="geometry-stride"),
+    pytest.param(["run", "--gc", "2:1"], "gc='2:1'", id="gc-range"),
+    pytest.param(["run", "--prefill", "sequential", "--gc", "all"], "prefill='sequential'", id="gc-prefill"),
+    pytest.param(["run", "--dtype", "fp8"], "fp8", id="dtype"),
+    pytest.param(["run", "--seq-len", "1"], "at least 2 tokens", id="seq-len"),
+    pytest.param(["run", "--model", "no_such_pkg.models:build"], "cannot import no_such_pkg", id="model"),
+    pytest.param(["run", "--model", "json:no_such_factory"], "no attribute", id="model-attr"),
+    pytest.param(["run", "--model", "json"], "pkg.module:factory", id="model-syntax"),
+    pytest.param(["backend", "--sel", "masked,fast"], "fast not a sel backend", id="backend-list"),
+    pytest.param(["branch", "--branch", "sel"], "No such option: --branch", id="branch-has-no-branch"),
+    pytest.param(["selftest", "--kinds", "deadlock,hiccup"], "hiccup", id="selftest-kind"),
+    pytest.param(["selftest", "--inject", "nan"], "No such option: --inject", id="selftest-inject"),
+    pytest.param(["run", "--tag", "../x"], "--tag", id="tag"),
+    pytest.param(["run", "--stall", "0"], "--stall 0", id="stall"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2_and_no_run_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    out = tmp_path / "runs"
+    assert run_cli([*args, "--out", str(out)]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("nsa-diag: ")
+    assert says in lines[0]
+    assert captured.out == ""
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param(["run", "--bogus"], id="unknown-flag"),
+        pytest.param(["run", "--inject", "deadlock:layer=x"], id="inject"),
+        pytest.param(["branch", "--kv-heads", "3"], id="geometry"),
+        pytest.param(["run", "--model", "no_such_pkg.models:build"], id="model"),
+    ],
+)
+def test_bad_input_from_the_shell(tmp_path: Path, args: list[str]) -> None:
+    """The same through a real process: exit status, stderr and stdout as a shell sees them."""
+    out = tmp_path / "runs"
+    done = run_nsa_diag(*args, "--out", str(out))
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    assert not out.exists()
+
+
+def test_device_cuda_without_a_gpu_is_exit_2(tmp_path: Path) -> None:
+    if _cuda():
+        pytest.skip("this machine has CUDA")
+    out = tmp_path / "runs"
+    done = run_nsa_diag("run", "--device", "cuda", "--out", str(out))
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.strip().splitlines() == [
+        "nsa-diag: --device cuda: torch sees no CUDA device here; use --device cpu or auto"
+    ]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["run", "branch", "backend", "selftest", "schema"])
+def test_every_command_has_help_with_examples_without_torch(command: str) -> None:
+    code = (
+        "import sys; from nsa_diag.app import run_cli; "
+        f"code = run_cli([{command!r}, '--help']); print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(SRC)},
+        check=True,
+    )
+    assert "Examples" in done.stdout
+    assert f"nsa-diag {command}" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "0 False"
+
+
+# --- choices, options -> specs, replay ----------------------------------------------------------------------
+
+
+def test_choices_match_nsa_core() -> None:
+    import nsa_core
+
+    assert tuple(b.value for b in cli.SelBackend) == nsa_core.SEL_BACKENDS
+    assert tuple(b.value for b in cli.CmpBackend) == nsa_core.CMP_BACKENDS
+    assert tuple(b.value for b in cli.WinBackend) == nsa_core.WIN_BACKENDS
+    assert tuple(p.value for p in cli.Prefill) == nsa_core.PREFILL_MODES
+    assert tuple(p.value for p in cli.Preset) == tuple(nsa_core.PRESETS)
+    assert tuple(b.value for b in cli.Branch if b is not cli.Branch.all) == nsa_core.BRANCHES
+
+
+@pytest.mark.parametrize(("preset", "seq_len"), [("tiny", 128), ("small", 512), ("m7c-125m", 2048)])
+def test_default_seq_len_makes_selection_sparse(preset: str, seq_len: int) -> None:
+    spec = build_spec(cli.CaseOptions(preset=cli.Preset(preset)))
+    assert spec.seq_len == seq_len
+    nsa = spec.nsa_config().nsa
+    assert spec.seq_len > nsa.n_sel * nsa.sel_block_len
+    assert spec.seq_len > nsa.window
+
+
+def test_options_become_overrides_and_fields() -> None:
+    options = cli.CaseOptions(
+        layers=3,
+        window=16,
+        sel=cli.SelBackend.packed,
+        branch=cli.Branch.win,
+        gc="1:3",
+        gc_reentrant=True,
+        seq_len=96,
+        dtype=cli.Dtype.bf16,
+        inject=("deadlock:layer=2,phase=recompute",),
+        stall=4,
+    )
+    spec = build_spec(options, name="x")
+    assert spec.overrides == {
+        "layers": 3,
+        "window": 16,
+        "sel_backend": "packed",
+        "force_branch": "win",
+        "gc": "1:3",
+        "gc_reentrant": True,
+    }
+    assert (spec.name, spec.seq_len, spec.dtype, spec.stall) == ("x", 96, "bf16", 4)
+    assert [str(inj) for inj in spec.inject] == ["deadlock:layer=2,phase=recompute"]
+    cfg = spec.nsa_config()
+    assert cfg.nsa.branches == ("win",)
+    assert list(cfg.gc_layers) == [1, 2]
+
+
+def test_branch_cases_force_each_branch_then_all() -> None:
+    specs = branch_specs(cli.CaseOptions())
+    assert [s.name for s in specs] == ["cmp", "sel", "win", "all"]
+    assert [s.nsa_config().nsa.branches for s in specs] == [
+        ("cmp",),
+        ("sel",),
+        ("win",),
+        ("cmp", "sel", "win"),
+    ]
+
+
+def test_backend_cases_default_to_every_non_reference_backend_with_reference_check() -> None:
+    specs = backend_specs(cli.CaseOptions(), {})
+    assert [s.name for s in specs] == [
+        "sel-masked",
+        "sel-gather",
+        "sel-packed",
+        "cmp-masked",
+        "win-masked",
+        "win-chunked",
+    ]
+    assert all(s.reference_check for s in specs)
+    sel_packed = specs[2].nsa_config().nsa
+    assert (sel_packed.sel_backend, sel_packed.branches) == ("packed", ("sel",))
+
+
+def test_backend_lists_choose_the_cases() -> None:
+    lists = {
+        "sel": parse_backend_list("sel", "masked, gather,masked"),
+        "win": parse_backend_list("win", "reference"),
+    }
+    assert [s.name for s in backend_specs(cli.CaseOptions(), lists)] == [
+        "sel-masked",
+        "sel-gather",
+        "win-reference",
+    ]
+    with pytest.raises(UsageError, match="not a cmp backend"):
+        parse_backend_list("cmp", "gather")
+
+
+def test_selftest_cases_expect_each_verdict() -> None:
+    cases = selftest_specs(cli.CaseOptions(stall=3.0), SELFTEST_KINDS, cuda=False)
+    by_name = {spec.name: (spec, expected) for spec, expected in cases}
+    assert set(by_name) == set(SELFTEST_KINDS)
+    for spec, _ in cases:
+        (inj,) = spec.inject
+        assert (inj.kind, inj.layer, inj.phase, inj.step) == (spec.name, 1, "backward", 1)
+    slow, expected = by_name["slow"]
+    assert expected.verdict == "slow"
+    assert slow.timeout == 6.0
+    assert slow.steps * slow.inject[0].seconds >= 4 * slow.timeout  # far too long to finish: slow, not pass
+    assert slow.inject[0].seconds < slow.stall  # progress between sleeps: not a hang
+    assert by_name["gpu-spin"][1].verdict == "skipped"
+    assert by_name["deadlock"][1].describe() == "hang / python-deadlock"
+    assert by_name["gil-hog"][1].met_by("hang", "gil-held")
+    assert not by_name["gil-hog"][1].met_by("hang", "python-deadlock")
+    cuda_cases = {s.name: e for s, e in selftest_specs(cli.CaseOptions(), ["gpu-spin"], cuda=True)}
+    assert cuda_cases["gpu-spin"].hang_kind == "cuda-kernel"
+
+
+def test_replay_argv_names_what_differs(tmp_path: Path) -> None:
+    options = cli.CaseOptions(
+        sel=cli.SelBackend.masked,
+        branch=cli.Branch.sel,
+        gc="all",
+        gc_reentrant=True,
+        steps=2,
+        inject=("slow:seconds=0.5,step=2",),
+        reference_check=True,
+        alloc_conf="expandable_segments:True",
+    )
+    argv = replay_argv(build_spec(options, name="sel-masked"), tmp_path)
+    assert argv[:4] == [sys.executable, "-m", "nsa_diag", "run"]
+    text = " ".join(argv)
+    for part in (
+        "--name sel-masked",
+        "--sel masked",
+        "--branch sel",
+        "--gc all",
+        "--gc-reentrant",
+        "--steps 2",
+        "--seq-len 128",
+        "--stall 30.0",
+        "--inject slow:step=2,seconds=0.5",
+        "--reference-check",
+        "--alloc-conf expandable_segments:True",
+        f"--out {tmp_path.resolve()}",
+    ):
+        assert part in text
+    assert "--dtype" not in text  # the default is left out
+
+
+# --- schema -------------------------------------------------------------------------------------------------
+
+
+def test_schema_prints_the_case_spec_schema(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert schema["title"] == "CaseSpec"
+    assert schema["additionalProperties"] is False
+    assert {"seq_len", "stall", "timeout", "inject", "overrides"} <= set(schema["properties"])
+    assert run_cli(["schema", "result"]) == 0
+    assert "verdict" in json.loads(capsys.readouterr().out)["properties"]
+
+
+# --- rendering from hand-made results ---------------------------------------------------------------------
+
+
+def _result(name: str, verdict: str, **fields: object) -> CaseResult:
+    return CaseResult(
+        name=name,
+        spec_hash="0" * 16,
+        verdict=verdict,
+        reason=fields.pop("reason", f"{name} {verdict}"),
+        **fields,
+    )  # type: ignore[arg-type]
+
+
+def _results() -> list[CaseResult]:
+    ok_metrics = {
+        "tokens_per_s": 12345.6,
+        "loss": [5.61, 5.52],
+        "peak_memory": {"cpu_peak_rss_bytes": 300 * 2**20},
+    }
+    return [
+        _result("cmp", "pass", elapsed_s=2.5, metrics=ok_metrics, device="cpu"),
+        _result(
+            "sel",
+            "hang",
+            hang_kind="python-deadlock",
+            where=Where(phase="backward", step=1, layer=1, branch="sel"),
+            reason="no progress for 5.0 s at layer 1 backward (step 1); blocked in threading lock acquire",
+            elapsed_s=9.0,
+        ),
+        _result(
+            "win",
+            "mismatch",
+            parity={
+                "loss_rel_err": 2e-3,
+                "grad_rel_err_max": 0.5,
+                "worst_param": "blocks.0.attn.kv_win.weight",
+            },
+        ),
+    ]
+
+
+STACK_SAMPLE = """=== stack sample 1 at 2026-01-01T00:00:00+00:00
+Thread 0x00007f0000000001 (most recent call first):
+  File "/x/threading.py", line 1045 in _bootstrap_inner
+  File "/x/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/x/nsa_diag/worker/inject.py", line 70 in _deadlock_lock_acquire
+  File "/x/nsa_diag/worker/train.py", line 310 in _backward
+  File "/x/nsa_diag/worker/__main__.py", line 8 in <module>
+"""
+
+
+def test_summary_counts_and_exit_code(tmp_path: Path) -> None:
+    (tmp_path / "cases/sel").mkdir(parents=True)
+    (tmp_path / "cases/sel/stacks.txt").write_text(STACK_SAMPLE)
+    specs = [CaseSpec(name=n) for n in ("cmp", "sel", "win", "all")]
+    summary = build_summary("branch", tmp_path, specs, _results(), started_at=0.0)
+    assert summary["counts"] == {"pass": 1, "hang": 1, "mismatch": 1}
+    assert summary["not_run"] == ["all"]
+    assert (summary["ok"], summary["exit_code"]) == (False, 1)
+    cmp, sel, _ = summary["cases"]
+    assert (cmp["tokens_per_s"], cmp["loss"], cmp["peak_memory_bytes"]) == (12345.6, 5.52, 300 * 2**20)
+    assert sel["where"] == "layer 1 backward (branch sel) step 1"
+    assert sel["replay"] == "cases/sel/replay.sh"
+    assert sel["stack"] == [
+        "inject.py:70 in _deadlock_lock_acquire",
+        "train.py:310 in _backward",
+        "__main__.py:8 in <module>",
+    ]
+    assert "stack" not in cmp  # a passing case has no stack samples
+
+    passing = build_summary("run", tmp_path, specs[:1], _results()[:1], started_at=0.0)
+    assert (passing["ok"], passing["exit_code"]) == (True, 0)
+    interrupted = build_summary("run", tmp_path, specs[:1], [], started_at=0.0, interrupted=True)
+    assert interrupted["exit_code"] == EXIT_ABORTED
+
+    write_summary(tmp_path, summary)
+    assert json.loads((tmp_path / "summary.json").read_text())["counts"] == summary["counts"]
+    markdown = (tmp_path / "summary.md").read_text()
+    assert markdown == summary_markdown(summary)
+    assert "| sel | hang | python-deadlock | layer 1 backward (branch sel) step 1 |" in markdown
+    assert "`cases/sel/replay.sh`" in markdown
+    assert "  inject.py:70 in _deadlock_lock_acquire" in markdown
+
+
+def test_table_shows_verdicts_reasons_and_parity(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    specs = [CaseSpec(name=n) for n in ("cmp", "sel", "win")]
+    summary = build_summary("backend", tmp_path, specs, _results(), started_at=0.0)
+    buffer = io.StringIO()
+    render_summary(summary, Console(file=buffer, width=220, color_system=None))
+    text = buffer.getvalue()
+    for part in (
+        "python-deadlock",
+        "12,346",
+        "5.5200",
+        "300.0 MiB",
+        "loss 2.0e-03 · grad 5.0e-01",
+        "mismatch",
+    ):
+        assert part in text
+    assert "blocked in threading lock acquire" in text
+    assert f"reproduce sel: {tmp_path / 'cases/sel/replay.sh'}" in text
+
+
+def test_selftest_table_marks_misses(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    cases = selftest_specs(cli.CaseOptions(stall=3.0), ["deadlock", "nan"], cuda=False)
+    results = [
+        _result("deadlock", "hang", hang_kind="python-busy"),
+        _result("nan", "nonfinite", nonfinite={"where": "loss", "module": "blocks.1", "step": 1}),
+    ]
+    summary = build_summary(
+        "selftest",
+        tmp_path,
+        [s for s, _ in cases],
+        results,
+        started_at=0.0,
+        expectations={s.name: e for s, e in cases},
+    )
+    assert [c["ok"] for c in summary["cases"]] == [False, True]
+    assert summary["cases"][1]["where"] == "blocks.1 (loss) step 1"  # the first non-finite module
+    assert summary["exit_code"] == 1
+    buffer = io.StringIO()
+    render_summary(summary, Console(file=buffer, width=220, color_system=None))
+    assert "hang / python-deadlock" in buffer.getvalue()
+    assert "NO" in buffer.getvalue()
+
+
+def test_live_progress_off_a_terminal_prints_one_line_per_start_and_end() -> None:
+    from rich.console import Console
+
+    from nsa_diag.worker.beacon import BeaconState
+
+    buffer = io.StringIO()
+    specs = [CaseSpec(name="cmp", stall=3)]
+    state = BeaconState(1, 0.0, 1, 1, "backward", "sel", "begin", 1, 1, 0.0, None)
+    with LiveProgress(Console(file=buffer, width=200, color_system=None), specs) as live:
+        live.case_start(specs[0])
+        live.progress(state, 1.5)
+        live.case_end(_result("cmp", "pass", elapsed_s=1.5))
+    assert buffer.getvalue().splitlines() == [
+        "[1/1] cmp: running (stall 3 s, timeout 300 s)",
+        "[1/1] cmp: pass in 1.5 s",
+    ]
+
+
+# --- end to end: real workers on the tiny CPU default ------------------------------------------------------
+
+
+def _only_run_dir(out: Path) -> Path:
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
+def test_run_passes_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    done = run_nsa_diag("run", "--device", "cpu", "--steps", "2", "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["command"], summary["ok"], summary["exit_code"]) == ("run", True, 0)
+    (case,) = summary["cases"]
+    assert (case["name"], case["verdict"], case["steps_done"]) == ("case", "pass", 2)
+    assert case["tokens_per_s"] > 0
+    run_dir = _only_run_dir(out)
+    assert run_dir.name.endswith("-run")
+    assert json.loads((run_dir / "summary.json").read_text()) == summary
+    for name in ("summary.md", "env.json", "cases/case/spec.json", "cases/case/result.json"):
+        assert (run_dir / name).is_file(), name
+    result = CaseResult.model_validate_json((run_dir / "cases/case/result.json").read_text())
+    assert result.verdict == "pass"
+    assert "[1/1] case: pass" in done.stderr  # the progress lines (stderr is not a terminal here)
+
+
+def test_branch_runs_four_passing_cases_and_replay_reproduces_one(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    done = run_nsa_diag("branch", "--device", "cpu", "--out", str(out), "--tag", "demo")
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout
+    for name in ("cmp", "sel", "win", "all"):
+        assert f"│ {name} " in table
+    assert table.count("│ pass ") == 4
+    run_dir = _only_run_dir(out)
+    assert run_dir.name.endswith("-branch-demo")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["counts"] == {"pass": 4}
+    original = CaseSpec.model_validate_json((run_dir / "cases/sel/spec.json").read_text())
+    assert original.nsa_config().nsa.branches == ("sel",)
+
+    replay = run_dir / "cases/sel/replay.sh"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    again = subprocess.run(
+        [str(replay)], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S, check=False
+    )
+    assert again.returncode == 0, again.stderr
+    (replay_dir,) = (path for path in out.iterdir() if path != run_dir)
+    replayed = CaseSpec.model_validate_json((replay_dir / "cases/sel/spec.json").read_text())
+    assert replayed.spec_hash() == original.spec_hash()
+
+
+def test_run_reports_a_deadlock_as_a_hang_with_where(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    done = run_nsa_diag(
+        "run", "--device", "cpu", "--inject", "deadlock:layer=1", "--stall", "3", "--out", str(out)
+    )
+    assert done.returncode == 1, done.stderr
+    assert "hang" in done.stdout
+    assert "python-deadlock" in done.stdout
+    assert "layer 1 backward" in done.stdout
+    assert "in _deadlock_lock_acquire" in done.stdout  # the main thread's frames from the stack sample
+    assert "reproduce case:" in done.stdout
+    result = json.loads((_only_run_dir(out) / "cases/case/result.json").read_text())
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock")
+
+
+def test_selftest_subset_is_all_correct(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    done = run_nsa_diag(
+        "selftest", "--kinds", "nan,exit,unused-param", "--device", "cpu", "--out", str(out), "--json"
+    )
+    summary = json.loads(done.stdout)
+    assert done.returncode == 0, json.dumps(summary["cases"], indent=1)
+    assert [(c["name"], c["verdict"], c["ok"]) for c in summary["cases"]] == [
+        ("nan", "nonfinite", True),
+        ("exit", "crash", True),
+        ("unused-param", "grad-missing", True),
+    ]
+
+
+def test_backend_checks_parity_against_the_reference(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    done = run_nsa_diag("backend", "--win", "masked", "--device", "cpu", "--out", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    (case,) = json.loads(done.stdout)["cases"]
+    assert (case["name"], case["verdict"]) == ("win-masked", "pass")
+    parity = case["parity"]
+    assert parity["grad_rel_err_max"] <= parity["tolerance"]
+    spec = CaseSpec.model_validate_json((_only_run_dir(out) / "cases/win-masked/spec.json").read_text())
+    assert spec.reference_check
+    assert spec.overrides == {"force_branch": "win", "win_backend": "masked"}
