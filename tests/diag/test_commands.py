@@ -146,7 +146,11 @@ def test_every_command_has_help_with_examples_without_torch(command: str) -> Non
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
-        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(SRC)},
+        env={
+            **os.environ,
+            "COLUMNS": "200",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))),
+        },
         check=True,
     )
     assert "Examples" in done.stdout
@@ -504,7 +508,11 @@ def test_branch_runs_four_passing_cases_and_replay_reproduces_one(tmp_path: Path
     assert original.nsa_config().nsa.branches == ("sel",)
 
     replay = run_dir / "cases/sel/replay.sh"
-    env = {**os.environ, "PYTHONPATH": str(SRC), "COLUMNS": "200"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(SRC), os.environ.get("PYTHONPATH")))),
+        "COLUMNS": "200",
+    }
     again = subprocess.run(
         [str(replay)], capture_output=True, text=True, env=env, timeout=CLI_TIMEOUT_S, check=False
     )

@@ -46,6 +46,7 @@ CASES: dict[str, dict[str, Any]] = {
     "slow": dict(steps=3, inject=["slow:layer=0,phase=forward,step=2,seconds=0.3"]),
     "parity": dict(batch=1, reference_check=True, overrides=dict(sel_backend="masked", win_backend="masked")),
     "mismatch": dict(batch=1, seq_len=16, reference_check=True, tolerance=1e-15),
+    "parity-bf16": dict(batch=1, dtype="bf16", reference_check=True, overrides=dict(sel_backend="gather")),
     "forced-sel": dict(overrides=dict(force_branch="sel")),
     "user-model": dict(steps=2, model="diag_user_model:build"),
     "bad-factory": dict(model="diag_user_model_missing:build"),
@@ -317,6 +318,16 @@ def test_reference_check_passes_for_masked_backends(cases: dict[str, Case]) -> N
     assert parity["worst_param"].startswith(("blocks.", "embed", "lm_head", "norm"))
     assert _events(case, phase="check", layer=1, event="begin"), "the reference model reports progress too"
     assert len(result["metrics"]["phase_s"]["check"]) == 1
+
+
+def test_reference_check_in_bf16_is_bounded_by_the_bf16_reference(cases: dict[str, Case]) -> None:
+    """In bf16 the bound is twice the bf16 reference's own error against the fp32 reference, plus a floor."""
+    result = cases["parity-bf16"].result()
+    assert result["status"] == "ok", result["reason"]
+    parity = result["parity"]
+    assert parity["baseline_grad_rel_err_max"] > 0  # bf16 rounding is visible...
+    assert parity["grad_bound"] == 2 * parity["baseline_grad_rel_err_max"] + parity["tolerance"]
+    assert parity["grad_rel_err_max"] <= parity["grad_bound"]  # ...and the backend stays within it
 
 
 def test_reference_check_below_tolerance_is_mismatch(cases: dict[str, Case]) -> None:
