@@ -100,7 +100,7 @@ _CHECKS = "Faults and checks"
 _EVIDENCE = "Extra evidence"
 _OUTPUT = "Output"
 
-DEFAULT_STALL_S = 30.0
+DEFAULT_STALL = "auto"  # cases.parse_stall turns the text into seconds or "auto"
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -142,7 +142,7 @@ class CaseOptions:
     device: Device = Device.auto
     seed: int = 0
     lr: float = 1e-3
-    stall: float = DEFAULT_STALL_S
+    stall: float | str | None = DEFAULT_STALL  # "auto" or seconds (text as given on the command line)
     timeout: float = DEFAULT_TIMEOUT_S
     inject: tuple[str, ...] = ()
     model: str | None = None
@@ -226,7 +226,14 @@ CASE_OPTION_TYPES: dict[str, Any] = {
     "seed": Annotated[int, _opt("--seed", panel=_BATCH, help="Seed of the weights and the random tokens.")],
     "lr": Annotated[float, _opt("--lr", panel=_BATCH, help="AdamW learning rate.")],
     "stall": Annotated[
-        float, _opt("--stall", panel=_WATCH, metavar="SECONDS", help="No progress for this long: hang.")
+        str,
+        _opt(
+            "--stall",
+            panel=_WATCH,
+            metavar="auto|SECONDS",
+            help="No progress for this long: hang. auto: 120 s until step 1 ends, then 3x its duration, "
+            "at least 10 s.",
+        ),
     ],
     "timeout": Annotated[
         float,

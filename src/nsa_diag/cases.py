@@ -71,6 +71,19 @@ def parse_injection(text: str) -> Injection:
         raise UsageError(_one_line(str(exc))) from None
 
 
+def parse_stall(value: float | str | None) -> float | str:
+    """`--stall` -> seconds (> 0) or "auto"; a `UsageError` otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return "auto"
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise UsageError(f"--stall {value}: give auto or a number of seconds") from None
+    if not seconds > 0:
+        raise UsageError(f"--stall {value}: must be more than 0 seconds")
+    return seconds
+
+
 def default_seq_len(cfg: Any) -> int:
     """2·n_sel·l': twice the tokens selection may pick, so selection is sparse; and at least 2·window."""
     nsa = cfg.nsa
@@ -127,7 +140,7 @@ def build_spec(
         "seed": options.seed,
         "lr": options.lr,
         "timeout": options.timeout,
-        "stall": options.stall,
+        "stall": parse_stall(options.stall),
         "inject": injections,
         "anomaly": options.anomaly,
         "launch_blocking": options.launch_blocking,
@@ -175,9 +188,9 @@ def check_spec(spec: CaseSpec) -> None:
 
 def check_options(options: CaseOptions) -> None:
     """What can be checked before any case is built: values, the tag, the device, the model factory."""
-    for flag, seconds in (("--stall", options.stall), ("--timeout", options.timeout)):
-        if seconds <= 0:
-            raise UsageError(f"{flag} {seconds:g}: must be more than 0 seconds")
+    parse_stall(options.stall)
+    if options.timeout <= 0:
+        raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds")
     if options.lr <= 0:
         raise UsageError(f"--lr {options.lr}: the learning rate must be > 0")
     if options.tag is not None and not _TAG_PATTERN.match(options.tag):
@@ -338,8 +351,11 @@ def selftest_specs(
         fields: dict[str, Any] = {}
         inject = f"{kind}:layer={layer},phase=backward,step=1"
         if kind == "slow":
-            seconds = min(SLOW_SECONDS, options.stall / 3)
-            timeout = 2 * options.stall
+            stall = parse_stall(options.stall)
+            if stall == "auto":
+                raise UsageError("selftest --stall auto: the slow case is sized by the stall; give seconds")
+            seconds = min(SLOW_SECONDS, float(stall) / 3)
+            timeout = 2 * float(stall)
             inject += f",seconds={seconds:g}"
             fields = {"timeout": timeout, "steps": max(options.steps, math.ceil(4 * timeout / seconds))}
         if kind == "gpu-spin" and not cuda:

@@ -412,6 +412,10 @@ def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary))
 
 
+def _stall_text(stall: float | str) -> str:
+    return "auto" if stall == "auto" else f"{stall:g} s"
+
+
 class LiveProgress:
     """The live display on stderr while cases run: the case, where the worker is, the time elapsed.
 
@@ -456,7 +460,7 @@ class LiveProgress:
         state = self.state
         idle = time.time() - state.time if state is not None and state.phase != "setup" else 0.0
         if idle >= 1.0:  # a hang in the making: count towards --stall (setup has a longer limit)
-            text += f" · no progress for {idle:.1f} s (stall {self.spec.stall:g} s)"
+            text += f" · no progress for {idle:.1f} s (stall {_stall_text(self.spec.stall)})"
         return Spinner("dots", text)
 
     def case_start(self, spec: CaseSpec) -> None:
@@ -466,7 +470,7 @@ class LiveProgress:
             self._live.update(self._status())
         else:
             self.console.print(
-                f"{self._prefix()}: running (stall {spec.stall:g} s, timeout {spec.timeout:g} s)",
+                f"{self._prefix()}: running (stall {_stall_text(spec.stall)}, timeout {spec.timeout:g} s)",
                 markup=False,
                 highlight=False,
             )

@@ -31,10 +31,13 @@ from nsa_diag.evidence import stacks
 from nsa_diag.spec import CaseResult, CaseSpec, Where
 from nsa_diag.watchdog import (
     HangEvidence,
+    StallLimit,
     WatchResult,
     catches_sigusr1,
+    configured_limit,
     gather_hang_evidence,
     progress_rate,
+    step_limit,
     steps_done,
     terminate_group,
     watch,
@@ -265,6 +268,11 @@ def _build_result(
     if fatal:
         evidence["fatal_error"] = stacks.fatal_error(fatal)
     wr = worker_result or {}
+    # The limit that decided a stall or timeout; for a worker that exited, the one its steps ran under.
+    if decision is not None:
+        limit = StallLimit(decision.stall_limit_s, decision.limit_reason)
+    else:
+        limit = step_limit(watched.history, spec)
     return CaseResult(
         name=spec.name,
         spec_hash=spec.spec_hash(),
@@ -273,8 +281,9 @@ def _build_result(
         hang_kind=verdict.hang_kind,
         where=where,
         elapsed_s=round(elapsed, 3),
-        stall_limit_s=decision.stall_limit_s if decision is not None else spec.stall,
+        stall_limit_s=round(limit.seconds, 3),
         stall_reason=verdict.reason.partition("; ")[2] or None if verdict.verdict == "hang" else None,
+        stall_limit_reason=limit.reason,
         timeout_s=spec.timeout,
         device=wr.get("device") or _device_from_progress(case_dir),
         exit_code=code,
@@ -296,10 +305,18 @@ def _error_result(spec: CaseSpec, reason: str, elapsed: float, evidence: dict[st
         verdict="error",
         reason=" ".join(reason.split()),
         elapsed_s=round(elapsed, 3),
-        stall_limit_s=spec.stall,
+        **_configured_limit_fields(spec),
         timeout_s=spec.timeout,
         evidence=evidence,
     )
+
+
+def _configured_limit_fields(spec: CaseSpec) -> dict[str, Any]:
+    """stall_limit_s and its reason for a case that ended before the watchdog measured anything."""
+    limit = configured_limit(spec)
+    if limit is None:
+        return {"stall_limit_s": None, "stall_limit_reason": "auto: not measured (the case ended first)"}
+    return {"stall_limit_s": limit.seconds, "stall_limit_reason": limit.reason}
 
 
 def _stop(proc: subprocess.Popen[bytes] | None) -> dict[str, Any]:
@@ -343,7 +360,7 @@ def _interrupted(
         reason=classify(evidence).reason,
         where=where,
         elapsed_s=round(elapsed, 3),
-        stall_limit_s=spec.stall,
+        **_configured_limit_fields(spec),
         timeout_s=spec.timeout,
         device=_device_from_progress(case_dir),
         exit_code=stop.get("exit_code"),

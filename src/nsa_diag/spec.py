@@ -81,7 +81,11 @@ class CaseSpec(BaseModel):
     seed: int = 0
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
     timeout: float = Field(300.0, gt=0, description="seconds for the whole case; past it with progress: slow")
-    stall: float = Field(30.0, gt=0, description="seconds without progress that make a hang")
+    stall: float | Literal["auto"] = Field(
+        "auto",
+        description="seconds without progress that make a hang; auto: from the first step's duration "
+        "(nsa_diag.watchdog.stall_limit)",
+    )
     inject: tuple[Injection, ...] = ()
     anomaly: bool = False
     launch_blocking: bool = False
@@ -92,11 +96,21 @@ class CaseSpec(BaseModel):
     tolerance: float | None = Field(
         None, gt=0, description="relative error above which reference_check is a mismatch; None: by dtype"
     )
+    check: Literal["backends", "causality", "prefill", "gc"] | None = Field(
+        None, description="run this correctness property (nsa-diag verify) instead of training steps"
+    )
 
     @property
     def parity_tolerance(self) -> float:
         """Relative-error limit of `reference_check`: given, or by dtype (fp32 1e-4, fp16 1e-2, bf16 5e-2)."""
         return self.tolerance or {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}[self.dtype]
+
+    @field_validator("stall")
+    @classmethod
+    def _positive_stall(cls, value: float | str) -> float | str:
+        if value != "auto" and not value > 0:  # type: ignore[operator]
+            raise ValueError(f"stall {value}: must be more than 0 seconds, or auto")
+        return value
 
     @field_validator("overrides")
     @classmethod
@@ -173,7 +187,8 @@ class CaseResult(BaseModel):
     where: Where | None = None
     elapsed_s: float = 0.0
     stall_limit_s: float | None = None
-    stall_reason: str | None = None
+    stall_reason: str | None = None  # a hang: why it is one (the classifier's evidence)
+    stall_limit_reason: str | None = None  # how stall_limit_s came about (--stall N, or auto's measurement)
     timeout_s: float | None = None
     device: str | None = None
     exit_code: int | None = None

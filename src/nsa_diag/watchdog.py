@@ -1,8 +1,10 @@
 """The watchdog: pure decisions over beacon reads, the short polling loop, and stopping a case's processes.
 
 `decide` looks at the history of beacon reads and says whether the worker is running, stalled (no new
-progress event for ``spec.stall`` seconds; heartbeat ticks are not progress) or past ``spec.timeout`` while
-still making progress (slow). `progress_rate` gives the rate and the time a slow case would still need.
+progress event for the stall limit; heartbeat ticks are not progress) or past ``spec.timeout`` while
+still making progress (slow). The stall limit is ``spec.stall`` seconds, or with ``--stall auto`` (the
+default) derived from the measured first step (`stall_limit`). `progress_rate` gives the rate and the
+time a slow case would still need.
 Both are pure functions of `Observation` lists, tested without processes. `watch` is the polling loop.
 `gather_hang_evidence` is the escalation before any kill: memory at the hang (asked of the worker's
 heartbeat thread), two faulthandler stack samples a second apart with the CPU% and heartbeat between them,
@@ -36,6 +38,21 @@ SETUP_STALL_S = 60.0
 # After "done" the worker writes its result and the interpreter shuts down (torch teardown, garbage
 # collection): seconds on a loaded machine, which are not a hang of the training step. Longer is one.
 EXIT_STALL_S = 30.0
+# --stall auto (the default). Progress events come per block, branch and phase, so what the limit bounds is
+# the gap since the last event, and any such gap of a later step is at most as long as the whole first step
+# (a later step does the same work as step 1, without its one-off costs: lazy imports, allocator growth,
+# CUDA/cuDNN/Triton warm-up, the reference check): factor x the first step is then safe by construction.
+# - Before the first step (setup: torch import, model build, CUDA/NCCL init): AUTO_START_S.
+# - While step 1 runs nothing is measured yet: each gap gets AUTO_FIRST_STEP_S (a 125M-parameter block on
+#   the CPU at S=2048 takes seconds, not minutes; a wedged step 1 is still caught within two minutes).
+# - After step 1: max(AUTO_FLOOR_S, AUTO_FACTOR x the first step). The factor 3 absorbs a machine that gets
+#   loaded mid-run (another job, swapping, CPU frequency, a GC pause) slowing a step two- to threefold;
+#   the floor 10 s keeps a millisecond step of a tiny model from being called hung over a scheduling
+#   hiccup or a garbage-collection pause, while a hang is still reported within seconds, not minutes.
+AUTO_START_S = 120.0
+AUTO_FIRST_STEP_S = 120.0
+AUTO_FACTOR = 3.0
+AUTO_FLOOR_S = 10.0
 HEARTBEAT_STALE_S = 1.0  # the heartbeat ticks every 0.1 s; this long without a tick: it cannot run
 GRACE_S = 3.0
 DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory evidence at a hang
@@ -56,7 +73,14 @@ class Decision:
     status: Status
     elapsed_s: float  # since the worker started
     idle_s: float  # since the last progress event
-    stall_limit_s: float  # the limit that applied (spec.stall, or longer during setup and exit)
+    stall_limit_s: float  # the limit that applied (spec.stall or auto's, longer during setup and exit)
+    limit_reason: str = ""  # how that limit came about, e.g. "auto: 3 x first step 2.10 s = 6.3 s ..."
+
+
+@dataclass(frozen=True)
+class StallLimit:
+    seconds: float
+    reason: str
 
 
 def _last_state(history: Sequence[Observation]) -> BeaconState | None:
@@ -70,23 +94,78 @@ def in_setup(state: BeaconState | None) -> bool:
     return state is None or (state.phase == "setup" and state.event != "end")
 
 
+def first_step_s(history: Sequence[Observation]) -> float | None:
+    """Seconds step 1 took, from the beacon's event times: from the end of setup (else, when no read caught
+    it, the first event of step 1 seen) to the first read that shows step 1 ended; None until then.
+
+    Reads come every `POLL_S`, so the start can be late and the end late by up to one poll; the floor of
+    the auto limit covers both."""
+    setup_t: float | None = None
+    start: float | None = None
+    for obs in history:
+        s = obs.state
+        if s is None:
+            continue
+        if start is None and s.phase == "setup":
+            setup_t = s.time if s.event == "end" else None
+        elif s.step is not None:
+            if start is None:
+                start = setup_t if setup_t is not None else s.time
+            if steps_done(s, 1) >= 1:
+                return max(s.time - start, 0.0)
+    return None
+
+
+def step_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
+    """The stall limit for the training steps: ``spec.stall`` seconds, or auto's (module constants)."""
+    if spec.stall != "auto":
+        return StallLimit(float(spec.stall), f"--stall {spec.stall:g} s")
+    first = first_step_s(history)
+    if first is None:
+        return StallLimit(
+            AUTO_FIRST_STEP_S, f"auto: first-step limit {AUTO_FIRST_STEP_S:g} s (step 1 not finished yet)"
+        )
+    scaled = AUTO_FACTOR * first
+    reason = f"auto: {AUTO_FACTOR:g} x first step {first:.2f} s = {scaled:.1f} s"
+    if scaled < AUTO_FLOOR_S:
+        return StallLimit(AUTO_FLOOR_S, reason + f" -> floor {AUTO_FLOOR_S:g} s")
+    return StallLimit(scaled, reason)
+
+
+def stall_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
+    """The stall limit where the worker is now: `step_limit`, longer during setup and after "done"."""
+    state = _last_state(history)
+    if in_setup(state):
+        if spec.stall == "auto":
+            reason = f"auto: start-up limit {AUTO_START_S:g} s (before the first step)"
+            return StallLimit(AUTO_START_S, reason)
+        if spec.stall < SETUP_STALL_S:
+            return StallLimit(SETUP_STALL_S, f"--stall {spec.stall:g} s; setup allows {SETUP_STALL_S:g} s")
+    limit = step_limit(history, spec)
+    if state is not None and state.phase == "done" and limit.seconds < EXIT_STALL_S:
+        return StallLimit(EXIT_STALL_S, f"{limit.reason}; the exit after done allows {EXIT_STALL_S:g} s")
+    return limit
+
+
+def configured_limit(spec: CaseSpec) -> StallLimit | None:
+    """The limit a case states before it runs (None for auto, which is measured)."""
+    return None if spec.stall == "auto" else StallLimit(float(spec.stall), f"--stall {spec.stall:g} s")
+
+
 def decide(history: Sequence[Observation], now: float, spec: CaseSpec) -> Decision:
     """running | stalled | timeout, from the beacon reads so far (``history[0]`` is the worker's start)."""
     started = history[0].t
     state = _last_state(history)
     last_progress = started if state is None else min(max(state.time, started), now)
     idle = now - last_progress
-    limit = spec.stall
-    if in_setup(state):
-        limit = max(spec.stall, SETUP_STALL_S)
-    elif state is not None and state.phase == "done":
-        limit = max(spec.stall, EXIT_STALL_S)
+    limit = stall_limit(history, spec)
     elapsed = now - started
-    if idle >= limit:
-        return Decision("stalled", elapsed, idle, limit)
-    if elapsed > spec.timeout:
-        return Decision("timeout", elapsed, idle, limit)
-    return Decision("running", elapsed, idle, limit)
+    status: Status = "running"
+    if idle >= limit.seconds:
+        status = "stalled"
+    elif elapsed > spec.timeout:
+        status = "timeout"
+    return Decision(status, elapsed, idle, limit.seconds, limit.reason)
 
 
 def heartbeat_alive(state: BeaconState | None, now: float) -> bool | None:
@@ -170,20 +249,26 @@ def progress_rate(
     return rate
 
 
+def _compact_key(state: BeaconState) -> tuple[int | None, bool, bool]:
+    return state.step, state.phase == "setup", state.phase == "step" and state.event == "end"
+
+
 def compact(history: list[Observation], keep_tail: int = _KEEP_TAIL) -> list[Observation]:
-    """The history with what `decide` and `progress_rate` need: the start, the first read of the beacon
-    and of every step, and the last ``keep_tail`` reads (keeps a long run's polling O(1) per poll)."""
+    """The history with what `decide`, `progress_rate` and `first_step_s` need: the start, the first read
+    of setup, of every step and of every step's end, the last read of setup, then the last ``keep_tail``
+    reads (keeps a long run's polling O(1) per poll)."""
     if len(history) <= 4 * keep_tail:
         return history
     head = history[:-keep_tail]
-    kept = [head[0]]
-    seen_steps: set[int | None] = set()
-    for obs in head[1:]:
-        step = obs.state.step if obs.state is not None else None
-        if obs.state is not None and (step not in seen_steps or len(kept) == 1):
-            seen_steps.add(step)
-            kept.append(obs)
-    return kept + history[-keep_tail:]
+    first: dict[tuple[int | None, bool, bool], int] = {}
+    last_setup = 0
+    for i, obs in enumerate(head[1:], start=1):
+        if obs.state is not None:
+            first.setdefault(_compact_key(obs.state), i)
+            if obs.state.phase == "setup":
+                last_setup = i
+    kept = sorted({0, last_setup, *first.values()})
+    return [head[i] for i in kept] + history[-keep_tail:]
 
 
 @dataclass

@@ -292,7 +292,7 @@ def test_replay_argv_names_what_differs(tmp_path: Path) -> None:
         "--gc-reentrant",
         "--steps 2",
         "--seq-len 128",
-        "--stall 30.0",
+        "--stall auto",
         "--inject slow:step=2,seconds=0.5",
         "--reference-check",
         "--alloc-conf expandable_segments:True",

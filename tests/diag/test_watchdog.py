@@ -2,27 +2,40 @@
 
 `decide` must call a worker stalled only when its progress counter stops (heartbeat ticks are not
 progress), give setup its grace, and call a worker that keeps progressing past its timeout slow, with a
-rate and an ETA. `terminate_group` must leave nothing of a case alive, also a child that ignores SIGTERM.
+rate and an ETA. With ``--stall auto`` the limit must follow the first step: the start-up limit before
+it, the first-step limit during it, max(floor, factor x its duration) after it; two real cases check that
+an auto limit catches a deadlock after step 1 within that limit and lets a slow step run.
+`terminate_group` must leave nothing of a case alive, also a child that ignores SIGTERM.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
-from nsa_diag.spec import CaseSpec
+from nsa_diag import artifacts
+from nsa_diag.runner import run_case
+from nsa_diag.spec import CaseSpec, Injection
 from nsa_diag.watchdog import (
+    AUTO_FACTOR,
+    AUTO_FIRST_STEP_S,
+    AUTO_FLOOR_S,
+    AUTO_START_S,
     EXIT_STALL_S,
     SETUP_STALL_S,
     Observation,
     compact,
     decide,
+    first_step_s,
     heartbeat_alive,
     progress_rate,
     steps_done,
@@ -168,6 +181,170 @@ def test_compact_keeps_start_first_read_of_every_step_and_the_tail() -> None:
     assert firsts == {s: 1 + 100 * (s - 1) for s in range(1, 11)}
     assert decide(small, T0 + 200.0, spec(timeout=1e6)) == decide(h, T0 + 200.0, spec(timeout=1e6))
     assert progress_rate(small, T0 + 200.0, spec(steps=20)) == progress_rate(h, T0 + 200.0, spec(steps=20))
+
+
+# --- --stall auto ----------------------------------------------------------------------------------------
+
+
+def auto_spec(**kwargs: object) -> CaseSpec:
+    return spec(stall="auto", timeout=1e6, **kwargs)
+
+
+def auto_run(first: float) -> list[Observation]:
+    """Setup ends at 5 s, step 1 takes `first` seconds (events every 0.1 s), step 2 starts right after."""
+    reads: list[tuple[float, BeaconState | None]] = [
+        (1.0, beacon(1, T0 + 1.0, phase="setup", step=None)),
+        (5.0, beacon(2, T0 + 5.0, phase="setup", step=None, event="end")),
+    ]
+    n = max(int(first / 0.1), 1)
+    for i in range(1, n):
+        reads.append((5.0 + 0.1 * i, beacon(2 + i, T0 + 5.0 + 0.1 * i, step=1, layer=i % 4)))
+    reads.append((5.0 + first, beacon(2 + n, T0 + 5.0 + first, step=1, phase="step", event="end")))
+    reads.append((5.0 + first + 0.05, beacon(3 + n, T0 + 5.0 + first + 0.05, step=2, phase="step")))
+    return history(*reads)
+
+
+def test_auto_before_the_first_step_allows_the_start_up_limit() -> None:
+    d = decide(history(), T0 + AUTO_START_S - 1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("running", AUTO_START_S)
+    assert "start-up" in d.limit_reason
+    h = history((0.5, beacon(1, T0 + 0.5, phase="setup", step=None)))
+    assert decide(h, T0 + 0.5 + AUTO_START_S - 1, auto_spec()).status == "running"
+    d = decide(h, T0 + 0.5 + AUTO_START_S + 0.1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("stalled", AUTO_START_S)
+
+
+def test_auto_during_the_first_step_bounds_each_gap_by_the_first_step_limit() -> None:
+    h = history(
+        (5.0, beacon(2, T0 + 5.0, phase="setup", step=None, event="end")),
+        (5.2, beacon(3, T0 + 5.2, step=1, phase="forward", layer=0)),
+    )
+    assert first_step_s(h) is None
+    d = decide(h, T0 + 5.2 + AUTO_FIRST_STEP_S - 1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("running", AUTO_FIRST_STEP_S)
+    assert "step 1 not finished" in d.limit_reason
+    assert decide(h, T0 + 5.2 + AUTO_FIRST_STEP_S + 0.1, auto_spec()).status == "stalled"
+
+
+def test_auto_after_a_fast_first_step_is_the_floor() -> None:
+    h = auto_run(first=0.5)
+    assert first_step_s(h) == pytest.approx(0.5)
+    last = T0 + 5.55
+    assert decide(h, last + AUTO_FLOOR_S - 0.1, auto_spec()).status == "running"
+    d = decide(h, last + AUTO_FLOOR_S + 0.1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("stalled", AUTO_FLOOR_S)
+    assert d.limit_reason == f"auto: 3 x first step 0.50 s = 1.5 s -> floor {AUTO_FLOOR_S:g} s"
+
+
+def test_auto_after_a_slow_first_step_is_factor_times_it() -> None:
+    h = auto_run(first=20.0)
+    assert first_step_s(h) == pytest.approx(20.0)
+    limit = AUTO_FACTOR * 20.0
+    last = T0 + 25.05
+    assert decide(h, last + limit - 1, auto_spec()).status == "running"  # a fixed 30 s would call it hung
+    d = decide(h, last + limit + 0.1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("stalled", pytest.approx(limit))
+    assert d.limit_reason == "auto: 3 x first step 20.00 s = 60.0 s"
+
+
+def test_auto_first_step_end_seen_only_as_step_2_and_exit_after_done() -> None:
+    h = history(
+        (4.0, beacon(2, T0 + 4.0, phase="setup", step=None, event="end")),
+        (4.5, beacon(3, T0 + 4.5, step=1)),
+        (10.0, beacon(9, T0 + 10.0, step=2, phase="forward")),  # the end of step 1 fell between reads
+    )
+    assert first_step_s(h) == pytest.approx(6.0)
+    assert decide(h, T0 + 10.0 + 17.9, auto_spec()).stall_limit_s == pytest.approx(18.0)
+    done = [*h, Observation(T0 + 12.0, beacon(20, T0 + 12.0, phase="done", step=None, event="end"))]
+    d = decide(done, T0 + 12.0 + EXIT_STALL_S - 1, auto_spec())
+    assert (d.status, d.stall_limit_s) == ("running", EXIT_STALL_S)
+    assert d.limit_reason.startswith("auto: 3 x first step 6.00 s")
+
+
+def test_a_number_is_the_limit_and_says_so() -> None:
+    h = auto_run(first=20.0)
+    d = decide(h, T0 + 25.05 + 2.1, spec(stall=2.0, timeout=1e6))
+    assert (d.status, d.stall_limit_s, d.limit_reason) == ("stalled", 2.0, "--stall 2 s")
+    d = decide(history(), T0 + 1.0, spec(stall=2.0))
+    assert (d.stall_limit_s, d.limit_reason) == (
+        SETUP_STALL_S,
+        f"--stall 2 s; setup allows {SETUP_STALL_S:g} s",
+    )
+
+
+def test_compact_keeps_the_first_step_measurement() -> None:
+    reads: list[tuple[float, BeaconState | None]] = [
+        (0.2 * i, beacon(i + 1, T0 + 0.2 * i, phase="setup", step=None)) for i in range(1, 29)
+    ]
+    reads.append((5.8, beacon(30, T0 + 5.8, phase="setup", step=None, event="end")))
+    reads += [(6.0 + 0.2 * i, beacon(31 + i, T0 + 6.0 + 0.2 * i, step=1 + i // 50)) for i in range(1000)]
+    h = history(*reads)
+    small = compact(h, keep_tail=20)
+    assert len(small) < 60
+    assert first_step_s(small) == first_step_s(h) == pytest.approx(16.0 - 5.8)  # setup's end to step 2
+    assert decide(small, T0 + 300.0, auto_spec()) == decide(h, T0 + 300.0, auto_spec())
+
+
+# End to end: a real worker of the tiny model on the CPU under --stall auto.
+
+_MEASURED = re.compile(r"first step (\d+\.\d+) s")
+_IDLE = re.compile(r"no progress for (\d+\.\d+) s")
+
+
+def _first_step_from_progress(case_dir: Path) -> float:
+    """Setup end to the end of step 1, from the worker's own progress.jsonl."""
+    setup_end = step_end = None
+    for line in (case_dir / artifacts.PROGRESS).read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("phase") == "setup" and rec.get("event") == "end":
+            setup_end = rec["t"]
+        if rec.get("phase") == "step" and rec.get("event") == "end" and rec.get("step") == 1:
+            step_end = rec["t"]
+    assert setup_end is not None
+    assert step_end is not None
+    return step_end - setup_end
+
+
+def test_auto_calls_a_deadlock_after_step_1_a_hang_within_the_computed_limit(tmp_path: Path) -> None:
+    case = CaseSpec(
+        name="auto-deadlock", seq_len=64, steps=2, device="cpu", timeout=120.0,
+        inject=(Injection.parse("deadlock:layer=1,step=2"),),
+    )  # fmt: skip
+    assert case.stall == "auto"
+    result = run_case(case, tmp_path / "c")
+    assert (result.verdict, result.hang_kind) == ("hang", "python-deadlock"), result.reason
+    assert result.stall_limit_reason is not None
+    measured = _MEASURED.search(result.stall_limit_reason)
+    assert measured, result.stall_limit_reason
+    first = float(measured.group(1))
+    assert first == pytest.approx(_first_step_from_progress(tmp_path / "c"), abs=0.5)
+    assert result.stall_limit_s == pytest.approx(max(AUTO_FLOOR_S, AUTO_FACTOR * first), abs=0.02)
+    idle = _IDLE.search(result.reason)
+    assert idle, result.reason
+    assert result.stall_limit_s <= float(idle.group(1)) < result.stall_limit_s + 3.0
+    on_disk = artifacts.read_json(tmp_path / "c" / artifacts.RESULT)
+    assert on_disk["stall_limit_reason"] == result.stall_limit_reason
+
+
+def test_auto_lets_a_slow_step_run_and_calls_it_slow(tmp_path: Path) -> None:
+    # Every step sleeps 4 s in layer 0's backward: the first step measures it, so the limit rises above
+    # the floor and the 4 s gaps of later steps are progress, not a hang.
+    case = CaseSpec(
+        name="auto-slow", seq_len=64, steps=10, device="cpu", timeout=20.0,
+        inject=(Injection.parse("slow:layer=0,seconds=4"),),
+    )  # fmt: skip
+    result = run_case(case, tmp_path / "c")
+    assert result.verdict == "slow", result.reason
+    assert result.steps_done >= 1
+    assert result.stall_limit_s is not None
+    assert result.stall_limit_s > AUTO_FLOOR_S
+    assert result.stall_limit_reason is not None
+    measured = _MEASURED.search(result.stall_limit_reason)
+    assert measured, result.stall_limit_reason
+    first = float(measured.group(1))
+    assert first >= 4.0
+    assert first == pytest.approx(_first_step_from_progress(tmp_path / "c"), abs=0.5)
+    assert result.stall_limit_s == pytest.approx(AUTO_FACTOR * first, abs=0.02)
 
 
 # A process group whose child ignores SIGTERM and whose grandchild sleeps: all must go.

@@ -24,9 +24,10 @@ def run(
     """Run one case (a few real training steps) in a fresh worker process under the watchdog.
 
     The worker reports where it is (step, phase, layer, branch) from inside the model. No progress for
-    `--stall` seconds is a **hang**; progress that outlasts `--timeout` is **slow**, with its rate and
-    the time it would need. Before it stops a hung worker, nsa-diag takes two stack samples of all
-    threads a second apart, py-spy native frames when installed, GPU and /proc state. The verdict,
+    the stall limit is a **hang** (`--stall auto`, the default: 120 s until step 1 ends, then 3x its
+    duration, at least 10 s; or `--stall SECONDS`); progress that outlasts `--timeout` is **slow**, with
+    its rate and the time it would need. Before it stops a hung worker, nsa-diag takes two stack samples
+    of all threads a second apart, py-spy native frames when installed, GPU and /proc state. The verdict,
     where, why and the numbers (time per phase, tokens/s, loss, peak memory) go to the table and to
     `<out>/<time>-run/cases/<name>/`, with a `replay.sh` that reproduces the case.
 
