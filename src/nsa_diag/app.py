@@ -19,9 +19,12 @@ from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.backend import backend
 from nsa_diag.commands.branch import branch
 from nsa_diag.commands.env import env
+from nsa_diag.commands.gc_bisect import gc_bisect
 from nsa_diag.commands.run import run
+from nsa_diag.commands.scale import scale
 from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
+from nsa_diag.commands.verify import verify
 from nsa_diag.errors import EXIT_INTERNAL, describe_error
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
@@ -40,8 +43,9 @@ Exit codes: 0 every case passed, 1 some case did not, 2 usage or configuration e
 (`--debug` shows its traceback), 130 interrupted.
 
 Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
-`nsa-diag run --inject deadlock:layer=1 --stall 5`. Still to come: `scale`, `gc-bisect`, `ddp`, `verify`,
-`matrix`, `report`, `compare`.
+`nsa-diag run --inject deadlock:layer=1 --stall 5`. `scale` fits memory and time growth, `verify` checks
+the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure. Still to come:
+`ddp`, `matrix`, `report`, `compare`.
 """
 
 app = typer.Typer(
@@ -76,6 +80,9 @@ app.command("run")(run)
 app.command("branch")(branch)
 app.command("backend")(backend)
 app.command("selftest")(selftest)
+app.command("scale")(scale)
+app.command("verify")(verify)
+app.command("gc-bisect")(gc_bisect)
 app.command("env")(env)
 app.command("schema")(schema)
 

@@ -158,10 +158,15 @@ class Trainer:
         try:
             self._setup()
             self.phase_s["setup"] = time.perf_counter() - started
-            with self._profiled():
-                for step in range(1, self.spec.steps + 1):
-                    self._step(step)
-            result["reason"] = self._ok_reason()
+            if self.spec.check is not None:  # nsa-diag verify: a correctness property, no training steps
+                from nsa_diag.worker.checks import run_check
+
+                self.parity, result["reason"] = run_check(self)
+            else:
+                with self._profiled():
+                    for step in range(1, self.spec.steps + 1):
+                        self._step(step)
+                result["reason"] = self._ok_reason()
         except CaseFailed as failed:
             result.update(status=failed.status, reason=failed.reason, **failed.fields)
         except Exception as exc:

@@ -1,0 +1,83 @@
+"""`nsa-diag gc-bisect`: the bisection logic, an injected recompute deadlock in one layer of four, resume,
+a failure without checkpointing, and `--grads` on a model with the seeds' wrong-layer recompute."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nsa_diag.analysis.bisect import STATE_FILE, smallest_range
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def nsa_diag(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+    """Run the CLI in a subprocess (tests/diag on PYTHONPATH for the planted models); code, JSON, stderr."""
+    paths = [str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *args, "--json"],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("layers", "culprit", "expected"),
+    [(4, {2}, (2, 3)), (8, {0}, (0, 1)), (8, {7}, (7, 8)), (12, {5, 6}, (5, 7)), (8, {1, 6}, (1, 7))],
+)
+def test_smallest_range(layers: int, culprit: set[int], expected: tuple[int, int]) -> None:
+    tried: list[tuple[int, int]] = []
+
+    def reproduces(a: int, b: int) -> bool:  # fails when every culprit layer is checkpointed
+        tried.append((a, b))
+        return culprit <= set(range(a, b))
+
+    assert smallest_range(0, layers, reproduces) == expected
+    if len(culprit) == 1:
+        assert len(tried) <= 2 * (layers - 1).bit_length()  # O(log L)
+
+
+def test_gc_bisect_names_the_layer_and_resumes(tmp_path: Path) -> None:
+    args = ("gc-bisect", "--layers", "4", "--gc", "all", "--inject", "deadlock:layer=2,phase=recompute")
+    code, summary, err = nsa_diag(*args, "--stall", "2", "--out", str(tmp_path))
+    assert code == 0, err
+    run_dir = Path(summary["run_dir"])
+    state = json.loads((run_dir / STATE_FILE).read_text())
+    assert state["found"] == [2, 3]
+    assert state["target"] == "hang"
+    assert state["done"]
+    assert "layer 2 alone (gc 2:3)" in state["conclusion"]
+    tried = [trial["gc"] for trial in state["trials"]]
+    assert tried == ["all", "none", "0:2", "2:4", "2:3"]
+
+    code, again, err = nsa_diag("gc-bisect", "--resume", str(run_dir))  # everything recorded: no new run
+    assert code == 0
+    assert err.count("(recorded)") == len(tried)
+    assert "running case" not in err
+    assert again["bisect"]["found"] == [2, 3]
+
+
+def test_gc_bisect_says_when_it_fails_without_checkpointing(tmp_path: Path) -> None:
+    args = ("gc-bisect", "--layers", "2", "--gc", "all", "--inject", "nan:layer=1,phase=forward")
+    code, summary, _ = nsa_diag(*args, "--out", str(tmp_path))
+    assert code == 1
+    assert summary["bisect"]["conclusion"].startswith("fails without checkpointing too (nonfinite")
+    assert [t["gc"] for t in summary["bisect"]["trials"]] == ["all", "none"]
+
+
+def test_gc_bisect_grads_names_wrong_recompute_layers(tmp_path: Path) -> None:
+    args = ("gc-bisect", "--grads", "--layers", "3", "--model", "diag_planted:wrong_recompute_lm")
+    code, summary, _ = nsa_diag(*args, "--out", str(tmp_path))
+    assert code == 1
+    bisect = summary["bisect"]
+    # every recompute re-runs the last block: checkpointing layer 0 or 1 alone corrupts the gradients
+    assert bisect["layers_differ"] == [0, 1]
+    assert "layer(s) 0, 1" in bisect["conclusion"]

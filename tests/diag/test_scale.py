@@ -1,0 +1,183 @@
+"""`nsa-diag scale`: the growth fit, the memory estimator, the plot, and real sweeps on the tiny CPU preset.
+
+The fit and the estimator are tested on exact synthetic numbers; the end-to-end sweeps run real workers
+(a few seconds each) at small S, so they check the plumbing (points, stop on failure, files), not the
+exponents, which need S in the thousands (see the closing note of issue 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nsa_diag.analysis.memory_model import count_params, estimate_peak_memory
+from nsa_diag.analysis.scaling import QUADRATIC_EXPONENT, fit_growth, predict_limit
+from nsa_diag.commands.scale import parse_budget, parse_int_list
+from nsa_diag.errors import UsageError
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SEQ_LENS = [256, 512, 1024, 1536, 2048]
+
+
+def run_nsa_diag(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "COLUMNS": "200",
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=240,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("exponent", "quadratic"),
+    [pytest.param(2.0, True, id="k2"), pytest.param(1.0, False, id="k1"), pytest.param(1.5, True, id="k1.5")],
+)
+def test_fit_recovers_exponent_above_fixed_part(exponent: float, quadratic: bool) -> None:
+    fixed = 4e8  # a CPU worker's runtime; the growing part reaches ~150 MB at S=2048, as in a real sweep
+    coef = 1.5e8 / 2048**exponent
+    ys = [fixed + coef * s**exponent * (1 + 0.002 * (-1) ** i) for i, s in enumerate(SEQ_LENS)]
+    fit = fit_growth(SEQ_LENS, ys)
+    assert fit is not None
+    assert fit.ci95 is not None
+    assert fit.exponent == pytest.approx(exponent, abs=0.05)
+    assert fit.ci95[0] <= fit.exponent <= fit.ci95[1]
+    assert fit.fixed == pytest.approx(fixed, rel=0.02)
+    assert fit.quadratic is quadratic
+    assert (exponent > QUADRATIC_EXPONENT) is quadratic
+
+
+def test_time_fit_is_plain_log_log_and_limit_inverts_the_fit() -> None:
+    fit = fit_growth(SEQ_LENS, [1e-6 * s**2 for s in SEQ_LENS], with_fixed=False)
+    assert fit is not None
+    assert fit.fixed == 0
+    assert fit.exponent == pytest.approx(2.0)
+    assert fit.ci95 == pytest.approx((2.0, 2.0), abs=1e-6)
+    memory = fit_growth(SEQ_LENS, [1e8 + 10.0 * s**2 for s in SEQ_LENS])
+    assert memory is not None
+    at = predict_limit(memory, 1e8 + 10.0 * 8192**2)
+    assert at == pytest.approx(8192, rel=0.01)
+    assert predict_limit(memory, 5e7) is None  # the budget is below the fixed part
+    assert fit_growth([256, 512], [1.0, 2.0]) is None  # a fixed part needs 3 points
+
+
+def test_estimator_grows_as_the_backend_says() -> None:
+    import nsa_core
+
+    def activations(backend: str, s: int) -> int:
+        cfg = nsa_core.preset("tiny", sel_backend=backend, force_branch="sel")
+        return estimate_peak_memory(cfg, seq_len=s, batch=1).per_branch["sel"]
+
+    assert activations("masked", 4096) / activations("masked", 2048) == pytest.approx(4, rel=0.1)
+    assert activations("gather", 4096) / activations("gather", 2048) == pytest.approx(2, rel=0.1)
+
+
+def test_estimator_counts_parameters_and_checkpointing() -> None:
+    import nsa_core
+    from nsa_core.models.tiny_lm import TinyLM
+
+    cfg = nsa_core.preset("tiny")
+    assert count_params(cfg) == sum(p.numel() for p in TinyLM(cfg).parameters())
+    plain = estimate_peak_memory(cfg, seq_len=1024, batch=2)
+    checkpointed = estimate_peak_memory(nsa_core.preset("tiny", gc="all"), seq_len=1024, batch=2)
+    assert plain.params == 4 * count_params(cfg)
+    assert plain.optimizer == 2 * plain.params
+    assert checkpointed.activations < plain.activations
+
+
+def test_option_parsing() -> None:
+    assert parse_int_list("--seq-lens", "256,64,128,64") == (64, 128, 256)
+    assert parse_budget("8GiB") == (8 * 2**30, "--memory-budget 8GiB")
+    assert parse_budget("500MB")[0] == 500 * 10**6
+    for bad in ("64,x", "0,64", ","):
+        with pytest.raises(UsageError, match="--seq-lens"):
+            parse_int_list("--seq-lens", bad)
+    with pytest.raises(UsageError, match="--memory-budget"):
+        parse_budget("lots")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    from nsa_diag.plots import plot_scale
+
+    points = [
+        {
+            "x": s,
+            "peak_memory_bytes": int(4e8 + 30 * s * s),
+            "step_s": 1e-6 * s * s,
+            "estimate": {"total": 30 * s * s},
+        }
+        for s in SEQ_LENS
+    ]
+    fit = fit_growth(SEQ_LENS, [p["peak_memory_bytes"] for p in points])
+    report = {
+        "series": [
+            {"name": "sel", "branch": "sel", "backend": "masked", "x": "seq_len", "points": points,
+             "memory_fit": fit.to_json() if fit else None, "time_fit": None}
+        ]
+    }  # fmt: skip
+    path = plot_scale(report, tmp_path / "scale.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_scale_sweep_end_to_end(tmp_path: Path) -> None:
+    proc = run_nsa_diag(
+        "scale", "--seq-lens", "64,128,256", "--sel", "masked", "--branch", "sel",
+        "--memory-budget", "64GiB", "--out", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    (series,) = data["scale"]["series"]
+    assert (series["branch"], series["backend"], series["x"]) == ("sel", "masked", "seq_len")
+    assert [p["verdict"] for p in series["points"]] == ["pass"] * 3
+    point = series["points"][-1]
+    assert point["peak_memory_bytes"] > 0
+    assert point["forward_s"] > 0
+    assert point["backward_s"] > 0
+    assert point["estimate"]["total"] > 0
+    assert series["memory_fit"] is not None
+    assert series["memory_limit"]["budget_source"].startswith("--memory")
+    run_dir = Path(data["summary"]["run_dir"])
+    for name in ("scale.json", "scale.png", "summary.json", "summary.md"):
+        assert (run_dir / name).is_file(), name
+
+
+def test_a_failing_point_ends_its_series(tmp_path: Path) -> None:
+    proc = run_nsa_diag(
+        "scale", "--seq-lens", "64,128", "--layers", "2", "--inject", "oom:layer=1",
+        "--out", str(tmp_path), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    (series,) = json.loads(proc.stdout)["scale"]["series"]
+    assert [p["verdict"] for p in series["points"]] == ["oom", "not-run"]
+    assert series["stopped_by"].startswith("oom at seq_len=64")
+    assert series["memory_fit"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        pytest.param((), "give --seq-lens", id="nothing-to-sweep"),
+        pytest.param(("--seq-lens", "64,abc"), "--seq-lens '64,abc'", id="bad-list"),
+        pytest.param(("--seq-lens", "64,128", "--memory-budget", "lots"), "--memory-budget", id="bad-budget"),
+    ],
+)
+def test_bad_sweep_options_exit_2_without_a_run_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
+) -> None:
+    from nsa_diag.app import run_cli
+
+    assert run_cli(["scale", *args, "--out", str(tmp_path / "runs")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

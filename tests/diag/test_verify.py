@@ -1,0 +1,91 @@
+"""`nsa-diag verify`: the properties hold on the tiny preset (float64, CPU) and a planted bug is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nsa_diag.commands.verify import PROPERTIES, parse_properties, verify_seq_len
+from nsa_diag.errors import UsageError
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+def nsa_diag(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+    """Run the CLI in a subprocess (tests/diag on PYTHONPATH for the planted models); code, JSON, stderr."""
+    paths = [str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *args, "--json"],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+def results(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    run_dir = Path(summary["run_dir"])
+    return {
+        path.parent.name: json.loads(path.read_text()) for path in (run_dir / "cases").glob("*/result.json")
+    }
+
+
+def test_verify_seq_len_is_sparse_and_off_block_lengths() -> None:
+    import nsa_core
+
+    for name in nsa_core.PRESETS:
+        cfg = nsa_core.preset(name)
+        nsa = cfg.nsa
+        s = verify_seq_len(cfg)
+        assert s > nsa.n_sel * nsa.sel_block_len
+        assert s > nsa.window
+        assert all(s % length for length in (nsa.block_len, nsa.block_stride, nsa.sel_block_len))
+
+
+def test_parse_properties() -> None:
+    assert parse_properties(None) == PROPERTIES
+    assert parse_properties("gc, causality") == ("gc", "causality")
+    with pytest.raises(UsageError, match="nope"):
+        parse_properties("gc,nope")
+
+
+def test_verify_passes_on_tiny(tmp_path: Path) -> None:
+    code, summary, err = nsa_diag("verify", "--out", str(tmp_path))
+    assert code == 0, err
+    found = results(summary)
+    assert set(found) == set(PROPERTIES)
+    for name, result in found.items():
+        assert result["verdict"] == "pass", result["reason"]
+        parity = result["parity"]
+        assert parity["property"] == name
+        assert parity["precision"] == "float64"
+        assert parity["max_err"] <= parity["bound"] == 1e-9
+    assert found["backends"]["parity"]["against"] == "reference"
+    assert {"sel=masked", "sel=gather", "sel=packed", "cmp=masked", "win=chunked"} <= set(
+        found["backends"]["parity"]["errors"]
+    )
+    assert {"gc all", "gc all reentrant", "gc 1:2", "gc 1:2 reentrant"} == set(
+        found["gc"]["parity"]["errors"]
+    )
+    assert found["causality"]["parity"]["errors"]  # several cut points
+
+
+def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
+    code, summary, _ = nsa_diag(
+        "verify", "--only", "causality,gc", "--model", "diag_planted:peeking_lm", "--out", str(tmp_path)
+    )
+    assert code == 1
+    found = results(summary)
+    assert found["gc"]["verdict"] == "pass"
+    causality = found["causality"]
+    assert causality["verdict"] == "mismatch"
+    assert causality["reason"].startswith("causality:")
+    assert causality["parity"]["property"] == "causality"
+    assert causality["parity"]["max_err"] > 1e-3
+    assert "logits before t differ" in causality["parity"]["where"]
