@@ -286,6 +286,8 @@ def _iso(timestamp: float) -> str:
 def _parity_text(parity: Mapping[str, Any] | None) -> str:
     if not parity:
         return "-"
+    if isinstance(parity.get("max_err"), int | float):  # a verify property
+        return f"max err {parity['max_err']:.1e} (bound {parity.get('bound', float('nan')):.0e})"
     loss, grad = parity.get("loss_rel_err"), parity.get("grad_rel_err_max")
     if not isinstance(loss, int | float) or not isinstance(grad, int | float):
         return "-"
