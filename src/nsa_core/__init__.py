@@ -1,6 +1,6 @@
 """nsa_core: a correct Native Sparse Attention (NSA) model with interchangeable backends.
 
-Pure compute: no files, no printing, no environment variables. The diagnostics toolkit `nsa_diag` drives it.
+Pure compute: no files, no printing, no environment variables. The diagnostics toolkit drives it.
 
     >>> import torch, nsa_core
     >>> cfg = nsa_core.preset("tiny", sel_backend="gather")
