@@ -319,18 +319,23 @@ SELFTEST_KINDS = tuple(e.kind for e in SELFTEST_EXPECTATIONS)
 SLOW_SECONDS = 1.0
 
 
+def parse_choice_list(option: str, text: str | None, choices: tuple[str, ...], what: str) -> tuple[str, ...]:
+    """`--option a,b` -> the names, de-duplicated and checked against ``choices``; None: all of them."""
+    if text is None:
+        return choices
+    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    bad = [name for name in names if name not in choices]
+    if bad or not names:
+        raise UsageError(
+            f"{option} {text!r}: {', '.join(bad) or 'empty list'} not a {what}; "
+            f"choose from {', '.join(choices)}"
+        )
+    return names
+
+
 def parse_kinds(text: str | None) -> tuple[str, ...]:
     """`--kinds deadlock,nan` -> the kinds, checked; None: every kind."""
-    if text is None:
-        return SELFTEST_KINDS
-    kinds = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    bad = [kind for kind in kinds if kind not in SELFTEST_KINDS]
-    if bad or not kinds:
-        raise UsageError(
-            f"--kinds {text!r}: {', '.join(bad) or 'empty list'} not a selftest kind; "
-            f"choose from {', '.join(SELFTEST_KINDS)}"
-        )
-    return kinds
+    return parse_choice_list("--kinds", text, SELFTEST_KINDS, "selftest kind")
 
 
 def selftest_specs(

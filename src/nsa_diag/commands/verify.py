@@ -22,18 +22,9 @@ def verify_seq_len(cfg: Any) -> int:
 
 def parse_properties(text: str | None) -> tuple[str, ...]:
     """`--only causality,gc` -> the properties, checked; None: all of them."""
-    from nsa_diag.errors import UsageError
+    from nsa_diag.cases import parse_choice_list
 
-    if text is None:
-        return PROPERTIES
-    names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    bad = [name for name in names if name not in PROPERTIES]
-    if bad or not names:
-        raise UsageError(
-            f"--only {text!r}: {', '.join(bad) or 'empty list'} not a property; "
-            f"choose from {', '.join(PROPERTIES)}"
-        )
-    return names
+    return parse_choice_list("--only", text, PROPERTIES, "property")
 
 
 def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...] = PROPERTIES) -> list[Any]:
