@@ -84,6 +84,21 @@ def test_estimator_grows_as_the_backend_says() -> None:
     assert activations("gather", 4096) / activations("gather", 2048) == pytest.approx(2, rel=0.1)
 
 
+def test_estimator_counts_what_lives_at_the_peak() -> None:
+    import nsa_core
+
+    cfg = nsa_core.preset("tiny", sel_backend="masked", win_backend="masked")
+    one = estimate_peak_memory(cfg, seq_len=2048, batch=1)
+    two = estimate_peak_memory(cfg, seq_len=2048, batch=1, steps=2)
+    cuda = estimate_peak_memory(cfg, seq_len=2048, batch=1, device="cuda:0")
+    assert two.total - one.total == one.optimizer  # AdamW's moments sit under step 2's activations
+    assert cuda.total - one.total == cuda.workspace > 0  # the cuBLAS workspaces exist only on CUDA
+    # the masked branches keep 8 bytes per fp32 score (exp and probabilities), 6 under bf16 autocast
+    scores = 2048 * cfg.heads * 2048
+    half = estimate_peak_memory(cfg, seq_len=2048, batch=1, dtype="bf16")
+    assert one.per_branch["win"] - half.per_branch["win"] == pytest.approx(2 * scores, rel=0.05)  # + k, v, o
+
+
 def test_estimator_counts_parameters_and_checkpointing() -> None:
     import nsa_core
     from nsa_core.models.tiny_lm import TinyLM
@@ -163,6 +178,9 @@ def test_a_failing_point_ends_its_series(tmp_path: Path) -> None:
     assert [p["verdict"] for p in series["points"]] == ["oom", "not-run"]
     assert series["stopped_by"].startswith("oom at seq_len=64")
     assert series["memory_fit"] is None
+    oom = series["points"][0]
+    assert "estimate_rel_err" not in oom  # the peak at an oom is what was allocated, not what was needed
+    assert oom["estimate_exceeds_budget"] is False  # an injected oom: the estimate did not foresee it
 
 
 @pytest.mark.parametrize(

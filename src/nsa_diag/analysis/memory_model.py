@@ -1,32 +1,48 @@
-"""Analytical estimate of a training step's peak memory from the model config, S, B and dtype.
+"""Analytical estimate of a training step's peak memory from the model config, S, B, dtype and device.
+
+The peak of a step is at the start of the last layer's backward (every layer's saved activations are
+alive, the output head's gradient is made, and from step 2 on AdamW's moments are there), or at the
+first optimizer step (parameters, gradients and the moments being made). So the estimate is
+
+    params + max([moments from step 2] + head gradient + activations kept for backward + logits
+                 + one layer's backward workspace + CUDA library workspace,
+                 grads + moments + CUDA library workspace)
 
 What is modelled (bytes):
 
 - model state: fp32 parameters (counted exactly by building the model on the meta device), fp32
-  gradients, AdamW's two fp32 moments. Peak is the larger of "parameters + gradients + activations"
-  (end of forward, start of backward) and "parameters + gradients + optimizer state" (first step).
-- activations kept for backward per layer, per token: norms, q/gate/o projections, the branch outputs
-  and their gated sum, the SwiGLU MLP; and per computed branch (``force_branch`` honoured):
-  - sel ``masked``: the dense ``[B, S, HQ, S]`` scores/probabilities and the ``[B, S, HKV, S]`` bool
-    mask: O(S²); ``gather``/``packed``: the ``n·l'`` gathered keys and values per query and their scores,
-    with the int64 index: O(S·n·l');
-  - cmp ``masked``: ``[B, S, HQ, S/d]`` scores/probabilities, O(S²/d), plus the unfolded blocks;
-    ``sel`` forced alone still ranks blocks with these scores, without gradient, in query chunks of at
-    most 2^24 probabilities (a transient, not kept);
-  - win ``masked``: O(S²); ``chunked``: O(S·2w).
+  gradients, AdamW's two fp32 moments (the optimizer state competes with the activations: it is made at
+  the first step, after the activations are gone).
+- activations kept for backward, per layer: norms, q/gate/o projections, SwiGLU MLP, and per computed
+  branch (``force_branch`` honoured). Attention's score-sized tensors dominate. `masked_softmax`
+  (nsa_core.ops.common) keeps two of them per score: the exponentials and the probabilities, both fp32
+  (8 bytes per score), or in bf16/fp16 under autocast the fp32 exponentials and the half-precision
+  probabilities the next matmul saves (6 bytes); these are the `_KEPT_PER_SCORE` constants, counted
+  from the autograd graph (``torch.autograd.graph.saved_tensors_hooks`` summing the saved storages of
+  each backend, CPU, fp32 and bf16 autocast) and exact there. Scores per layer and branch:
+  - sel ``masked``: ``[B, S, HQ, S]`` plus the bool mask ``[B, S, HKV, S]``: O(S²); ``gather`` /
+    ``packed``: ``[B, S, HQ, n·l']`` plus, per ``[B, S, HKV, n·l']`` key slot, the gathered key and
+    value in the compute dtype, the int64 token index and the bool validity mask: O(S·n·l');
+  - cmp ``masked``: ``[B, S, HQ, S/d]``, O(S²/d), plus the unfolded blocks; ``sel`` forced alone still
+    ranks blocks with these scores, without gradient, in query chunks of at most 2^24 probabilities (a
+    transient, not kept);
+  - win ``masked``: ``[B, S, HQ, S]``: O(S²); ``chunked``: ``[B, S, HQ, 2w]``, O(S·w).
   - the ``reference`` backends are per-token loops and are modelled like ``masked`` (an upper bound).
 - checkpointed layers keep only their input; the largest layer is recomputed once during backward.
+- one layer's backward workspace: the gradients of a branch's score tensors while they are made,
+  `_BACKWARD_PER_SCORE` bytes per score (the model's only fitted number, below), less what the
+  branches whose backward ran before it in that layer have freed; the largest over the branches.
 - the logits in fp32 and the cross-entropy's softmax: O(B·S·V).
+- on CUDA, the cuBLAS workspaces the caching allocator holds: one per thread that runs matmuls (the
+  main thread's forward, the autograd engine's backward thread), 32 MiB each on Hopper.
 
-What is not: allocator caching and fragmentation, the CUDA context and cuBLAS workspaces, temporaries
-that live inside one op (einsum reshapes), autocast weight copies in bf16/fp16, and on the CPU the
-runtime's resident memory (torch, Python): the CPU comparison is therefore made above the fixed part.
-The per-element multipliers in `_FACTORS` (how many score-sized tensors are alive at peak) are the
-model's only fitted numbers: ``dense_scores`` and ``rank_transient`` were chosen on ten measured CPU fp32
-points of the tiny preset (``--branch sel``, masked and gather, S = 512..4096, batch 1), where the total
-(with the sweep's fitted fixed part for the runtime) came within 9%; that is an in-sample figure.
-``gather_scores`` is not separately identified by those runs. Not yet checked on CUDA, in bf16, with
-checkpointing, or on larger presets.
+Fitted, and where: `_BACKWARD_PER_SCORE` fp32 (16) on the tiny preset on an H100 (all branches, sel
+masked, S = 2048 and 4096, fp32) and half (10) on m7c-125m on an H100 (``--branch sel``, masked, S =
+2048 and 4096, bf16). Every other measured point (m7c-125m all branches masked and gather, with
+checkpointing, in fp32; tiny and small in bf16; the CPU sweeps) is out of sample: BENCHMARKS.md lists the
+errors. What is not modelled: allocator caching and fragmentation, temporaries inside one op, autocast's
+half-precision weight copies, and on the CPU the runtime's resident memory (torch, Python): the CPU
+comparison is therefore made above the fitted fixed part.
 """
 
 from __future__ import annotations
@@ -36,8 +52,13 @@ from typing import Any
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCORE_CHUNK_ELEMENTS = 1 << 24  # nsa_core.layers.attention: query chunks of the no-grad block ranking
-# Score-sized tensors alive at peak per attention op (scores, masked fill, exp, probabilities, grads).
-_FACTORS = {"dense_scores": 3.5, "gather_scores": 4.0, "rank_transient": 2.0}
+# Bytes each attention score keeps for backward (exp and probabilities; see the module docstring).
+_KEPT_PER_SCORE = {"fp32": 8, "bf16": 6, "fp16": 6}
+# Bytes per score of one layer's largest branch while its backward runs (fitted; see the docstring).
+_BACKWARD_PER_SCORE = {"fp32": 16, "bf16": 16, "fp16": 16}
+_RANK_TRANSIENT_PER_SCORE = 8  # the no-grad ranking's scores and probabilities, fp32
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # per thread running matmuls, Hopper (CUBLAS_WORKSPACE_CONFIG's default)
+CUDA_MATMUL_THREADS = 2  # the main thread (forward) and the autograd engine's thread (backward)
 
 
 @dataclass(frozen=True)
@@ -51,6 +72,7 @@ class MemoryEstimate:
     per_branch: dict[str, int]
     logits: int
     transient: int
+    workspace: int
     total: int
 
     @property
@@ -73,30 +95,50 @@ def count_params(cfg: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _branch_bytes(cfg: Any, branch: str, S: int, B: int, a: int) -> int:
+def _scores(cfg: Any, branch: str, S: int, B: int) -> int:
+    """Score-sized elements of one branch of one layer: queries x heads x keys each query scores."""
+    nsa = cfg.nsa
+    if branch == "sel":
+        keys = S if nsa.sel_backend in ("masked", "reference") else nsa.n_sel * nsa.sel_block_len
+    elif branch == "cmp":
+        keys = max(0, (S - nsa.block_len) // nsa.block_stride + 1)
+    elif branch == "win":
+        keys = S if nsa.win_backend in ("masked", "reference") else min(S, 2 * nsa.window)
+    else:
+        raise ValueError(f"unknown branch {branch!r}")
+    return B * S * cfg.heads * keys
+
+
+def _branch_bytes(cfg: Any, branch: str, S: int, B: int, dtype: str) -> int:
     """Activations of one branch of one layer kept for backward."""
     nsa = cfg.nsa
+    a = _DTYPE_BYTES[dtype]
     H, HKV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     kv = 2 * B * S * HKV * D * a + B * S * H * D * a  # its k/v projection and its output
+    kept = _KEPT_PER_SCORE[dtype] * _scores(cfg, branch, S, B)
     if branch == "sel":
-        backend = nsa.sel_backend
         kv += B * S * HKV * D * a  # rotated keys
-        if backend in ("masked", "reference"):
-            scores = _FACTORS["dense_scores"] * B * S * H * S * 4 + B * S * HKV * S
+        if nsa.sel_backend in ("masked", "reference"):
+            kept += B * S * HKV * S  # the bool mask of the selected blocks
         else:
-            keys = nsa.n_sel * nsa.sel_block_len
-            gathered = 2 * B * S * HKV * keys * D * a + B * S * HKV * keys * 8
-            scores = gathered + _FACTORS["gather_scores"] * B * S * H * keys * 4
-        return int(kv + scores)
-    if branch == "cmp":
+            slots = B * S * HKV * nsa.n_sel * nsa.sel_block_len
+            kept += slots * (2 * D * a + 8 + 1)  # gathered key and value, int64 index, bool validity
+    elif branch == "cmp":
         nc = max(0, (S - nsa.block_len) // nsa.block_stride + 1)
-        blocks = 2 * B * nc * HKV * nsa.block_len * D * a
-        scores = _FACTORS["dense_scores"] * B * S * H * nc * 4
-        return int(kv + blocks + scores)
-    if branch == "win":
-        span = S if nsa.win_backend in ("masked", "reference") else min(S, 2 * nsa.window)
-        return int(kv + _FACTORS["dense_scores"] * B * S * H * span * 4)
-    raise ValueError(f"unknown branch {branch!r}")
+        kept += 2 * B * nc * HKV * nsa.block_len * D * a  # the unfolded key and value blocks
+    return int(kv + kept)
+
+
+def _backward_workspace(cfg: Any, per_branch: dict[str, int], S: int, B: int, dtype: str) -> int:
+    """One layer's backward workspace at its largest. The layer runs cmp, sel, win forward, so backward
+    runs win, sel, cmp: when a branch's backward starts, the branches after it in forward have freed
+    what they kept."""
+    order = [b for b in ("cmp", "sel", "win") if b in per_branch]
+    return max(
+        _BACKWARD_PER_SCORE[dtype] * _scores(cfg, b, S, B)
+        - sum(per_branch[later] for later in order[i + 1 :])
+        for i, b in enumerate(order)
+    )
 
 
 def _rank_transient(cfg: Any, S: int, B: int) -> int:
@@ -104,18 +146,20 @@ def _rank_transient(cfg: Any, S: int, B: int) -> int:
     nsa = cfg.nsa
     nc = max(1, (S - nsa.block_len) // nsa.block_stride + 1)
     chunk = min(S, max(1, SCORE_CHUNK_ELEMENTS // max(1, B * cfg.heads * nc)))
-    return int(_FACTORS["rank_transient"] * B * chunk * cfg.heads * nc * 4)
+    return int(_RANK_TRANSIENT_PER_SCORE * B * chunk * cfg.heads * nc)
 
 
-def estimate_peak_memory(cfg: Any, *, seq_len: int, batch: int, dtype: str = "fp32") -> MemoryEstimate:
-    """The estimated peak bytes of one training step (forward, backward, AdamW) of `cfg`."""
+def estimate_peak_memory(
+    cfg: Any, *, seq_len: int, batch: int, dtype: str = "fp32", device: str = "cpu", steps: int = 1
+) -> MemoryEstimate:
+    """The estimated peak bytes of `steps` training steps (forward, backward, AdamW) of `cfg`."""
     a = _DTYPE_BYTES[dtype]
     S, B = seq_len, batch
     n_params = count_params(cfg)
     params = grads = 4 * n_params
     optimizer = 8 * n_params
     branches = cfg.nsa.branches
-    per_branch = {b: _branch_bytes(cfg, b, S, B, a) for b in branches}
+    per_branch = {b: _branch_bytes(cfg, b, S, B, dtype) for b in branches}
     H, D, dim, hidden = cfg.heads, cfg.head_dim, cfg.dim, cfg.ffn_hidden
     common = B * S * a * (6 * dim + 5 * H * D + 2 * 3 * H + 4 * hidden) + B * S * 4 * 2 * dim  # norms in fp32
     layer = common + sum(per_branch.values())
@@ -124,8 +168,16 @@ def estimate_peak_memory(cfg: Any, *, seq_len: int, batch: int, dtype: str = "fp
     recompute = layer if checkpointed else 0
     activations = kept + recompute
     logits = 3 * B * S * cfg.vocab * 4
-    transient = _rank_transient(cfg, S, B) if branches == ("sel",) else 0
-    total = params + max(grads + activations + logits + transient, grads + optimizer)
+    backward = _backward_workspace(cfg, per_branch, S, B, dtype)
+    transient = backward + (_rank_transient(cfg, S, B) if branches == ("sel",) else 0)
+    workspace = CUDA_MATMUL_THREADS * CUBLAS_WORKSPACE_BYTES if device.startswith("cuda") else 0
+    # At the peak (the last layer's backward starts) only the output head's gradient exists yet; AdamW's
+    # moments exist from the end of step 1 on, so from step 2 they sit under the activations too.
+    head_grad = 4 * cfg.vocab * cfg.dim
+    moments = optimizer if steps > 1 else 0
+    total = params + max(
+        moments + head_grad + activations + logits + transient + workspace, grads + optimizer + workspace
+    )
     return MemoryEstimate(
         params=params,
         grads=grads,
@@ -134,5 +186,6 @@ def estimate_peak_memory(cfg: Any, *, seq_len: int, batch: int, dtype: str = "fp
         per_branch=per_branch,
         logits=logits,
         transient=transient,
+        workspace=workspace,
         total=total,
     )

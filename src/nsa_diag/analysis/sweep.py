@@ -105,8 +105,11 @@ def device_memory_total(device: str | None) -> tuple[int, str]:
 def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str, Any]:
     """One measured point with the estimator next to it."""
     cfg = spec.nsa_config() if spec.model is None else None
+    device = (result.device if result is not None else None) or spec.device
     estimate = (
-        estimate_peak_memory(cfg, seq_len=spec.seq_len, batch=spec.batch, dtype=spec.dtype)
+        estimate_peak_memory(
+            cfg, seq_len=spec.seq_len, batch=spec.batch, dtype=spec.dtype, device=device, steps=spec.steps
+        )
         if cfg is not None
         else None
     )
@@ -142,6 +145,8 @@ def _add_estimator_errors(points: list[dict[str, Any]], fit: GrowthFit | None, o
         est, peak = p.get("estimate"), p.get("peak_memory_bytes")
         if not est or not peak:
             continue
+        if p.get("verdict") != "pass":  # an oom's peak is what was allocated when it failed, not the need
+            continue
         if on_cuda:
             p["estimate_compared"] = "total vs CUDA max allocated"
             p["estimate_rel_err"] = (est["total"] - peak) / peak
@@ -173,10 +178,13 @@ def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, 
     _add_estimator_errors(points, memory_fit, on_cuda)
     errors = [abs(p["estimate_rel_err"]) for p in points if "estimate_rel_err" in p]
     above = [abs(p["estimate_above_fixed_rel_err"]) for p in points if "estimate_above_fixed_rel_err" in p]
-    device = next((p.get("device") for p in passed), None)
+    device = next((p.get("device") for p in points if p.get("device")), None)
+    total, source = budget if budget is not None else device_memory_total(device)
+    for p in points:  # an oom point: did the estimate see it coming?
+        if p["verdict"] == "oom" and p.get("estimate"):
+            p["estimate_exceeds_budget"] = p["estimate"]["total"] > total
     limit: dict[str, Any] | None = None
     if memory_fit is not None and series.x_name == "seq_len":
-        total, source = budget if budget is not None else device_memory_total(device)
         at = predict_limit(memory_fit, total)
         limit = {"budget_bytes": total, "budget_source": source, "seq_len": int(at) if at else None}
     return {
@@ -219,8 +227,12 @@ def run_sweep(
     tag: str | None,
     budget: tuple[int, str] | None,
     json_output: bool,
+    follow: Any = None,
 ) -> int:
-    """Run every series upward, stopping a series at its first point that does not pass; report."""
+    """Run every series upward, stopping a series at its first point that does not pass; report.
+
+    `follow`: the `nsa_diag.session.FollowUps` (--minimize, --triage, --junit) applied to the points run.
+    """
     from nsa_diag.runner import run_cases
 
     specs = [spec for s in series for _, spec in s.points]
@@ -258,6 +270,10 @@ def run_sweep(
     if not interrupted:
         # points above a failure were left out on purpose; only failures decide the exit code
         summary["exit_code"] = 0 if all(r.passed for r in results) else 1
+    if follow is not None:
+        from nsa_diag.session import follow_up
+
+        summary = follow_up(summary, run_dir, specs, results, follow=follow, out=out, err=err)
     render.write_summary(run_dir, summary)
     analyses = [analyse_series(s, budget) for s in series]
     report = {"run_dir": str(run_dir), "series": analyses, "culprits": quadratic_culprits(analyses)}
@@ -274,6 +290,7 @@ def run_sweep(
         render.print_json({"summary": summary, "scale": report})
     else:
         render_scale(report)
+        render.render_follow_ups(summary)
     return int(summary["exit_code"])
 
 
@@ -287,6 +304,12 @@ def _above_errors(points: list[dict[str, Any]]) -> str:
         for p in points
         if "estimate_above_fixed_rel_err" in p
     )
+
+
+def _estimate_cell(point: dict[str, Any]) -> str:
+    if "estimate_exceeds_budget" in point:  # an oom point: the estimate foresaw it, or not
+        return "foresaw oom" if point["estimate_exceeds_budget"] else "missed oom"
+    return _pct(point.get("estimate_rel_err"))
 
 
 def render_scale(report: dict[str, Any]) -> None:
@@ -306,7 +329,7 @@ def render_scale(report: dict[str, Any]) -> None:
                 p["verdict"],
                 render.format_bytes(p.get("peak_memory_bytes")),
                 render.format_bytes(est.get("total")),
-                _pct(p.get("estimate_rel_err")),
+                _estimate_cell(p),
                 "-" if p.get("forward_s") is None else f"{p['forward_s']:.3f} s",
                 "-" if p.get("backward_s") is None else f"{p['backward_s']:.3f} s",
                 "-" if tokens is None else f"{tokens:,.0f}",
