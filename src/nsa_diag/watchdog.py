@@ -38,6 +38,10 @@ SETUP_STALL_S = 60.0
 # After "done" the worker writes its result and the interpreter shuts down (torch teardown, garbage
 # collection): seconds on a loaded machine, which are not a hang of the training step. Longer is one.
 EXIT_STALL_S = 30.0
+# Writing the profiler's trace and memory timeline, or the CUDA memory snapshot, after the steps ("export"
+# phase): no progress inside, and it grows with the recorded history, not with the step (12 s after 1 s
+# steps of m7c-125m on an H100). It gets the start-up limit.
+EXPORT_STALL_S = 120.0
 # --stall auto (the default). Progress events come per block, branch and phase, so what the limit bounds is
 # the gap since the last event, and any such gap of a later step is at most as long as the whole first step
 # (a later step does the same work as step 1, without its one-off costs: lazy imports, allocator growth,
@@ -142,6 +146,16 @@ def stall_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
         if spec.stall < SETUP_STALL_S:
             return StallLimit(SETUP_STALL_S, f"--stall {spec.stall:g} s; setup allows {SETUP_STALL_S:g} s")
     limit = step_limit(history, spec)
+    if (
+        state is not None
+        and state.phase == "export"
+        and state.event == "begin"
+        and limit.seconds < EXPORT_STALL_S
+    ):
+        return StallLimit(
+            EXPORT_STALL_S,
+            f"{limit.reason}; writing {state.module or 'artifacts'} allows {EXPORT_STALL_S:g} s",
+        )
     if state is not None and state.phase == "done" and limit.seconds < EXIT_STALL_S:
         return StallLimit(EXIT_STALL_S, f"{limit.reason}; the exit after done allows {EXIT_STALL_S:g} s")
     return limit

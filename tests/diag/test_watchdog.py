@@ -31,6 +31,7 @@ from nsa_diag.watchdog import (
     AUTO_FLOOR_S,
     AUTO_START_S,
     EXIT_STALL_S,
+    EXPORT_STALL_S,
     SETUP_STALL_S,
     Observation,
     compact,
@@ -105,6 +106,16 @@ def test_the_exit_after_done_gets_a_longer_stall_limit() -> None:
     assert decide(h, T0 + 5.0, spec()).status == "running"
     d = decide(h, T0 + EXIT_STALL_S + 1, spec(timeout=100))
     assert (d.status, d.stall_limit_s) == ("stalled", EXIT_STALL_S)
+
+
+def test_writing_the_profile_after_the_steps_gets_the_export_limit() -> None:
+    # m7c-125m with --profile on an H100: 1 s steps (auto limit 10 s), then 12 s writing trace.json
+    exporting = history((0.2, beacon(40, T0 + 0.2, phase="export", step=2, event="begin")))
+    d = decide(exporting, T0 + 15.0, spec(timeout=100))
+    assert (d.status, d.stall_limit_s) == ("running", EXPORT_STALL_S)
+    assert decide(exporting, T0 + EXPORT_STALL_S + 1, spec(timeout=200)).status == "stalled"
+    written = history((0.2, beacon(41, T0 + 0.2, phase="export", step=2, event="end")))
+    assert decide(written, T0 + 3.0, spec(timeout=100)).status == "stalled"  # back to the step's limit
 
 
 def test_a_user_stall_longer_than_the_setup_grace_wins() -> None:

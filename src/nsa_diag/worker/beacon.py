@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", "check", "done")
+PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", "check", "done", "export")
 BRANCHES = ("", "cmp", "sel", "win")
 EVENTS = ("", "begin", "end")
 MODULE_BYTES = 96

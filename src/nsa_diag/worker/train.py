@@ -476,10 +476,15 @@ class Trainer:
                 self._export(artifacts.MEMORY_TIMELINE, lambda p: prof.export_memory_timeline(str(p), device))
 
     def _export(self, name: str, writer: Callable[[Path], object]) -> None:
+        # an "export" phase: a profiler trace of a big model takes longer than a step (12 s after 1 s steps
+        # on an H100), and the watchdog gives the phase its own limit instead of the step-derived one
+        self.progress.event("export", "begin", module=name)
         try:
             artifacts.write_with(self.case_dir / name, writer)
         except Exception as exc:  # an exporter's failure must not hide the case's own outcome
             self.notes.append(f"{name}: not written ({type(exc).__name__}: {_first_line(str(exc))})")
+        finally:
+            self.progress.event("export", "end", module=name)
 
     def _ok_reason(self) -> str:
         loss = self.losses[-1] if self.losses else None
@@ -513,10 +518,13 @@ class Trainer:
                 self.notes.append(
                     f"inject {fault.inj}: never fired" + (hint if fault.inj.phase == "recompute" else "")
                 )
+        self.progress.event("export", "begin", module=artifacts.MEMORY_SNAPSHOT)
         try:
             self.memory.dump_snapshot()
         except Exception as exc:
             self.notes.append(f"{artifacts.MEMORY_SNAPSHOT}: not written ({type(exc).__name__}: {exc})")
+        finally:
+            self.progress.event("export", "end", module=artifacts.MEMORY_SNAPSHOT)
         if self.notes:
             metrics["notes"] = self.notes
         result["metrics"] = metrics
