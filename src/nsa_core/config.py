@@ -17,6 +17,9 @@ from typing import Any
 SEL_BACKENDS = ("reference", "masked", "gather", "packed")
 CMP_BACKENDS = ("reference", "masked")
 WIN_BACKENDS = ("reference", "masked", "chunked")
+# Accepted by all three *_backend fields but kept out of the tuples above, which list the backends that run
+# on any device (suites and CLIs iterate them): Triton kernels need CUDA, or Triton's CPU interpreter.
+TRITON_BACKENDS = ("triton",)
 PREFILL_MODES = ("batched", "sequential")
 BRANCHES = ("cmp", "sel", "win")
 
@@ -75,9 +78,9 @@ class NSAConfig:
                 f"n_sel={self.n_sel} must exceed the forced blocks n_init + n_local = "
                 f"{self.n_init + self.n_local}; raise n_sel or lower n_init/n_local"
             )
-        _check_choice("sel_backend", self.sel_backend, SEL_BACKENDS)
-        _check_choice("cmp_backend", self.cmp_backend, CMP_BACKENDS)
-        _check_choice("win_backend", self.win_backend, WIN_BACKENDS)
+        _check_choice("sel_backend", self.sel_backend, SEL_BACKENDS + TRITON_BACKENDS)
+        _check_choice("cmp_backend", self.cmp_backend, CMP_BACKENDS + TRITON_BACKENDS)
+        _check_choice("win_backend", self.win_backend, WIN_BACKENDS + TRITON_BACKENDS)
         if self.force_branch is not None:
             _check_choice("force_branch", self.force_branch, BRANCHES)
 

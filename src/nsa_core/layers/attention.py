@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from nsa_core.cache import LayerCache, append
 from nsa_core.config import ModelConfig
+from nsa_core.ops.common import triton_op
 from nsa_core.ops.compression import compressed_attention, num_compressed_blocks, unfold_blocks
 from nsa_core.ops.reference import naive_select_blocks
 from nsa_core.ops.selection import block_importance, select_blocks, selected_attention
@@ -105,20 +106,32 @@ class NSAAttention(nn.Module):
         # p [B, Tq, HQ, Nc] of queries at q_offset.. -> block_idx [B, Tq, HKV, n]
         nsa = self.nsa
         num_keys = q_offset + p.shape[1]
-        geometry = dict(
-            sel_block_len=nsa.sel_block_len, n_sel=nsa.n_sel, n_init=nsa.n_init, n_local=nsa.n_local
-        )
+        geometry = self._selection_geometry()
         blocks = dict(kv_heads=self.cfg.kv_heads, block_len=nsa.block_len, block_stride=nsa.block_stride)
         if nsa.sel_backend == "reference":
             return naive_select_blocks(p, num_keys=num_keys, q_offset=q_offset, **blocks, **geometry)
         importance = block_importance(p, sel_block_len=nsa.sel_block_len, num_keys=num_keys, **blocks)
         return select_blocks(importance, q_offset=q_offset, **geometry)
 
+    def _selection_geometry(self) -> dict[str, int]:
+        nsa = self.nsa
+        return dict(sel_block_len=nsa.sel_block_len, n_sel=nsa.n_sel, n_init=nsa.n_init, n_local=nsa.n_local)
+
     @torch.no_grad()
     def _rank_in_chunks(self, q: torch.Tensor, k_cmp: torch.Tensor, pos0: int) -> torch.Tensor:
         # Scoring alone (force_branch="sel"): query chunks bound the [chunk, Nc] probabilities, so memory
         # stays linear in T. Chunk i's queries see only the blocks complete by its last query.
         nsa = self.nsa
+        if nsa.cmp_backend == "triton":  # never holds the probabilities: no chunks needed
+            select_only = triton_op("compression", "triton_compressed_block_select")
+            return select_only(
+                q,
+                k_cmp,
+                block_len=nsa.block_len,
+                block_stride=nsa.block_stride,
+                q_offset=pos0,
+                **self._selection_geometry(),
+            )
         T = q.shape[1]
         chunk = max(1, SCORE_CHUNK_ELEMENTS // max(1, q.shape[0] * q.shape[2] * k_cmp.shape[1]))
         chosen = []
@@ -163,17 +176,20 @@ class NSAAttention(nn.Module):
             else:
                 c.v_cmp_raw = append(c.v_cmp_raw, v_raw)
                 c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
-                outputs["cmp"], p = compressed_attention(
-                    q,
-                    c.k_cmp,
-                    c.v_cmp,
-                    block_len=nsa.block_len,
-                    block_stride=nsa.block_stride,
-                    q_offset=pos0,
-                    backend=nsa.cmp_backend,
-                )
-                if "sel" in branches:
-                    block_idx = self._choose_blocks(p.detach(), pos0)
+                geometry = dict(block_len=nsa.block_len, block_stride=nsa.block_stride, q_offset=pos0)
+                if nsa.cmp_backend == "triton":
+                    # the kernel ranks the blocks in the same pass, without a [T, Nc] probability tensor
+                    select = None
+                    if "sel" in branches:
+                        select = dict(kv_heads=cfg.kv_heads, **self._selection_geometry())
+                    compressed = triton_op("compression", "triton_compressed_attention")
+                    outputs["cmp"], block_idx = compressed(q, c.k_cmp, c.v_cmp, select=select, **geometry)
+                else:
+                    outputs["cmp"], p = compressed_attention(
+                        q, c.k_cmp, c.v_cmp, backend=nsa.cmp_backend, **geometry
+                    )
+                    if "sel" in branches:
+                        block_idx = self._choose_blocks(p.detach(), pos0)
 
         if "sel" in branches:
             k_sel, v_sel = self._kv(self.kv_sel, x)

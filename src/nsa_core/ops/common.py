@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
 
 
@@ -48,3 +51,15 @@ def check_qkv(
             f"keys must cover positions 0 .. q_offset + Tq - 1: got Tk={k.shape[1]}, "
             f"q_offset={q_offset}, Tq={q.shape[1]}"
         )
+
+
+def triton_op(module: str, name: str) -> Any:
+    """``nsa_core.ops.triton.<module>.<name>``, imported on first use so that nsa_core runs without Triton."""
+    try:
+        return getattr(importlib.import_module(f"nsa_core.ops.triton.{module}"), name)
+    except ImportError as error:
+        raise NotImplementedError(
+            f"the 'triton' backends need the triton package ({error}); install triton (it comes with CUDA "
+            "builds of torch) or pick another backend, e.g. sel_backend='gather', cmp_backend='masked', "
+            "win_backend='chunked'"
+        ) from error

@@ -5,7 +5,8 @@ view (the learnable phi that turns a block into one key lives in `nsa_core.layer
 attention returns, beside its output, the softmax probabilities that score blocks for selection.
 
 Backends: ``reference`` (per-token loop, `naive_compressed_attention`) and ``masked`` (one batched
-softmax over a ``[Tq, Nc]`` visibility mask; O(T * T/d) scores).
+softmax over a ``[Tq, Nc]`` visibility mask; O(T * T/d) scores). The ``triton`` backend
+(`nsa_core.ops.triton.compression`) returns the selected blocks instead of ``p``; `NSAAttention` calls it.
 """
 
 from __future__ import annotations
@@ -83,5 +84,11 @@ def compressed_attention(
         return masked_compressed_attention(q, k_cmp, v_cmp, **kwargs)
     elif backend == "reference":
         return naive_compressed_attention(q, k_cmp, v_cmp, **kwargs)
+    elif backend == "triton":
+        raise NotImplementedError(
+            "the triton cmp backend never materialises p; call "
+            "nsa_core.ops.triton.compression.triton_compressed_attention(..., select=...), which returns the "
+            "selected blocks instead, or use backend 'masked'"
+        )
     else:
         raise NotImplementedError(f"cmp backend {backend!r}; use 'reference' or 'masked'")

@@ -11,6 +11,8 @@ Backends of the attention over the chosen blocks:
 - ``gather``: gathers the ``n * l'`` chosen keys of every query; O(S * n * l') memory, einsum attention.
 - ``packed``: the same chosen keys packed as one short sequence per (query, KV group) and attended by
   ``scaled_dot_product_attention`` with the group's query heads as the query length; O(S * n * l').
+- ``triton``: `nsa_core.ops.triton.selection`, streaming the chosen blocks per (query, KV group), with a
+  backward through an inverted index of the queries that chose each block; O(S * n) memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_core.ops.common import check_qkv, group_queries, masked_softmax, upcast
+from nsa_core.ops.common import check_qkv, group_queries, masked_softmax, triton_op, upcast
 from nsa_core.ops.reference import naive_selected_attention
 
 
@@ -214,5 +216,7 @@ def selected_attention(
         return masked_selected_attention(q, k, v, block_idx, **kwargs)
     elif backend == "reference":
         return naive_selected_attention(q, k, v, block_idx, **kwargs)
+    elif backend == "triton":
+        return triton_op("selection", "triton_selected_attention")(q, k, v, block_idx, **kwargs)
     else:
-        raise NotImplementedError(f"sel backend {backend!r}; use reference, masked, gather or packed")
+        raise NotImplementedError(f"sel backend {backend!r}; use reference, masked, gather, packed or triton")

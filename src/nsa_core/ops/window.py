@@ -5,6 +5,7 @@ Backends:
 - ``masked``: one dense ``[Tq, Tk]`` band mask; O(S^2) memory, as the seeds had it.
 - ``chunked``: queries in chunks of ``C = min(Tq, w)``; each chunk reads only its ``C + w - 1`` keys, so
   scores and memory are O(S * w).
+- ``triton``: `nsa_core.ops.triton.window`, banded flash attention, O(S * w) forward and backward.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_core.ops.common import check_qkv, group_queries, masked_softmax
+from nsa_core.ops.common import check_qkv, group_queries, masked_softmax, triton_op
 from nsa_core.ops.reference import naive_sliding_window_attention
 
 
@@ -101,5 +102,7 @@ def sliding_window_attention(
         return masked_sliding_window_attention(q, k, v, **kwargs)
     elif backend == "reference":
         return naive_sliding_window_attention(q, k, v, **kwargs)
+    elif backend == "triton":
+        return triton_op("window", "triton_sliding_window_attention")(q, k, v, **kwargs)
     else:
-        raise NotImplementedError(f"win backend {backend!r}; use reference, masked or chunked")
+        raise NotImplementedError(f"win backend {backend!r}; use reference, masked, chunked or triton")

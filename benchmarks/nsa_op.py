@@ -1,0 +1,256 @@
+"""The full NSA op in Triton against SDPA flash and cuDNN full attention: time and peak memory, one run.
+
+Reproduces the table of ``../shared/PERFORMANCE.md`` with our op added, baselines rerun in the same command:
+bf16, B=1, 64 query heads, 4 KV heads (G=16), head dim 128, causal; the paper geometry l=32, d=16, l'=64,
+n=16 (1 initial + 2 local forced), w=512. Times are `triton.testing.do_bench` medians in ms, forward and
+forward+backward; memory is the peak of ``torch.cuda.max_memory_allocated`` during forward+backward above
+what the inputs hold before it (MiB).
+
+The op takes ``q [B, T, HQ, D]``, ``k/v [B, T, HKV, D]`` shared by the three branches and gate logits
+``[B, T, HQ, 3]``: compressed keys/values through a learnable phi (an MLP over each block of l tokens,
+`nsa_core.layers.attention.BlockCompressor`), compressed attention with the importance (Eq. 9, group
+sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected attention, sliding window,
+sigmoid gates.
+
+    python benchmarks/nsa_op.py                                  # 2k .. 64k, and 256k for ours alone
+    python benchmarks/nsa_op.py --seq-lens 8192 65536 --breakdown  # plus each branch's own time
+    python benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 2048 16384  # m7c-125m, G=6
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from nsa_core.layers.attention import BlockCompressor
+from nsa_core.ops.compression import unfold_blocks
+from nsa_core.ops.triton import (
+    triton_compressed_attention,
+    triton_selected_attention,
+    triton_sliding_window_attention,
+)
+
+MIB = 1 << 20
+
+
+class NSAOp(torch.nn.Module):
+    """The full NSA op of PERFORMANCE.md's bar: three branches and their gates over one ``q, k, v``."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__()
+        self.args = args
+        self.phi_k = BlockCompressor(args.block_len, args.head_dim)
+        self.phi_v = BlockCompressor(args.block_len, args.head_dim)
+
+    def branches(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.args
+        k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
+        v_cmp = self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
+        select = dict(kv_heads=a.kv_heads, sel_block_len=a.sel_block_len, n_sel=a.n_sel, n_init=1, n_local=2)
+        o_cmp, block_idx = triton_compressed_attention(
+            q, k_cmp, v_cmp, block_len=a.block_len, block_stride=a.block_stride, select=select
+        )
+        o_sel = triton_selected_attention(q, k, v, block_idx, sel_block_len=a.sel_block_len)
+        o_win = triton_sliding_window_attention(q, k, v, window=a.window)
+        return o_cmp, o_sel, o_win
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gates = torch.sigmoid(gate)[..., None]  # [B, T, HQ, 3, 1]
+        o_cmp, o_sel, o_win = self.branches(q, k, v)
+        return gates[..., 0, :] * o_cmp + gates[..., 1, :] * o_sel + gates[..., 2, :] * o_win
+
+
+def sdpa(backend: SDPBackend) -> Callable[..., torch.Tensor]:
+    """Causal SDPA on one backend: grouped heads natively where it takes them, else KV heads repeated."""
+    native_gqa = [True]
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        G = q.shape[2] // k.shape[2]
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, T, D]
+        with sdpa_kernel(backend):
+            if native_gqa[0]:
+                try:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+                        1, 2
+                    )
+                except RuntimeError:
+                    native_gqa[0] = False
+            k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+    return attend
+
+
+def inputs(args: argparse.Namespace, T: int) -> list[torch.Tensor]:
+    dtype = getattr(torch, args.dtype)
+    make = dict(device="cuda", dtype=dtype, requires_grad=True)
+    return [
+        torch.randn(1, T, args.heads, args.head_dim, **make),
+        torch.randn(1, T, args.kv_heads, args.head_dim, **make),
+        torch.randn(1, T, args.kv_heads, args.head_dim, **make),
+        torch.randn(1, T, args.heads, 3, **make),
+    ]
+
+
+def measure(fn: Callable[..., torch.Tensor], xs: list[torch.Tensor], params: list[torch.Tensor]) -> dict:
+    """Forward and forward+backward medians (ms) and the peak memory above the inputs (MiB)."""
+    grads_of = [*xs, *params]
+    do = torch.randn_like(fn(*xs))
+
+    def fwd() -> None:
+        with torch.no_grad():
+            fn(*xs)
+
+    def fwd_bwd() -> None:
+        fn(*xs).backward(do)
+
+    result = {}
+    try:
+        result["fwd_ms"] = do_bench(fwd, warmup=25, rep=100, return_mode="median")
+        result["fwd_bwd_ms"] = do_bench(
+            fwd_bwd, grad_to_none=grads_of, warmup=25, rep=100, return_mode="median"
+        )
+        for x in grads_of:
+            x.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        result["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MIB
+    except torch.cuda.OutOfMemoryError:
+        result["error"] = "OOM"
+    for x in grads_of:
+        x.grad = None
+    torch.cuda.empty_cache()
+    return result
+
+
+def branch_breakdown(op: NSAOp, xs: list[torch.Tensor]) -> dict:
+    """Each branch alone (forward / forward+backward ms): where the op's time goes."""
+    q, k, v, _ = xs
+    a = op.args
+    k_cmp = op.phi_k(unfold_blocks(k, a.block_len, a.block_stride)).detach().requires_grad_(True)
+    v_cmp = op.phi_v(unfold_blocks(v, a.block_len, a.block_stride)).detach().requires_grad_(True)
+    select = dict(kv_heads=a.kv_heads, sel_block_len=a.sel_block_len, n_sel=a.n_sel, n_init=1, n_local=2)
+    geometry = dict(block_len=a.block_len, block_stride=a.block_stride)
+    _, block_idx = triton_compressed_attention(
+        q.detach(), k_cmp.detach(), v_cmp.detach(), select=select, **geometry
+    )
+    cases = {
+        "cmp": (lambda q, k, v: triton_compressed_attention(q, k_cmp, v_cmp, **geometry)[0]),
+        "cmp+select": (
+            lambda q, k, v: triton_compressed_attention(q, k_cmp, v_cmp, select=select, **geometry)[0]
+        ),
+        "sel": (lambda q, k, v: triton_selected_attention(q, k, v, block_idx, sel_block_len=a.sel_block_len)),
+        "win": (lambda q, k, v: triton_sliding_window_attention(q, k, v, window=a.window)),
+    }
+    return {name: measure(fn, [q, k, v], [k_cmp, v_cmp]) for name, fn in cases.items()}
+
+
+def fmt(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    if "error" in r:
+        return r["error"]
+    return f"{r['fwd_ms']:.2f} / {r['fwd_bwd_ms']:.1f}"
+
+
+def fmt_mem(r: dict | None) -> str:
+    return "-" if r is None or "error" in r else f"{r['peak_mib']:.0f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536, 262144])
+    parser.add_argument("--baseline-max", type=int, default=65536, help="no SDPA baselines above this T")
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--block-len", type=int, default=32)
+    parser.add_argument("--block-stride", type=int, default=16)
+    parser.add_argument("--sel-block-len", type=int, default=64)
+    parser.add_argument("--n-sel", type=int, default=16)
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--breakdown", action="store_true", help="also time each branch alone")
+    parser.add_argument("--json", help="write the results to this file as well")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/nsa_op.py needs a CUDA device")
+
+    torch.manual_seed(0)
+    op = NSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))
+    params = list(op.parameters())
+    header = {
+        "card": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "geometry": {k: v for k, v in vars(args).items() if k not in ("seq_lens", "json")},
+    }
+    rows = []
+    for seq_len in args.seq_lens:
+        xs = inputs(args, seq_len)
+        row: dict = {"T": seq_len, "nsa": measure(op, xs, params)}
+        if seq_len <= args.baseline_max:
+            row["sdpa_flash"] = measure(sdpa(SDPBackend.FLASH_ATTENTION), xs, [])
+            row["sdpa_cudnn"] = measure(sdpa(SDPBackend.CUDNN_ATTENTION), xs, [])
+        if args.breakdown:
+            row["branches"] = branch_breakdown(op, xs)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        del xs
+
+    print(f"{header['card']}, torch {header['torch']}, Triton {header['triton']}, {header['date']}, "
+          f"{args.dtype}, B=1, HQ={args.heads}, HKV={args.kv_heads}, D={args.head_dim}, l={args.block_len}, "
+          f"d={args.block_stride}, l'={args.sel_block_len}, n={args.n_sel}, w={args.window}")  # fmt: skip
+    print("ms forward / forward+backward; peak MiB of forward+backward above the inputs\n")
+    print("| T | SDPA flash | SDPA cuDNN | NSA (ours) | vs cuDNN fwd+bwd | mem flash | mem cuDNN | mem NSA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        nsa, cudnn = row["nsa"], row.get("sdpa_cudnn")
+        speedup = "-"
+        if cudnn and "error" not in cudnn and "error" not in nsa:
+            speedup = f"{cudnn['fwd_bwd_ms'] / nsa['fwd_bwd_ms']:.2f}x"
+        print(
+            f"| {row['T'] // 1024}k | {fmt(row.get('sdpa_flash'))} | {fmt(cudnn)} | {fmt(nsa)} | {speedup} | "
+            f"{fmt_mem(row.get('sdpa_flash'))} | {fmt_mem(cudnn)} | {fmt_mem(nsa)} |"
+        )
+    valid = [(r["T"], r["nsa"]["peak_mib"]) for r in rows if "error" not in r["nsa"]]
+    if len(valid) >= 2:
+        (t0, m0), (t1, m1) = valid[0], valid[-1]
+        print(
+            f"\nNSA memory exponent {t0 // 1024}k -> {t1 // 1024}k: "
+            f"{math.log(m1 / m0) / math.log(t1 / t0):.2f}"
+        )
+    if args.breakdown:
+        print("\n| T | cmp | cmp+select | sel | win |\n|---|---|---|---|---|")
+        for row in rows:
+            b = row["branches"]
+            print(
+                f"| {row['T'] // 1024}k | "
+                + " | ".join(fmt(b[n]) for n in ("cmp", "cmp+select", "sel", "win"))
+                + " |"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,505 @@
+"""Compressed attention in Triton, with the block importance and the top-n selection fused after it.
+
+Attention over compressed blocks is the banded flash kernel of `nsa_core.ops.triton.flash` with
+``key_stride = d, key_offset = l - 1`` (block ``i`` is visible at ``t`` iff ``i*d + l - 1 <= t``), forward
+and backward, gradients into ``q``, ``k_cmp`` and ``v_cmp``.
+
+With ``select``, the blocks for the selection branch come from a second pass that never holds a
+``[T, Nc]`` tensor: per (query tile, KV group, tile of selection blocks) it recomputes the probabilities of
+the compressed blocks overlapping those selection blocks with each row's final log-sum-exp, sums them over
+the ``G`` query heads (Eq. 10) and maps them onto selection blocks through the overlap counts of Eq. 9
+(``W[c, j]`` = chunks of ``d`` tokens of selection block ``j`` inside compressed block ``c``), one small
+matrix product per tile. The importance lands in a ``[B, rows, HKV, Ns]`` float32 buffer for a chunk of
+query rows bounded to ``IMPORTANCE_ELEMENTS`` (64 MiB), then one program per (query, KV group) takes the
+top ``n``: forced blocks first in ascending order, then by importance, ties to the lower index, -1 for
+unused slots: exactly `select_blocks(block_importance(p))` of `nsa_core.ops.selection`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core.ops.common import check_qkv
+from nsa_core.ops.compression import num_compressed_blocks
+from nsa_core.ops.triton.flash import (
+    LOG2_E,
+    banded_backward,
+    banded_forward,
+    block_sizes,
+    kernel_dtypes,
+    launch_options,
+)
+
+IMPORTANCE_ELEMENTS = 1 << 24  # importance buffer per query chunk: 64 MiB of float32
+BLOCK_SEL = 16  # selection blocks per importance program
+
+
+@triton.jit
+def _importance_tile(
+    acc,
+    q,
+    k_cmp,
+    lse,
+    b,
+    hk,
+    offs_m,
+    mask_m,
+    t,
+    start,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    HQ,
+    G,
+    Tq,
+    Nc,
+    D,
+    scale_log2,
+    j0,
+    BLOCK_LEN: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+    R: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # acc [BM, BS] += group-summed probabilities of compressed blocks start.. mapped onto selection blocks
+    offs_c = start + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_c, mask_d = (offs_c >= 0) & (offs_c < Nc), offs_d < D
+    k_t = tl.load(
+        k_cmp + b * stride_kb + hk * stride_kh + offs_c.to(tl.int64)[None, :] * stride_kt + offs_d[:, None],
+        mask=mask_c[None, :] & mask_d[:, None],
+        other=0.0,
+    )  # [BD, BC]
+    vis = (offs_c[None, :] * BLOCK_STRIDE + BLOCK_LEN - 1 <= t[:, None]) & mask_c[None, :] & mask_m[:, None]
+    p_group = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
+    row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+    for g in range(G):
+        h = hk * G + g
+        q_tile = tl.load(
+            q + b * stride_qb + h * stride_qh + row_q, mask=mask_m[:, None] & mask_d[None, :], other=0.0
+        )  # [BM, BD]
+        row_lse = tl.load(lse + (b * HQ + h) * Tq + offs_m, mask=mask_m, other=0.0)
+        s = tl.dot(q_tile, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2
+        p_group += tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)  # Eq. 10: sum over the group
+    # Eq. 9: chunk m of selection block j is chunk j*K + m; compressed block c holds chunks c .. c + R - 1
+    offs_s = j0 + tl.arange(0, BLOCK_S)
+    first = tl.maximum(offs_c[:, None], offs_s[None, :] * K)
+    last = tl.minimum(offs_c[:, None] + R - 1, offs_s[None, :] * K + K - 1)
+    overlap = tl.maximum(last - first + 1, 0).to(ACC)  # [BC, BS]
+    return acc + tl.dot(p_group, overlap, input_precision="ieee", out_dtype=ACC)
+
+
+@triton.jit
+def _importance_kernel(
+    q,
+    k_cmp,
+    lse,
+    imp,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_ib,
+    HQ,
+    HKV,
+    G,
+    Tq,
+    Nc,
+    Ns,
+    D,
+    q_offset,
+    row0,
+    rows,
+    scale_log2,
+    BLOCK_LEN: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+    R: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_SPILL: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one program per (query tile, selection tile, KV group): imp [B, rows, HKV, Ns] for rows row0..
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_bk = tl.program_id(2).to(tl.int64)
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = row0 + local
+    mask_m = local < rows
+    t = q_offset + offs_m
+    t1 = q_offset + row0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows) - 1
+    c_hi = tl.where(t1 >= BLOCK_LEN - 1, (t1 - BLOCK_LEN + 1) // BLOCK_STRIDE + 1, 0)
+    c_hi = tl.minimum(c_hi, Nc)  # compressed blocks some row of the tile sees
+    j0 = pid_s * BLOCK_S
+    c0 = j0 * K
+    acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=ACC)
+    # blocks c0 - R + 1 .. c0 - 1 reach into this tile's first chunks
+    if (R > 1) & (c0 > 0) & (c0 - R + 1 < c_hi):
+        acc = _importance_tile(
+            acc, q, k_cmp, lse, b, hk, offs_m, mask_m, t, c0 - BLOCK_SPILL,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            HQ, G, Tq, Nc, D, scale_log2, j0,
+            BLOCK_LEN, BLOCK_STRIDE, R, K, BLOCK_M, BLOCK_SPILL, BLOCK_S, BLOCK_D, ACC, PRECISION,
+        )  # fmt: skip
+    for start in range(c0, tl.minimum(c_hi, c0 + BLOCK_S * K), BLOCK_C):
+        acc = _importance_tile(
+            acc, q, k_cmp, lse, b, hk, offs_m, mask_m, t, start,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            HQ, G, Tq, Nc, D, scale_log2, j0,
+            BLOCK_LEN, BLOCK_STRIDE, R, K, BLOCK_M, BLOCK_C, BLOCK_S, BLOCK_D, ACC, PRECISION,
+        )  # fmt: skip
+    offs_s = j0 + tl.arange(0, BLOCK_S)
+    ptr = imp + b * stride_ib + (local.to(tl.int64)[:, None] * HKV + hk) * Ns + offs_s[None, :]
+    tl.store(ptr, acc.to(imp.dtype.element_ty), mask=mask_m[:, None] & (offs_s < Ns)[None, :])
+
+
+@triton.jit
+def _top_n_kernel(
+    imp,
+    idx,
+    stride_ib,
+    stride_xb,
+    HKV,
+    Ns,
+    q_offset,
+    row0,
+    rows,
+    SEL_BLOCK_LEN: tl.constexpr,
+    N_INIT: tl.constexpr,
+    N_LOCAL: tl.constexpr,
+    N_SEL: tl.constexpr,
+    NS_PAD: tl.constexpr,
+):
+    # one program per (batch, query row, KV group); idx [B, Tq, HKV, N_SEL] int64
+    pid = tl.program_id(0).to(tl.int64)
+    hk = pid % HKV
+    row = (pid // HKV) % rows
+    b = pid // (HKV * rows)
+    t = q_offset + row0 + row
+    offs = tl.arange(0, NS_PAD)
+    score = tl.load(imp + b * stride_ib + (row * HKV + hk) * Ns + offs, mask=offs < Ns, other=0.0)
+    own = t // SEL_BLOCK_LEN
+    candidate = (offs * SEL_BLOCK_LEN <= t) & (offs < Ns)
+    forced = (offs < N_INIT) | ((offs <= own) & (offs > own - N_LOCAL))
+    key = tl.where(forced, float("inf"), score)
+    key = tl.where(candidate, key, float("-inf"))
+    out = idx + b * stride_xb + ((row0 + row) * HKV + hk) * N_SEL
+    for slot in tl.static_range(N_SEL):
+        best = tl.max(key, 0)
+        j = tl.min(tl.where(key == best, offs, NS_PAD), 0)  # ties to the lower index
+        tl.store(out + slot, tl.where(best == float("-inf"), -1, j).to(tl.int64))
+        key = tl.where(offs == j, float("-inf"), key)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+
+def _launch_importance(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    lse: torch.Tensor,
+    imp: torch.Tensor,
+    row0: int,
+    rows: int,
+    *,
+    block_len: int,
+    block_stride: int,
+    sel_block_len: int,
+    q_offset: int,
+    scale: float,
+) -> None:
+    # imp[:, :rows] = importance [B, rows, HKV, Ns] of query rows row0 .. row0 + rows - 1
+    B, Tq, HQ, D = q.shape
+    Nc, HKV = k_cmp.shape[1], k_cmp.shape[2]
+    num_sel_blocks = imp.shape[-1]
+    assert imp.stride()[1:] == (HKV * num_sel_blocks, num_sel_blocks, 1)
+    if Nc == 0:
+        imp[:, :rows].zero_()
+        return
+    acc, precision = kernel_dtypes(q.dtype)
+    block_m, block_c, block_d = block_sizes(D)
+    R, K = block_len // block_stride, sel_block_len // block_stride
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(num_sel_blocks, BLOCK_SEL), B * HKV)
+    _importance_kernel[grid](
+        q, k_cmp, lse, imp, *q.stride()[:3], *k_cmp.stride()[:3], imp.stride(0),
+        HQ, HKV, HQ // HKV, Tq, Nc, num_sel_blocks, D, q_offset, row0, rows, scale * LOG2_E,
+        BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K, BLOCK_M=block_m, BLOCK_C=block_c,
+        BLOCK_SPILL=max(16, triton.next_power_of_2(max(1, R - 1))), BLOCK_S=BLOCK_SEL, BLOCK_D=block_d,
+        ACC=acc, PRECISION=precision, **launch_options(q.dtype, block_d),
+    )  # fmt: skip
+
+
+def _launch_top_n(
+    imp: torch.Tensor,
+    block_idx: torch.Tensor,
+    row0: int,
+    rows: int,
+    *,
+    sel_block_len: int,
+    n_init: int,
+    n_local: int,
+    q_offset: int,
+) -> None:
+    # block_idx[:, row0 : row0 + rows] = top-n of imp[:, :rows]
+    B, _, HKV, num_sel_blocks = imp.shape
+    assert imp.stride()[1:] == (HKV * num_sel_blocks, num_sel_blocks, 1)
+    assert block_idx.is_contiguous()
+    _top_n_kernel[(B * rows * HKV,)](
+        imp, block_idx, imp.stride(0), block_idx.stride(0), HKV, num_sel_blocks, q_offset, row0, rows,
+        SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=block_idx.shape[-1],
+        NS_PAD=max(16, triton.next_power_of_2(num_sel_blocks)),
+    )  # fmt: skip
+
+
+def select_from_lse(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    block_len: int,
+    block_stride: int,
+    sel_block_len: int,
+    n_sel: int,
+    n_init: int,
+    n_local: int,
+    q_offset: int,
+    scale: float,
+) -> torch.Tensor:
+    """``block_idx [B, Tq, HKV, n_sel]`` from the compressed attention's row log-sum-exp ``lse``.
+
+    Query rows go in chunks whose importance buffer holds at most ``IMPORTANCE_ELEMENTS`` values.
+    """
+    B, Tq, HQ, D = q.shape
+    HKV = k_cmp.shape[2]
+    num_sel_blocks = -(-(q_offset + Tq) // sel_block_len)
+    block_m = block_sizes(D)[0]
+    chunk = max(block_m, IMPORTANCE_ELEMENTS // (B * HKV * num_sel_blocks) // block_m * block_m)
+    chunk = min(chunk, Tq)
+    imp_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    imp = torch.empty(B, chunk, HKV, num_sel_blocks, dtype=imp_dtype, device=q.device)
+    block_idx = torch.empty(B, Tq, HKV, n_sel, dtype=torch.long, device=q.device)
+    geometry = dict(block_len=block_len, block_stride=block_stride, sel_block_len=sel_block_len)
+    for row0 in range(0, Tq, chunk):
+        rows = min(chunk, Tq - row0)
+        _launch_importance(q, k_cmp, lse, imp, row0, rows, q_offset=q_offset, scale=scale, **geometry)
+        _launch_top_n(
+            imp, block_idx, row0, rows,
+            sel_block_len=sel_block_len, n_init=n_init, n_local=n_local, q_offset=q_offset,
+        )  # fmt: skip
+    return block_idx
+
+
+def triton_top_n_blocks(
+    importance: torch.Tensor,
+    *,
+    sel_block_len: int,
+    n_sel: int,
+    n_init: int,
+    n_local: int,
+    q_offset: int = 0,
+) -> torch.Tensor:
+    """The top-n kernel alone on a full ``importance [B, Tq, HKV, Ns]``: same contract as `select_blocks`.
+
+    For tests and tools; the fused path never holds the whole importance tensor.
+    """
+    importance = importance.detach().contiguous()
+    B, Tq, HKV, _ = importance.shape
+    block_idx = torch.empty(B, Tq, HKV, n_sel, dtype=torch.long, device=importance.device)
+    if Tq:
+        _launch_top_n(
+            importance, block_idx, 0, Tq,
+            sel_block_len=sel_block_len, n_init=n_init, n_local=n_local, q_offset=q_offset,
+        )  # fmt: skip
+    return block_idx
+
+
+def triton_block_importance(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    *,
+    block_len: int,
+    block_stride: int,
+    sel_block_len: int,
+    q_offset: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The importance kernel alone, for all rows: ``[B, Tq, HKV, Ns]`` (float32; float64 for float64).
+
+    Equals ``block_importance(p)`` of `nsa_core.ops.selection` for the compression probabilities ``p``.
+    For tests and tools: it holds the ``[T, Ns]`` tensor the fused path avoids.
+    """
+    _check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, Tq, _, _ = q.shape
+    num_sel_blocks = -(-(q_offset + Tq) // sel_block_len)
+    imp_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    imp = torch.empty(B, Tq, k_cmp.shape[2], num_sel_blocks, dtype=imp_dtype, device=q.device)
+    if Tq == 0:
+        return imp
+    with torch.no_grad():
+        q, k_cmp = q.detach().contiguous(), k_cmp.detach().contiguous()
+        lse = q.new_zeros(0)
+        if k_cmp.shape[1]:
+            geometry = dict(key_stride=block_stride, key_offset=block_len - 1, window=None, q_offset=q_offset)
+            _, lse = banded_forward(q, k_cmp, k_cmp, scale=scale, compute_o=False, **geometry)
+        _launch_importance(
+            q, k_cmp, lse, imp, 0, Tq, block_len=block_len, block_stride=block_stride,
+            sel_block_len=sel_block_len, q_offset=q_offset, scale=scale,
+        )  # fmt: skip
+    return imp
+
+
+class CompressedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_cmp, v_cmp, block_len, block_stride, q_offset, scale):  # type: ignore[override]
+        geometry = dict(key_stride=block_stride, key_offset=block_len - 1, window=None, q_offset=q_offset)
+        o, lse = banded_forward(q, k_cmp, v_cmp, scale=scale, **geometry)
+        ctx.save_for_backward(q, k_cmp, v_cmp, o, lse)
+        ctx.geometry, ctx.scale = geometry, scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):  # type: ignore[override]
+        q, k_cmp, v_cmp, o, lse = ctx.saved_tensors
+        dq, dk, dv = banded_backward(do, q, k_cmp, v_cmp, o, lse, scale=ctx.scale, **ctx.geometry)
+        return dq, dk, dv, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------ public functions
+
+SELECT_KEYS = ("kv_heads", "sel_block_len", "n_sel", "n_init", "n_local")
+
+
+def _check_compressed(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    block_len: int,
+    block_stride: int,
+    q_offset: int,
+) -> None:
+    check_qkv(q, k_cmp, v_cmp, q_offset, raw_keys=False)
+    if q.dtype != k_cmp.dtype or k_cmp.dtype != v_cmp.dtype:
+        raise ValueError(f"q, k_cmp, v_cmp must share one dtype; got {q.dtype}, {k_cmp.dtype}, {v_cmp.dtype}")
+    if block_stride < 1 or block_len < 1 or block_len % block_stride:
+        raise ValueError(f"block_stride={block_stride} must divide block_len={block_len} (both >= 1)")
+    expected = num_compressed_blocks(q_offset + q.shape[1], block_len, block_stride)
+    if k_cmp.shape[1] != expected:
+        raise ValueError(
+            f"k_cmp holds {k_cmp.shape[1]} blocks; {q_offset + q.shape[1]} keys make {expected} complete ones"
+        )
+
+
+def _check_select(select: dict[str, Any], kv_heads: int, block_stride: int) -> None:
+    if sorted(select) != sorted(SELECT_KEYS):
+        raise ValueError(f"select must hold exactly {SELECT_KEYS}; got {tuple(sorted(select))}")
+    if select["kv_heads"] != kv_heads:
+        raise ValueError(f"select kv_heads={select['kv_heads']} but k_cmp has {kv_heads} KV heads")
+    if select["sel_block_len"] < 1 or select["sel_block_len"] % block_stride:
+        raise ValueError(f"block_stride={block_stride} must divide sel_block_len={select['sel_block_len']}")
+    if select["n_sel"] < 1 or select["n_init"] < 0 or select["n_local"] < 0:
+        raise ValueError(f"n_sel >= 1, n_init >= 0 and n_local >= 0 are required; got {select}")
+
+
+def triton_compressed_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    *,
+    block_len: int,
+    block_stride: int,
+    q_offset: int = 0,
+    scale: float | None = None,
+    select: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``q [B, Tq, HQ, D]`` over compressed ``k_cmp/v_cmp [B, Nc, HKV, D]``, and the blocks.
+
+    Block ``i`` (tokens ``[i*d, i*d + l)``) is visible to the query at ``t = q_offset + row`` iff
+    ``i*d + l - 1 <= t``; a query that sees no block outputs zeros. Differentiable in ``q``, ``k_cmp`` and
+    ``v_cmp``. With ``select = dict(kv_heads, sel_block_len, n_sel, n_init, n_local)`` also returns the
+    selection ``block_idx [B, Tq, HKV, n_sel]`` (int64, -1 unused), equal to
+    ``select_blocks(block_importance(p))`` of the probabilities ``p`` the `compressed_attention` of
+    `nsa_core.ops.compression` returns, without materialising ``p``; otherwise ``None``.
+    Returns ``(o [B, Tq, HQ, D], block_idx | None)``.
+    """
+    _check_compressed(q, k_cmp, v_cmp, block_len, block_stride, q_offset)
+    if select is not None:
+        _check_select(select, k_cmp.shape[2], block_stride)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.shape[1] == 0:
+        block_idx = None if select is None else q.new_empty(*q.shape[:2], k_cmp.shape[2], select["n_sel"])
+        return torch.zeros_like(q), None if block_idx is None else block_idx.long()
+    q = q.contiguous()
+    if k_cmp.shape[1] == 0:
+        # no query sees a block yet: zero output (as the reference: q * 0), the forced blocks alone
+        o, lse = q * 0, None
+    else:
+        o, lse = CompressedAttentionFunction.apply(
+            q, k_cmp.contiguous(), v_cmp.contiguous(), block_len, block_stride, q_offset, scale
+        )
+    if select is None:
+        return o, None
+    block_idx = select_from_lse(
+        q.detach(), k_cmp.detach().contiguous(), lse if lse is not None else q.new_zeros(0),
+        block_len=block_len, block_stride=block_stride, q_offset=q_offset, scale=scale,
+        **{key: select[key] for key in SELECT_KEYS if key != "kv_heads"},
+    )  # fmt: skip
+    return o, block_idx
+
+
+def triton_compressed_block_select(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    *,
+    block_len: int,
+    block_stride: int,
+    sel_block_len: int,
+    n_sel: int,
+    n_init: int,
+    n_local: int,
+    q_offset: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The selection alone (``force_branch="sel"``): ``block_idx [B, Tq, HKV, n_sel]``, no gradient.
+
+    The same blocks as ``triton_compressed_attention(..., select=...)[1]``; the forward pass skips the
+    values, so ``v_cmp`` is not needed.
+    """
+    _check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
+    select = dict(kv_heads=k_cmp.shape[2], sel_block_len=sel_block_len, n_sel=n_sel, n_init=n_init,
+                  n_local=n_local)  # fmt: skip
+    _check_select(select, k_cmp.shape[2], block_stride)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.shape[1] == 0:
+        return torch.empty(*q.shape[:2], k_cmp.shape[2], n_sel, dtype=torch.long, device=q.device)
+    with torch.no_grad():
+        q, k_cmp = q.detach().contiguous(), k_cmp.detach().contiguous()
+        lse = q.new_zeros(0)
+        if k_cmp.shape[1]:
+            geometry = dict(key_stride=block_stride, key_offset=block_len - 1, window=None, q_offset=q_offset)
+            _, lse = banded_forward(q, k_cmp, k_cmp, scale=scale, compute_o=False, **geometry)
+        return select_from_lse(
+            q, k_cmp, lse, block_len=block_len, block_stride=block_stride, sel_block_len=sel_block_len,
+            n_sel=n_sel, n_init=n_init, n_local=n_local, q_offset=q_offset, scale=scale,
+        )  # fmt: skip

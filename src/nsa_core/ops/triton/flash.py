@@ -1,0 +1,446 @@
+"""Banded flash attention in Triton: the kernels behind the sliding-window and compressed branches.
+
+Key ``j`` ends at position ``e_j = j * key_stride + key_offset``; the query at ``t`` reads it iff
+``e_j <= t`` and, with a window ``w``, ``e_j > t - w``. Raw keys under a sliding window are
+``key_stride = 1, key_offset = 0``; compressed block ``j`` of length ``l`` and stride ``d`` is
+``key_stride = d, key_offset = l - 1`` without a window. Both branches share these kernels; their modules
+(`nsa_core.ops.triton.window`, `nsa_core.ops.triton.compression`) hold the autograd functions and checks.
+
+Layout: ``q [B, Tq, HQ, D]``, ``k/v [B, Nk, HKV, D]`` (last dim contiguous), query head ``h`` reads KV head
+``h // G``. The forward stores the row log-sum-exp in base 2 (``lse [B, HQ, Tq]``, 0 for a row that sees
+no key, whose output is 0). The backward is FlashAttention-2's: ``delta = rowsum(o * do)``, one program per
+(key tile, KV head) accumulating dK/dV over the ``G`` query heads of its group (no atomics, deterministic),
+and one program per (query tile, query head) for dQ. Work and memory are O(T * keys a query reads).
+Row offsets are cast to int64 before they meet a stride, so 256k tokens x 64 heads x 128 dims address.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _key_range(
+    t0,
+    t1,
+    Nk,
+    WINDOW,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # keys some query in positions t0..t1 reads: [lo, hi), lo aligned down to a tile
+    hi = tl.where(t1 >= KEY_OFFSET, (t1 - KEY_OFFSET) // KEY_STRIDE + 1, 0)
+    hi = tl.minimum(hi, Nk)
+    lo = hi * 0
+    if HAS_WINDOW:
+        first = tl.maximum(t0 - WINDOW - KEY_OFFSET + 1, 0)
+        lo = (first + KEY_STRIDE - 1) // KEY_STRIDE
+        lo = lo // BLOCK_N * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _visible(
+    t, offs_n, Nk, WINDOW, KEY_STRIDE: tl.constexpr, KEY_OFFSET: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
+    # [BM, BN]: query t reads key j
+    end = offs_n * KEY_STRIDE + KEY_OFFSET
+    vis = (end[None, :] <= t[:, None]) & (offs_n[None, :] < Nk)
+    if HAS_WINDOW:
+        vis = vis & (end[None, :] > t[:, None] - WINDOW)
+    return vis
+
+
+@triton.jit
+def _fwd_kernel(
+    q,
+    k,
+    v,
+    o,
+    lse,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    HQ,
+    G,
+    Tq,
+    Nk,
+    D,
+    q_offset,
+    WINDOW,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    COMPUTE_O: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // HQ, pid_bh % HQ
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m, mask_d = offs_m < Tq, offs_d < D
+    row_q = offs_m.to(tl.int64)[:, None] * stride_qt
+    q_tile = tl.load(
+        q + b * stride_qb + h * stride_qh + row_q + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BM, BD]
+    t = q_offset + offs_m
+    t0 = q_offset + pid_m * BLOCK_M
+    t1 = tl.minimum(t0 + BLOCK_M, q_offset + Tq) - 1
+    lo, hi = _key_range(t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N)
+    k_base = k + b * stride_kb + hk * stride_kh
+    v_base = v + b * stride_kb + hk * stride_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Nk
+        row_k = offs_n.to(tl.int64) * stride_kt
+        k_t = tl.load(
+            k_base + row_k[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
+        )  # [BD, BN]
+        s = tl.dot(q_tile, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2  # [BM, BN]
+        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key here yet stays empty
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if COMPUTE_O:
+            v_tile = tl.load(
+                v_base + row_k[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+            )  # [BN, BD]
+            acc = acc * alpha[:, None] + tl.dot(
+                p.to(v_tile.dtype), v_tile, input_precision=PRECISION, out_dtype=ACC
+            )
+        m_i = m_new
+    empty = l_i == 0.0
+    if COMPUTE_O:
+        acc = acc / tl.where(empty, 1.0, l_i)[:, None]
+        row_o = offs_m.to(tl.int64)[:, None] * stride_ot
+        tl.store(
+            o + b * stride_ob + h * stride_oh + row_o + offs_d[None, :],
+            acc.to(o.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+    row_lse = tl.where(empty, 0.0, m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(lse + pid_bh * Tq + offs_m, row_lse.to(lse.dtype.element_ty), mask=mask_m)
+
+
+@triton.jit
+def _delta_kernel(
+    o,
+    do,
+    delta,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    HQ,
+    Tq,
+    D,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    # delta [B, HQ, Tq] = rowsum(o * do); o and do share strides
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // HQ, pid_bh % HQ
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < Tq)[:, None] & (offs_d < D)[None, :]
+    ptr = b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+    o_tile = tl.load(o + ptr, mask=mask, other=0.0).to(ACC)
+    do_tile = tl.load(do + ptr, mask=mask, other=0.0).to(ACC)
+    tl.store(
+        delta + pid_bh * Tq + offs_m, tl.sum(o_tile * do_tile, 1).to(delta.dtype.element_ty), mask=offs_m < Tq
+    )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    dk,
+    dv,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    HQ,
+    HKV,
+    G,
+    Tq,
+    Nk,
+    D,
+    q_offset,
+    WINDOW,
+    scale,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one program per (key tile, KV head): dK/dV summed over the G query heads of the group
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1).to(tl.int64)
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = offs_n < Nk, offs_d < D
+    kv_ptr = b * stride_kb + hk * stride_kh + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k_tile = tl.load(k + kv_ptr, mask=kv_mask, other=0.0)  # [BN, BD]
+    v_tile = tl.load(v + kv_ptr, mask=kv_mask, other=0.0)
+    # queries that read a key of this tile: rows [lo, hi)
+    first_end = pid_n * BLOCK_N * KEY_STRIDE + KEY_OFFSET
+    last_end = (tl.minimum(pid_n * BLOCK_N + BLOCK_N, Nk) - 1) * KEY_STRIDE + KEY_OFFSET
+    lo = tl.maximum(first_end - q_offset, 0) // BLOCK_M * BLOCK_M
+    hi = Tq
+    if HAS_WINDOW:
+        hi = tl.minimum(Tq, last_end + WINDOW - q_offset)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
+    for g in range(G):
+        h = hk * G + g
+        q_base = q + b * stride_qb + h * stride_qh
+        do_base = do + b * stride_qb + h * stride_qh
+        row_base = (b * HQ + h) * Tq
+        for start in range(lo, hi, BLOCK_M):
+            offs_m = start + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < Tq
+            row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+            q_mask = mask_m[:, None] & mask_d[None, :]
+            q_tile = tl.load(q_base + row_q, mask=q_mask, other=0.0)  # [BM, BD]
+            do_tile = tl.load(do_base + row_q, mask=q_mask, other=0.0)
+            row_lse = tl.load(lse + row_base + offs_m, mask=mask_m, other=0.0)
+            row_delta = tl.load(delta + row_base + offs_m, mask=mask_m, other=0.0)
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
+            vis = _visible(q_offset + offs_m, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
+            vis = vis & mask_m[:, None]
+            p = tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)  # [BM, BN]
+            dv_acc += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=PRECISION, out_dtype=ACC)
+            dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
+            ds = p * (dp - row_delta[:, None])
+            dk_acc += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION, out_dtype=ACC)
+    tl.store(dk + kv_ptr, (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
+    tl.store(dv + kv_ptr, dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    dq,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    HQ,
+    G,
+    Tq,
+    Nk,
+    D,
+    q_offset,
+    WINDOW,
+    scale,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // HQ, pid_bh % HQ
+    hk = h // G
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m, mask_d = offs_m < Tq, offs_d < D
+    q_ptr = b * stride_qb + h * stride_qh + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    q_tile = tl.load(q + q_ptr, mask=q_mask, other=0.0)
+    do_tile = tl.load(do + q_ptr, mask=q_mask, other=0.0)
+    row_lse = tl.load(lse + pid_bh * Tq + offs_m, mask=mask_m, other=0.0)
+    row_delta = tl.load(delta + pid_bh * Tq + offs_m, mask=mask_m, other=0.0)
+    t = q_offset + offs_m
+    t0 = q_offset + pid_m * BLOCK_M
+    t1 = tl.minimum(t0 + BLOCK_M, q_offset + Tq) - 1
+    lo, hi = _key_range(t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N)
+    k_base = k + b * stride_kb + hk * stride_kh
+    v_base = v + b * stride_kb + hk * stride_kh
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < Nk
+        row_k = offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k_tile = tl.load(k_base + row_k, mask=kv_mask, other=0.0)  # [BN, BD]
+        v_tile = tl.load(v_base + row_k, mask=kv_mask, other=0.0)
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
+        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW) & mask_m[:, None]
+        p = tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)
+        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
+        ds = p * (dp - row_delta[:, None])
+        dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION, out_dtype=ACC)
+    tl.store(dq + q_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+
+LOG2_E = 1.0 / math.log(2.0)
+
+
+def kernel_dtypes(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """Accumulator type and dot precision: fp32 for half inputs, exact products for fp32/fp64 (tests)."""
+    if dtype == torch.float64:
+        return tl.float64, "ieee"
+    if dtype == torch.float32:
+        return tl.float32, "ieee"
+    return tl.float32, "tf32"
+
+
+def launch_options(dtype: torch.dtype, block_d: int) -> dict[str, int]:
+    """Warps and pipeline stages: two stages for 4-byte inputs or wide heads keep shared memory in budget."""
+    stages = 2 if torch.finfo(dtype).bits >= 32 or block_d > 128 else 3
+    return dict(num_warps=4, num_stages=stages)
+
+
+def block_sizes(head_dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_D)``: 64 x 64 tiles up to head dim 128, 32 x 32 beyond."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    tile = 64 if block_d <= 128 else 32
+    return tile, tile, block_d
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides where they matter: a dimension of size 1 is only ever indexed
+    at 0, so its stride is free (``.contiguous()`` leaves such strides as they were, e.g. in decode)."""
+    return a.shape == b.shape and all(
+        n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True)
+    )
+
+
+def banded_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_stride: int,
+    key_offset: int,
+    window: int | None,
+    q_offset: int,
+    scale: float,
+    compute_o: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``o [B, Tq, HQ, D]`` (empty unless ``compute_o``) and ``lse [B, HQ, Tq]`` (base 2).
+
+    ``lse`` is float32 (float64 for float64 inputs).
+    """
+    B, Tq, HQ, D = q.shape
+    Nk, HKV = k.shape[1], k.shape[2]
+    assert q.stride(-1) == 1
+    assert k.stride(-1) == 1
+    assert same_layout(k, v)  # the kernels index v with k's strides
+    block_m, block_n, block_d = block_sizes(D)
+    acc, precision = kernel_dtypes(q.dtype)
+    o = torch.empty_like(q) if compute_o else q.new_empty(0)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.empty(B, HQ, Tq, dtype=lse_dtype, device=q.device)
+    o_strides = o.stride()[:3] if compute_o else (0, 0, 0)
+    grid = (triton.cdiv(Tq, block_m), B * HQ)
+    _fwd_kernel[grid](
+        q, k, v, o, lse,
+        *q.stride()[:3], *k.stride()[:3], *o_strides,
+        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale * LOG2_E,
+        KEY_STRIDE=key_stride, KEY_OFFSET=key_offset, HAS_WINDOW=window is not None, COMPUTE_O=compute_o,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, ACC=acc, PRECISION=precision,
+        **launch_options(q.dtype, block_d),
+    )  # fmt: skip
+    return o, lse
+
+
+def banded_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    key_stride: int,
+    key_offset: int,
+    window: int | None,
+    q_offset: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of `banded_forward`'s output for the output gradient ``do``."""
+    B, Tq, HQ, D = q.shape
+    Nk, HKV = k.shape[1], k.shape[2]
+    do = do.contiguous()
+    assert same_layout(do, o)  # one set of strides indexes do, o and q
+    assert same_layout(o, q)
+    block_m, block_n, block_d = block_sizes(D)
+    acc, precision = kernel_dtypes(q.dtype)
+    delta = torch.empty_like(lse)
+    _delta_kernel[(triton.cdiv(Tq, block_m), B * HQ)](
+        o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=block_m, BLOCK_D=block_d, ACC=acc
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    common = dict(
+        KEY_STRIDE=key_stride, KEY_OFFSET=key_offset, HAS_WINDOW=window is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, ACC=acc, PRECISION=precision,
+        **launch_options(q.dtype, block_d),
+    )  # fmt: skip
+    _bwd_dkdv_kernel[(triton.cdiv(Nk, block_n), B * HKV)](
+        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3],
+        HQ, HKV, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common,
+    )  # fmt: skip
+    _bwd_dq_kernel[(triton.cdiv(Tq, block_m), B * HQ)](
+        q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
+        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,645 @@
+"""Triton selected attention: each query reads the ``n`` blocks of ``l'`` keys its KV group chose.
+
+Forward: one program per (query token, batch x KV group) loads the group's ``G`` query heads as one tile
+and streams the chosen blocks with an online softmax (causal inside the block that holds the query); it
+keeps the log-sum-exp per query head for the backward.
+
+Backward, in two kernels and no atomics:
+- ``dq`` (and ``delta = rowsum(o * dO)``) per (query token, KV group), streaming the same blocks again;
+- ``dK/dV`` per (selection block, batch x KV group): an inverted (CSR) index built on the device lists, for
+  every block, the query tokens whose group chose it; the block's program walks that list in token order
+  and writes its keys' gradients once. Blocks nobody chose get zeros. A block chosen by very many queries
+  (block 0, which every query is forced to read) is split into chunks of queries whose fp32 partial sums go
+  to a small workspace and are added in chunk order by a third kernel, so one hot block does not serialise
+  the whole backward. Every sum runs in a fixed order: the gradients are deterministic.
+
+Memory: the CSR index holds one entry per used slot (``B * Tq * HKV * n``), the same size as ``block_idx``;
+nothing of size ``T x T/l'`` is built. Program ids and row indices are cast to int64 before they multiply
+strides, so 256k-token sequences address correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core.ops.common import check_qkv
+
+LOG2E = 1.4426950408889634
+
+# dK/dV: a selection block's query list is split into chunks of at most this many entries once it is longer;
+# the launcher raises it so that the fp32 workspace of the partial sums stays below WORKSPACE_BYTES.
+MIN_CHUNK = 2048
+WORKSPACE_BYTES = 64 << 20
+
+
+@triton.jit
+def _selected_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    IDX,
+    sq_b,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_t,
+    sk_h,
+    sv_b,
+    sv_t,
+    sv_h,
+    so_b,
+    so_t,
+    so_h,
+    si_b,
+    si_t,
+    si_h,
+    Tq,
+    q_offset,
+    qk_scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    N_SEL: tl.constexpr,
+    L_SEL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    t = q_offset + i_t  # absolute position of the query
+    o_g, o_s, o_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    m_g, m_d = o_g < G, o_d < D
+    heads = i_h * G + o_g
+
+    b_q = tl.load(
+        Q + i_b * sq_b + i_t * sq_t + heads[:, None] * sq_h + o_d[None, :],
+        mask=m_g[:, None] & m_d[None, :],
+        other=0.0,
+    )  # [G, D]
+    K_bh = K + i_b * sk_b + i_h * sk_h
+    V_bh = V + i_b * sv_b + i_h * sv_h
+    IDX_row = IDX + i_b * si_b + i_t * si_t + i_h * si_h
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i_n in range(N_SEL):
+        blk = tl.load(IDX_row + i_n).to(tl.int64)
+        for s0 in range(0, L_SEL, BLOCK_S):
+            pos = blk * L_SEL + s0 + o_s  # [S]
+            # unused slots (-1) load nothing, pos <= t < Tk keeps loads in bounds; branch-free: pipelines
+            m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t)
+            b_k = tl.load(
+                K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+            )
+            b_v = tl.load(
+                V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+            )
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [G, S]
+            b_s = tl.where(m_s[None, :], b_s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(b_s, 1))
+            # a block entirely after the query leaves the max at -inf: shift by 0 instead (no NaN)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            b_p = tl.exp2(b_s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(b_p, 1)
+            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+            m_i = m_new
+
+    # a query with no readable key outputs zeros; its lse is +inf so that the backward's p is 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    tl.store(
+        O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :],
+        b_o.to(O.dtype.element_ty),
+        mask=m_g[:, None] & m_d[None, :],
+    )
+    b_lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(LSE + (i_b * Tq + i_t) * (HKV * G) + heads, b_lse, mask=m_g)
+
+
+@triton.jit
+def _selected_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    O,
+    DO,
+    DQ,
+    LSE,
+    DELTA,
+    IDX,
+    sq_b,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_t,
+    sk_h,
+    sv_b,
+    sv_t,
+    sv_h,
+    so_b,
+    so_t,
+    so_h,
+    sdo_b,
+    sdo_t,
+    sdo_h,
+    sdq_b,
+    sdq_t,
+    sdq_h,
+    si_b,
+    si_t,
+    si_h,
+    Tq,
+    q_offset,
+    qk_scale,
+    scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    N_SEL: tl.constexpr,
+    L_SEL: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    t = q_offset + i_t
+    o_g, o_s, o_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    m_g, m_d = o_g < G, o_d < D
+    m_gd = m_g[:, None] & m_d[None, :]
+    heads = i_h * G + o_g
+
+    b_q = tl.load(Q + i_b * sq_b + i_t * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_gd, other=0.0)
+    b_do = tl.load(
+        DO + i_b * sdo_b + i_t * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_gd, other=0.0
+    )
+    b_o = tl.load(O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :], mask=m_gd, other=0.0)
+    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [G]
+    row = (i_b * Tq + i_t) * (HKV * G) + heads
+    tl.store(DELTA + row, b_delta, mask=m_g)
+    b_lse = tl.load(LSE + row, mask=m_g, other=float("inf"))
+
+    K_bh = K + i_b * sk_b + i_h * sk_h
+    V_bh = V + i_b * sv_b + i_h * sv_h
+    IDX_row = IDX + i_b * si_b + i_t * si_t + i_h * si_h
+    b_dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for i_n in range(N_SEL):
+        blk = tl.load(IDX_row + i_n).to(tl.int64)
+        for s0 in range(0, L_SEL, BLOCK_S):
+            pos = blk * L_SEL + s0 + o_s
+            m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t)
+            b_k = tl.load(
+                K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+            )
+            b_v = tl.load(
+                V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
+            )
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
+            b_p = tl.where(m_s[None, :], tl.exp2(b_s - b_lse[:, None]), 0.0)  # [G, S]
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
+    tl.store(
+        DQ + i_b * sdq_b + i_t * sdq_t + heads[:, None] * sdq_h + o_d[None, :],
+        (b_dq * scale).to(DQ.dtype.element_ty),
+        mask=m_gd,
+    )
+
+
+@triton.jit
+def _selected_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    WK,
+    WV,
+    OFFSETS,
+    SLOTS,
+    TOKENS,
+    sq_b,
+    sq_t,
+    sq_h,
+    sk_b,
+    sk_t,
+    sk_h,
+    sv_b,
+    sv_t,
+    sv_h,
+    sdo_b,
+    sdo_t,
+    sdo_h,
+    sdk_b,
+    sdk_t,
+    sdk_h,
+    sdv_b,
+    sdv_t,
+    sdv_h,
+    Tq,
+    Tk,
+    Ns,
+    q_offset,
+    qk_scale,
+    scale,
+    HKV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    L_SEL: tl.constexpr,
+    N_SUB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    i_js = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_c = tl.program_id(2)
+    i_j, i_sub = i_js // N_SUB, i_js % N_SUB
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    bucket = i_bh * Ns + i_j
+    start = tl.load(OFFSETS + bucket)
+    end = tl.load(OFFSETS + bucket + 1)
+    count = end - start
+    # chunk 0 always runs (a block nobody chose still writes its zeros); the last chunk takes any remainder
+    if (i_c == 0) | (i_c * CHUNK < count):
+        lo = start + i_c * CHUNK
+        hi = end
+        if i_c < N_CHUNKS - 1:
+            hi = tl.minimum(end, lo + CHUNK)
+        o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        pos = i_j * L_SEL + i_sub * BLOCK_S + o_s  # [S]
+        m_s = (i_sub * BLOCK_S + o_s < L_SEL) & (pos < Tk)
+        m_sd = m_s[:, None] & m_d[None, :]
+        b_k = tl.load(K + i_b * sk_b + i_h * sk_h + pos[:, None] * sk_t + o_d[None, :], mask=m_sd, other=0.0)
+        b_v = tl.load(V + i_b * sv_b + i_h * sv_h + pos[:, None] * sv_t + o_d[None, :], mask=m_sd, other=0.0)
+        b_dk = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        b_dv = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+
+        # a tile of BLOCK_R rows holds E entries (query tokens) x G heads, entry-major
+        E: tl.constexpr = BLOCK_R // G
+        o_r = tl.arange(0, BLOCK_R)
+        e_r, g_r = o_r // G, o_r % G
+        heads = i_h * G + g_r
+        for e0 in range(lo, hi, E):
+            ent = e0 + e_r
+            m_r = (e_r < E) & (ent < hi)
+            tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
+            m_rd = m_r[:, None] & m_d[None, :]
+            b_q = tl.load(
+                Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :],
+                mask=m_rd,
+                other=0.0,
+            )
+            b_do = tl.load(
+                DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :],
+                mask=m_rd,
+                other=0.0,
+            )
+            row = (i_b * Tq + tok) * (HKV * G) + heads
+            b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
+            b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+            visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
+            b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
+        b_dk = b_dk * scale
+
+        if (count <= CHUNK) | (N_CHUNKS == 1):
+            tl.store(
+                DK + i_b * sdk_b + i_h * sdk_h + pos[:, None] * sdk_t + o_d[None, :],
+                b_dk.to(DK.dtype.element_ty),
+                mask=m_sd,
+            )
+            tl.store(
+                DV + i_b * sdv_b + i_h * sdv_h + pos[:, None] * sdv_t + o_d[None, :],
+                b_dv.to(DV.dtype.element_ty),
+                mask=m_sd,
+            )
+        else:  # a hot block: an fp32 partial per chunk, summed by _selected_bwd_reduce_kernel
+            slot = tl.load(SLOTS + bucket).to(tl.int64) + i_c
+            o_w = (
+                slot * (N_SUB * BLOCK_S * BLOCK_D) + (i_sub * BLOCK_S + o_s)[:, None] * BLOCK_D + o_d[None, :]
+            )
+            tl.store(WK + o_w, b_dk)
+            tl.store(WV + o_w, b_dv)
+
+
+@triton.jit
+def _selected_bwd_reduce_kernel(
+    DK,
+    DV,
+    WK,
+    WV,
+    OFFSETS,
+    SLOTS,
+    sdk_b,
+    sdk_t,
+    sdk_h,
+    sdv_b,
+    sdv_t,
+    sdv_h,
+    Tk,
+    Ns,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    L_SEL: tl.constexpr,
+    N_SUB: tl.constexpr,
+    CHUNK: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_js = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_j, i_sub = i_js // N_SUB, i_js % N_SUB
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    bucket = i_bh * Ns + i_j
+    count = tl.load(OFFSETS + bucket + 1) - tl.load(OFFSETS + bucket)
+    if count > CHUNK:
+        n_chunks = tl.minimum((count + CHUNK - 1) // CHUNK, N_CHUNKS)
+        slot0 = tl.load(SLOTS + bucket).to(tl.int64)
+        o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+        o_w = (i_sub * BLOCK_S + o_s)[:, None] * BLOCK_D + o_d[None, :]
+        b_dk = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        b_dv = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        for c in range(n_chunks):
+            base = (slot0 + c) * (N_SUB * BLOCK_S * BLOCK_D)
+            b_dk += tl.load(WK + base + o_w)
+            b_dv += tl.load(WV + base + o_w)
+        pos = i_j * L_SEL + i_sub * BLOCK_S + o_s
+        m_sd = ((i_sub * BLOCK_S + o_s < L_SEL) & (pos < Tk))[:, None] & (o_d < D)[None, :]
+        tl.store(
+            DK + i_b * sdk_b + i_h * sdk_h + pos[:, None] * sdk_t + o_d[None, :],
+            b_dk.to(DK.dtype.element_ty),
+            mask=m_sd,
+        )
+        tl.store(
+            DV + i_b * sdv_b + i_h * sdv_h + pos[:, None] * sdv_t + o_d[None, :],
+            b_dv.to(DV.dtype.element_ty),
+            mask=m_sd,
+        )
+
+
+# --- launchers ---------------------------------------------------------------------------------------------
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    assert x.stride(-1) == 1, "the head dimension must be contiguous"
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs get IEEE products (tests compare them with float64); half inputs ignore the setting
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _num_stages(dtype: torch.dtype, tiles: dict[str, int]) -> int:
+    # software-pipelined copies of a [BLOCK_S, BLOCK_D] key/value tile must fit in shared memory (227 KB on
+    # H100): three stages for bf16 at D <= 128, two for float32 or wide heads (one stage takes more: the
+    # unpipelined loop keeps other layout conversions in shared memory; sm_90 compiles checked)
+    tile_bytes = tiles["BLOCK_S"] * tiles["BLOCK_D"] * (4 if dtype == torch.float32 else 2)
+    return 3 if tile_bytes <= 16 << 10 else 2
+
+
+def _rows(tiles: dict[str, int]) -> int:
+    # dK/dV rows per step (query tokens x heads of one group): with two [l', D] fp32 accumulators live, 64
+    # rows spill registers at D = 128 (sm_90 compiles: ~900 B of stack), 32 rows at 8 warps do not
+    return max(32, tiles["BLOCK_G"])
+
+
+def _tiles(G: int, D: int, sel_block_len: int) -> dict[str, int]:
+    return dict(
+        BLOCK_G=max(16, triton.next_power_of_2(G)),
+        BLOCK_S=min(64, max(16, triton.next_power_of_2(sel_block_len))),
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+
+
+def selected_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    sel_block_len: int,
+    q_offset: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward: returns ``o [B, Tq, HQ, D]`` and ``lse [B, Tq, HQ]`` (float32, log2 units)."""
+    B, Tq, HQ, D = q.shape
+    HKV = k.shape[2]
+    G = HQ // HKV
+    o = torch.empty_like(q)
+    lse = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
+    if Tq == 0:
+        return o, lse
+    tiles = _tiles(G, D, sel_block_len)
+    _selected_fwd_kernel[(Tq, B * HKV)](
+        q, k, v, o, lse, block_idx,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(block_idx),
+        Tq, q_offset, scale * LOG2E,
+        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=_num_stages(q.dtype, tiles), **tiles,
+    )  # fmt: skip
+    return o, lse
+
+
+def build_block_queries(
+    block_idx: torch.Tensor, num_keys: int, sel_block_len: int, q_offset: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverted index: for each (batch, KV group, selection block), the query rows that chose it.
+
+    Returns ``offsets [B*HKV*Ns + 1]`` (int64) and ``tokens [E]`` (int32): bucket ``(b*HKV + h)*Ns + j``
+    lists query rows ``tokens[offsets[i]:offsets[i+1]]`` in ascending order. Unused slots and blocks that
+    start after the query are left out. Built with one sort; no host synchronisation.
+    """
+    B, Tq, HKV, n = block_idx.shape
+    device = block_idx.device
+    num_sel_blocks = triton.cdiv(num_keys, sel_block_len)
+    num_buckets = B * HKV * num_sel_blocks
+    idx = block_idx.to(torch.int64)
+    t = torch.arange(Tq, device=device, dtype=torch.int64)[None, :, None, None]
+    b = torch.arange(B, device=device, dtype=torch.int64)[:, None, None, None]
+    h = torch.arange(HKV, device=device, dtype=torch.int64)[None, None, :, None]
+    valid = (idx >= 0) & (idx * sel_block_len <= q_offset + t)
+    bucket = (b * HKV + h) * num_sel_blocks + idx
+    key = torch.where(valid, bucket * Tq + t, num_buckets * Tq).flatten()  # the sentinel sorts last
+    if (num_buckets + 1) * Tq < 2**31:
+        key = key.to(torch.int32)  # halves the sort's memory; up to ~64k tokens with 4 KV heads
+    sorted_key = torch.sort(key).values
+    bounds = torch.arange(num_buckets + 1, device=device, dtype=torch.int64) * Tq
+    offsets = torch.searchsorted(sorted_key, bounds.to(sorted_key.dtype))
+    tokens = (sorted_key % max(Tq, 1)).to(torch.int32)
+    return offsets, tokens
+
+
+def _chunk_size(entries: int, slot_elements: int) -> int:
+    # A bucket longer than CHUNK entries takes at most ceil(count / CHUNK) < 2 count / CHUNK workspace slots,
+    # so the slots stay below 2 entries / CHUNK; pick CHUNK so that they fit WORKSPACE_BYTES (dK and dV fp32).
+    slot_bytes = 2 * 4 * slot_elements
+    chunk = MIN_CHUNK
+    while 2 * entries // chunk * slot_bytes > WORKSPACE_BYTES:
+        chunk *= 2
+    return chunk
+
+
+def selected_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    block_idx: torch.Tensor,
+    sel_block_len: int,
+    q_offset: int,
+    scale: float,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index. ``chunk`` is for tests."""
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G = HQ // HKV
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if Tq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    tiles = _tiles(G, D, sel_block_len)
+    precision = _precision(q.dtype)
+    delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
+    _selected_bwd_dq_kernel[(Tq, B * HKV)](
+        q, k, v, o, do, dq, lse, delta, block_idx,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
+        *_strides(block_idx),
+        Tq, q_offset, scale * LOG2E, scale,
+        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=precision,
+        num_warps=4, num_stages=_num_stages(q.dtype, tiles), **tiles,
+    )  # fmt: skip
+
+    offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
+    num_sel_blocks = triton.cdiv(Tk, sel_block_len)
+    BLOCK_S, BLOCK_D = tiles["BLOCK_S"], tiles["BLOCK_D"]
+    n_sub = triton.cdiv(sel_block_len, BLOCK_S)
+    chunk = chunk or _chunk_size(tokens.numel(), n_sub * BLOCK_S * BLOCK_D)
+    n_chunks = triton.cdiv(Tq, chunk)  # a bucket lists each query row at most once per used slot
+    counts = offsets[1:] - offsets[:-1]
+    slots_per_bucket = torch.where(
+        counts > chunk, torch.clamp((counts + chunk - 1) // chunk, max=n_chunks), 0
+    )
+    slots = torch.cumsum(slots_per_bucket, 0) - slots_per_bucket  # exclusive prefix sum
+    num_slots = max(1, min(2 * tokens.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
+    workspace = (num_slots, n_sub * BLOCK_S * BLOCK_D)
+    wk = torch.empty(workspace, dtype=torch.float32, device=q.device) if n_chunks > 1 else dq.new_empty(0)
+    wv = torch.empty(workspace, dtype=torch.float32, device=q.device) if n_chunks > 1 else dq.new_empty(0)
+    grid = (num_sel_blocks * n_sub, B * HKV)
+    _selected_bwd_dkdv_kernel[(*grid, n_chunks)](
+        q, k, v, do, lse, delta, dk, dv, wk, wv, offsets, slots, tokens,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+        Tq, Tk, num_sel_blocks, q_offset, scale * LOG2E, scale,
+        HKV=HKV, G=G, D=D, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
+        BLOCK_R=_rows(tiles), BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, PRECISION=precision,
+        num_warps=8, num_stages=_num_stages(q.dtype, tiles),
+    )  # fmt: skip
+    if n_chunks > 1:
+        _selected_bwd_reduce_kernel[grid](
+            dk, dv, wk, wv, offsets, slots, *_strides(dk), *_strides(dv), Tk, num_sel_blocks,
+            HKV=HKV, D=D, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
+            BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+# --- autograd ----------------------------------------------------------------------------------------------
+
+
+class SelectedAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_idx: torch.Tensor,
+        sel_block_len: int,
+        q_offset: int,
+        scale: float,
+    ) -> torch.Tensor:
+        o, lse = selected_fwd(q, k, v, block_idx, sel_block_len, q_offset, scale)
+        ctx.save_for_backward(q, k, v, o, lse, block_idx)
+        ctx.sel_block_len, ctx.q_offset, ctx.scale = sel_block_len, q_offset, scale
+        return o
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, do: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, o, lse, block_idx = ctx.saved_tensors
+        dq, dk, dv = selected_bwd(
+            _last_dim_contiguous(do), q, k, v, o, lse, block_idx, ctx.sel_block_len, ctx.q_offset, ctx.scale
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+# --- public function ---------------------------------------------------------------------------------------
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_selected_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    *,
+    sel_block_len: int,
+    q_offset: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``q [B, Tq, HQ, D]`` over the keys ``s <= t`` of its selected blocks, in Triton.
+
+    Same contract as `nsa_core.ops.selection.selected_attention`: ``k/v [B, Tk, HKV, D]`` with
+    ``Tk = q_offset + Tq``; ``block_idx [B, Tq, HKV, n]`` from `select_blocks` (-1 marks an unused slot;
+    the used slots of a row are distinct). Differentiable in ``q``, ``k`` and ``v``. Returns
+    ``[B, Tq, HQ, D]`` in ``q``'s dtype (float16, bfloat16 or float32; scores accumulate in float32).
+    """
+    check_qkv(q, k, v, q_offset)
+    if block_idx.shape[:3] != (q.shape[0], q.shape[1], k.shape[2]):
+        raise ValueError(f"block_idx {tuple(block_idx.shape)} must be [B, Tq, HKV, n] for q {tuple(q.shape)}")
+    if block_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_idx must be int32 or int64, got {block_idx.dtype}")
+    if not isinstance(sel_block_len, int) or sel_block_len < 1:
+        raise ValueError(f"sel_block_len={sel_block_len!r} must be a positive integer")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(
+            f"triton selected attention runs float16, bfloat16 or float32 with one dtype for q, k, v; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}: cast the inputs, or use backend 'gather'"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    block_idx = block_idx.contiguous()
+    return SelectedAttentionFunction.apply(q, k, v, block_idx, sel_block_len, q_offset, scale)

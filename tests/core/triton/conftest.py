@@ -1,0 +1,92 @@
+"""Shared by the Triton kernel tests: where they run, at which sizes, and NaN-poisoned allocations.
+
+The kernels run on a CUDA device, or on the CPU through Triton's interpreter when the pytest process starts
+with ``TRITON_INTERPRET=1`` (``make test`` runs this folder once more that way). The flag is read when a
+kernel module is imported, so it must be in the environment before pytest starts; it is never set here.
+Elsewhere every test of this folder is skipped.
+
+Sizes: interpreter runs are slow (every program is Python), so tests take their shapes from `sizes`, which
+holds small ones (T <= 128, D 16/32) under the interpreter and real ones (D 64/128, T in the thousands) on
+CUDA. Fresh floating-point allocations are filled with NaN (fla's habit): a kernel that leaves a tile
+unwritten fails `assert_close` loudly instead of passing on zeros.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ON_CUDA = torch.cuda.is_available() and not INTERPRET
+RUNNABLE = INTERPRET or ON_CUDA
+SKIP_REASON = "Triton kernels need a CUDA device or TRITON_INTERPRET=1 in pytest's environment"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes for the Triton tests where they run now."""
+
+    device: str
+    head_dims: tuple[int, ...]  # D
+    seq_lens: tuple[int, ...]  # T of a prefill (0 offset); never all multiples of the block sizes
+    groups: tuple[int, ...]  # G = HQ / HKV
+    dtypes: tuple[torch.dtype, ...]  # low-precision dtypes compared against a same-dtype torch run
+    real: bool  # real sizes (CUDA) rather than interpreter sizes
+
+
+INTERPRETER_SIZES = Sizes(
+    device="cpu", head_dims=(16, 32), seq_lens=(1, 37, 64), groups=(1, 4), dtypes=(), real=False
+)
+CUDA_SIZES = Sizes(
+    device="cuda",
+    head_dims=(64, 128),
+    seq_lens=(1, 1000, 4096),
+    groups=(1, 4, 6, 16),
+    dtypes=(torch.bfloat16, torch.float16),
+    real=True,
+)
+SIZES = CUDA_SIZES if ON_CUDA else INTERPRETER_SIZES
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if RUNNABLE:
+        return
+    here = os.path.dirname(__file__)
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if str(item.path).startswith(here):
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def sizes() -> Sizes:
+    return SIZES
+
+
+@pytest.fixture
+def device() -> str:
+    return SIZES.device
+
+
+_EMPTY_FUNCTIONS = ("empty", "empty_like")
+
+
+def _poisoned(make: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = make(*args, **kwargs)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        return out
+
+    return wrapper
+
+
+@pytest.fixture(autouse=True)
+def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.empty`` / ``torch.empty_like`` return NaN-filled floating tensors during a Triton test."""
+    for name in _EMPTY_FUNCTIONS:
+        monkeypatch.setattr(torch, name, _poisoned(getattr(torch, name)))

@@ -1,0 +1,267 @@
+"""Triton compressed attention and its fused selection against the float64 torch path.
+
+Outputs and the gradients into ``q``, ``k_cmp`` and ``v_cmp``; the block importance against
+`block_importance` of the reference probabilities; the top-n kernel against `select_blocks` on importance
+full of exact ties; the fused ``block_idx`` against ``select_blocks(block_importance(p))``, where a slot may
+differ only on a near tie (two blocks whose reference importance agrees to rounding). Under the
+interpreter the inputs are float32; on CUDA bf16/fp16 runs are bounded by a multiple of the error of the
+`masked` torch backend run in the same dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nsa_core.ops.compression import masked_compressed_attention, num_compressed_blocks
+from nsa_core.ops.selection import block_importance, select_blocks
+from nsa_core.ops.triton import compression as triton_compression
+from nsa_core.ops.triton.compression import (
+    triton_block_importance,
+    triton_compressed_attention,
+    triton_compressed_block_select,
+    triton_top_n_blocks,
+)
+
+from ..utils import assert_close, get_err_ratio
+from .conftest import SIZES
+
+FP32_RATIO = 2e-5  # float32 kernel vs float64 reference: summation order and exp2 only
+# bf16/fp16: error <= LOW_PRECISION_FACTOR x the same-dtype torch run's error + LOW_PRECISION_FLOOR
+LOW_PRECISION_FACTOR = 2.0
+LOW_PRECISION_FLOOR = 1e-4
+TIE_TOL = 1e-4  # relative to the row's largest importance: a near tie may rank either way
+MAX_TIE_ROWS = 0.02  # at most this fraction of (query, group) rows may differ, each on near ties only
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int  # query tokens
+    HKV: int
+    G: int
+    D: int
+    block_len: int = 8
+    block_stride: int = 4
+    sel_block_len: int = 16
+    n_sel: int = 4
+    n_init: int = 1
+    n_local: int = 2
+    q_offset: int = 0
+    pattern: str = "random"  # "hot": one compressed block outranks all others for every query
+
+    @property
+    def id(self) -> str:
+        off = f"-off{self.q_offset}" if self.q_offset else ""
+        return (
+            f"B{self.B}-T{self.T}{off}-HQ{self.HKV * self.G}-H{self.HKV}-D{self.D}-l{self.block_len}-"
+            f"d{self.block_stride}-ls{self.sel_block_len}-n{self.n_sel}-i{self.n_init}-loc{self.n_local}-"
+            f"{self.pattern}"
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return num_compressed_blocks(self.q_offset + self.T, self.block_len, self.block_stride)
+
+    @property
+    def select(self) -> dict[str, int]:
+        return dict(
+            kv_heads=self.HKV, sel_block_len=self.sel_block_len, n_sel=self.n_sel, n_init=self.n_init,
+            n_local=self.n_local,
+        )  # fmt: skip
+
+    @property
+    def geometry(self) -> dict[str, int]:
+        return dict(block_len=self.block_len, block_stride=self.block_stride, q_offset=self.q_offset)
+
+
+def _cases() -> list[Case]:
+    paper = dict(block_len=32, block_stride=16, sel_block_len=64, n_sel=16) if SIZES.real else {}
+    cases = [
+        Case(B=2, T=T, HKV=2, G=G, D=D, **paper)
+        for T in SIZES.seq_lens
+        for G in SIZES.groups
+        for D in SIZES.head_dims
+    ]
+    D, T = SIZES.head_dims[0], SIZES.seq_lens[-1]
+    cases += [
+        Case(B=1, T=1, HKV=2, G=4, D=D, q_offset=44),  # decode over a cache
+        Case(B=1, T=1, HKV=2, G=2, D=D, q_offset=7),  # the first position that sees a block
+        Case(B=2, T=5, HKV=2, G=2, D=D, q_offset=40),  # a chunk after a cache
+        Case(B=1, T=6, HKV=2, G=2, D=D),  # no complete block: zeros, forced blocks only
+        Case(B=1, T=T, HKV=1, G=3, D=D, block_len=4, block_stride=4, sel_block_len=8, n_sel=3),  # l = d
+        Case(B=1, T=T, HKV=2, G=2, D=D, block_len=16, block_stride=4, sel_block_len=8, n_sel=5),  # l > l'
+        Case(B=1, T=T, HKV=2, G=2, D=D, block_len=8, block_stride=2, sel_block_len=6, n_sel=5),  # l'/d = 3
+        Case(B=1, T=T, HKV=2, G=2, D=D, n_init=0, n_local=1, pattern="hot"),  # hot block 0, not forced
+        Case(B=1, T=min(T, 40), HKV=2, G=2, D=D, n_sel=8),  # every candidate taken
+        Case(B=1, T=T, HKV=2, G=2, D=D, sel_block_len=4, n_sel=6, n_init=2, n_local=3),  # l' < l
+    ]
+    if SIZES.real:
+        big = dict(block_len=32, block_stride=16, sel_block_len=64, n_sel=16)
+        cases += [
+            Case(B=1, T=8192, HKV=4, G=16, D=128, **big),  # PERFORMANCE.md's heads
+            Case(B=1, T=8192, HKV=4, G=16, D=128, n_init=0, n_local=1, pattern="hot", **big),
+            Case(B=1, T=2048, HKV=2, G=6, D=64, **big),  # m7c-125m
+            Case(B=1, T=3000, HKV=2, G=4, D=192, block_len=32, block_stride=16, sel_block_len=48, n_sel=8),
+            Case(B=1, T=1, HKV=4, G=16, D=128, q_offset=8191, **big),
+        ]
+    return cases
+
+
+CASES = [pytest.param(c, id=c.id) for c in _cases()]
+
+
+def _inputs(case: Case, device: str) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cpu").manual_seed(case.T * 7 + case.G + case.block_len)
+    HQ, Nc = case.HKV * case.G, case.num_blocks
+    q = torch.randn(case.B, case.T, HQ, case.D, generator=gen, dtype=torch.float64)
+    k = torch.randn(case.B, Nc, case.HKV, case.D, generator=gen, dtype=torch.float64)
+    v = torch.randn(case.B, Nc, case.HKV, case.D, generator=gen, dtype=torch.float64)
+    do = torch.randn(case.B, case.T, HQ, case.D, generator=gen, dtype=torch.float64)
+    if case.pattern == "hot" and Nc:
+        hot = torch.randn(case.D, generator=gen, dtype=torch.float64)
+        hot = 3.0 * hot / hot.norm() * case.D**0.5
+        q, k = q + hot, k.clone()
+        k[:, 0] += hot
+    return tuple(x.to(device) for x in (q, k, v, do))
+
+
+def _run(fn, case: Case, inputs: tuple[torch.Tensor, ...], dtype: torch.dtype) -> list[torch.Tensor | None]:
+    q, k, v, do = (x.detach().to(dtype).requires_grad_(i < 3) for i, x in enumerate(inputs))
+    o = fn(q, k, v, **case.geometry)[0]
+    o.backward(do)
+    return [o.detach(), q.grad, k.grad, v.grad]
+
+
+def _reference_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v, _ = inputs
+    _, p = masked_compressed_attention(q, k, v, **case.geometry)
+    num_keys = case.q_offset + case.T
+    imp = block_importance(
+        p, kv_heads=case.HKV, block_len=case.block_len, block_stride=case.block_stride,
+        sel_block_len=case.sel_block_len, num_keys=num_keys,
+    )  # fmt: skip
+    idx = select_blocks(
+        imp, sel_block_len=case.sel_block_len, n_sel=case.n_sel, n_init=case.n_init, n_local=case.n_local,
+        q_offset=case.q_offset,
+    )  # fmt: skip
+    return imp, idx
+
+
+def assert_same_selection(ref_idx: torch.Tensor, tri_idx: torch.Tensor, ref_imp: torch.Tensor) -> None:
+    """Equal block lists, except slots whose two blocks tie in the reference importance (to ``TIE_TOL``)."""
+    assert tri_idx.dtype == torch.long
+    assert tri_idx.shape == ref_idx.shape
+    differ = ref_idx != tri_idx
+    if not differ.any():
+        return
+    rows = differ.any(-1)
+    assert rows.float().mean().item() <= MAX_TIE_ROWS, f"{int(rows.sum())} rows select other blocks"
+    for b, t, h, s in differ.nonzero().tolist():
+        r, x = ref_idx[b, t, h, s].item(), tri_idx[b, t, h, s].item()
+        assert min(r, x) >= 0, f"row {(b, t, h)}: slot {s} is {x}, reference {r}"
+        row = ref_imp[b, t, h]
+        gap = abs(row[r].item() - row[x].item())
+        assert gap <= TIE_TOL * row.abs().max().item(), f"row {(b, t, h)} slot {s}: {x} for {r}, gap {gap}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compressed_fp32_matches_reference(case: Case, device: str) -> None:
+    inputs = _inputs(case, device)
+    ref = _run(masked_compressed_attention, case, inputs, torch.float64)
+    tri = _run(triton_compressed_attention, case, inputs, torch.float32)
+    for name, r, t in zip(("o", "dq", "dk_cmp", "dv_cmp"), ref, tri, strict=True):
+        if r is None or t is None:  # no block yet: k_cmp/v_cmp are empty on both sides
+            assert case.num_blocks == 0
+            continue
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_selection_matches_reference(case: Case, device: str) -> None:
+    inputs = _inputs(case, device)
+    ref_imp, ref_idx = _reference_selection(case, inputs)
+    q, k, v, _ = (x.float() for x in inputs)
+    tri_imp = triton_block_importance(
+        q, k, block_len=case.block_len, block_stride=case.block_stride, sel_block_len=case.sel_block_len,
+        q_offset=case.q_offset,
+    )  # fmt: skip
+    assert_close("importance", ref_imp, tri_imp, FP32_RATIO, atol=1e-5)
+    _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
+    assert_same_selection(ref_idx, tri_idx, ref_imp)
+    only = triton_compressed_block_select(
+        q, k, **{key: val for key, val in case.select.items() if key != "kv_heads"}, **case.geometry
+    )
+    assert torch.equal(only, tri_idx), "select-only entry disagrees with the fused one"
+
+
+@pytest.mark.skipif(not SIZES.dtypes, reason="bf16/fp16 runs need CUDA")
+@pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_compressed_low_precision_within_torch_error(case: Case, dtype: torch.dtype, device: str) -> None:
+    inputs = _inputs(case, device)
+    ref = _run(masked_compressed_attention, case, inputs, torch.float64)
+    torch_lp = _run(masked_compressed_attention, case, inputs, dtype)
+    tri = _run(triton_compressed_attention, case, inputs, dtype)
+    for name, r, base, t in zip(("o", "dq", "dk_cmp", "dv_cmp"), ref, torch_lp, tri, strict=True):
+        if r is None or t is None:
+            assert case.num_blocks == 0
+            continue
+        assert t.dtype == dtype
+        assert_close(name, r, t, ratio=1.0)  # finite, same shape
+        bound = LOW_PRECISION_FACTOR * get_err_ratio(r, base) + LOW_PRECISION_FLOOR
+        assert get_err_ratio(r, t) <= bound, f"{name}: {get_err_ratio(r, t):.3e} > {bound:.3e}"
+    # the selection in low precision: the same blocks up to near ties of the float64 importance
+    ref_imp, ref_idx = _reference_selection(case, inputs)
+    q, k, v, _ = (x.to(dtype) for x in inputs)
+    _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
+    differ = (ref_idx != tri_idx).any(-1).float().mean().item()
+    assert differ <= 0.05, f"{differ:.1%} of rows select other blocks in {dtype}"
+
+
+TOP_N = [
+    pytest.param(T, ls, n, ni, nl, off, id=f"T{T}-off{off}-ls{ls}-n{n}-i{ni}-loc{nl}")
+    for T, ls, n, ni, nl, off in [
+        (64, 4, 5, 1, 2, 0),
+        (37, 8, 4, 0, 1, 0),
+        (3, 16, 4, 1, 2, 61),
+        (1, 4, 6, 2, 3, 90),
+        (40, 16, 8, 1, 2, 0),  # more slots than candidates: -1 tails
+    ]
+]
+
+
+@pytest.mark.parametrize(("T", "ls", "n", "ni", "nl", "off"), TOP_N)
+def test_top_n_kernel_matches_select_blocks_on_ties(
+    T: int, ls: int, n: int, ni: int, nl: int, off: int, device: str
+) -> None:
+    gen = torch.Generator().manual_seed(T + n)
+    num_sel = -(-(off + T) // ls)
+    imp = torch.randint(0, 3, (2, T, 2, num_sel), generator=gen).float().to(device)  # ties everywhere
+    kwargs = dict(sel_block_len=ls, n_sel=n, n_init=ni, n_local=nl, q_offset=off)
+    assert torch.equal(triton_top_n_blocks(imp, **kwargs), select_blocks(imp, **kwargs))
+
+
+def test_selection_in_row_chunks_equals_one_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = Case(B=2, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0])
+    q, k, v, _ = (x.float() for x in _inputs(case, device))
+    _, whole = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
+    # a buffer of a few rows: the importance and top-n run chunk after chunk
+    monkeypatch.setattr(triton_compression, "IMPORTANCE_ELEMENTS", 16)
+    _, chunked = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
+    assert torch.equal(whole, chunked)
+
+
+def test_compressed_rejects_bad_arguments(device: str) -> None:
+    case = Case(B=1, T=16, HKV=1, G=2, D=16)
+    q, k, v, _ = (x.float() for x in _inputs(case, device))
+    with pytest.raises(ValueError, match="blocks"):
+        triton_compressed_attention(q, k[:, :-1], v[:, :-1], **case.geometry)
+    with pytest.raises(ValueError, match="select must hold"):
+        triton_compressed_attention(q, k, v, select=dict(n_sel=4), **case.geometry)
+    with pytest.raises(ValueError, match="kv_heads"):
+        triton_compressed_attention(q, k, v, select={**case.select, "kv_heads": 2}, **case.geometry)
+    with pytest.raises(ValueError, match="divide"):
+        triton_compressed_attention(q, k, v, block_len=8, block_stride=3)

@@ -1,0 +1,250 @@
+"""Triton selected attention against the float64 torch path: outputs, dq, dk, dv, and the inverted index.
+
+Under the interpreter (CPU, ``TRITON_INTERPRET=1``) the inputs are float32 and the bound is a relative RMS
+error; on CUDA the same tests run at real sizes, and bf16/fp16 runs are bounded by a multiple of the error of
+the `gather` backend run in the same dtype (flash-attention's rule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from nsa_core.ops.selection import gather_selected_attention, select_blocks
+from nsa_core.ops.triton.selection import (
+    build_block_queries,
+    selected_bwd,
+    triton_selected_attention,
+)
+
+from ..utils import assert_close, get_err_ratio
+from .conftest import SIZES
+
+FP32_RATIO = 2e-5  # float32 kernel vs float64 reference: summation order and exp2 only
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int  # query tokens
+    HKV: int
+    G: int
+    D: int
+    sel_block_len: int = 16
+    n_sel: int = 4
+    n_init: int = 1
+    n_local: int = 2
+    q_offset: int = 0
+    pattern: str = "random"  # importance: random, "hot" (every query prefers the first blocks)
+
+    @property
+    def id(self) -> str:
+        off = f"-off{self.q_offset}" if self.q_offset else ""
+        return (
+            f"B{self.B}-T{self.T}{off}-HQ{self.HKV * self.G}-H{self.HKV}-D{self.D}-"
+            f"ls{self.sel_block_len}-n{self.n_sel}-{self.pattern}"
+        )
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for T in SIZES.seq_lens:
+        for G in SIZES.groups:
+            for D in SIZES.head_dims:
+                ls, n = (64, 16) if SIZES.real else (16, 4)
+                cases.append(Case(B=2, T=T, HKV=2, G=G, D=D, sel_block_len=ls, n_sel=n))
+    D = SIZES.head_dims[0]
+    T = SIZES.seq_lens[-1]
+    cases += [
+        Case(B=1, T=1, HKV=2, G=4, D=D, q_offset=44),  # decode: one query over a cache
+        Case(B=2, T=5, HKV=2, G=2, D=D, q_offset=40),
+        Case(B=1, T=T, HKV=2, G=2, D=D, sel_block_len=8, n_sel=5, pattern="hot"),  # everyone reads 0..4
+        Case(B=1, T=T, HKV=1, G=3, D=D, sel_block_len=80, n_sel=2, n_init=0, n_local=1),  # 2 key tiles/block
+        Case(B=1, T=T, HKV=2, G=2, D=D, sel_block_len=4, n_sel=6, n_init=2, n_local=3),  # l' < 16
+        Case(B=1, T=min(T, 40), HKV=2, G=2, D=D, sel_block_len=16, n_sel=8),  # every row all forced/taken
+    ]
+    if SIZES.real:
+        cases += [
+            Case(B=1, T=4096, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16, pattern="hot"),
+            Case(B=1, T=2048, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m
+            Case(B=1, T=3000, HKV=2, G=4, D=192, sel_block_len=48, n_sel=8),  # D and l' not powers of 2
+            Case(B=1, T=1, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16, q_offset=8191),
+        ]
+    return cases
+
+
+CASES = [pytest.param(c, id=c.id) for c in _cases()]
+
+
+def make_block_idx(case: Case, device: str) -> torch.Tensor:
+    num_keys = case.q_offset + case.T
+    ns = -(-num_keys // case.sel_block_len)
+    if case.pattern == "hot":
+        importance = torch.linspace(1.0, 0.0, ns).expand(case.B, case.T, case.HKV, ns).contiguous()
+    else:
+        importance = torch.rand(case.B, case.T, case.HKV, ns)
+    block_idx = select_blocks(
+        importance,
+        sel_block_len=case.sel_block_len,
+        n_sel=case.n_sel,
+        n_init=case.n_init,
+        n_local=case.n_local,
+        q_offset=case.q_offset,
+    )
+    return block_idx.to(device)
+
+
+def make_inputs(case: Case, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    Tk = case.q_offset + case.T
+    q = torch.randn(case.B, case.T, case.HKV * case.G, case.D, dtype=torch.float64)
+    k = torch.randn(case.B, Tk, case.HKV, case.D, dtype=torch.float64)
+    v = torch.randn(case.B, Tk, case.HKV, case.D, dtype=torch.float64)
+    do = torch.randn(case.B, case.T, case.HKV * case.G, case.D, dtype=torch.float64)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v, do))
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    *,
+    sel_block_len: int,
+    q_offset: int = 0,
+    scale: float | None = None,
+    chunk: int = 512 if SIZES.real else 24,
+) -> torch.Tensor:
+    """`gather_selected_attention` in query chunks, each over its key prefix: real sizes fit in memory."""
+    outputs = []
+    for start in range(0, q.shape[1], chunk):
+        stop = min(q.shape[1], start + chunk)
+        end = q_offset + stop
+        # checkpointed: the backward recomputes one chunk's gathered keys at a time instead of keeping all
+        outputs.append(
+            checkpoint(
+                gather_selected_attention,
+                q[:, start:stop],
+                k[:, :end],
+                v[:, :end],
+                block_idx[:, start:stop],
+                sel_block_len=sel_block_len,
+                q_offset=q_offset + start,
+                scale=scale,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(outputs, dim=1)
+
+
+def run(fn, q, k, v, do) -> tuple[torch.Tensor, ...]:
+    q, k, v = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    o = fn(q, k, v)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+NAMES = ("o", "dq", "dk", "dv")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_fp32(case: Case, device: str) -> None:
+    block_idx = make_block_idx(case, device)
+    kwargs = dict(sel_block_len=case.sel_block_len, q_offset=case.q_offset)
+    q, k, v, do = make_inputs(case, device, torch.float64)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    tri = run(
+        lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *(x.float() for x in (q, k, v, do))
+    )
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert t.dtype == torch.float32
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+@pytest.mark.skipif(not SIZES.dtypes, reason="low-precision runs need CUDA (the interpreter's dot is fp32)")
+@pytest.mark.parametrize("dtype", SIZES.dtypes or [torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_low_precision(case: Case, dtype: torch.dtype, device: str) -> None:
+    block_idx = make_block_idx(case, device)
+    kwargs = dict(sel_block_len=case.sel_block_len, q_offset=case.q_offset)
+    q, k, v, do = make_inputs(case, device, torch.float64)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    low = [x.to(dtype) for x in (q, k, v, do)]
+    base = run(lambda *a: reference(*a, block_idx, **kwargs), *low)
+    tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *low)
+    for name, r, b, t in zip(NAMES, ref, base, tri, strict=True):
+        assert torch.isfinite(t).all(), f"{name}: non-finite values"
+        base_err, tri_err = get_err_ratio(r, b), get_err_ratio(r, t)
+        assert tri_err <= 2 * base_err + 1e-3, f"{name}: {tri_err:.3e} vs same-dtype torch {base_err:.3e}"
+
+
+def test_hot_block_chunks_match_single_pass(device: str) -> None:
+    """Blocks chosen by more queries than a chunk take the workspace path: same gradients, deterministic."""
+    case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0], sel_block_len=8, n_sel=5)
+    case = Case(**{**case.__dict__, "pattern": "hot"})
+    block_idx = make_block_idx(case, device).contiguous()
+    q, k, v, do = (x.float() for x in make_inputs(case, device, torch.float64))
+    scale = case.D**-0.5
+    o, lse = _forward(q, k, v, block_idx, case)
+    whole = selected_bwd(do, q, k, v, o, lse, block_idx, case.sel_block_len, 0, scale)
+    chunked = selected_bwd(do, q, k, v, o, lse, block_idx, case.sel_block_len, 0, scale, chunk=7)
+    again = selected_bwd(do, q, k, v, o, lse, block_idx, case.sel_block_len, 0, scale, chunk=7)
+    for name, a, b, c in zip(("dq", "dk", "dv"), whole, chunked, again, strict=True):
+        assert_close(name, a, b, FP32_RATIO, atol=1e-5)
+        assert torch.equal(b, c), f"{name}: two runs differ"
+
+
+def _forward(q, k, v, block_idx, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    from nsa_core.ops.triton.selection import selected_fwd
+
+    return selected_fwd(q, k, v, block_idx, case.sel_block_len, case.q_offset, case.D**-0.5)
+
+
+def test_rows_without_blocks_give_zeros(device: str) -> None:
+    """A row whose slots are all -1 outputs zeros and passes no gradient (the reference does the same)."""
+    case = Case(B=1, T=20, HKV=2, G=2, D=SIZES.head_dims[0])
+    block_idx = make_block_idx(case, device)
+    block_idx[:, 3] = -1
+    q, k, v, do = (x.float() for x in make_inputs(case, device, torch.float64))
+    kwargs = dict(sel_block_len=case.sel_block_len)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), q, k, v, do)
+    assert not tri[0][:, 3].any()
+    assert not tri[1][:, 3].any()
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+def test_strided_inputs(device: str) -> None:
+    """k and v as views of one projection (as `NSAAttention._kv` makes them), q with a custom scale."""
+    case = Case(B=2, T=37, HKV=2, G=2, D=SIZES.head_dims[0])
+    block_idx = make_block_idx(case, device)
+    q, _, _, do = (x.float() for x in make_inputs(case, device, torch.float64))
+    kv = torch.randn(case.B, case.T, 2, case.HKV, case.D, device=device)
+    k, v = kv.unbind(2)
+    kwargs = dict(sel_block_len=case.sel_block_len, scale=0.3)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), q, k, v, do)
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+def test_inverted_index() -> None:
+    """Bucket (b, h, j) lists, in ascending order, the query rows whose group chose block j (causal only)."""
+    block_idx = torch.tensor([[[[0, -1]], [[0, 1]], [[1, 0]], [[2, 1]]]])  # [B=1, Tq=4, HKV=1, n=2]
+    # q_offset=4, l'=4: rows 0..3 sit at t = 4..7; block 2 starts at 8 > t, so row 3's choice of it drops
+    offsets, tokens = build_block_queries(block_idx, num_keys=8, sel_block_len=4, q_offset=4)
+    assert offsets.tolist() == [0, 3, 6]  # Ns = 2 buckets
+    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # sentinel entries follow
+
+
+def test_contract_errors() -> None:
+    q, k = torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="block_idx"):
+        triton_selected_attention(q, k, k, torch.zeros(1, 4, 2, 2, dtype=torch.long), sel_block_len=4)
+    with pytest.raises(NotImplementedError, match="gather"):
+        triton_selected_attention(
+            q.double(), k.double(), k.double(), torch.zeros(1, 4, 1, 2, dtype=torch.long), sel_block_len=4
+        )

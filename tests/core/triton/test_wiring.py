@@ -1,0 +1,79 @@
+"""The ``triton`` backends inside `NSAAttention`: the model with them equals the model with the torch ones.
+
+Float32 Triton models against the float64 model with the default backends, logits and every parameter
+gradient, for the three branches together, each branch alone (``force_branch``; ``sel`` ranks its blocks
+through the select-only entry), and the decode cache (sequential prefill == batched).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from nsa_core import TinyLM
+from nsa_core.ops.compression import compressed_attention
+from nsa_core.ops.selection import selected_attention
+
+from ..utils import MODEL_OVERRIDES, assert_close, logits_loss, random_tokens, tiny_config
+from .conftest import SIZES
+
+TRITON = dict(sel_backend="triton", cmp_backend="triton", win_backend="triton")
+RATIO = 1e-4  # float32 kernels in a float32 model vs the float64 model
+SEQ_LEN = 53  # no multiple of d=4, l=8, l'=8; longer than the window w=32
+
+
+def run(model: TinyLM, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    logits_loss(logits.double().cpu()).backward()
+    grads = {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().double().cpu(), grads
+
+
+def pair(**overrides: object) -> tuple[TinyLM, TinyLM]:
+    """The float64 torch model and a float32 Triton model with the same weights."""
+    torch.manual_seed(0)
+    ref = TinyLM(tiny_config(**MODEL_OVERRIDES, **overrides)).double()
+    tri = TinyLM(tiny_config(**MODEL_OVERRIDES, **TRITON, **overrides))
+    tri.load_state_dict(ref.state_dict())
+    return ref, tri.to(SIZES.device)
+
+
+@pytest.mark.parametrize("force_branch", [None, "cmp", "sel", "win"], ids=lambda b: f"branch-{b or 'all'}")
+def test_model_matches_torch_backends(force_branch: str | None) -> None:
+    ref, tri = pair(force_branch=force_branch)
+    tokens = random_tokens(2, SEQ_LEN)
+    ref_logits, ref_grads = run(ref, tokens)
+    tri_logits, tri_grads = run(tri, tokens.to(SIZES.device))
+    assert_close("logits", ref_logits, tri_logits, RATIO)
+    assert sorted(tri_grads) == sorted(ref_grads), "a parameter lost or gained a gradient"
+    for name, grad in ref_grads.items():
+        assert_close(f"{name}.grad", grad, tri_grads[name], RATIO)
+
+
+def test_sequential_prefill_matches_batched() -> None:
+    """The decode cache: one token at a time (q_offset > 0, Tq = 1) gives the batched logits."""
+    _, batched = pair()
+    _, sequential = pair(prefill="sequential")
+    tokens = random_tokens(1, 41).to(SIZES.device)
+    with torch.no_grad():
+        assert_close("logits", batched(tokens), sequential(tokens), RATIO)
+
+
+def test_compressed_attention_points_to_the_kernel() -> None:
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(NotImplementedError, match="triton_compressed_attention"):
+        compressed_attention(q, q[:, :1, :1], q[:, :1, :1], block_len=8, block_stride=4, backend="triton")
+
+
+def test_missing_triton_names_the_workaround(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_triton(name: str) -> None:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(importlib, "import_module", no_triton)
+    q = torch.zeros(1, 4, 2, 16)
+    block_idx = torch.zeros(1, 4, 1, 2, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="sel_backend='gather'"):
+        selected_attention(q, q[:, :, :1], q[:, :, :1], block_idx, sel_block_len=4, backend="triton")
