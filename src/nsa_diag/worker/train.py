@@ -518,13 +518,15 @@ class Trainer:
                 self.notes.append(
                     f"inject {fault.inj}: never fired" + (hint if fault.inj.phase == "recompute" else "")
                 )
-        self.progress.event("export", "begin", module=artifacts.MEMORY_SNAPSHOT)
+        if self.spec.memory_snapshot:
+            self.progress.event("export", "begin", module=artifacts.MEMORY_SNAPSHOT)
         try:
             self.memory.dump_snapshot()
         except Exception as exc:
             self.notes.append(f"{artifacts.MEMORY_SNAPSHOT}: not written ({type(exc).__name__}: {exc})")
         finally:
-            self.progress.event("export", "end", module=artifacts.MEMORY_SNAPSHOT)
+            if self.spec.memory_snapshot:
+                self.progress.event("export", "end", module=artifacts.MEMORY_SNAPSHOT)
         if self.notes:
             metrics["notes"] = self.notes
         result["metrics"] = metrics
