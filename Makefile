@@ -2,9 +2,13 @@
 #
 #   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
 #                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
-#   make test    the test suite
+#   make test    the test suite, then the Triton kernels once more on the CPU (TRITON_INTERPRET=1)
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
+#   make matrix-<name>  nsa-diag matrix matrices/<name>.yaml, a target per file: matrix-cpu-smoke (tiny
+#                CPU cases, about a minute), matrix-gpu-smoke, matrix-backward, matrix-scaling,
+#                matrix-production; options through MATRIX_ARGS, e.g.
+#                make matrix-backward MATRIX_ARGS='--jobs 4 --junit backward.xml'
 #
 # TORCH_SPEC is the torch requirement installed first into a venv that has no torch yet. The default
 # `torch==2.13.0` resolves to the CPU wheel kept on this machine's disk, where a plain `torch` would
@@ -16,6 +20,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 LINT_PATHS ?= $(wildcard src tests benchmarks)
 PYTEST_ARGS ?=
+MATRIX_ARGS ?=
+# The nsa-diag the matrix-<name> targets run. Where Python already has torch and the toolkit's
+# dependencies (a GPU machine), NSA_DIAG='python3 -m nsa_diag' with PYTHONPATH=src runs them without a venv.
+NSA_DIAG ?= $(VENV)/bin/nsa-diag
+MATRIX_TARGETS := $(patsubst matrices/%.yaml,matrix-%,$(wildcard matrices/*.yaml))
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -36,6 +45,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/core/triton $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)
@@ -43,3 +53,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/backends.py
+
+# A static pattern rule: make applies no implicit (plain pattern) rule to a phony target.
+.PHONY: $(MATRIX_TARGETS)
+$(MATRIX_TARGETS): matrix-%: matrices/%.yaml $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
+	$(NSA_DIAG) matrix $< $(MATRIX_ARGS)

@@ -1,8 +1,11 @@
 """Option aliases shared by the commands, so every command spells and documents them the same way.
 
-The case commands (`run`, `branch`, `backend`, `selftest`) share some forty options. Rather than repeat
+The case commands (`run`, `branch`, `backend`, `selftest`, ...) share some forty options. Rather than repeat
 them in every signature, `case_command` adds them to a command function, which receives them collected in
 one `CaseOptions` value; a command can leave some out (`omit`) or change their defaults (`defaults`).
+The follow-up options (`--repeat`, `--minimize`, `--triage`, `--junit`) are
+case options too: a command hands its `CaseOptions` to `nsa_diag.session.run_session(options=...)`, which
+honours them; a command that cannot honour one leaves it out with `omit`.
 Choices are `str` Enums. Nothing here imports torch, pydantic or `nsa_core` (whose package imports torch),
 so `nsa-diag --help` stays instant; `tests/diag/test_commands.py` checks the choices against `nsa_core`.
 """
@@ -99,9 +102,11 @@ _WATCH = "Watchdog"
 _CHECKS = "Faults and checks"
 _EVIDENCE = "Extra evidence"
 _OUTPUT = "Output"
+_FOLLOW_UP = "Repeat, minimize, triage"
 
 DEFAULT_STALL = "auto"  # cases.parse_stall turns the text into seconds or "auto"
 DEFAULT_TIMEOUT_S = 300.0
+MAX_REPEAT = 1000
 
 
 def _opt(*names: str, panel: str, help: str, **kwargs: Any) -> Any:
@@ -153,8 +158,12 @@ class CaseOptions:
     profile: bool = False
     memory_snapshot: bool = False
     alloc_conf: str | None = None
+    repeat: int = 1
+    minimize: bool = False
+    triage: bool = False
     out: Path = Path("nsa-diag-runs")
     tag: str | None = None
+    junit: Path | None = None
 
     def replace(self, **changes: Any) -> CaseOptions:
         return dataclasses.replace(self, **changes)
@@ -280,10 +289,45 @@ CASE_OPTION_TYPES: dict[str, Any] = {
         "PYTORCH_CUDA_ALLOC_CONF for the worker, e.g. expandable_segments:True.",
         metavar="CONF",
     ),
+    "repeat": Annotated[
+        int,
+        _opt(
+            "--repeat",
+            panel=_FOLLOW_UP,
+            metavar="N",
+            min=1,
+            max=MAX_REPEAT,
+            help="Run every case N times (as cases CASE-r1 ... CASE-rN): verdict counts, hang probability "
+            "with a 95% interval, time-to-hang spread; a failure not in every run is reported as transient.",
+        ),
+    ],
+    "minimize": _flag(
+        "--minimize",
+        _FOLLOW_UP,
+        "For each failing case, shrink layers, sequence length, batch, steps and the active branches while "
+        "the verdict holds (real runs under minimize/); print the smallest reproducing command.",
+    ),
+    "triage": _flag(
+        "--triage",
+        _FOLLOW_UP,
+        "For each oom case, rerun with expandable_segments:True and with max_split_size_mb:128 (CUDA) and "
+        "classify: fragmentation, capacity, or memory outside PyTorch.",
+    ),
     "out": Annotated[
         Path, _opt("--out", panel=_OUTPUT, help="Folder that receives the run folder.", file_okay=False)
     ],
     "tag": _text("--tag", _OUTPUT, "Suffix of the run folder's name (letters, digits, . _ -)."),
+    "junit": Annotated[
+        Path | None,
+        _opt(
+            "--junit",
+            panel=_OUTPUT,
+            metavar="FILE",
+            dir_okay=False,
+            show_default=False,
+            help="Also write the case results as JUnit XML to FILE, for CI systems.",
+        ),
+    ],
 }
 
 _FIELDS = {field.name: field for field in dataclasses.fields(CaseOptions)}

@@ -18,8 +18,12 @@ from nsa_diag import __version__
 from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.backend import backend
 from nsa_diag.commands.branch import branch
+from nsa_diag.commands.compare import compare
+from nsa_diag.commands.ddp import ddp
 from nsa_diag.commands.env import env
 from nsa_diag.commands.gc_bisect import gc_bisect
+from nsa_diag.commands.matrix import matrix
+from nsa_diag.commands.report import report
 from nsa_diag.commands.run import run
 from nsa_diag.commands.scale import scale
 from nsa_diag.commands.schema import schema
@@ -44,8 +48,9 @@ Exit codes: 0 every case passed, 1 some case did not, 2 usage or configuration e
 
 Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
 `nsa-diag run --inject deadlock:layer=1 --stall 5`. `scale` fits memory and time growth, `verify` checks
-the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure. Still to come:
-`ddp`, `matrix`, `report`, `compare`.
+the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure, `ddp` runs the
+case on several ranks through torchrun. `matrix FILE` runs a matrix of cases (`matrices/*.yaml`),
+`report DIR` writes a run folder up as `report.md` with plots, `compare A B` diffs two run folders.
 """
 
 app = typer.Typer(
@@ -83,6 +88,10 @@ app.command("selftest")(selftest)
 app.command("scale")(scale)
 app.command("verify")(verify)
 app.command("gc-bisect")(gc_bisect)
+app.command("ddp")(ddp)
+app.command("matrix")(matrix)
+app.command("report")(report)
+app.command("compare")(compare)
 app.command("env")(env)
 app.command("schema")(schema)
 

@@ -164,13 +164,17 @@ def check_spec(spec: CaseSpec) -> None:
     if spec.seq_len < 2:
         raise UsageError(f"--seq-len {spec.seq_len}: the next-token loss needs at least 2 tokens")
     cfg = spec.nsa_config()
+    world = spec.ddp.world_size if spec.ddp is not None else 1  # issue 6: ranks of `nsa-diag ddp`
     for inj in spec.inject:
-        if inj.kind == "skip-collective":
+        if inj.kind == "skip-collective" and world < 2:
             raise UsageError(
-                f"--inject {inj}: skip-collective needs several ranks; it applies only under `nsa-diag ddp`"
+                f"--inject {inj}: skip-collective needs several ranks; it applies only under `nsa-diag ddp` "
+                "with --nproc 2 or more"
             )
-        if inj.rank not in (None, 0):
-            raise UsageError(f"--inject {inj}: rank={inj.rank}, but this case runs one process (rank 0)")
+        if inj.rank is not None and inj.rank >= world:
+            if spec.ddp is None:
+                raise UsageError(f"--inject {inj}: rank={inj.rank}, but this case runs one process (rank 0)")
+            raise UsageError(f"--inject {inj}: rank={inj.rank}, but the ranks are 0..{world - 1}")
         if spec.model is None and inj.layer >= cfg.layers:
             raise UsageError(
                 f"--inject {inj}: layer={inj.layer}, but the model's layers are 0..{cfg.layers - 1}"
@@ -373,7 +377,8 @@ def selftest_specs(
 def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
     """The `nsa-diag run` command line that reproduces `spec`, its run folder under `out`."""
     defaults = CaseSpec()
-    argv = [sys.executable, "-m", "nsa_diag", "run", "--name", spec.name, "--preset", spec.preset]
+    command = "ddp" if spec.ddp is not None else "run"
+    argv = [sys.executable, "-m", "nsa_diag", command, "--name", spec.name, "--preset", spec.preset]
     for key, value in spec.overrides.items():
         flag = _OVERRIDE_FLAGS.get(key, "--" + key.replace("_", "-"))
         if isinstance(value, bool):
@@ -397,5 +402,9 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
         argv += ["--tolerance", str(spec.tolerance)]
     if spec.alloc_conf is not None:
         argv += ["--alloc-conf", spec.alloc_conf]
+    if spec.ddp is not None:  # issue 6
+        from nsa_diag.distributed import ddp_flags
+
+        argv += ddp_flags(spec.ddp)
     argv += ["--out", str(Path(out).resolve())]
     return argv

@@ -76,3 +76,112 @@ def plot_scale(report: dict[str, Any], path: Path) -> Path:
     artifacts.write_with(path, lambda p: fig.savefig(p, format="png", dpi=100))
     plt.close(fig)
     return path
+
+
+# Verdict colours of the report's pictures: green passes, greys did not run, yellow was slow, and each
+# failure has its own warm or dark colour.
+VERDICT_COLOURS = {
+    "pass": "#4caf50",
+    "skipped": "#bdbdbd",
+    "not run": "#eeeeee",
+    "-": "#ffffff",
+    "slow": "#ffc107",
+    "hang": "#d32f2f",
+    "crash": "#7b1fa2",
+    "error": "#e64a19",
+    "oom": "#1976d2",
+    "nonfinite": "#f06292",
+    "grad-missing": "#8d6e63",
+    "mismatch": "#ff7043",
+}
+_FAILED_COLOUR = "#b71c1c"
+
+
+def verdict_colour(label: str) -> str:
+    """The colour of a grid cell or a marker from its label's first verdict ("hang (python-busy) / ...")."""
+    verdict = label.split(" / ")[0].split(" (")[0].strip()
+    return VERDICT_COLOURS.get(verdict, _FAILED_COLOUR)
+
+
+def plot_verdict_grid(
+    *,
+    title: str,
+    row_axis: str,
+    col_axis: str | None,
+    rows: list[str],
+    cols: list[str],
+    labels: list[list[str]],
+    path: Path,
+) -> Path:
+    """`nsa-diag report` of a matrix: the verdict of each (row, column) cell as a coloured table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    width = min(2.0 + 1.8 * len(cols), 24.0)
+    height = min(1.5 + 0.5 * len(rows), 24.0)
+    fig, ax = plt.subplots(figsize=(width, height))
+    image = [[to_rgb(verdict_colour(label)) for label in row] for row in labels]
+    ax.imshow(image, aspect="auto")
+    for i, row in enumerate(labels):
+        for j, label in enumerate(row):
+            ax.text(j, i, label.replace(" (", "\n("), ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(cols)), cols, fontsize=8, rotation=30 if max(map(len, cols)) > 8 else 0)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_xlabel(col_axis or "")
+    ax.set_ylabel(row_axis)
+    ax.set_title(f"verdicts: {title}", fontsize=10)
+    fig.tight_layout()
+    artifacts.write_with(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    return path
+
+
+_PHASES = ("setup", "forward", "backward", "recompute", "optimizer", "check", "step")
+
+
+def plot_failure_locations(records: list[dict[str, Any]], path: Path) -> Path:
+    """`nsa-diag report`: where each failing case was stopped, layer against phase, coloured by verdict
+    and labelled with the case (cases at the same place are stacked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [p for p in _PHASES if any(r["phase"] == p for r in records)]
+    phases += sorted({r["phase"] or "unknown" for r in records} - set(phases))
+    layers = sorted({r["layer"] for r in records if r["layer"] is not None})
+    columns = [
+        *(str(layer) for layer in layers),
+        *(["-"] if any(r["layer"] is None for r in records) else []),
+    ]
+    fig, ax = plt.subplots(figsize=(min(3 + 1.6 * len(columns), 20), min(2 + 0.9 * len(phases), 14)))
+    seen: dict[tuple[int, int], int] = {}
+    for record in records:
+        x = columns.index("-" if record["layer"] is None else str(record["layer"]))
+        y = phases.index(record["phase"] or "unknown")
+        offset = seen.get((x, y), 0)
+        seen[(x, y)] = offset + 1
+        label = record["verdict"] + (f" ({record['hang_kind']})" if record.get("hang_kind") else "")
+        ax.plot(x, y + 0.18 * offset, "o", color=verdict_colour(label), markersize=10)
+        ax.annotate(
+            f"{record['case']}: {label}",
+            (x, y + 0.18 * offset),
+            xytext=(8, -3),
+            textcoords="offset points",
+            fontsize=7,
+        )
+    ax.set_xticks(range(len(columns)), columns)
+    ax.set_yticks(range(len(phases)), phases)
+    ax.set_xlim(-0.5, len(columns) + 0.5)
+    ax.set_ylim(len(phases) - 0.3, -0.5)
+    ax.set_xlabel("layer (- : not in a layer)")
+    ax.set_ylabel("phase")
+    ax.set_title("where the failing cases were stopped")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    artifacts.write_with(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    return path

@@ -411,7 +411,7 @@ def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     from nsa_diag import artifacts
 
     artifacts.write_json(Path(run_dir) / SUMMARY_JSON, dict(summary))
-    artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary))
+    artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary) + follow_ups_markdown(summary))
 
 
 def _stall_text(stall: float | str) -> str:
@@ -513,3 +513,154 @@ def describe_state(state: Any, steps: int | None = None) -> str:
     if location:
         parts.append(location)
     return " · ".join(parts) or "running"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Follow-ups (nsa_diag.session.follow_up): --repeat, --minimize, --triage sections of summary.json.
+
+
+def _repeat_cells(entry: Mapping[str, Any]) -> dict[str, str]:
+    hang = entry["hang"]
+    low, high = hang["ci95"]
+    probability = hang["probability"]
+    tth = entry["time_to_hang_s"]
+    steps = sorted(set(entry["hang_steps"]))
+    return {
+        "case": entry["case"],
+        "runs": f"{entry['runs']}/{entry['repeat']}",
+        "ok": f"{entry['ok_runs']}/{entry['runs']}",
+        "status": entry["status"],
+        "verdicts": ", ".join(f"{n} {verdict}" for verdict, n in entry["counts"].items()) or "-",
+        "P(hang) [95%]": "-" if probability is None else f"{probability:.2f} [{low:.2f}, {high:.2f}]",
+        "time to hang": "-" if not tth else f"{tth['min']:.1f} / {tth['median']:.1f} / {tth['max']:.1f} s",
+        "hang steps": ", ".join(map(str, steps)) or "-",
+    }
+
+
+_REPEAT_COLUMNS = ("case", "runs", "ok", "status", "verdicts", "P(hang) [95%]", "time to hang", "hang steps")
+_STATUS_STYLES = {"pass": "green", "transient": "bold yellow", "fail": "bold red"}
+
+
+def _shape_text(shape: Mapping[str, Any]) -> str:
+    parts = [f"layers {shape['layers']}"] if shape.get("layers") is not None else []
+    parts += [f"S {shape['seq_len']}", f"batch {shape['batch']}", f"steps {shape['steps']}"]
+    return ", ".join([*parts, f"branch {shape['branch']}"])
+
+
+def _figure(value: Any) -> str:
+    """Bytes in GiB (`format_bytes`), or in TiB/PiB/EiB for the absurd requests of a broken shape."""
+    if not isinstance(value, int):
+        return "-"
+    for unit, size in (("EiB", 2**60), ("PiB", 2**50), ("TiB", 2**40)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return format_bytes(value)
+
+
+def render_follow_ups(summary: Mapping[str, Any], console: Console | None = None) -> None:
+    """The repeats table, the minimized commands and the OOM triage, for the sections `summary` has."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or stdout_console()
+    repeats = summary.get("repeats")
+    if repeats:
+        table = Table(title=f"repeats ({repeats['repeat']} runs per case)", title_justify="left")
+        for column in _REPEAT_COLUMNS:
+            table.add_column(column, style="bold" if column == "case" else None)
+        for entry in repeats["cases"]:
+            cells = _repeat_cells(entry)
+            style = _STATUS_STYLES.get(entry["status"], "red")
+            cells["status"] = f"[{style}]{cells['status']}[/{style}]"
+            table.add_row(*(cells[c] if c == "status" else escape(cells[c]) for c in _REPEAT_COLUMNS))
+        console.print(table)
+        for entry in repeats["cases"]:
+            if entry["status"] == "transient":
+                console.print(
+                    f"[bold]{escape(entry['case'])}[/bold]: transient: {entry['failed_runs']} of "
+                    f"{entry['runs']} runs failed ({escape(', '.join(entry['failing_runs']))})",
+                    soft_wrap=True,
+                    highlight=False,
+                )
+        if any(entry["time_to_hang_s"] for entry in repeats["cases"]):
+            console.print("time to hang: min / median / max until the watchdog called it", highlight=False)
+    for record in summary.get("minimize", []):
+        head = f"minimize {record['case']} ({record['target']}): {record['runs']} run(s)"
+        console.print(escape(head), highlight=False)
+        console.print(f"  from  {escape(_shape_text(record['start']))}", highlight=False)
+        if record["reduced"]:
+            console.print(f"  to    {escape(_shape_text(record['smallest']))}", highlight=False)
+        else:
+            console.print("  no smaller configuration reproduced it", highlight=False)
+        if record.get("stopped"):
+            console.print(f"  {escape(record['stopped'])}", highlight=False)
+        console.print(f"  reproduce: {escape(record['command'])}", soft_wrap=True, highlight=False)
+    for record in summary.get("triage", []):
+        console.print(
+            f"triage {escape(record['case'])}: [bold]{record['class']}[/bold]: {escape(record['why'])}",
+            soft_wrap=True,
+            highlight=False,
+        )
+        figures = record["figures"]
+        line = ", ".join(
+            f"{label} {_figure(figures.get(key))}"
+            for key, label in (
+                ("requested_bytes", "requested"),
+                ("total_bytes", "total"),
+                ("allocated_bytes", "allocated"),
+                ("reserved_unallocated_bytes", "reserved unallocated"),
+                ("outside_pytorch_bytes", "outside PyTorch"),
+            )
+            if figures.get(key) is not None
+        )
+        if line:
+            console.print(f"  at the failure: {line}", soft_wrap=True, highlight=False)
+        for rerun in record["reruns"]:
+            console.print(
+                f"  PYTORCH_CUDA_ALLOC_CONF={escape(rerun['alloc_conf'])}: {rerun['verdict'] or 'not run'}"
+                + (f" ({escape(rerun['reason'])})" if rerun["verdict"] is None else ""),
+                soft_wrap=True,
+                highlight=False,
+            )
+        if record.get("note"):
+            console.print(f"  {escape(record['note'])}", soft_wrap=True, highlight=False)
+
+
+def follow_ups_markdown(summary: Mapping[str, Any]) -> str:
+    """The sections of summary.md for --repeat, --minimize and --triage ("" when there are none)."""
+    lines: list[str] = []
+    repeats = summary.get("repeats")
+    if repeats:
+        lines += ["", f"## Repeats ({repeats['repeat']} runs per case)", ""]
+        lines += [
+            "| " + " | ".join(_REPEAT_COLUMNS) + " |",
+            "|" + "|".join("---" for _ in _REPEAT_COLUMNS) + "|",
+        ]
+        for entry in repeats["cases"]:
+            cells = _repeat_cells(entry)
+            lines.append("| " + " | ".join(cells[c].replace("|", "\\|") for c in _REPEAT_COLUMNS) + " |")
+        lines += [
+            "",
+            "P(hang): hung runs / runs with the 95% Wilson interval; time to hang: min / median / max.",
+        ]
+        if repeats["transient"]:
+            lines.append(f"Transient (failed in some runs only): {', '.join(repeats['transient'])}.")
+    if summary.get("minimize"):
+        lines += ["", "## Minimized", ""]
+        for record in summary["minimize"]:
+            lines.append(f"- **{record['case']}** ({record['target']}), {record['runs']} run(s) under "
+                         f"`{record.get('dir', 'minimize')}/`: {_shape_text(record['start'])} -> "
+                         f"{_shape_text(record['smallest'])}"
+                         + (f" ({record['stopped']})" if record.get("stopped") else ""))  # fmt: skip
+            lines += ["", "  ```sh", f"  {record['command']}", "  ```"]
+    if summary.get("triage"):
+        lines += ["", "## OOM triage", ""]
+        for record in summary["triage"]:
+            lines.append(f"- **{record['case']}**: **{record['class']}**: {record['why']}")
+            for rerun in record["reruns"]:
+                lines.append(
+                    f"  - `PYTORCH_CUDA_ALLOC_CONF={rerun['alloc_conf']}`: {rerun['verdict'] or 'not run'}"
+                )
+            if record.get("note"):
+                lines.append(f"  - {record['note']}")
+    return "\n".join(lines) + ("\n" if lines else "")

@@ -111,8 +111,8 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
     return env
 
 
-def _child_env(spec: CaseSpec) -> dict[str, str]:
-    env = {**os.environ, **worker_env(spec), "PYTHONUNBUFFERED": "1"}
+def _child_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **worker_env(spec), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
     # The worker imports the same nsa_diag as this process, installed or not.
     source_root = str(Path(__file__).resolve().parents[1])
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -125,7 +125,9 @@ def worker_argv(case_dir: Path) -> list[str]:
     return [sys.executable, "-m", "nsa_diag.worker", str(case_dir)]
 
 
-def _start_worker(spec: CaseSpec, case_dir: Path) -> subprocess.Popen[bytes]:
+def _start_worker(
+    spec: CaseSpec, case_dir: Path, extra_env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     with (
         artifacts.open_append(case_dir / artifacts.STDOUT, binary=True) as out,
         artifacts.open_append(case_dir / artifacts.STDERR, binary=True) as err,
@@ -135,7 +137,7 @@ def _start_worker(spec: CaseSpec, case_dir: Path) -> subprocess.Popen[bytes]:
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=err,
-            env=_child_env(spec),
+            env=_child_env(spec, extra_env),
             start_new_session=True,
         )
 
@@ -383,14 +385,24 @@ def run_case(
     *,
     replay_argv: Sequence[str] | None = None,
     on_progress: ProgressCallback | None = None,
+    extra_env: Mapping[str, str] | None = None,
 ) -> CaseResult:
     """Run one case in ``case_dir``; the result (also written to ``result.json``) whatever happened.
 
     ``replay_argv`` is the command line ``replay.sh`` runs (default: the worker on this case folder).
+    ``extra_env``: variables for this worker only, not in ``replay.sh`` (``nsa-diag matrix --jobs`` gives
+    each case its own GPU through ``CUDA_VISIBLE_DEVICES``). From a thread other than the main one no
+    signal handler is installed; ``on_progress`` may raise `Interrupted` there to stop the case.
     Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM, after stopping the worker.
     """
     case_dir = Path(case_dir)
     case_dir.mkdir(parents=True, exist_ok=True)
+    if spec.ddp is not None:  # issue 6: several ranks through torchrun, each watched (nsa_diag.distributed)
+        from nsa_diag.distributed import run_ddp_case
+
+        return run_ddp_case(
+            spec, case_dir, replay_argv=replay_argv, on_progress=on_progress, extra_env=extra_env
+        )
     started, t0 = time.time(), time.monotonic()
     proc: subprocess.Popen[bytes] | None = None
     guard = _InterruptGuard()
@@ -400,7 +412,7 @@ def run_case(
             argv = list(replay_argv or worker_argv(case_dir.resolve()))
             artifacts.write_replay(case_dir / artifacts.REPLAY, argv, worker_env(spec))
             with guard.deferred():
-                proc = _start_worker(spec, case_dir)
+                proc = _start_worker(spec, case_dir, extra_env)
             watched = watch(proc, case_dir / artifacts.BEACON, spec, started, on_progress)
             hang = None
             if watched.outcome != "exited":

@@ -60,6 +60,34 @@ class Injection(BaseModel):
         return self.kind + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 
+class DdpSpec(BaseModel):
+    """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.distributed`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nproc: int = Field(2, ge=1, description="ranks per node (torchrun --nproc-per-node)")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    static_graph: bool = Field(False, description="DistributedDataParallel(static_graph=True)")
+    find_unused: bool = Field(False, description="DistributedDataParallel(find_unused_parameters=True)")
+    bucket_mb: float | None = Field(None, gt=0, description="bucket_cap_mb; None: DDP's default (25)")
+    trace_buckets: bool = Field(False, description="record bucket sizes and dtypes per rank for step 1")
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    rdzv_endpoint: str | None = Field(None, description="HOST:PORT; None: 127.0.0.1 and a free port")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @model_validator(mode="after")
+    def _node_rank_in_range(self) -> DdpSpec:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank {self.node_rank}: must be below nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("nnodes > 1 needs rdzv_endpoint HOST:PORT (the same on every node)")
+        return self
+
+
 class CaseSpec(BaseModel):
     """One case: the model, the batch, the run options and the faults to inject."""
 
@@ -99,6 +127,8 @@ class CaseSpec(BaseModel):
     check: Literal["backends", "causality", "prefill", "gc"] | None = Field(
         None, description="run this correctness property (nsa-diag verify) instead of training steps"
     )
+    # Issue 6: set, the case runs on several ranks through torchrun (nsa_diag.distributed), not one worker.
+    ddp: DdpSpec | None = Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
 
     @property
     def parity_tolerance(self) -> float:
@@ -142,7 +172,8 @@ class CaseSpec(BaseModel):
 
     def spec_hash(self) -> str:
         """Stable hash of what the case computes (the name excluded), to find finished cases again."""
-        data = self.model_dump(mode="json", exclude={"name"})
+        # A single-process case hashes as before the ddp field existed (finished cases stay recognised).
+        data = self.model_dump(mode="json", exclude={"name"} | ({"ddp"} if self.ddp is None else set()))
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -200,6 +231,9 @@ class CaseResult(BaseModel):
     nonfinite: dict[str, Any] | None = None  # {"where": "loss"|"grad", "module": "blocks.1", ...}
     parity: dict[str, Any] | None = None  # reference_check: relative errors of loss and gradients
     evidence: dict[str, Any] = Field(default_factory=dict)  # cpu%, heartbeat, gpu util, file names
+    # nsa-diag ddp (issue 6): per-rank verdicts, missing gradients per rank, minority ranks, first divergent
+    # frame, pre-flight, parameter hashes, buckets (nsa_diag.distributed.aggregate)
+    ddp: dict[str, Any] | None = None
     files: list[str] = Field(default_factory=list)  # artifact files of the case folder
 
     @property

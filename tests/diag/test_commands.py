@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from diag_cli import run_cli as run_cli_subprocess
 
 from nsa_diag import _cli_utils as cli
 from nsa_diag.app import run_cli
@@ -36,21 +37,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def run_nsa_diag(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "COLUMNS": "200",
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "nsa_diag", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        timeout=CLI_TIMEOUT_S,
-        check=False,
-    )
+    return run_cli_subprocess(*args, cwd=cwd, timeout=CLI_TIMEOUT_S)
 
 
 def _cuda() -> bool:

@@ -4,13 +4,11 @@ a failure without checkpointing, and `--grads` on a model with the seeds' wrong-
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from diag_cli import run_cli_json
 
 from nsa_diag.analysis.bisect import STATE_FILE, smallest_range
 
@@ -19,14 +17,8 @@ ROOT = HERE.parents[1]
 
 
 def nsa_diag(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
-    """Run the CLI in a subprocess (tests/diag on PYTHONPATH for the planted models); code, JSON, stderr."""
-    paths = [str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nsa_diag", *args, "--json"],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+    """The CLI in a subprocess, planted models importable: code, JSON summary, stderr."""
+    return run_cli_json(*args, timeout=timeout)
 
 
 @pytest.mark.parametrize(

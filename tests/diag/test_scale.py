@@ -8,37 +8,22 @@ exponents, which need S in the thousands (see the closing note of issue 4).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from diag_cli import run_cli
 
 from nsa_diag.analysis.memory_model import count_params, estimate_peak_memory
 from nsa_diag.analysis.scaling import QUADRATIC_EXPONENT, fit_growth, predict_limit
 from nsa_diag.commands.scale import parse_budget, parse_int_list
 from nsa_diag.errors import UsageError
 
-SRC = Path(__file__).resolve().parents[2] / "src"
 SEQ_LENS = [256, 512, 1024, 1536, 2048]
 
 
 def run_nsa_diag(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "COLUMNS": "200",
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "nsa_diag", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        timeout=240,
-        check=False,
-    )
+    return run_cli(*args, timeout=240)
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from diag_cli import run_cli_json
 
 from nsa_diag.commands.verify import PROPERTIES, parse_properties, verify_seq_len
 from nsa_diag.errors import UsageError
@@ -19,14 +17,8 @@ ROOT = HERE.parents[1]
 
 
 def nsa_diag(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
-    """Run the CLI in a subprocess (tests/diag on PYTHONPATH for the planted models); code, JSON, stderr."""
-    paths = [str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nsa_diag", *args, "--json"],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT,
-    )  # fmt: skip
-    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+    """The CLI in a subprocess, planted models importable: code, JSON summary, stderr."""
+    return run_cli_json(*args, timeout=timeout)
 
 
 def results(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:

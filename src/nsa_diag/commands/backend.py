@@ -40,6 +40,7 @@ def backend(
         nsa-diag backend --sel masked,gather,packed
         nsa-diag backend --win masked,chunked --seq-len 256 --window 64
         nsa-diag backend --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda --json
+        nsa-diag backend --sel masked,gather --minimize --junit backend.xml
     """
     from nsa_diag.cases import backend_specs, check_options, parse_backend_list
     from nsa_diag.session import run_session
@@ -51,5 +52,7 @@ def backend(
     }
     check_options(options)
     specs = backend_specs(options, {branch: names for branch, names in lists.items() if names})
-    code = run_session("backend", specs, out=options.out, tag=options.tag, json_output=json_output)
+    code = run_session(
+        "backend", specs, out=options.out, tag=options.tag, json_output=json_output, options=options
+    )
     raise typer.Exit(code)

@@ -25,11 +25,14 @@ def branch(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt =
         nsa-diag branch --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda
         nsa-diag branch --sel masked --win masked --seq-len 1024
         nsa-diag branch --inject deadlock:layer=1 --stall 5 --json
+        nsa-diag branch --repeat 5 --junit branch.xml
     """
     from nsa_diag.cases import branch_specs, check_options
     from nsa_diag.session import run_session
 
     check_options(options)
     specs = branch_specs(options)
-    code = run_session("branch", specs, out=options.out, tag=options.tag, json_output=json_output)
+    code = run_session(
+        "branch", specs, out=options.out, tag=options.tag, json_output=json_output, options=options
+    )
     raise typer.Exit(code)

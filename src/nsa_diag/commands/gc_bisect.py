@@ -127,7 +127,9 @@ class Bisector:
         return 1 if differ or failed else 0
 
 
-@case_command(omit=("branch",))
+# --repeat, --minimize and --triage are left out: a bisection is itself a minimization, and each of its
+# trials is one decision (a trial repeated until it fails would change what "reproduces" means).
+@case_command(omit=("branch", "repeat", "minimize", "triage"))
 def gc_bisect(
     options: CaseOptions,
     grads: Annotated[
@@ -162,13 +164,16 @@ def gc_bisect(
         nsa-diag gc-bisect --layers 4 --gc all --inject deadlock:layer=2,phase=recompute --stall 3
         nsa-diag gc-bisect --layers 4 --grads
         nsa-diag gc-bisect --resume nsa-diag-runs/20260101-120000-gc-bisect
+        nsa-diag gc-bisect --layers 4 --gc all --inject nan:layer=1,phase=recompute --junit bisect.xml
     """
     from nsa_diag import artifacts, render
     from nsa_diag.analysis.bisect import STATE_FILE, BisectState
     from nsa_diag.cases import build_spec, check_options
     from nsa_diag.errors import UsageError
     from nsa_diag.evidence.env import collect_env
+    from nsa_diag.session import check_follow_ups, follow_up
 
+    follow = check_follow_ups(options)  # --junit
     if resume is not None:
         path = Path(resume) / STATE_FILE
         if not path.is_file():
@@ -202,6 +207,7 @@ def gc_bisect(
     summary = render.build_summary("gc-bisect", run_dir, bisector.specs, bisector.results, started_at=started)
     summary["bisect"] = state.model_dump(mode="json", exclude={"spec"})
     summary["exit_code"] = code
+    summary = follow_up(summary, run_dir, bisector.specs, bisector.results, follow=follow, out=options.out)
     render.write_summary(run_dir, summary)
     if json_output:
         render.print_json(summary)

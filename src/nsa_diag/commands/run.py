@@ -31,6 +31,9 @@ def run(
     where, why and the numbers (time per phase, tokens/s, loss, peak memory) go to the table and to
     `<out>/<time>-run/cases/<name>/`, with a `replay.sh` that reproduces the case.
 
+    `--repeat N` runs it N times (hang probability, time to hang, transient failures); `--minimize`
+    shrinks a failing case to the smallest command that still fails; `--triage` classifies an oom.
+
     Exit code 0 when the case passes, 1 when not, 2 for a bad option.
 
     Examples:
@@ -41,11 +44,16 @@ def run(
         nsa-diag run --inject slow:seconds=2 --steps 10 --timeout 8
         nsa-diag run --gc 0:1 --inject nan:layer=0,phase=recompute
         nsa-diag run --model mypkg.models:build --seq-len 512 --json
+        nsa-diag run --inject deadlock:layer=1 --stall 5 --repeat 10 --junit run.xml
+        nsa-diag run --layers 4 --seq-len 512 --inject nan:layer=2 --minimize
+        nsa-diag run --preset m7c-125m --device cuda --seq-len 65536 --sel masked --triage
     """
     from nsa_diag.cases import build_spec, check_options
     from nsa_diag.session import run_session
 
     check_options(options)
     spec = build_spec(options, name=name)
-    code = run_session("run", [spec], out=options.out, tag=options.tag, json_output=json_output)
+    code = run_session(
+        "run", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
+    )
     raise typer.Exit(code)

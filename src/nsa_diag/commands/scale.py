@@ -41,7 +41,8 @@ def parse_budget(text: str | None) -> tuple[int, str] | None:
     return int(float(match.group(1)) * _UNITS[unit]), f"--memory-budget {text.strip()}"
 
 
-@case_command(omit=("layers", "seq_len"), defaults={"batch": 1})
+# --repeat is left out: a sweep point is one measurement that its series' fit uses as it is.
+@case_command(omit=("layers", "seq_len", "repeat"), defaults={"batch": 1})
 def scale(
     options: CaseOptions,
     seq_lens: Annotated[
@@ -80,7 +81,8 @@ def scale(
     too and the branch and backend behind a quadratic exponent are named. From the memory fit, the S at
     which the device (or `--memory-budget`) runs out. A point that does not pass (oom, hang, ...) ends
     its series: larger points are not run. Writes scale.json and scale.png next to the usual summary.
-    With both lists, one S series per layer count.
+    With both lists, one S series per layer count. `--triage` classifies a point that ran out of memory
+    (fragmentation, capacity, memory outside PyTorch); `--minimize` shrinks a failing point.
 
     Exit code 0 when every point run passes, 1 when not, 2 for a bad option.
 
@@ -91,16 +93,21 @@ def scale(
         nsa-diag scale --seq-lens 512,1024,2048 --per-branch --sel masked
         nsa-diag scale --layers 1,2,4,8
         nsa-diag scale --preset m7c-125m --device cuda --dtype bf16 --seq-lens 512,1024,2048,4096,8192
+        nsa-diag scale --preset m7c-125m --device cuda --seq-lens 16384,32768,65536 --triage --junit s.xml
     """
     from nsa_diag.analysis.sweep import build_series, run_sweep
     from nsa_diag.cases import check_options
     from nsa_diag.errors import UsageError
+    from nsa_diag.session import check_follow_ups
 
     lens, layer_counts = parse_int_list("--seq-lens", seq_lens), parse_int_list("--layers", layers)
     if not lens and not layer_counts:
         raise UsageError("give --seq-lens S1,S2,... and/or --layers L1,L2,... to sweep")
     budget = parse_budget(memory_budget)
     check_options(options)
+    follow = check_follow_ups(options)
     series = build_series(options, lens, layer_counts, per_branch=per_branch)
-    code = run_sweep(series, out=options.out, tag=options.tag, budget=budget, json_output=json_output)
+    code = run_sweep(
+        series, out=options.out, tag=options.tag, budget=budget, json_output=json_output, follow=follow
+    )
     raise typer.Exit(code)

@@ -28,6 +28,15 @@ def selftest(
             rich_help_panel="Faults and checks",
         ),
     ] = None,
+    ddp: Annotated[
+        bool,
+        typer.Option(
+            "--ddp",
+            help="The ddp fault kinds instead (skip-collective, unused-param), 2 ranks through torchrun: "
+            "gloo on the CPU, nccl with GPUs.",
+            rich_help_panel="Faults and checks",
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -47,6 +56,10 @@ def selftest(
     | gil-hog | hang | gil-held |
     | gpu-spin | hang (skipped without CUDA) | cuda-kernel |
 
+    `--ddp` (issue 6) runs the ddp kinds on 2 ranks instead: `skip-collective` on rank 1 (hang,
+    collective, rank 1 named as the minority) and `unused-param` on every rank (grad-missing naming the
+    parameter and the ranks).
+
     The stall defaults to 3 s (10 s on CUDA); `slow` sleeps 1 s per step with a timeout of twice the
     stall and steps enough for four times that, so the watchdog has to tell it from a hang. The table
     shows expected and observed side by side.
@@ -57,7 +70,9 @@ def selftest(
 
         nsa-diag selftest
         nsa-diag selftest --kinds deadlock,slow,gil-hog
+        nsa-diag selftest --ddp
         nsa-diag selftest --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda --json
+        nsa-diag selftest --kinds deadlock,gil-hog --repeat 5 --junit selftest.xml
     """
     from nsa_diag.cases import check_options, parse_kinds, selftest_specs, uses_cuda
     from nsa_diag.session import run_session
@@ -67,7 +82,14 @@ def selftest(
     if options.stall is None:
         options = options.replace(stall=SELFTEST_CUDA_STALL_S if cuda else SELFTEST_STALL_S)
     check_options(options)
-    cases = selftest_specs(options, chosen, cuda=cuda)
+    if ddp:  # issue 6: the ddp fault kinds on 2 ranks (nsa_diag.distributed)
+        from nsa_diag.distributed import check_ddp_options, ddp_selftest_specs
+
+        place = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None}
+        backend = check_ddp_options(nproc=2, backend="auto", device=options.device.value, **place)
+        cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place})
+    else:
+        cases = selftest_specs(options, chosen, cuda=cuda)
     code = run_session(
         "selftest",
         [spec for spec, _ in cases],
@@ -75,5 +97,6 @@ def selftest(
         tag=options.tag,
         json_output=json_output,
         expectations={spec.name: expected for spec, expected in cases},
+        options=options,
     )
     raise typer.Exit(code)

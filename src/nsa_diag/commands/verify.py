@@ -87,6 +87,7 @@ def verify(
         nsa-diag verify --preset m7c-125m
         nsa-diag verify --only causality,prefill --model mypkg.models:build
         nsa-diag verify --preset m7c-125m --device cuda --json
+        nsa-diag verify --junit verify.xml
     """
     from nsa_diag.cases import check_options, uses_cuda
     from nsa_diag.session import run_session
@@ -94,5 +95,7 @@ def verify(
     properties = parse_properties(only)
     check_options(options)
     specs = verify_specs(options, uses_cuda(options), properties)
-    code = run_session("verify", specs, out=options.out, tag=options.tag, json_output=json_output)
+    code = run_session(
+        "verify", specs, out=options.out, tag=options.tag, json_output=json_output, options=options
+    )
     raise typer.Exit(code)

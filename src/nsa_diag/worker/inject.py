@@ -24,7 +24,8 @@ the GIL. Their function names say what they do, so stack samples read plainly (`
     unused-param  detaches attn.kv_win's output                  status grad-missing, kv_win.weight
     gil-hog       blocking read() through ctypes.PyDLL           hangs, heartbeat stopped
     gpu-spin      torch.cuda._sleep + synchronize (CUDA only)    hangs in the kernel; CPU: status skipped
-    skip-collective  ddp only                                    status skipped here
+    skip-collective  ddp only: rank R skips the step's loss        the other ranks wait in it: hang,
+                     all-reduce (nsa_diag.worker.ddp)            collective; one process: skipped
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def skip_reason(injections: Sequence[Injection], device: torch.device) -> str | 
     for inj in active(injections):
         if inj.kind == "gpu-spin" and device.type != "cuda":
             return "gpu-spin needs CUDA"
-        if inj.kind == "skip-collective":
+        if inj.kind == "skip-collective" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
             return "skip-collective needs ddp (nsa-diag ddp): a single process has no collective to skip"
     return None
 
@@ -226,6 +227,8 @@ def attach(
     """
     faults: list[Fault] = []
     for inj in active(injections):
+        if inj.kind == "skip-collective":  # not a block hook: the ddp rank worker skips its all-reduce
+            continue
         if inj.layer >= len(blocks):
             raise ValueError(
                 f"--inject {inj}: layer {inj.layer} does not exist (the model has {len(blocks)})"

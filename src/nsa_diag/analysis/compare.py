@@ -1,0 +1,194 @@
+"""Two runs side by side (`nsa-diag compare A B`): environment, verdict changes, memory and time ratios.
+
+Pure functions over what `nsa_diag.runfolder.load_run` read; no processes, no files. Cases are matched by
+name. A case got *worse* when it was ok in A (passed, or met its expectation: selftest, a matrix case
+with `expect`) and is not ok in B; *better* the other way round; *changed* when both failed, in
+different ways; *not comparable* when either side was skipped or has no result (e.g. B ran where
+there is no GPU, or was killed). Ratios are B/A: peak memory (only when both measured the same thing:
+CUDA max allocated, or peak RSS), step time (the last step, warm) and tokens/s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nsa_diag.runfolder import CaseRecord, RunFolder
+
+SAME = "same"
+WORSE = "worse"
+BETTER = "better"
+CHANGED = "changed"
+NOT_COMPARABLE = "not comparable"
+CHANGES = (WORSE, BETTER, CHANGED, NOT_COMPARABLE, SAME)
+
+_SPEC_IGNORED = {"name"}  # the case's folder name, already matched
+
+
+def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The facts of an env.json a diagnosis turns on, flat and labelled: versions (torch, CUDA, cuDNN,
+    NCCL, Triton, driver), GPUs, the machine and the git revision. A missing fact is None, or why."""
+    env = env or {}
+    torch = env.get("torch") or {}
+    nvml = env.get("nvml") or {}
+    git = env.get("git") or {}
+    cpu = env.get("cpu_memory") or {}
+    python = env.get("python") or {}
+    platform = env.get("platform") or {}
+    triton = env.get("triton") or {}
+    torch_gpus = [f"{d.get('name')} (sm {d.get('capability')})" for d in torch.get("devices") or []]
+    nvml_gpus = [str(g.get("name")) for g in nvml.get("gpus") or []]
+    memory = cpu.get("memory_total_bytes")
+    return {
+        "nsa-diag": env.get("nsa_diag_version"),
+        "python": python.get("version"),
+        "python executable": python.get("executable"),
+        "platform": platform.get("platform"),
+        "host": platform.get("hostname"),
+        "CPUs usable": cpu.get("cpu_count_usable"),
+        "memory": f"{memory / 2**30:.1f} GiB" if isinstance(memory, int) else None,
+        "torch": torch.get("version") or torch.get("why"),
+        "torch git": torch.get("git_version"),
+        "torch threads": torch.get("num_threads"),
+        "CUDA (torch build)": torch.get("cuda_build"),
+        "CUDA available": torch.get("cuda_available"),
+        "cuDNN": torch.get("cudnn_version"),
+        "NCCL": torch.get("nccl_version"),
+        "Triton": triton.get("version") or triton.get("why"),
+        "NVIDIA driver": nvml.get("driver_version") or (None if nvml.get("available") else nvml.get("why")),
+        "CUDA driver": nvml.get("cuda_driver_version"),
+        "GPUs": ", ".join(torch_gpus or nvml_gpus) or "none",
+        "git revision": git.get("revision") or git.get("why"),
+        "git dirty": git.get("dirty"),
+    }
+
+
+def env_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Every fact of `env_facts` with both values and whether they differ, and the recorded environment
+    variables (NSA_*, PYTORCH_*, ...) that are set on one side only or differ."""
+    fa, fb = env_facts(a), env_facts(b)
+    facts = [{"fact": k, "a": fa[k], "b": fb[k], "differs": fa[k] != fb[k]} for k in fa]
+    va, vb = (a or {}).get("env_vars") or {}, (b or {}).get("env_vars") or {}
+    variables = [
+        {"name": name, "a": va.get(name), "b": vb.get(name)}
+        for name in sorted(set(va) | set(vb))
+        if va.get(name) != vb.get(name)
+    ]
+    return {
+        "a_recorded": a is not None,
+        "b_recorded": b is not None,
+        "facts": facts,
+        "env_vars": variables,
+    }
+
+
+def _flat(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+    spec = spec or {}
+    flat = {k: v for k, v in spec.items() if k != "overrides" and k not in _SPEC_IGNORED}
+    flat.update({f"overrides.{k}": v for k, v in (spec.get("overrides") or {}).items()})
+    return flat
+
+
+def spec_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """Fields of two spec.json that differ (model overrides as `overrides.<field>`); none when either is
+    missing."""
+    if a is None or b is None:
+        return []
+    fa, fb = _flat(a), _flat(b)
+    return [
+        {"field": k, "a": fa.get(k), "b": fb.get(k)}
+        for k in sorted(set(fa) | set(fb))
+        if fa.get(k) != fb.get(k)
+    ]
+
+
+def verdict_change(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """How a case's outcome moved from A to B (see the module docstring)."""
+    va, vb = a.get("verdict"), b.get("verdict")
+    if va == vb and a.get("hang_kind") == b.get("hang_kind"):
+        return SAME
+    if va is None or vb is None or {va, vb} & {"skipped", "not run"}:
+        return NOT_COMPARABLE
+    ok_a, ok_b = bool(a.get("ok")), bool(b.get("ok"))
+    if ok_a and not ok_b:
+        return WORSE
+    if ok_b and not ok_a:
+        return BETTER
+    return CHANGED
+
+
+def _ratio(b: Any, a: Any) -> float | None:
+    if isinstance(a, int | float) and isinstance(b, int | float) and a > 0:
+        return b / a
+    return None
+
+
+def ratios(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None]:
+    """B/A of peak memory (same measure on both sides only), step time and tokens/s."""
+    same_measure = a.get("peak_memory_kind") == b.get("peak_memory_kind")
+    return {
+        "peak_memory": _ratio(b.get("peak_memory_bytes"), a.get("peak_memory_bytes"))
+        if same_measure
+        else None,
+        "step_time": _ratio(b.get("step_s"), a.get("step_s")),
+        "tokens_per_s": _ratio(b.get("tokens_per_s"), a.get("tokens_per_s")),
+    }
+
+
+_SIDE_KEYS = (
+    "verdict",
+    "hang_kind",
+    "ok",
+    "where",
+    "reason",
+    "peak_memory_bytes",
+    "peak_memory_kind",
+    "step_s",
+    "tokens_per_s",
+)
+
+
+def _side(case: CaseRecord) -> dict[str, Any]:
+    return {k: case.entry.get(k) for k in _SIDE_KEYS}
+
+
+def compare_cases(a_cases: Sequence[CaseRecord], b_cases: Sequence[CaseRecord]) -> list[dict[str, Any]]:
+    """One record per case name in both runs, in A's order."""
+    by_name = {case.name: case for case in b_cases}
+    records = []
+    for case_a in a_cases:
+        case_b = by_name.get(case_a.name)
+        if case_b is None:
+            continue
+        side_a, side_b = _side(case_a), _side(case_b)
+        records.append(
+            {
+                "name": case_a.name,
+                "a": side_a,
+                "b": side_b,
+                "change": verdict_change(side_a, side_b),
+                "ratios": ratios(side_a, side_b),
+                "spec_differences": spec_differences(case_a.spec, case_b.spec),
+            }
+        )
+    return records
+
+
+def compare_runs(a: RunFolder, b: RunFolder) -> dict[str, Any]:
+    """The whole comparison, JSON-ready; ``exit_code`` 1 when a case got worse, else 0."""
+    cases = compare_cases(a.cases, b.cases)
+    names_a, names_b = [c.name for c in a.cases], [c.name for c in b.cases]
+    counts = {change: sum(1 for c in cases if c["change"] == change) for change in CHANGES}
+    worse = [c["name"] for c in cases if c["change"] == WORSE]
+    return {
+        "a": {"run_dir": str(a.path), "command": a.command, "cases": len(a.cases), "notes": a.notes},
+        "b": {"run_dir": str(b.path), "command": b.command, "cases": len(b.cases), "notes": b.notes},
+        "environment": env_differences(a.env, b.env),
+        "cases": cases,
+        "only_in_a": [n for n in names_a if n not in set(names_b)],
+        "only_in_b": [n for n in names_b if n not in set(names_a)],
+        "counts": counts,
+        "worse": worse,
+        "exit_code": 1 if worse else 0,
+    }

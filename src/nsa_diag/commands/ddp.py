@@ -1,0 +1,118 @@
+"""`nsa-diag ddp`: the case on N ranks through torchrun (gloo on the CPU, NCCL on GPUs), each rank watched."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+
+_DDP = "DDP"
+
+NprocOpt = Annotated[int, typer.Option("--nproc", help="Ranks per node.", rich_help_panel=_DDP)]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        metavar="auto|gloo|nccl",
+        help="Process-group backend; auto: nccl when the ranks run on CUDA, else gloo.",
+        rich_help_panel=_DDP,
+    ),
+]
+
+
+@case_command(defaults={"stall": "auto"})
+def ddp(
+    options: CaseOptions,
+    nproc: NprocOpt = 2,
+    backend: BackendOpt = "auto",
+    static_graph: Annotated[
+        bool, typer.Option("--static-graph", help="DDP static_graph=True.", rich_help_panel=_DDP)
+    ] = False,
+    find_unused: Annotated[
+        bool,
+        typer.Option("--find-unused", help="DDP find_unused_parameters=True.", rich_help_panel=_DDP),
+    ] = False,
+    bucket_mb: Annotated[
+        float | None,
+        typer.Option("--bucket-mb", help="DDP bucket_cap_mb (default 25).", rich_help_panel=_DDP, min=0.001),
+    ] = None,
+    trace_buckets: Annotated[
+        bool,
+        typer.Option(
+            "--trace-buckets",
+            help="Record bucket sizes and dtypes per rank for step 1.",
+            rich_help_panel=_DDP,
+        ),
+    ] = False,
+    nnodes: Annotated[
+        int, typer.Option("--nnodes", help="Nodes (run the command on each).", rich_help_panel=_DDP)
+    ] = 1,
+    node_rank: Annotated[
+        int, typer.Option("--node-rank", help="This node's index, 0..nnodes-1.", rich_help_panel=_DDP)
+    ] = 0,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            "--rdzv-endpoint",
+            metavar="HOST:PORT",
+            help="Rendezvous endpoint (several nodes); default 127.0.0.1 and a free port.",
+            rich_help_panel=_DDP,
+        ),
+    ] = None,
+    name: Annotated[
+        str,
+        typer.Option(
+            "--name", help="Case id: the name of its folder under cases/.", rich_help_panel="Output"
+        ),
+    ] = "ddp",
+    json_output: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run the case on N ranks through torchrun under DistributedDataParallel, every rank watched.
+
+    Each rank is a worker with its own progress, logs, stacks and memory under `cases/<name>/ranks/<r>/`.
+    Before DDP wraps the model, a **pre-flight** forward and backward per rank finds the parameters that
+    get a gradient: static_graph safe, find_unused needed, or ranks disagree. A hook per parameter records
+    which gradients arrived on each rank (`grad-missing` names the parameter and the rank); DDP's own
+    errors (unused parameters, "marked ready twice", a graph changed under static_graph) are explained in
+    one line with the fix. After each step the parameters are hashed on every rank: a silent desync is a
+    `mismatch`. On a stall the watchdog dumps every rank (NCCL flight recorder, two stack samples, py-spy,
+    memory) before it stops any, then names the **minority ranks** and their first divergent frame;
+    `hang_kind` is `collective` when ranks wait in collectives. No process of the job outlives it.
+
+    Exit code 0 when the case passes, 1 when not, 2 for a bad option.
+
+    Examples:
+
+        nsa-diag ddp --nproc 2 --backend gloo --device cpu
+        nsa-diag ddp --inject unused-param:layer=1 --stall 10
+        nsa-diag ddp --inject skip-collective:rank=1 --stall 5
+        nsa-diag ddp --backend nccl --static-graph --trace-buckets
+        nsa-diag ddp --gc all --gc-reentrant --find-unused
+        nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl
+    """
+    from nsa_diag.cases import check_options
+    from nsa_diag.distributed import build_ddp_spec, check_ddp_options
+    from nsa_diag.session import run_session
+
+    check_options(options)
+    resolved = check_ddp_options(
+        nproc=nproc,
+        backend=backend,
+        device=options.device.value,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+    )
+    settings = {
+        "nproc": nproc, "backend": resolved, "static_graph": static_graph, "find_unused": find_unused,
+        "bucket_mb": bucket_mb, "trace_buckets": trace_buckets, "nnodes": nnodes, "node_rank": node_rank,
+        "rdzv_endpoint": rdzv_endpoint,
+    }  # fmt: skip
+    spec = build_ddp_spec(options, settings, name=name)
+    code = run_session(
+        "ddp", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
+    )
+    raise typer.Exit(code)

@@ -1,0 +1,170 @@
+"""`nsa-diag matrix FILE`: every case of a matrix file, resumable, several at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nsa_diag._cli_utils import DebugOpt, JsonOpt
+
+_RUN = "Running"
+_OUTPUT = "Output"
+
+
+def matrix(
+    file: Annotated[
+        Path,
+        typer.Argument(help="The matrix file (YAML), e.g. matrices/cpu-smoke.yaml.", show_default=False),
+    ],
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            metavar="RUN_DIR",
+            rich_help_panel=_RUN,
+            help="Continue an interrupted run in its folder: cases finished there with the same spec are not "
+            "run again.",
+        ),
+    ] = None,
+    jobs: Annotated[
+        int,
+        typer.Option(
+            "--jobs",
+            "-j",
+            min=1,
+            rich_help_panel=_RUN,
+            help="Cases at a time, each in its own worker; with several GPUs each CUDA case gets one.",
+        ),
+    ] = 1,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            "--only",
+            metavar="TAG[,TAG]",
+            rich_help_panel=_RUN,
+            help="Only the cases with one of these tags (or names).",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", rich_help_panel=_RUN, help="List the cases and what would run; run nothing."
+        ),
+    ] = False,
+    junit: Annotated[
+        Path | None,
+        typer.Option(
+            "--junit", metavar="FILE", rich_help_panel=_OUTPUT, help="Also write JUnit XML here, for CI."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            file_okay=False,
+            rich_help_panel=_OUTPUT,
+            help="Folder that receives the run folder [default: nsa-diag-runs].",
+        ),
+    ] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "--tag",
+            rich_help_panel=_OUTPUT,
+            help="Suffix of the run folder's name [default: the matrix's name].",
+        ),
+    ] = None,
+    json_output: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run every case of a matrix file, each in its own worker under the watchdog, into one run folder.
+
+    A matrix file (YAML; schema: `nsa-diag schema matrix`, `matrices/schema.json`) has `defaults`,
+    `axes` (key -> values: every combination over the defaults is a case) and `cases` (entries on top of
+    the defaults, each optionally with its own `axes`). Keys are case fields (preset, seq_len, batch,
+    steps, dtype, device, stall, timeout, inject, alloc_conf, reference_check, check, ...) and model
+    fields (layers, dim, sel_backend, gc, force_branch, ...); per case also `name`, `tags`,
+    `requires: cuda` (skipped without a GPU) and `expect: {verdict, hang_kind}` (an injected fault that
+    must be detected). A bad file is refused before anything runs, one line per problem with its line.
+
+    The run folder holds the usual `cases/<name>/`, `summary.json`/`summary.md`, `env.json`, and
+    `matrix.json` (axes and case names, for `nsa-diag report`). `--resume RUN_DIR` continues in that
+    folder: a case whose `result.json` has the spec hash of the case as the file now defines it is not
+    run again; interrupted cases, and cases whose spec changed, run again. Ctrl-C stops the running cases
+    (each gets its result.json) and starts no new one.
+
+    Exit code 0 when every case is ok (passed, or ended as its `expect` says, or skipped for want of
+    CUDA), 1 when not, 2 for a bad file or option, 130 when interrupted.
+
+    Examples:
+
+        nsa-diag matrix matrices/cpu-smoke.yaml
+        nsa-diag matrix matrices/backward.yaml --dry-run
+        nsa-diag matrix matrices/backward.yaml --only branch,sel-backend --jobs 2 --junit backward.xml
+        nsa-diag matrix matrices/backward.yaml --resume nsa-diag-runs/20250825-164210-matrix-backward
+        make matrix-gpu-smoke
+    """
+    import sys
+
+    from nsa_diag import artifacts
+    from nsa_diag.errors import EXIT_USAGE, UsageError
+    from nsa_diag.matrix import MatrixFileError, load_matrix
+    from nsa_diag.matrix_run import environment_gpus, make_plan, render_plan, run_matrix
+
+    if resume is not None and (out is not None or tag is not None):
+        raise UsageError("--resume continues in RUN_DIR; --out and --tag do not apply to it")
+    if resume is not None and not (resume / "matrix.json").is_file():
+        raise UsageError(f"--resume {resume}: not the folder of a matrix run (no matrix.json in it)")
+    if tag is not None:
+        from nsa_diag.cases import _TAG_PATTERN
+
+        if not _TAG_PATTERN.match(tag):
+            raise UsageError(f"--tag {tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder")
+    if junit is not None and junit.is_dir():
+        raise UsageError(f"--junit {junit}: is a folder; give a file name")
+    try:
+        loaded = load_matrix(file)
+    except MatrixFileError as exc:
+        print(f"nsa-diag: invalid matrix file {exc.path} ({len(exc.problems)} problem(s)):", file=sys.stderr)
+        for line in exc.problems:
+            print(f"  {line}", file=sys.stderr)
+        raise typer.Exit(EXIT_USAGE) from None
+    if resume is not None:
+        try:
+            before = artifacts.read_json(resume / "matrix.json").get("name")
+        except (OSError, ValueError, AttributeError):
+            raise UsageError(f"--resume {resume}: its matrix.json cannot be read") from None
+        if before != loaded.name:
+            print(
+                f"nsa-diag: note: {resume} ran matrix {before!r}; continuing it with {loaded.name!r}",
+                file=sys.stderr,
+            )
+    selected = loaded.select([part.strip() for part in (only or "").split(",") if part.strip()])
+    cuda, gpus = environment_gpus(jobs, selected)
+    plan = make_plan(selected, resume_dir=resume, cuda=cuda)
+    if dry_run:
+        render_plan(loaded, plan, json_output=json_output)
+        raise typer.Exit(0)
+
+    if resume is not None:
+        run_dir, parent = resume, resume.parent
+    else:
+        parent = out or artifacts.DEFAULT_OUT
+        run_dir = artifacts.new_run_dir("matrix", parent, tag or loaded.name)
+    code = run_matrix(
+        loaded,
+        plan,
+        run_dir=run_dir,
+        out=parent,
+        jobs=jobs,
+        gpus=gpus,
+        cuda=cuda,
+        junit=junit,
+        json_output=json_output,
+        resumed=resume is not None,
+    )
+    raise typer.Exit(code)

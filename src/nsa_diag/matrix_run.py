@@ -1,0 +1,610 @@
+"""`nsa-diag matrix`'s run: the cases of a matrix file, `jobs` at a time, into one resumable run folder.
+
+The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json``, ``summary.md``) plus
+``matrix.json`` (`Matrix.to_json`: the file, its axes, per case the tags, spec hash and axis values).
+
+- Resume: in the folder of an interrupted run, a case whose ``result.json`` carries the spec hash of the
+  case as the file now defines it is finished and not run again; a case that was interrupted, skipped, or
+  whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
+- Parallel: ``jobs`` threads each take the next case and run it through `runner.run_case` in its own
+  worker process. Only the main thread handles signals (the runner installs its handlers only there): on
+  Ctrl-C or SIGTERM the main thread sets a flag that each running case's progress callback turns into
+  `runner.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
+- GPUs: with several visible GPUs every case that runs on CUDA gets one to itself through
+  ``CUDA_VISIBLE_DEVICES`` (the runner's ``extra_env``) and waits for a free one; with a single GPU the
+  running cases share it.
+- A case that needs CUDA (``requires: cuda``, ``device: cuda``) on a machine without it is ``skipped``
+  with the reason, without a worker, and counts as ok: the file declared the requirement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from nsa_diag import artifacts, render
+from nsa_diag.cases import Expectation, replay_argv
+from nsa_diag.matrix import Matrix, MatrixCase
+from nsa_diag.spec import CaseResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+MATRIX_JSON = "matrix.json"
+NO_CUDA_REASON = "requires cuda: torch sees no CUDA device here"
+
+
+# --- what to run -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What one invocation does with each selected case, in file order."""
+
+    cases: list[MatrixCase]
+    done: dict[str, CaseResult] = field(default_factory=dict)  # finished in the resumed folder
+    skip: dict[str, str] = field(default_factory=dict)  # name -> why it is skipped without a worker
+    stale: list[str] = field(default_factory=list)  # case folders of the resumed run that must be redone
+
+    @property
+    def to_run(self) -> list[MatrixCase]:
+        return [c for c in self.cases if c.name not in self.done and c.name not in self.skip]
+
+    def status(self, case: MatrixCase) -> str:
+        if case.name in self.done:
+            return f"done ({self.done[case.name].verdict})"
+        if case.name in self.skip:
+            return f"skip: {self.skip[case.name]}"
+        return "rerun" if case.name in self.stale else "run"
+
+
+def read_result(case_dir: Path) -> CaseResult | None:
+    try:
+        return CaseResult.model_validate(artifacts.read_json(Path(case_dir) / artifacts.RESULT))
+    except (OSError, ValueError):
+        return None
+
+
+def finished(result: CaseResult | None, case: MatrixCase) -> bool:
+    """Whether a result found on disk stands for `case`: same spec hash, and the case ran to a verdict
+    (not interrupted, not skipped for want of a GPU)."""
+    return (
+        result is not None
+        and result.spec_hash == case.spec.spec_hash()
+        and result.verdict != "skipped"
+        and result.evidence.get("outcome") != "interrupted"
+    )
+
+
+def make_plan(cases: Sequence[MatrixCase], *, resume_dir: Path | None, cuda: bool) -> Plan:
+    plan = Plan(list(cases))
+    for case in cases:
+        if resume_dir is not None:
+            case_dir = Path(resume_dir) / "cases" / case.name
+            result = read_result(case_dir)
+            if finished(result, case):
+                assert result is not None
+                plan.done[case.name] = result
+                continue
+            if case_dir.exists():
+                plan.stale.append(case.name)
+        if case.needs_cuda() and not cuda:
+            plan.skip[case.name] = NO_CUDA_REASON
+    return plan
+
+
+def expectations(plan: Plan) -> dict[str, Expectation] | None:
+    """What makes each case ok: its `expect`, `skipped` when skipped here for want of CUDA, else pass.
+    None when every case just has to pass (the table then has no expected column)."""
+    if not plan.skip and not any(case.expect for case in plan.cases):
+        return None
+    table = {}
+    for case in plan.cases:
+        if case.name in plan.skip:
+            table[case.name] = Expectation(case.name, "skipped")
+        else:
+            table[case.name] = case.expect or Expectation(case.name, "pass")
+    return table
+
+
+def gpu_slots(count: int, visible: str | None) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` value of each GPU a case can be given; none with fewer than two GPUs.
+
+    ``visible`` is this process's own ``CUDA_VISIBLE_DEVICES``: torch numbers the GPUs it lists from 0.
+    """
+    if count < 2:
+        return []
+    if visible is not None and visible.strip():
+        return [part.strip() for part in visible.split(",") if part.strip()][:count]
+    return [str(index) for index in range(count)]
+
+
+# --- running ------------------------------------------------------------------------------------------------
+
+
+def _skipped_result(case: MatrixCase, case_dir: Path, reason: str) -> CaseResult:
+    artifacts.write_json(case_dir / artifacts.SPEC, case.spec)
+    result = CaseResult(
+        name=case.name,
+        spec_hash=case.spec.spec_hash(),
+        verdict="skipped",
+        reason=reason,
+        timeout_s=case.spec.timeout,
+        evidence={"outcome": "not-started"},
+        files=[artifacts.SPEC, artifacts.RESULT],
+    )
+    artifacts.write_json(case_dir / artifacts.RESULT, result)
+    return result
+
+
+@contextlib.contextmanager
+def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """SIGINT and SIGTERM to `handler` (main thread only), restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+@dataclass
+class ParallelRun:
+    """Runs cases `jobs` at a time; `run()` returns the results by name and whether it was interrupted."""
+
+    run_dir: Path
+    out: Path
+    jobs: int
+    gpus: list[str]
+    cuda: bool
+    progress: MatrixProgress
+    assigned: dict[str, str] = field(default_factory=dict)  # case -> CUDA_VISIBLE_DEVICES it got
+
+    def __post_init__(self) -> None:
+        self._cancel = threading.Event()
+        self._signum = signal.SIGINT
+        self._lock = threading.Lock()
+        self._results: dict[str, CaseResult] = {}
+        self._failures: list[BaseException] = []
+        self._active = 0  # job threads started and not yet finished
+
+    def _needs_gpu(self, case: MatrixCase) -> bool:
+        return bool(self.gpus) and (case.spec.device == "cuda" or (case.spec.device == "auto" and self.cuda))
+
+    def _run_one(self, case: MatrixCase, gpu: str | None) -> CaseResult:
+        from nsa_diag.runner import Interrupted, run_case
+
+        name = case.name
+
+        def on_progress(state: Any, elapsed: float) -> None:
+            if self._cancel.is_set():
+                raise Interrupted(self._signum)
+            self.progress.update(name, state, elapsed)
+
+        case_dir = artifacts.case_dir(self.run_dir, name)
+        self.progress.start(case, gpu)
+        try:
+            result = run_case(
+                case.spec,
+                case_dir,
+                replay_argv=replay_argv(case.spec, self.out),
+                on_progress=on_progress,
+                extra_env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
+            )
+        except KeyboardInterrupt:  # stopped by the flag: the runner wrote result.json first
+            result = read_result(case_dir) or CaseResult(
+                name=name, spec_hash=case.spec.spec_hash(), verdict="error", reason="interrupted"
+            )
+        self.progress.end(result)
+        return result
+
+    def _work(self, pending: queue.Queue[MatrixCase], free_gpus: queue.Queue[str]) -> None:
+        try:
+            while not self._cancel.is_set():
+                try:
+                    case = pending.get_nowait()
+                except queue.Empty:
+                    return
+                gpu = None
+                if self._needs_gpu(case):
+                    while gpu is None:
+                        if self._cancel.is_set():
+                            return
+                        with contextlib.suppress(queue.Empty):
+                            gpu = free_gpus.get(timeout=0.2)
+                    self.assigned[case.name] = gpu
+                try:
+                    result = self._run_one(case, gpu)
+                finally:
+                    if gpu is not None:
+                        free_gpus.put(gpu)
+                with self._lock:
+                    self._results[case.name] = result
+        except BaseException as exc:  # a bug: stop the others, re-raise in the main thread
+            self._failures.append(exc)
+            self._cancel.set()
+        finally:
+            with self._lock:
+                self._active -= 1
+
+    def run(self, cases: Sequence[MatrixCase]) -> tuple[dict[str, CaseResult], bool]:
+        from nsa_diag.runner import Interrupted
+
+        pending: queue.Queue[MatrixCase] = queue.Queue()
+        for case in cases:
+            pending.put(case)
+        free_gpus: queue.Queue[str] = queue.Queue()
+        for gpu in self.gpus:
+            free_gpus.put(gpu)
+        threads = [
+            threading.Thread(target=self._work, args=(pending, free_gpus), name=f"nsa-diag-job-{i}")
+            for i in range(max(1, min(self.jobs, len(cases))))
+        ]
+
+        def interrupt(signum: int, frame: FrameType | None) -> None:
+            raise Interrupted(signum)
+
+        def note(signum: int, frame: FrameType | None) -> None:
+            pass  # the running cases are being stopped; a second Ctrl-C must not cut that short
+
+        # The main thread waits on a counter, not in Thread.join(): a KeyboardInterrupt raised inside join()
+        # can mark a thread that still runs as stopped (CPython <= 3.11, the bpo-45274 handling in
+        # `_wait_for_tstate_lock`), and a later join() would then not wait for it.
+        interrupted = False
+        try:
+            with _signals(interrupt):
+                for thread in threads:
+                    with self._lock:
+                        self._active += 1
+                    try:
+                        thread.start()
+                    except BaseException:
+                        with self._lock:
+                            self._active -= 1
+                        raise
+                while self._active:
+                    time.sleep(0.1)
+        except KeyboardInterrupt as exc:
+            interrupted = True
+            self._signum = signal.Signals[getattr(exc, "signal_name", "SIGINT")]
+        finally:
+            self._cancel.set()
+            with _signals(note):
+                while self._active:
+                    time.sleep(0.1)
+                for thread in threads:
+                    if thread.ident is not None:
+                        thread.join()
+        if self._failures:
+            raise self._failures[0]
+        return dict(self._results), interrupted
+
+
+# --- progress ---------------------------------------------------------------------------------------------
+
+_STYLES = {"pass": "green", "skipped": "yellow", "slow": "yellow", "hang": "bold red"}
+
+
+class MatrixProgress:
+    """The live display on stderr: one line per running case (where its worker is), and a count.
+
+    On a terminal a transient display follows the beacons; elsewhere (CI logs, pipes) one line per case
+    start and end. Its methods are called from the job threads.
+    """
+
+    def __init__(self, console: Console, total: int, *, already: int = 0) -> None:
+        self.console = console
+        self.total = total
+        self.started = already
+        self.finished = already
+        self._running: dict[str, dict[str, Any]] = {}
+        self._lock = threading.RLock()
+        self._live: Any = None
+
+    def __enter__(self) -> MatrixProgress:
+        if self.console.is_terminal:
+            from rich.live import Live
+
+            self._live = Live(self._render(), console=self.console, transient=True, refresh_per_second=8)
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.markup import escape
+        from rich.spinner import Spinner
+
+        lines: list[Any] = [
+            Spinner("dots", f"{self.finished}/{self.total} done, {len(self._running)} running", style="bold")
+        ]
+        for name, info in self._running.items():
+            where = render.describe_state(info["state"], info["steps"])
+            gpu = f" [GPU {info['gpu']}]" if info["gpu"] is not None else ""
+            head = f"  [{info['index']}/{self.total}] {escape(name)}{gpu}"
+            lines.append(f"{head}: {escape(where)} · {info['elapsed']:.1f} s")
+        return Group(*lines)
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def start(self, case: MatrixCase, gpu: str | None) -> None:
+        with self._lock:
+            self.started += 1
+            info = {
+                "index": self.started,
+                "state": None,
+                "elapsed": 0.0,
+                "steps": case.spec.steps,
+                "gpu": gpu,
+            }
+            self._running[case.name] = info
+            if self._live is not None:
+                self._refresh()
+                return
+            stall = "auto" if case.spec.stall == "auto" else f"{case.spec.stall:g} s"
+            on_gpu = f" on GPU {gpu}" if gpu is not None else ""
+            self.console.print(
+                f"[{info['index']}/{self.total}] {case.name}: running{on_gpu} "
+                f"(stall {stall}, timeout {case.spec.timeout:g} s)",
+                markup=False,
+                highlight=False,
+            )
+
+    def update(self, name: str, state: Any, elapsed: float) -> None:
+        with self._lock:
+            info = self._running.get(name)
+            if info is not None:
+                info["state"], info["elapsed"] = state, elapsed
+                self._refresh()
+
+    def end(self, result: CaseResult) -> None:
+        from rich.markup import escape
+
+        with self._lock:
+            info = self._running.pop(result.name, {"index": "?"})
+            self.finished += 1
+            style = _STYLES.get(result.verdict, "red")
+            kind = f" ({result.hang_kind})" if result.hang_kind else ""
+            head = f"[{info['index']}/{self.total}] {escape(result.name)}"
+            took = render.format_seconds(result.elapsed_s)
+            self.console.print(
+                f"{head}: [{style}]{result.verdict}[/{style}]{kind} in {took}",
+                highlight=False,
+            )
+            self._refresh()
+
+
+# --- one invocation ---------------------------------------------------------------------------------------
+
+
+def junit_results(
+    results: Sequence[CaseResult], expected: Mapping[str, Expectation] | None
+) -> list[CaseResult]:
+    """The results as JUnit should judge them: a case that ended as its `expect` said passes (an injected
+    hang that was detected is a test that passed); one that did not is a failure, also when it passed."""
+    out = []
+    for result in results:
+        exp = (expected or {}).get(result.name)
+        if exp is None or exp.verdict == "pass":
+            out.append(result)
+        elif exp.met_by(result.verdict, result.hang_kind):
+            if result.verdict != "skipped":
+                reason = f"as expected ({exp.describe()}): {result.reason}"
+                result = result.model_copy(update={"verdict": "pass", "reason": reason})
+            out.append(result)
+        else:
+            got = result.verdict + (f" / {result.hang_kind}" if result.hang_kind else "")
+            reason = f"expected {exp.describe()}, got {got}: {result.reason}"
+            out.append(
+                result.model_copy(
+                    update={"verdict": "error" if result.passed else result.verdict, "reason": reason}
+                )
+            )
+    return out
+
+
+def run_matrix(
+    matrix: Matrix,
+    plan: Plan,
+    *,
+    run_dir: Path,
+    out: Path,
+    jobs: int,
+    gpus: list[str],
+    cuda: bool,
+    junit: Path | None,
+    json_output: bool,
+    resumed: bool,
+) -> int:
+    """Run the plan into `run_dir`, report it (table or JSON on stdout, summary files, JUnit) and return
+    the exit code: 0 every case ok, 1 not, 130 interrupted."""
+    from nsa_diag.evidence.env import collect_env
+
+    err = render.stderr_console()
+    started = time.time()
+    artifacts.write_json(run_dir / MATRIX_JSON, matrix.to_json(plan.cases))
+    artifacts.write_json(run_dir / artifacts.ENV, collect_env())
+    for name in plan.stale:  # a rerun starts from an empty case folder: no log holds two runs
+        if name not in plan.done:
+            shutil.rmtree(run_dir / "cases" / name, ignore_errors=True)
+
+    results: dict[str, CaseResult] = dict(plan.done)
+    for case in plan.cases:
+        if case.name in plan.skip:
+            results[case.name] = _skipped_result(
+                case, artifacts.case_dir(run_dir, case.name), plan.skip[case.name]
+            )
+
+    to_run = plan.to_run
+    verb = "continuing" if resumed else "running"
+    lines = [f"nsa-diag matrix {matrix.name}: {verb} {len(to_run)} of {len(plan.cases)} case(s) in {run_dir}"]
+    if plan.done:
+        lines.append(
+            f"  {len(plan.done)} case(s) already finished in this folder with the same spec: not rerun"
+        )
+    if plan.skip:
+        lines.append(f"  {len(plan.skip)} case(s) skipped: {NO_CUDA_REASON}")
+    if jobs > 1:
+        gpu_text = f", one GPU each of {', '.join(gpus)}" if gpus else ""
+        lines.append(f"  {jobs} cases at a time{gpu_text}")
+        if cuda and not gpus and any(c.spec.device != "cpu" for c in to_run):
+            lines.append(
+                "  one GPU: the cases running at once share it (they must fit together; times interfere)"
+            )
+    for line in lines:
+        err.print(line, markup=False, highlight=False)
+
+    progress = MatrixProgress(err, len(plan.cases), already=len(plan.cases) - len(to_run))
+    runner = ParallelRun(run_dir, out, jobs, gpus, cuda, progress)
+    with progress:
+        ran, interrupted = runner.run(to_run)
+    results.update(ran)
+    if interrupted:
+        err.print("nsa-diag: interrupted; the running cases were stopped", markup=False, highlight=False)
+
+    ordered = [results[case.name] for case in plan.cases if case.name in results]
+    expected = expectations(plan)
+    summary = render.build_summary(
+        "matrix",
+        run_dir,
+        [case.spec for case in plan.cases],
+        ordered,
+        started_at=started,
+        expectations=expected,
+        interrupted=interrupted,
+    )
+    summary["matrix"] = {
+        "file": str(matrix.path),
+        "name": matrix.name,
+        "jobs": jobs,
+        "resumed": resumed,
+        "not_rerun": sorted(plan.done),
+        "skipped_here": dict(plan.skip),
+        "gpus": dict(runner.assigned),
+    }
+    render.write_summary(run_dir, summary)
+    if junit is not None:
+        from nsa_diag.junit import write_junit
+
+        write_junit(
+            junit, f"matrix.{matrix.name}", junit_results(ordered, expected), elapsed_s=summary["elapsed_s"]
+        )
+    if json_output:
+        render.print_json(summary)
+    else:
+        render.render_summary(summary)
+        if junit is not None:
+            render.stdout_console().print(
+                f"JUnit XML: {junit}", soft_wrap=True, highlight=False, markup=False
+            )
+    return int(summary["exit_code"])
+
+
+def environment_gpus(jobs: int, cases: Sequence[MatrixCase]) -> tuple[bool, list[str]]:
+    """Whether CUDA is here, and the GPUs to hand out one per case (none for a single GPU or --jobs 1).
+
+    torch is imported only when some case may run on CUDA."""
+    if not any(case.needs_cuda() or case.spec.device == "auto" for case in cases):
+        return False, []
+    import torch
+
+    cuda = bool(torch.cuda.is_available())
+    if not cuda or jobs < 2:
+        return cuda, []
+    return cuda, gpu_slots(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def plan_rows(matrix: Matrix, plan: Plan) -> list[dict[str, Any]]:
+    """One row per selected case: what `--dry-run` lists."""
+    rows = []
+    for case in plan.cases:
+        spec = case.spec
+        rows.append(
+            {
+                "name": case.name,
+                "status": plan.status(case),
+                "tags": list(case.tags),
+                "axes": case.axes,
+                "origin": case.origin,
+                "preset": spec.preset,
+                "overrides": spec.overrides,
+                "seq_len": spec.seq_len,
+                "batch": spec.batch,
+                "steps": spec.steps,
+                "dtype": spec.dtype,
+                "device": spec.device,
+                "inject": [str(inj) for inj in spec.inject],
+                "expect": case.expect.describe() if case.expect else None,
+                "spec_hash": spec.spec_hash(),
+                "replay": ["nsa-diag", *replay_argv(spec, artifacts.DEFAULT_OUT)[3:-2]],  # less --out
+            }
+        )
+    return rows
+
+
+def render_plan(matrix: Matrix, plan: Plan, *, json_output: bool) -> None:
+    """`--dry-run`: the cases and what would happen to each, nothing run and no folder created."""
+    rows = plan_rows(matrix, plan)
+    if json_output:
+        render.print_json({"file": str(matrix.path), "name": matrix.name, "cases": rows})
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(
+        title=f"nsa-diag matrix {matrix.name} ({matrix.path}): {len(rows)} case(s)", title_justify="left"
+    )
+    for column in (
+        "case",
+        "status",
+        "tags",
+        "model",
+        "S",
+        "B",
+        "steps",
+        "dtype",
+        "device",
+        "inject",
+        "expect",
+    ):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        model = row["preset"] + "".join(f" {k}={v}" for k, v in row["overrides"].items() if v is not None)
+        table.add_row(
+            escape(row["name"]),
+            escape(row["status"]),
+            escape(",".join(row["tags"])) or "-",
+            escape(model),
+            str(row["seq_len"]),
+            str(row["batch"]),
+            str(row["steps"]),
+            row["dtype"],
+            row["device"],
+            escape(" ".join(row["inject"])) or "-",
+            escape(row["expect"] or "pass"),
+        )
+    console = render.stdout_console()
+    console.print(table)
+    console.print(
+        f"{len(plan.to_run)} to run, {len(plan.done)} finished, {len(plan.skip)} skipped here",
+        highlight=False,
+    )

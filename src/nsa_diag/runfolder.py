@@ -1,0 +1,481 @@
+"""A run folder read back from its files (`load_run`), and the views of it that report and compare use.
+
+Any command's run folder is read the same way: ``cases/<name>/result.json`` (there for every case, also a
+killed or interrupted one) and ``spec.json``, and where present ``summary.json`` (the command line, the
+expectations of selftest and matrix cases, the `not_run` list), ``env.json``, ``matrix.json`` (the axes
+of a matrix run), ``scale.json`` (a sweep's fits) and ``bisect.json``. A folder with neither a
+summary.json nor a case folder is not a run folder: `UsageError`. A case folder without a result.json
+(nsa-diag itself was killed) is read as `no result`, with the last location of its progress.jsonl; a
+case of summary.json's `not_run` or of matrix.json that never started as `not run`.
+
+The views: `verdict_grids` (a matrix's verdicts over its axes), `length_series` (memory and time against
+S, from scale.json or from cases that differ only in S, fitted as `nsa-diag scale` fits) and
+`failure_records` (where each failing case was stopped, with its stacks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nsa_diag import artifacts, render
+from nsa_diag.errors import UsageError
+from nsa_diag.spec import CaseResult, Where
+
+MATRIX_JSON = "matrix.json"
+SCALE_JSON = "scale.json"
+BISECT_JSON = "bisect.json"
+MIN_SERIES_POINTS = 3  # the growth fit with a fixed part needs three lengths
+STACK_FRAMES = 8
+NO_RESULT = "no result"  # a case folder without result.json: the case never finished (nsa-diag killed)
+NOT_RUN = "not run"  # listed in summary.json's not_run or in matrix.json, never started
+_RUN_NAME = re.compile(r"^\d{8}-\d{6}-(?P<command>gc-bisect|[a-z]+)")
+_FAILED = {"hang", "slow", "crash", "error", "oom", "nonfinite", "grad-missing", "mismatch"}
+_WATCHDOG_FIELDS = {"name", "seq_len", "stall", "timeout"}  # not part of what a scaling series computes
+
+
+@dataclass
+class CaseRecord:
+    """One case of a run folder: its spec and result as found on disk, and its summary row."""
+
+    name: str
+    dir: Path
+    spec: dict[str, Any] | None
+    result: CaseResult | None
+    entry: dict[str, Any]  # render.case_entry's row, or a stand-in when there is no result
+    axes: dict[str, Any] = field(default_factory=dict)  # matrix runs: the values of the axes that made it
+    tags: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        return self.entry.get("verdict") or NO_RESULT
+
+
+@dataclass
+class RunFolder:
+    """A run folder as read back: whatever is missing is None, and `notes` says what could not be read."""
+
+    path: Path
+    command: str
+    summary: dict[str, Any] | None
+    env: dict[str, Any] | None
+    cases: list[CaseRecord]
+    not_run: list[str]
+    matrix: dict[str, Any] | None = None
+    scale: dict[str, Any] | None = None
+    bisect: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def case(self, name: str) -> CaseRecord | None:
+        return next((case for case in self.cases if case.name == name), None)
+
+
+def _read_json(path: Path, notes: list[str]) -> Any:
+    """The JSON in `path`, or None when there is none; an unreadable file is noted, not raised."""
+    if not path.is_file():
+        return None
+    try:
+        return artifacts.read_json(path)
+    except (OSError, ValueError) as exc:
+        notes.append(f"{path.name} in {path.parent} cannot be read: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _memory_at_hang(case_dir: Path) -> tuple[int | None, str | None]:
+    """The largest peak in memory_stats.json (written after forward and at a hang) when the result has
+    none: a hung case never reaches the end-of-step measurement."""
+    try:
+        stats = artifacts.read_json(case_dir / artifacts.MEMORY_STATS)
+    except (OSError, ValueError):
+        return None, None
+    for key, kind in (
+        ("allocated_bytes.all.peak", "CUDA peak allocated (memory_stats.json)"),
+        ("cpu_peak_rss_bytes", "peak RSS of the worker (memory_stats.json)"),
+    ):
+        values = [m[key] for m in stats.values() if isinstance(m, dict) and isinstance(m.get(key), int)]
+        if values:
+            return max(values), kind
+    return None, None
+
+
+def _last(values: Any) -> float | None:
+    if isinstance(values, list) and values and isinstance(values[-1], int | float):
+        return float(values[-1])
+    return None
+
+
+def _last_progress(case_dir: Path) -> Where | None:
+    """The last location in progress.jsonl: where a case that has no result.json had got to."""
+    try:
+        lines = (case_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a killed writer leaves at most a partial last line
+        if isinstance(record, dict) and record.get("phase") and record.get("event") in ("begin", "end"):
+            fields = ("phase", "step", "layer", "branch", "module", "event")
+            return Where(**{k: record.get(k) for k in fields})
+    return None
+
+
+def _entry(
+    name: str,
+    case_dir: Path,
+    result: CaseResult | None,
+    summary_entry: Mapping[str, Any] | None,
+    expected: Mapping[str, Any] | None,
+    why: str,
+) -> dict[str, Any]:
+    """The case's summary row from its result.json (summary.json's own row only when there is none):
+    `render.case_entry`, plus the peak at a hang from memory_stats.json, the last step's time and how
+    the stall limit came about."""
+    from nsa_diag.cases import Expectation
+
+    if result is None:
+        if summary_entry:
+            return dict(summary_entry)
+        where = _last_progress(case_dir)
+        return {
+            "name": name,
+            "ok": False,
+            "verdict": None,
+            "hang_kind": None,
+            "reason": why,
+            "where": f"last progress: {where.describe()}" if where else None,
+            **({"expected": dict(expected)} if isinstance(expected, Mapping) else {}),
+        }
+    expectation = (
+        Expectation(name, expected["verdict"], expected.get("hang_kind"))
+        if isinstance(expected, Mapping) and expected.get("verdict")
+        else None
+    )
+    entry = render.case_entry(result, expectation, case_dir)
+    if entry["peak_memory_bytes"] is None:
+        entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
+    entry["step_s"] = _last(result.metrics.get("step_s"))
+    entry["stall_limit_reason"] = result.stall_limit_reason
+    return entry
+
+
+def _command(path: Path, summary: Mapping[str, Any] | None) -> str:
+    if summary and isinstance(summary.get("command"), str):
+        return summary["command"]
+    match = _RUN_NAME.match(path.name)
+    return match["command"] if match else "unknown"
+
+
+def load_run(path: Path) -> RunFolder:
+    """Read the run folder at `path`; `UsageError` when it is not one."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UsageError(f"{path}: no such folder (expected an nsa-diag run folder)")
+    notes: list[str] = []
+    summary = _read_json(path / render.SUMMARY_JSON, notes)
+    summary = summary if isinstance(summary, dict) else None
+    cases_dir = path / "cases"
+    folders = {
+        p.name: p
+        for p in (sorted(cases_dir.iterdir()) if cases_dir.is_dir() else [])
+        if p.is_dir() and ((p / artifacts.RESULT).is_file() or (p / artifacts.SPEC).is_file())
+    }
+    if summary is None and not folders:
+        raise UsageError(
+            f"{path} is not an nsa-diag run folder "
+            f"(no {render.SUMMARY_JSON} and no cases/*/{artifacts.RESULT})"
+        )
+    matrix = _read_json(path / MATRIX_JSON, notes)
+    matrix = matrix if isinstance(matrix, dict) else None
+    summary_entries = {c["name"]: c for c in (summary or {}).get("cases", []) if isinstance(c, dict)}
+    matrix_cases = {
+        c["name"]: c for c in (matrix or {}).get("cases", []) if isinstance(c, dict) and "name" in c
+    }
+
+    summary_not_run = [n for n in (summary or {}).get("not_run") or [] if isinstance(n, str)]
+    order = [*summary_entries, *matrix_cases, *sorted(folders), *summary_not_run]
+    records: list[CaseRecord] = []
+    for name in dict.fromkeys(order):
+        case_dir = folders.get(name, cases_dir / name)
+        in_matrix = matrix_cases.get(name, {})
+        spec = _read_json(case_dir / artifacts.SPEC, notes) if name in folders else None
+        raw = _read_json(case_dir / artifacts.RESULT, notes) if name in folders else None
+        result, why = None, f"no {artifacts.RESULT}: the case did not finish (was nsa-diag killed?)"
+        if name not in folders and name not in summary_entries:
+            why = "not run: the run ended before this case" + (" (or --only left it out)" if matrix else "")
+        if raw is not None:
+            try:
+                result = CaseResult.model_validate(raw)
+            except ValueError as exc:
+                why = f"{artifacts.RESULT} is not a valid result: {' '.join(str(exc).split())[:200]}"
+                notes.append(f"case {name}: {why}")
+        expected = (summary_entries.get(name) or {}).get("expected") or in_matrix.get("expect")
+        entry = _entry(name, case_dir, result, summary_entries.get(name), expected, why)
+        if name not in folders and name not in summary_entries:
+            entry["verdict"] = NOT_RUN
+        records.append(
+            CaseRecord(
+                name=name,
+                dir=case_dir,
+                spec=spec if isinstance(spec, dict) else None,
+                result=result,
+                entry=entry,
+                axes=dict(in_matrix.get("axes") or {}),
+                tags=list(in_matrix.get("tags") or []),
+            )
+        )
+    not_run = [r.name for r in records if r.verdict == NOT_RUN]
+    env = _read_json(path / artifacts.ENV, notes)
+    scale = _read_json(path / SCALE_JSON, notes)
+    bisect = _read_json(path / BISECT_JSON, notes)
+    return RunFolder(
+        path=path,
+        command=_command(path, summary),
+        summary=summary,
+        env=env if isinstance(env, dict) else None,
+        cases=records,
+        not_run=not_run,
+        matrix=matrix,
+        scale=scale if isinstance(scale, dict) else None,
+        bisect=bisect if isinstance(bisect, dict) else None,
+        notes=notes,
+    )
+
+
+def axis_text(value: Any) -> str:
+    """An axis value as a grid label: lists joined by commas, None as `none`."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return ",".join(axis_text(v) for v in value) or "none"
+    return str(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
+
+
+def verdict_text(case: CaseRecord) -> str:
+    kind = case.entry.get("hang_kind")
+    return case.verdict + (f" ({kind})" if kind else "")
+
+
+@dataclass
+class Grid:
+    """Verdicts of matrix cases over two of their axes (rows x columns) at fixed values of the others."""
+
+    title: str
+    row_axis: str
+    col_axis: str | None
+    rows: list[Any]
+    cols: list[Any]
+    cells: list[list[list[CaseRecord]]]  # [row][col] -> the cases there (usually one)
+
+
+def _values(key: str, cases: Sequence[CaseRecord], declared: Mapping[str, Any]) -> list[Any]:
+    """The values `key` takes among `cases`, in the order matrix.json declares them."""
+    found: list[Any] = []
+    for value in [*(declared.get(key) or []), *(c.axes[key] for c in cases)]:
+        if any(_same(c.axes[key], value) for c in cases) and not any(_same(value, f) for f in found):
+            found.append(value)
+    return found
+
+
+def verdict_grids(run: RunFolder) -> list[Grid]:
+    """The verdict grids of a matrix run. Cases made by the same axes (the top level's, or one entry's)
+    form a family: its first axis gives the rows, the second the columns, and each combination of the
+    others a grid of its own; a one-axis family is a single column. Listed cases (no axes) are in the
+    cases table only."""
+    declared = (run.matrix or {}).get("axes") or {}
+    families: dict[tuple[str, ...], list[CaseRecord]] = {}
+    for case in run.cases:
+        if case.axes:
+            families.setdefault(tuple(case.axes), []).append(case)
+    grids = []
+    for keys, cases in families.items():
+        row_axis, col_axis, rest = keys[0], (keys[1] if len(keys) > 1 else None), keys[2:]
+        rows = _values(row_axis, cases, declared)
+        cols = _values(col_axis, cases, declared) if col_axis else [None]
+        family = " x ".join(keys) if len(families) > 1 else ""
+        for fixed_values in itertools.product(*(_values(k, cases, declared) for k in rest)):
+            fixed = dict(zip(rest, fixed_values, strict=True))
+            at_fixed = [c for c in cases if all(_same(c.axes[k], v) for k, v in fixed.items())]
+            if not at_fixed:
+                continue
+            cells = [
+                [
+                    [
+                        c
+                        for c in at_fixed
+                        if _same(c.axes[row_axis], r) and (col_axis is None or _same(c.axes[col_axis], col))
+                    ]
+                    for col in cols
+                ]
+                for r in rows
+            ]
+            where = ", ".join(f"{k}={axis_text(v)}" for k, v in fixed.items())
+            title = " at ".join(part for part in (family, where) if part) or "all cases"
+            grids.append(Grid(title, row_axis, col_axis, rows, cols, cells))
+    return grids
+
+
+def cell_text(cases: Sequence[CaseRecord]) -> str:
+    return " / ".join(verdict_text(c) for c in cases) or "-"
+
+
+def _flat_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    flat = {k: v for k, v in spec.items() if k != "overrides"}
+    flat.update(spec.get("overrides") or {})
+    return flat
+
+
+def _step_time(result: CaseResult) -> float | None:
+    """Forward plus backward of the last step, as `nsa-diag scale` measures it."""
+    phases = result.metrics.get("phase_s") or {}
+    fwd, bwd = _last(phases.get("forward")), _last(phases.get("backward"))
+    return fwd + bwd if fwd is not None and bwd is not None else None
+
+
+def _device_total(env: Mapping[str, Any] | None, device: str | None) -> tuple[int, str] | None:
+    env = env or {}
+    if device and device.startswith("cuda"):
+        devices = (env.get("torch") or {}).get("devices") or []
+        if devices and isinstance(devices[0].get("total_memory_bytes"), int):
+            return devices[0]["total_memory_bytes"], f"{devices[0].get('name', 'GPU')} total (env.json)"
+        return None
+    total = (env.get("cpu_memory") or {}).get("memory_total_bytes")
+    return (total, "total memory of the machine (env.json)") if isinstance(total, int) else None
+
+
+def length_series(run: RunFolder) -> list[dict[str, Any]]:
+    """Series of memory and time against S, in scale.json's shape (`plots.plot_scale` draws them).
+
+    From scale.json when the run has one; otherwise from the cases that passed and differ only in S
+    (and the watchdog limits), when three lengths or more are there, each fitted as `scale` fits.
+    """
+    if run.scale and isinstance(run.scale.get("series"), list):
+        return run.scale["series"]
+    from nsa_diag.analysis.scaling import fit_growth, predict_limit
+
+    groups: dict[str, list[CaseRecord]] = {}
+    for case in run.cases:
+        if case.spec is None or case.result is None or not case.result.passed:
+            continue
+        key = json.dumps({k: v for k, v in case.spec.items() if k not in _WATCHDOG_FIELDS}, sort_keys=True)
+        groups.setdefault(key, []).append(case)
+    groups = {k: g for k, g in groups.items() if len({c.spec["seq_len"] for c in g}) >= MIN_SERIES_POINTS}
+    flats = [_flat_spec(json.loads(key)) for key in groups]
+    varying = sorted({k for f in flats for k in f if any(not _same(f.get(k), g.get(k)) for g in flats)})
+    series = []
+    for (_key, cases), flat in zip(groups.items(), flats, strict=True):
+        points = []
+        for case in sorted(cases, key=lambda c: c.spec["seq_len"]):
+            assert case.result is not None
+            points.append(
+                {
+                    "x": case.spec["seq_len"],
+                    "case": case.name,
+                    "verdict": case.verdict,
+                    "device": case.result.device,
+                    "peak_memory_bytes": case.entry.get("peak_memory_bytes"),
+                    "peak_memory_kind": case.entry.get("peak_memory_kind"),
+                    "step_s": _step_time(case.result),
+                    "tokens_per_s": case.entry.get("tokens_per_s"),
+                }
+            )
+        mem = [p for p in points if p["peak_memory_bytes"]]
+        timed = [p for p in points if p["step_s"]]
+        memory_fit = fit_growth([p["x"] for p in mem], [p["peak_memory_bytes"] for p in mem], with_fixed=True)
+        time_fit = fit_growth([p["x"] for p in timed], [p["step_s"] for p in timed], with_fixed=False)
+        limit = None
+        total = _device_total(run.env, points[0]["device"])
+        if memory_fit is not None and total is not None:
+            at = predict_limit(memory_fit, total[0])
+            limit = {"budget_bytes": total[0], "budget_source": total[1], "seq_len": int(at) if at else None}
+        backends = ",".join(
+            f"{b}={flat[f'{b}_backend']}" for b in ("sel", "cmp", "win") if f"{b}_backend" in flat
+        )
+        series.append(
+            {
+                "name": ", ".join(f"{k}={axis_text(flat.get(k))}" for k in varying) or run.command,
+                "branch": flat.get("force_branch") or "all",
+                "backend": backends or None,
+                "x": "seq_len",
+                "points": points,
+                "memory_fit": memory_fit.to_json() if memory_fit else None,
+                "time_fit": time_fit.to_json() if time_fit else None,
+                "memory_limit": limit,
+            }
+        )
+    return series
+
+
+def pyspy_main_frames(case_dir: Path, depth: int = STACK_FRAMES) -> list[str]:
+    """The innermost frames (native ones included) of the main thread in ``pyspy.txt``."""
+    from nsa_diag.evidence.stacks import parse_pyspy
+
+    try:
+        text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
+    except OSError:
+        return []
+    threads = parse_pyspy(text)
+    main = next((t for t in threads if t.name == "MainThread"), None) or next(iter(threads), None)
+    return [frame.short() for frame in main.frames[:depth]] if main else []
+
+
+def _location(result: CaseResult) -> Where | None:
+    """Where the case stopped; for non-finite values, the module where they first appeared (the beacon
+    has moved on to the end of the step by then)."""
+    nonfinite = result.nonfinite or {}
+    module = nonfinite.get("module")
+    if isinstance(module, str):
+        layer = re.search(r"blocks\.(\d+)", module)
+        phase = "backward" if nonfinite.get("where") == "grad" else "forward"
+        return Where(
+            phase=phase, step=nonfinite.get("step"), layer=int(layer[1]) if layer else None, module=module
+        )
+    if result.where is None or result.where.phase == "done":
+        return None
+    return result.where
+
+
+def failure_records(run: RunFolder) -> list[dict[str, Any]]:
+    """Where each case that failed went wrong: verdict, hang kind, location, why, and its stacks."""
+    records = []
+    for case in run.cases:
+        if case.verdict not in _FAILED and case.verdict != NO_RESULT:
+            continue
+        result = case.result
+        where = _location(result) if result is not None else _last_progress(case.dir)
+        evidence = result.evidence if result is not None else {}
+        main_thread = evidence.get("main_thread") or {}
+        records.append(
+            {
+                "case": case.name,
+                "verdict": case.verdict,
+                "hang_kind": case.entry.get("hang_kind"),
+                "expected": bool(case.entry.get("expected")) and bool(case.entry.get("ok")),
+                "where": case.entry.get("where"),
+                "phase": where.phase if where else None,
+                "layer": where.layer if where else None,
+                "step": where.step if where else None,
+                "branch": where.branch if where else None,
+                "reason": case.entry.get("reason"),
+                "stall_limit": result.stall_limit_reason if result is not None else None,
+                "cpu_percent": evidence.get("cpu_percent"),
+                "main_thread_state": main_thread.get("state"),
+                "stack": render.main_thread_stack(case.dir, STACK_FRAMES),
+                "native_stack": pyspy_main_frames(case.dir),
+            }
+        )
+    return records

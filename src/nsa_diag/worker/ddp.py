@@ -1,0 +1,479 @@
+"""One rank of `nsa-diag ddp`: ``python -m nsa_diag.worker.ddp <case_dir>``, started by torchrun per rank.
+
+The rank works in ``<case_dir>/ranks/<rank>/`` exactly as the single-process worker works in its case folder
+(``stacks.txt`` for faulthandler, ``beacon.bin``, ``progress.jsonl``, memory, ``worker_result.json``) and
+sends its stdout and stderr to ``stdout.log`` / ``stderr.log`` there. On top of the training step of
+`nsa_diag.worker.train.Trainer` it:
+
+- joins the process group (gloo or NCCL, timeout longer than any watchdog stall, so that evidence is taken
+  from live processes) and a gloo side group for nsa-diag's own exchanges, which never pair with the
+  training group's collectives;
+- pre-flight: before DDP wraps the model, one forward and backward of step 1's batch on the bare model
+  finds the parameters that get a gradient; the sets of all ranks, gathered over the side group, give the
+  verdict static_graph safe / find_unused needed / ranks disagree;
+- wraps the model in DistributedDataParallel (static_graph, find_unused_parameters, bucket_cap_mb) and
+  hooks every parameter (post-accumulate-grad) to record which gradients arrived on this rank;
+- ``--trace-buckets``: a comm hook records each bucket's size, dtype and parameters at step 1, then hands
+  the bucket to DDP's default all-reduce; with DDP's logging data (bucket sizes) for comparison;
+- after each step: the mean loss over ranks (an all-reduce on the training group, as a training loop does
+  for logging; ``skip-collective`` makes rank R skip it) and a hash of the parameters gathered over the
+  side group (a silent desync between ranks -> ``mismatch``);
+- DDP's own errors (a reduction not finished, a parameter marked ready twice, a graph that changed under
+  static_graph) become one line naming the parameters and the fix.
+
+The rank exits 0 whenever it has written its result, whatever the verdict: torchrun stops every other rank
+as soon as one exits non-zero, and they must be able to write theirs. A crash (signal) still exits non-zero.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import hashlib
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nsa_diag import artifacts
+from nsa_diag.worker import inject
+from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress
+from nsa_diag.worker.train import CaseFailed, Trainer, build_model, resolve_device
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from nsa_diag.spec import CaseSpec
+
+USAGE = "usage: torchrun ... -m nsa_diag.worker.ddp <case_dir>   (the folder holding spec.json)"
+RANKS_DIR = "ranks"
+TRAIN_GROUP, SIDE_GROUP = "train", "nsa-diag"
+FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat thread at a hang (NCCL)
+# The process group's timeout: longer than any stall the watchdog waits for, so that a hung collective is
+# still hung (not torn down by torch) when the watchdog takes its evidence.
+PG_TIMEOUT_MARGIN_S = 600.0
+
+_UNFINISHED = re.compile(r"Expected to have finished reduction in the prior iteration")
+_READY_TWICE = re.compile(r"mark(?:ed)? (?:a variable )?(?:as )?ready (?:only once|twice)", re.IGNORECASE)
+_GRAPH_CHANGED = re.compile(r"training graph has changed", re.IGNORECASE)
+_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+):\s*([\d ]+)")
+_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+):\s*([^\n]+)")
+_AT_INDEX = re.compile(r"Parameter at index (\d+)(?: with name ([\w.]+))?")
+
+
+def rank_dir(case_dir: Path, rank: int) -> Path:
+    return Path(case_dir) / RANKS_DIR / str(rank)
+
+
+def pg_timeout_s(spec: CaseSpec) -> float:
+    """Seconds before torch gives up on a collective: the case's timeout and stall, plus a margin."""
+    stall = 120.0 if spec.stall == "auto" else float(spec.stall)
+    return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
+
+
+def explain_ddp_error(message: str, names: list[str]) -> dict[str, Any] | None:
+    """DDP's own error ``message`` in one line with the parameter names (``names``: the model's parameters
+    in DDP's index order) and the fix; None when it is not one of DDP's."""
+    params: list[str] = []
+    for _rank, indices in _INDICES.findall(message):
+        params += [names[int(i)] if int(i) < len(names) else f"#{i}" for i in indices.split()]
+    for _rank, listed in _NAMES.findall(message):
+        params += [n.strip() for n in listed.split(",") if n.strip()]
+    for index, name in _AT_INDEX.findall(message):
+        params.append(name or (names[int(index)] if int(index) < len(names) else f"#{index}"))
+    params = list(dict.fromkeys(params))
+    named = ", ".join(params[:4]) + (" ..." if len(params) > 4 else "") if params else "(names not given)"
+    if _UNFINISHED.search(message):
+        return {
+            "kind": "unused-parameters",
+            "params": params,
+            "explanation": f"DDP: parameter(s) {named} got no gradient in the previous iteration, so their "
+            "bucket was never reduced; fix: find_unused_parameters=True (nsa-diag ddp --find-unused), "
+            "or make them take part in the loss",
+        }
+    if _READY_TWICE.search(message):
+        return {
+            "kind": "marked-ready-twice",
+            "params": params,
+            "explanation": f"DDP: parameter(s) {named} were marked ready twice in one backward (reentrant "
+            "checkpointing re-runs their forward, or a module is used twice); fix: non-reentrant "
+            "checkpointing (use_reentrant=False, --gc without --gc-reentrant) or static_graph=True "
+            "(--static-graph)",
+        }
+    if _GRAPH_CHANGED.search(message):
+        return {
+            "kind": "static-graph-changed",
+            "params": params,
+            "explanation": f"DDP: the set of parameters used changed between iterations under "
+            f"static_graph=True ({named}); fix: drop static_graph and use find_unused_parameters=True",
+        }
+    return None
+
+
+def preflight_verdict(unused: dict[int, list[str]]) -> dict[str, Any]:
+    """From each rank's parameters without gradient in the pre-flight: static_graph safe, find_unused
+    needed (the same set on every rank), or ranks disagree."""
+    sets = {rank: frozenset(names) for rank, names in unused.items()}
+    distinct = set(sets.values())
+    if distinct == {frozenset()}:
+        verdict = "static-graph-safe"
+        text = "every parameter gets a gradient on every rank: static_graph=True is safe"
+    elif len(distinct) == 1:
+        (names,) = distinct
+        verdict = "find-unused-needed"
+        text = (
+            f"{len(names)} parameter(s) get no gradient on every rank ({', '.join(sorted(names)[:3])}"
+            + (" ..." if len(names) > 3 else "")
+            + "): find_unused_parameters=True is needed (static_graph=True also works if the set never "
+            "changes)"
+        )
+    else:
+        verdict = "ranks-disagree"
+        union = frozenset().union(*distinct)
+        parts = [
+            f"rank {rank}: {len(names)} without gradient"
+            + (f" ({', '.join(sorted(names)[:2])})" if names else "")
+            for rank, names in sorted(sets.items())
+        ]
+        text = (
+            f"ranks disagree on the parameters that get a gradient ({len(union)} differ; "
+            + "; ".join(parts)
+            + "): DDP with find_unused_parameters=True is needed, static_graph is not safe"
+        )
+    return {"verdict": verdict, "text": text, "unused": {str(r): sorted(n) for r, n in sets.items()}}
+
+
+def param_hash(model: nn.Module) -> str:
+    """sha256 of every parameter's bytes, in named order (fp32 on the CPU): equal on ranks in sync."""
+    import torch
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            digest.update(name.encode())
+            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+class DdpTrainer(Trainer):
+    """`Trainer` on one rank of a DDP job (see the module docstring for what it adds)."""
+
+    def __init__(self, spec: CaseSpec, case_dir: Path, progress: Progress, memory: MemoryRecorder) -> None:
+        super().__init__(spec, case_dir, progress, memory)
+        assert spec.ddp is not None
+        self.ddp_spec = spec.ddp
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.ddp_model: nn.Module | None = None
+        self.side: Any = None
+        self.arrived: set[str] = set()
+        self.train_collectives = 0  # explicit collectives entered on the training group
+        self.report: dict[str, Any] = {"rank": self.rank, "world_size": self.world,
+                                       "local_rank": self.local_rank,
+                                       "backend": self.ddp_spec.backend, "grad_arrival": {},
+                                       "param_hash": {}, "collectives": []}  # fmt: skip
+        self._bucket_log: list[dict[str, Any]] | None = [] if self.ddp_spec.trace_buckets else None
+
+    # -------------------------------------------------------------------------------------- setup
+
+    def _setup(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        spec, ds, progress = self.spec, self.ddp_spec, self.progress
+        progress.event("setup", detail="torch imported")
+        if ds.backend == "nccl":
+            if not torch.cuda.is_available():
+                raise CaseFailed("skipped", "backend nccl: torch sees no CUDA device on this rank")
+            torch.cuda.set_device(self.local_rank)
+            self.device = torch.device("cuda", self.local_rank)
+        else:
+            self.device = resolve_device(spec.device)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.local_rank)
+                self.device = torch.device("cuda", self.local_rank)
+        self.memory.device = self.device
+        reason = inject.skip_reason(spec.inject, self.device)
+        if reason:
+            raise CaseFailed("skipped", reason)
+        timeout = datetime.timedelta(seconds=pg_timeout_s(spec))
+        dist.init_process_group(backend=ds.backend, timeout=timeout)
+        self.side = dist.new_group(backend="gloo", timeout=timeout)
+        progress.event("setup", detail=f"process group {ds.backend} rank {self.rank}/{self.world}")
+        if spec.anomaly:
+            torch.autograd.set_detect_anomaly(True)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.loaded = loaded = build_model(spec, self.device)
+        progress.event("setup", detail="model built")
+        self._preflight()
+        progress.event("setup", detail="preflight done")
+        attach_progress(loaded.model, progress)
+        self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
+        kwargs: dict[str, Any] = {
+            "find_unused_parameters": ds.find_unused,
+            "static_graph": ds.static_graph,
+        }
+        if ds.bucket_mb is not None:
+            kwargs["bucket_cap_mb"] = ds.bucket_mb
+        if self.device.type == "cuda":
+            kwargs["device_ids"] = [self.local_rank]
+        self.ddp_model = DistributedDataParallel(loaded.model, **kwargs)
+        for name, p in loaded.model.named_parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _p, n=name: self.arrived.add(n))
+        if self._bucket_log is not None:
+            self._register_bucket_trace()
+        self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
+        self.scaler = torch.amp.GradScaler(self.device.type) if spec.dtype == "fp16" else None
+        progress.event("setup", "end", device=str(self.device), params=self._params(), rank=self.rank)
+
+    def _preflight(self) -> None:
+        """One forward and backward of step 1's batch on the bare model (with step 1's unused-param faults,
+        which shape the graph; not the faults that hang or crash): which parameters get a gradient."""
+        import torch.distributed as dist
+
+        assert self.loaded is not None
+        model = self.loaded.model
+        graph_faults = [i for i in self.spec.inject if i.kind == "unused-param" and i.step == 1]
+        faults = inject.attach(
+            graph_faults, self.loaded.blocks, self.loaded.prefix, self.progress, self.device
+        )
+        self.progress.step = 1  # the faults fire at their step
+        try:
+            self._loss(model, self._batch(1)).backward()
+        finally:
+            self.progress.step = None
+            for fault in faults:
+                if fault.handle is not None:
+                    fault.handle.remove()
+        idle = set(self.loaded.idle)
+        unused = sorted(
+            n for n, p in model.named_parameters() if p.requires_grad and p.grad is None and n not in idle
+        )
+        model.zero_grad(set_to_none=True)
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, unused, group=self.side)
+        self.report["preflight"] = preflight_verdict(dict(enumerate(gathered)))
+
+    def _register_bucket_trace(self) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        assert self.ddp_model is not None
+        assert self.loaded is not None
+        names = {id(p): n for n, p in self.loaded.model.named_parameters()}
+        log = self._bucket_log
+
+        def trace(state: Any, bucket: Any) -> Any:
+            if log is not None and self.progress.step == 1:
+                buffer = bucket.buffer()
+                params = [names.get(id(p), "?") for p in bucket.parameters()]
+                log.append({"index": bucket.index(), "numel": buffer.numel(), "dtype": str(buffer.dtype),
+                            "bytes": buffer.numel() * buffer.element_size(), "params": len(params),
+                            "first_param": params[0] if params else None,
+                            "last_param": params[-1] if params else None})  # fmt: skip
+            return default_hooks.allreduce_hook(state, bucket)
+
+        # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
+        import torch
+        import torch.distributed as dist
+
+        trace.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        self.ddp_model.register_comm_hook(state=None, hook=trace)
+
+    # --------------------------------------------------------------------------------------- step
+
+    def _loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        # The training step's forward goes through the DDP wrapper (buffers, reducer); checks on the bare
+        # model (pre-flight, the non-finite re-run) pass another model and run as they are.
+        if self.ddp_model is not None and self.loaded is not None and model is self.loaded.model:
+            model = self.ddp_model
+        return super()._loss(model, tokens)
+
+    def _backward(self, loss: torch.Tensor, *, scaled: bool) -> None:
+        self.arrived.clear()
+        super()._backward(loss, scaled=scaled)
+        if self.loaded is None or self.progress.step is None:
+            return
+        idle = set(self.loaded.idle)
+        expected = [n for n, p in self.loaded.model.named_parameters() if p.requires_grad and n not in idle]
+        missing = [n for n in expected if n not in self.arrived]
+        self.report["grad_arrival"][str(self.progress.step)] = {"arrived": len(expected) - len(missing),
+                                                               "missing": missing}  # fmt: skip
+
+    def _step(self, step: int) -> None:
+        super()._step(step)
+        if step == 1 and self._bucket_log is not None:
+            self.report["buckets"] = {"traced": list(self._bucket_log), "logging_data": self._logging_data()}
+            self._bucket_log = None
+        self._mean_loss(step)
+        self._hash_check(step)
+
+    def _skips_collective(self, step: int) -> bool:
+        return any(i.kind == "skip-collective" and i.step == step for i in inject.active(self.spec.inject))
+
+    def _mean_loss(self, step: int) -> None:
+        """The loss averaged over ranks (an all-reduce on the training group), as a training loop logs it."""
+        import torch
+        import torch.distributed as dist
+
+        n = self.train_collectives + 1
+        if self._skips_collective(step):
+            self.progress.note("inject", kind="skip-collective", step=step, skipped=f"all_reduce #{n}")
+            self.report["collectives"].append({"group": TRAIN_GROUP, "op": "all_reduce", "n": n,
+                                               "step": step, "skipped": True})  # fmt: skip
+            return
+        self.train_collectives = n
+        value = self.losses[-1] if self.losses and self.losses[-1] is not None else float("nan")
+        tensor = torch.tensor([value], dtype=torch.float32, device=self.device)
+        self.progress.event("check", "begin", module=f"all_reduce#{n}.loss", collective="all_reduce",
+                            group=TRAIN_GROUP, n=n)  # fmt: skip
+        dist.all_reduce(tensor)
+        mean = float(tensor.item()) / self.world
+        self.progress.event("check", "end", module=f"all_reduce#{n}.loss", collective="all_reduce",
+                            group=TRAIN_GROUP, n=n, mean_loss=mean)  # fmt: skip
+        self.report["collectives"].append({"group": TRAIN_GROUP, "op": "all_reduce", "n": n, "step": step})
+        self.report.setdefault("mean_loss", []).append(mean)
+
+    def _hash_check(self, step: int) -> None:
+        """Parameters hashed on every rank and compared over the side group: a silent desync -> mismatch."""
+        import torch.distributed as dist
+
+        assert self.loaded is not None
+        mine = param_hash(self.loaded.model)
+        self.progress.event("check", "begin", module="param_hash", collective="all_gather_object",
+                            group=SIDE_GROUP)  # fmt: skip
+        hashes: list[Any] = [None] * self.world
+        dist.all_gather_object(hashes, mine, group=self.side)
+        self.progress.event("check", "end", module="param_hash", group=SIDE_GROUP)
+        self.report["param_hash"][str(step)] = hashes
+        if len(set(hashes)) > 1:
+            reference = max(set(hashes), key=hashes.count)
+            odd = [r for r, h in enumerate(hashes) if h != reference]
+            raise CaseFailed(
+                "mismatch",
+                f"parameters differ across ranks after step {step}: rank(s) {', '.join(map(str, odd))} "
+                f"out of sync with the others (parameter hash {hashes[odd[0]]} vs {reference})",
+            )
+
+    def _logging_data(self) -> dict[str, Any]:
+        try:
+            data = self.ddp_model._get_ddp_logging_data()  # type: ignore[union-attr, operator]
+        except Exception as exc:  # a private API: say why it is missing rather than fail the case
+            return {"unavailable": f"{type(exc).__name__}: {exc}"}
+        keep = ("bucket", "find_unused", "static_graph", "gradient_as_bucket_view", "backend_name")
+        return {k: v for k, v in data.items() if any(word in k for word in keep)}
+
+    # ------------------------------------------------------------------------------------- result
+
+    def _exception_result(self, exc: Exception) -> dict[str, Any]:
+        result = super()._exception_result(exc)
+        names = [n for n, _ in self.loaded.model.named_parameters()] if self.loaded is not None else []
+        explained = explain_ddp_error(str(exc), names)
+        if explained is not None:
+            self.report["ddp_error"] = explained
+            result["reason"] = f"{explained['explanation']} (at {result['reason']})"
+            if explained["kind"] == "unused-parameters":
+                result.update(status="grad-missing", missing_grads=explained["params"])
+        return result
+
+    def _finish(self, result: dict[str, Any]) -> None:
+        super()._finish(result)
+        self.report["train_collectives"] = self.train_collectives
+        result["ddp"] = self.report
+
+
+def _redirect_output(directory: Path) -> None:
+    """This rank's stdout and stderr into its own folder (torchrun's own output stays in the case's)."""
+    for fd, name in ((1, artifacts.STDOUT), (2, artifacts.STDERR)):
+        f = artifacts.open_append(directory / name, binary=True)
+        os.dup2(f.fileno(), fd)
+        f.close()
+
+
+def run(case_dir: Path, started: float) -> int:
+    """Run this rank of the case in ``case_dir``; the process exit code (0 once the result is written)."""
+    rank = int(os.environ.get("RANK", "0"))
+    directory = rank_dir(case_dir, rank)
+    directory.mkdir(parents=True, exist_ok=True)
+    _redirect_output(directory)
+    stacks = artifacts.open_append(directory / artifacts.STACKS, binary=True)
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+
+    from nsa_diag.worker.beacon import BeaconWriter
+
+    beacon = BeaconWriter(directory / artifacts.BEACON)
+    progress = Progress(beacon, artifacts.open_append(directory / artifacts.PROGRESS))
+    memory = MemoryRecorder(directory)
+    from nsa_diag.spec import CaseSpec
+
+    spec = CaseSpec.model_validate_json((Path(case_dir) / artifacts.SPEC).read_text())
+    nccl = spec.ddp is not None and spec.ddp.backend == "nccl"
+
+    def at_hang() -> None:  # the heartbeat thread, asked by the watchdog before it stops any rank
+        memory.record("at_hang")
+        memory.dump_snapshot()
+        if nccl:
+            dump_flight_recorder(directory / FR_API_FILE)
+
+    Heartbeat(beacon, directory, on_dump=at_hang).start()
+    progress.event("setup", detail="spec read")
+    trainer = DdpTrainer(spec, directory, progress, memory)
+    result = trainer.run(started)
+    progress.event("done", "end", status=result["status"], reason=result["reason"])
+    artifacts.write_json(directory / artifacts.WORKER_RESULT, result)
+    _leave_group()
+    return 0
+
+
+def dump_flight_recorder(path: Path) -> None:
+    """The NCCL flight recorder of this process (pickle) through torch's Python binding, where this torch
+    has one (``_dump_nccl_trace``; the name and arguments moved between versions, so try what exists)."""
+    import torch
+
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        for args in ((True, True, False), ()):
+            try:
+                data = dump(*args)
+            except TypeError:
+                continue
+            artifacts.write_bytes(path, data if isinstance(data, bytes) else bytes(data))
+            return
+    raise RuntimeError(
+        "this torch has no _dump_nccl_trace binding (the debug pipe or NCCL's timeout dump it)"
+    )
+
+
+def _leave_group() -> None:
+    """Destroy the process group where every rank got this far; a rank whose peers hang just exits."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not Path(args[0]).is_dir():
+        print(USAGE, file=sys.stderr)
+        return 2
+    return run(Path(args[0]), started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Running `nsa-diag` as a user would, in a subprocess: the one helper the CLI tests share.
+
+The child gets this checkout's `src` (and, for the planted models, `tests/diag`) on PYTHONPATH, a wide
+terminal (so tables are not wrapped), no stdin, and a time limit; it never raises on a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+SRC = ROOT / "src"
+
+
+def cli_env(*, planted: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess; `planted` puts tests/diag on the path (diag_planted etc.)."""
+    paths = [str(SRC), *([str(HERE)] if planted else []), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "COLUMNS": "200", "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
+
+
+def run_cli(
+    *args: str | Path, cwd: Path | None = None, timeout: float = 240, planted: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`python -m nsa_diag ARGS` to completion: return code, stdout, stderr."""
+    return subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=cli_env(planted=planted),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_cli_json(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
+    """`run_cli` with `--json` from the repository root, planted models importable: code, summary, stderr."""
+    proc = run_cli(*args, "--json", cwd=ROOT, timeout=timeout, planted=True)
+    return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr

@@ -1,0 +1,399 @@
+"""`nsa-diag report DIR` and `nsa-diag compare A B` on real run folders.
+
+One session fixture makes three real runs at once on the tiny CPU preset (S 32..64, batch 1, 2 layers):
+a `scale` sweep (three passing points), a `run` with an injected deadlock (a hang after a 5 s stall) named
+like the sweep's first point, and a `run` interrupted with SIGINT while it hangs. The other folders are
+copies of these, edited by hand: a matrix run (matrix.json as `nsa-diag matrix` writes it, with cases
+copied from the sweep, some changed to other verdicts, some never run), a run killed so hard it left no
+result.json and no summary.json, and runs with another torch version, allocator setting or verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diag_cli import cli_env, run_cli
+
+from nsa_diag import artifacts
+from nsa_diag.analysis.compare import BETTER, CHANGED, NOT_COMPARABLE, SAME, WORSE, verdict_change
+from nsa_diag.errors import UsageError
+from nsa_diag.runfolder import CaseRecord, RunFolder, load_run, verdict_grids
+
+TINY = ["--layers", "2", "--batch", "1", "--device", "cpu"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _env() -> dict[str, str]:
+    return cli_env()
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "nsa_diag", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+
+
+def nsa_diag(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, timeout=120)
+
+
+def _only(folder: Path) -> Path:
+    (run_dir,) = folder.iterdir()
+    return run_dir
+
+
+def _injected(folder: Path) -> bool:
+    return any('"inject"' in p.read_text() for p in folder.glob("*/cases/*/" + artifacts.PROGRESS))
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real run folders: `scale` (3 passing points), `hang` (the first point's name, deadlocked) and
+    `interrupted` (SIGINT while hung), made concurrently."""
+    base = tmp_path_factory.mktemp("runs")
+    out = {name: base / name for name in ("scale", "hang", "interrupted")}
+    procs = {
+        "scale": _start("scale", "--seq-lens", "32,48,64", *TINY, "--out", str(out["scale"])),
+        "hang": _start(
+            "run", "--name", "all-L2-S32", "--seq-len", "32", *TINY,
+            "--inject", "deadlock:layer=1", "--stall", "5", "--out", str(out["hang"]),
+        ),
+        "interrupted": _start(
+            "run", "--seq-len", "32", *TINY, "--inject", "deadlock:layer=1", "--stall", "60",
+            "--out", str(out["interrupted"]),
+        ),
+    }  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not _injected(out["interrupted"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        procs["interrupted"].send_signal(signal.SIGINT)
+        codes = {name: proc.wait(timeout=150) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert codes == {"scale": 0, "hang": 1, "interrupted": 130}, {
+        name: proc.stderr.read() if proc.stderr else "" for name, proc in procs.items()
+    }
+    return {name: _only(folder) for name, folder in out.items()}
+
+
+def _copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("report*"))
+    return dest
+
+
+def _edit_json(path: Path, **changes: Any) -> None:
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    path.write_text(json.dumps(data))
+
+
+# --- report -------------------------------------------------------------------------------------------------
+
+
+def test_report_of_a_sweep_has_the_table_the_fit_and_the_plot(runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = _copy(runs["scale"], tmp_path / "scale")
+    done = nsa_diag("report", run_dir)
+    assert done.returncode == 0, done.stderr
+    assert f"report: {run_dir / 'report.md'}" in done.stdout
+    text = (run_dir / "report.md").read_text()
+    for point in ("all-L2-S32", "all-L2-S48", "all-L2-S64"):
+        assert f"| {point} | pass |" in text
+    assert "## Memory and time against sequence length" in text
+    assert "From scale.json." in text
+    assert "memory above the fixed part ~ seq_len^" in text
+    assert "![memory and time against sequence length](report-scaling.png)" in text
+    assert (run_dir / "report-scaling.png").read_bytes().startswith(PNG_MAGIC)
+    env = json.loads((run_dir / "env.json").read_text())
+    assert f"| torch | {env['torch']['version']} |" in text
+    assert "## Failures" not in text
+
+
+def test_report_of_a_hang_shows_where_and_the_stacks(runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = _copy(runs["hang"], tmp_path / "hang")
+    done = nsa_diag("report", run_dir, "--json")
+    assert done.returncode == 0, done.stderr
+    written = json.loads(done.stdout)
+    assert written["counts"] == {"hang": 1}
+    assert written["plots"] == [str(run_dir / "report-failures.png")]
+    text = (run_dir / "report.md").read_text()
+    assert "| all-L2-S32 | hang | python-deadlock | layer 1 backward step 1 |" in text
+    assert "### all-L2-S32: hang / python-deadlock at layer 1 backward step 1" in text
+    assert "stall limit: --stall 5 s" in text
+    assert "inject.py:" in text
+    assert "_deadlock_lock_acquire" in text
+    assert "(at hang)" in text  # peak memory from memory_stats.json, as the step never ended
+    assert (run_dir / "report-failures.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_report_of_an_interrupted_run(runs: dict[str, Path], tmp_path: Path) -> None:
+    run_dir = _copy(runs["interrupted"], tmp_path / "interrupted")
+    done = nsa_diag("report", run_dir)
+    assert done.returncode == 0, done.stderr
+    text = (run_dir / "report.md").read_text()
+    assert "- result: not all ok (interrupted), exit code 130" in text
+    assert "| case | error | - |" in text
+    assert "interrupted by SIGINT" in text
+
+
+def test_report_of_a_killed_run_reads_the_case_folders(runs: dict[str, Path], tmp_path: Path) -> None:
+    """nsa-diag itself SIGKILLed mid-case: no summary.json, no result.json; progress.jsonl says where."""
+    run_dir = _copy(runs["hang"], tmp_path / "20260101-120000-run-killed")
+    (run_dir / "summary.json").unlink()
+    (run_dir / "cases" / "all-L2-S32" / artifacts.RESULT).unlink()
+    done = nsa_diag("report", run_dir)
+    assert done.returncode == 0, done.stderr
+    text = (run_dir / "report.md").read_text()
+    assert text.startswith("# nsa-diag run: `20260101-120000-run-killed`")
+    assert "no summary.json: the run did not finish" in text
+    assert "| all-L2-S32 | no result | - | last progress: layer 1 backward step 1 |" in text
+
+
+def _matrix_folder(scale_dir: Path, dest: Path) -> Path:
+    """A matrix run over sel_backend x seq_len x batch, as `nsa-diag matrix` leaves it: the gather cases
+    are the sweep's; the masked ones are copies with the spec changed and S=64 turned into an oom; the
+    batch=2 cases and the listed case `smoke` never ran (an interrupted matrix)."""
+    shutil.copytree(
+        scale_dir, dest, ignore=shutil.ignore_patterns("cases", "report*", "scale.*", "summary.*")
+    )
+    cases = []
+    for backend in ("gather", "masked"):
+        for s in (32, 48, 64):
+            for batch in (1, 2):
+                name = f"sel_backend={backend}-seq_len={s}-batch={batch}"
+                axes = {"sel_backend": backend, "seq_len": s, "batch": batch}
+                cases.append({"name": name, "tags": ["grid"], "spec_hash": "0", "axes": axes})
+                if batch == 2:
+                    continue
+                case_dir = dest / "cases" / name
+                shutil.copytree(scale_dir / "cases" / f"all-L2-S{s}", case_dir)
+                _edit_json(case_dir / artifacts.RESULT, name=name)
+                if backend == "masked":
+                    _edit_json(case_dir / artifacts.SPEC, **{"overrides.sel_backend": "masked"})
+                if backend == "masked" and s == 64:
+                    _edit_json(
+                        case_dir / artifacts.RESULT, verdict="oom", reason="CUDA out of memory (hand-made)"
+                    )
+    cases.append({"name": "smoke", "tags": ["smoke"], "spec_hash": "0", "axes": {}})
+    matrix = {
+        "file": "matrices/hand.yaml",
+        "name": "hand",
+        "description": None,
+        "axes": {"sel_backend": ["gather", "masked"], "seq_len": [32, 48, 64], "batch": [1, 2]},
+        "cases": cases,
+    }
+    (dest / "matrix.json").write_text(json.dumps(matrix))
+    return dest
+
+
+def test_report_of_a_matrix_has_a_verdict_grid_per_remaining_axis_value(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    run_dir = _matrix_folder(runs["scale"], tmp_path / "20260101-120000-matrix-hand")
+    done = nsa_diag("report", run_dir)
+    assert done.returncode == 0, done.stderr
+    text = (run_dir / "report.md").read_text()
+    assert "- matrix: hand (`matrices/hand.yaml`)" in text
+    assert "| case | sel_backend | seq_len | batch | tags | verdict |" in text
+    assert "| smoke | - | - | - | smoke | not run |" in text
+    grid_1, grid_2 = text.split("### batch=1")[1].split("### batch=2")
+    assert "| sel_backend \\ seq_len | 32 | 48 | 64 |" in grid_1
+    assert "| gather | pass | pass | pass |" in grid_1
+    assert "| masked | pass | pass | oom |" in grid_1
+    assert "| masked | not run | not run | not run |" in grid_2
+    for index in (1, 2):
+        assert f"](report-grid-{index}.png)" in text
+        assert (run_dir / f"report-grid-{index}.png").read_bytes().startswith(PNG_MAGIC)
+    # the gather cases differ only in S: a series, fitted; masked has two passing lengths, too few
+    assert "From the cases that differ only in S." in text
+    assert "### sel_backend=gather" not in text  # one series: no label needed beyond the command
+    assert "| 32 | pass |" in text
+    assert "memory above the fixed part ~ seq_len^" in text
+    assert (run_dir / "report-scaling.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def _record(name: str, verdict: str, **axes: Any) -> CaseRecord:
+    return CaseRecord(name, Path(name), None, None, {"verdict": verdict, "ok": verdict == "pass"}, axes)
+
+
+def test_verdict_grids_follow_each_family_of_axes() -> None:
+    """Entries of a matrix file can have axes of their own: each family gets its own grids; one axis
+    gives a single column; listed cases (no axes) none."""
+    cases = [
+        _record("a-1", "pass", sel="a", s=1),
+        _record("a-2", "hang", sel="a", s=2),
+        _record("b-1", "pass", sel="b", s=1),
+        _record("gc-all", "pass", gc="all"),
+        _record("gc-none", "oom", gc="none"),
+        _record("listed", "pass"),
+    ]
+    run = RunFolder(
+        Path("m"), "matrix", None, None, cases, [], matrix={"axes": {"sel": ["b", "a"], "gc": []}}
+    )
+    first, second = verdict_grids(run)
+    assert (first.title, first.row_axis, first.col_axis) == ("sel x s", "sel", "s")
+    assert first.rows == ["b", "a"]  # in the order matrix.json declares them
+    assert [[[c.name for c in cell] for cell in row] for row in first.cells] == [
+        [["b-1"], []],
+        [["a-1"], ["a-2"]],
+    ]
+    assert (second.title, second.row_axis, second.col_axis, second.cols) == ("gc", "gc", None, [None])
+    assert [[c.name for c in row[0]] for row in second.cells] == [["gc-all"], ["gc-none"]]
+
+
+def test_report_refuses_what_is_not_a_run_folder(tmp_path: Path) -> None:
+    (tmp_path / "cases" / "empty").mkdir(parents=True)  # no spec.json or result.json in it
+    for target in (tmp_path, tmp_path / "missing"):
+        done = nsa_diag("report", target)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert "run folder" in done.stderr
+    assert not (tmp_path / "report.md").exists()
+    with pytest.raises(UsageError, match="not an nsa-diag run folder"):
+        load_run(tmp_path)
+
+
+# --- compare ------------------------------------------------------------------------------------------------
+
+
+def test_compare_two_real_runs(runs: dict[str, Path], tmp_path: Path) -> None:
+    """The sweep's first point passed; the same case name deadlocked in the other run: worse, exit 1."""
+    done = nsa_diag("compare", runs["scale"], runs["hang"], "--out", tmp_path / "compare.md")
+    assert done.returncode == 1, done.stderr
+    assert "all-L2-S32" in done.stdout
+    assert "hang (python-deadlock)" in done.stdout
+    assert "only in A: all-L2-S48, all-L2-S64" in done.stdout
+    assert "worse in B: all-L2-S32 (exit code 1)" in done.stdout
+    # the two runs differ in their specs (stall, inject): said per case
+    assert "inject:" in done.stdout
+    assert "stall:" in done.stdout
+    markdown = (tmp_path / "compare.md").read_text()
+    assert "| all-L2-S32 | pass | hang (python-deadlock) | worse |" in markdown
+
+    back = nsa_diag("compare", runs["hang"], runs["scale"], "--json")
+    assert back.returncode == 0, back.stderr
+    comparison = json.loads(back.stdout)
+    (case,) = comparison["cases"]
+    assert (case["name"], case["change"]) == ("all-L2-S32", BETTER)
+    assert comparison["only_in_b"] == ["all-L2-S48", "all-L2-S64"]
+    assert comparison["exit_code"] == 0
+
+
+def test_compare_reports_environment_and_ratios_of_an_edited_copy(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The seeds' A/B: the same sweep under another torch, another allocator setting, another GPU."""
+    a = runs["scale"]
+    b = _copy(a, tmp_path / "b")
+    _edit_json(
+        b / "env.json",
+        **{
+            "torch.version": "2.14.0+cu128",
+            "torch.cudnn_version": 91000,
+            "git.revision": "0123abcd",
+            "env_vars": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NSA_DEBUG": "1"},
+        },
+    )
+    s48 = b / "cases" / "all-L2-S48"
+    result = json.loads((s48 / artifacts.RESULT).read_text())
+    peak = result["metrics"]["peak_memory"]["cpu_peak_rss_bytes"]
+    _edit_json(
+        s48 / artifacts.RESULT,
+        **{
+            "metrics.peak_memory.cpu_peak_rss_bytes": peak * 2,
+            "metrics.step_s": [s * 3 for s in result["metrics"]["step_s"]],
+            "metrics.tokens_per_s": result["metrics"]["tokens_per_s"] / 3,
+        },
+    )
+    _edit_json(s48 / artifacts.SPEC, alloc_conf="max_split_size_mb:128")
+    _edit_json(b / "cases" / "all-L2-S64" / artifacts.RESULT, verdict="skipped", reason="no GPU here")
+
+    done = nsa_diag("compare", a, b, "--json")
+    assert done.returncode == 0, done.stderr  # nothing got worse: S64 was skipped, not comparable
+    comparison = json.loads(done.stdout)
+    differs = {f["fact"]: (f["a"], f["b"]) for f in comparison["environment"]["facts"] if f["differs"]}
+    a_env = json.loads((a / "env.json").read_text())
+    assert differs == {
+        "torch": (a_env["torch"]["version"], "2.14.0+cu128"),
+        "cuDNN": (None, 91000),
+        "git revision": (a_env["git"].get("revision") or a_env["git"]["why"], "0123abcd"),
+    }
+    variables = {v["name"]: (v["a"], v["b"]) for v in comparison["environment"]["env_vars"]}
+    assert variables["PYTORCH_CUDA_ALLOC_CONF"] == (None, "expandable_segments:True")
+    assert variables["NSA_DEBUG"] == (None, "1")
+    cases = {c["name"]: c for c in comparison["cases"]}
+    assert {name: c["change"] for name, c in cases.items()} == {
+        "all-L2-S32": SAME,
+        "all-L2-S48": SAME,
+        "all-L2-S64": NOT_COMPARABLE,
+    }
+    ratios = cases["all-L2-S48"]["ratios"]
+    assert ratios["peak_memory"] == pytest.approx(2.0)
+    assert ratios["step_time"] == pytest.approx(3.0)
+    assert ratios["tokens_per_s"] == pytest.approx(1 / 3)
+    assert cases["all-L2-S48"]["spec_differences"] == [
+        {"field": "alloc_conf", "a": None, "b": "max_split_size_mb:128"}
+    ]
+    assert cases["all-L2-S32"]["ratios"]["peak_memory"] == pytest.approx(1.0)
+
+    table = nsa_diag("compare", a, b)
+    assert table.returncode == 0
+    assert "2.14.0+cu128" in table.stdout
+    assert "$PYTORCH_CUDA_ALLOC_CONF" in table.stdout
+    assert "2.00x" in table.stdout
+    assert "3.00x" in table.stdout
+    assert "alloc_conf: - -> max_split_size_mb:128" in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "change"),
+    [
+        pytest.param(("pass", None, True), ("pass", None, True), SAME, id="same"),
+        pytest.param(("pass", None, True), ("hang", "gil-held", False), WORSE, id="pass-hang"),
+        pytest.param(("oom", None, False), ("pass", None, True), BETTER, id="oom-pass"),
+        pytest.param(("hang", "python-busy", False), ("hang", "gil-held", False), CHANGED, id="hang-kind"),
+        pytest.param(("hang", None, False), ("crash", None, False), CHANGED, id="hang-crash"),
+        pytest.param(("pass", None, True), ("skipped", None, False), NOT_COMPARABLE, id="skipped"),
+        pytest.param(("pass", None, True), (None, None, False), NOT_COMPARABLE, id="no-result"),
+        pytest.param(("pass", None, True), ("not run", None, False), NOT_COMPARABLE, id="not-run"),
+        # selftest: a detected fault is ok; missing it is worse, although the verdict "passes"
+        pytest.param(("hang", "python-deadlock", True), ("pass", None, False), WORSE, id="selftest-miss"),
+    ],
+)
+def test_verdict_change(a: tuple[Any, ...], b: tuple[Any, ...], change: str) -> None:
+    def side(values: tuple[Any, ...]) -> dict[str, Any]:
+        return dict(zip(("verdict", "hang_kind", "ok"), values, strict=True))
+
+    assert verdict_change(side(a), side(b)) == change
+
+
+def test_compare_bad_input_exits_2(runs: dict[str, Path], tmp_path: Path) -> None:
+    for args in (
+        [runs["scale"], tmp_path / "missing"],
+        [tmp_path, runs["scale"]],
+        [runs["scale"], runs["hang"], "--out", tmp_path],
+    ):
+        done = nsa_diag("compare", *args)
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
