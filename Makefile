@@ -5,6 +5,8 @@
 #   make test    the test suite, then the Triton kernels once more on the CPU (TRITON_INTERPRET=1)
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
+#   make gpu-smoke  the gpu-smoke matrix + selftest (+ selftest --ddp with 2 GPUs) on this machine's GPUs, a
+#                short table at the end; run folders under nsa-diag-runs/gpu-smoke-<time> (exit 2 without GPU)
 #   make matrix-<name>  nsa-diag matrix matrices/<name>.yaml, a target per file: matrix-cpu-smoke (tiny
 #                CPU cases, about a minute), matrix-gpu-smoke, matrix-backward, matrix-scaling,
 #                matrix-production; options through MATRIX_ARGS, e.g.
@@ -29,7 +31,7 @@ MATRIX_TARGETS := $(patsubst matrices/%.yaml,matrix-%,$(wildcard matrices/*.yaml
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench gpu-smoke
 
 install: $(STAMP)
 
@@ -53,6 +55,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/backends.py
+
+# The gpu-smoke matrix and selftest (plus selftest --ddp with 2+ GPUs) on this machine's GPUs, a short
+# table at the end (scripts/gpu_smoke.sh). Exit 2 on a machine without a GPU.
+gpu-smoke: $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
+	NSA_DIAG='$(NSA_DIAG)' bash scripts/gpu_smoke.sh
 
 # A static pattern rule: make applies no implicit (plain pattern) rule to a phony target.
 .PHONY: $(MATRIX_TARGETS)
