@@ -13,11 +13,7 @@ cd "$(dirname "$0")/.."
 part=${1:-all}
 out=${OUT:-gpu-analysis-out}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 runs=/tmp/nsa-diag-runs-$part
 declare -a rows=()
 step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember rc and seconds

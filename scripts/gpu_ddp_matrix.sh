@@ -11,11 +11,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-ddp-matrix-out}
 logs=/tmp/nsa-diag-logs  # the device call returns at most 8 files: logs travel as one archive
 mkdir -p "$out" "$logs"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 runs=/tmp/nsa-diag-runs
 declare -a rows=()
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $out/NAME.log, remember rc and time

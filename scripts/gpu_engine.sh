@@ -7,11 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-engine-out}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh
 runs=/tmp/nsa-diag-runs
 declare -a rows=()
 step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember rc and seconds
