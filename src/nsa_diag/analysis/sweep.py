@@ -178,13 +178,16 @@ def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, 
     _add_estimator_errors(points, memory_fit, on_cuda)
     errors = [abs(p["estimate_rel_err"]) for p in points if "estimate_rel_err" in p]
     above = [abs(p["estimate_above_fixed_rel_err"]) for p in points if "estimate_above_fixed_rel_err" in p]
-    device = next((p.get("device") for p in points if p.get("device")), None)
-    total, source = budget if budget is not None else device_memory_total(device)
-    for p in points:  # an oom point: did the estimate see it coming?
-        if p["verdict"] == "oom" and p.get("estimate"):
-            p["estimate_exceeds_budget"] = p["estimate"]["total"] > total
+    ooms = [p for p in points if p["verdict"] == "oom" and p.get("estimate")]
+    wants_limit = memory_fit is not None and series.x_name == "seq_len"
+    if ooms or wants_limit:  # the device's total (on CUDA: a query through torch) only where it is used
+        device = next((p.get("device") for p in points if p.get("device")), None)
+        total, source = budget if budget is not None else device_memory_total(device)
+    for p in ooms:  # did the estimate see it coming?
+        p["estimate_exceeds_budget"] = p["estimate"]["total"] > total
     limit: dict[str, Any] | None = None
-    if memory_fit is not None and series.x_name == "seq_len":
+    if wants_limit:
+        assert memory_fit is not None
         at = predict_limit(memory_fit, total)
         limit = {"budget_bytes": total, "budget_source": source, "seq_len": int(at) if at else None}
     return {
