@@ -295,7 +295,7 @@ part5() {  # long sequences with Triton, the seeds' plan as a matrix: about 7 mi
   # (every branch O(S)), 5 and 12 layers, bf16; a point that runs out of memory ends its series as oom
   ds seed000-seq-scaling-triton-64k 330 scale "${scale_m7c[@]}" "${triton[@]}" --layers 5,12 \
     --seq-lens 2048,4096,8192,16384,32768,65536 --dtype bf16 --steps 2
-  # 001 phase 1 ("16 configurations ... 100% PASS") and 002's whole plan: matrices/backward.yaml, 29 cases
+  # 001 phase 1 ("16 configurations ... 100% PASS") and 002's whole plan: matrices/backward.yaml, 32 cases
   # (last: it gets what is left of the part; an interrupted matrix continues with --resume RUN_DIR)
   ds seed001-backward-matrix 280 matrix matrices/backward.yaml --jobs 4
 }

@@ -64,27 +64,30 @@ class Branch(str, Enum):
 
 
 class SelBackend(str, Enum):
-    """`nsa_core.SEL_BACKENDS`."""
+    """`nsa_core.SEL_BACKENDS` + `nsa_core.TRITON_BACKENDS` (Triton: CUDA, or TRITON_INTERPRET=1)."""
 
     reference = "reference"
     masked = "masked"
     gather = "gather"
     packed = "packed"
+    triton = "triton"
 
 
 class CmpBackend(str, Enum):
-    """`nsa_core.CMP_BACKENDS`."""
+    """`nsa_core.CMP_BACKENDS` + `nsa_core.TRITON_BACKENDS`."""
 
     reference = "reference"
     masked = "masked"
+    triton = "triton"
 
 
 class WinBackend(str, Enum):
-    """`nsa_core.WIN_BACKENDS`."""
+    """`nsa_core.WIN_BACKENDS` + `nsa_core.TRITON_BACKENDS`."""
 
     reference = "reference"
     masked = "masked"
     chunked = "chunked"
+    triton = "triton"
 
 
 class Prefill(str, Enum):
@@ -215,9 +218,9 @@ CASE_OPTION_TYPES: dict[str, Any] = {
     "branch": Annotated[
         Branch, _opt("--branch", panel=_NSA, help="Compute only this branch (force_branch); all: every one.")
     ],
-    "sel": _choice(SelBackend, "--sel", _NSA, "Selection backend."),
-    "cmp": _choice(CmpBackend, "--cmp", _NSA, "Compression backend."),
-    "win": _choice(WinBackend, "--win", _NSA, "Sliding-window backend."),
+    "sel": _choice(SelBackend, "--sel", _NSA, "Selection backend (on CUDA: triton unless named)."),
+    "cmp": _choice(CmpBackend, "--cmp", _NSA, "Compression backend (on CUDA: triton unless named)."),
+    "win": _choice(WinBackend, "--win", _NSA, "Sliding-window backend (on CUDA: triton unless named)."),
     "prefill": _choice(
         Prefill, "--prefill", _NSA, "How model(tokens) runs: batched, or token by token through the cache."
     ),

@@ -10,6 +10,7 @@ never fire. Each raises `UsageError` or `ConfigError` with one line naming the o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 import re
@@ -44,6 +45,8 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     "cmp": tuple(b.value for b in CmpBackend),
     "win": tuple(b.value for b in WinBackend),
 }
+TRITON = "triton"
+BACKEND_FIELDS = {"sel": "sel_backend", "cmp": "cmp_backend", "win": "win_backend"}
 BRANCH_CASES = ("cmp", "sel", "win", "all")
 
 
@@ -117,14 +120,30 @@ def _model_config(preset: str, overrides: dict[str, Any]) -> Any:
         raise ConfigError(_one_line(str(exc))) from None
 
 
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def with_device_backends(overrides: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
+    """On CUDA a case runs the Triton kernels for every branch whose backend it does not name (issue 7);
+    elsewhere, and without the triton package, the preset's backends. Named in the overrides, so the
+    case's `spec.json`, hash and estimate say what ran."""
+    if not on_cuda or not triton_available():
+        return overrides
+    return {**{field: TRITON for field in BACKEND_FIELDS.values() if field not in overrides}, **overrides}
+
+
 def build_spec(
     options: CaseOptions, *, name: str = "case", overrides: dict[str, Any] | None = None, **fields: Any
 ) -> CaseSpec:
     """The `CaseSpec` of `options`, with extra model `overrides` and `CaseSpec` `fields` on top.
 
-    An invalid geometry or value raises `ConfigError` in one line.
+    On CUDA the branches whose backend is not named run Triton (`with_device_backends`). An invalid
+    geometry or value raises `ConfigError` in one line.
     """
     all_overrides = {**_overrides(options), **(overrides or {})}
+    if options.model is None:
+        all_overrides = with_device_backends(all_overrides, uses_cuda(options))
     cfg = _model_config(options.preset.value, all_overrides)
     injections = tuple(parse_injection(text) for text in options.inject)
     values: dict[str, Any] = {
@@ -164,6 +183,7 @@ def check_spec(spec: CaseSpec) -> None:
     if spec.seq_len < 2:
         raise UsageError(f"--seq-len {spec.seq_len}: the next-token loss needs at least 2 tokens")
     cfg = spec.nsa_config()
+    check_triton(spec)
     world = spec.ddp.world_size if spec.ddp is not None else 1  # issue 6: ranks of `nsa-diag ddp`
     for inj in spec.inject:
         if inj.kind == "skip-collective" and world < 2:
@@ -188,6 +208,27 @@ def check_spec(spec: CaseSpec) -> None:
             )
         if inj.kind == "unused-param" and spec.model is not None:
             raise UsageError(f"--inject {inj}: unused-param detaches attn.kv_win of the built-in TinyLM only")
+
+
+def check_triton(spec: CaseSpec) -> None:
+    """A `triton` backend needs the triton package, and CUDA unless Triton's interpreter is on."""
+    named = [
+        f"--{branch} triton"
+        for branch, field in BACKEND_FIELDS.items()
+        if spec.overrides.get(field) == TRITON
+    ]
+    if not named:
+        return
+    if not triton_available():
+        raise UsageError(
+            f"{named[0]}: the triton package is not installed (it comes with CUDA builds of torch)"
+        )
+    on_cuda = spec.device == "cuda" or (spec.device == "auto" and cuda_available())
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError(
+            f"{named[0]}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them slowly "
+            "in Triton's CPU interpreter); pick another backend here"
+        )
 
 
 def check_options(options: CaseOptions) -> None:
@@ -275,8 +316,9 @@ def backend_specs(options: CaseOptions, lists: dict[str, Sequence[str]]) -> list
     A branch not in `lists` runs every backend but the reference (which would be compared with itself)
     when no list is given at all.
     """
-    if not any(lists.values()):
-        lists = {branch: tuple(b for b in names if b != "reference") for branch, names in BACKENDS.items()}
+    if not any(lists.values()):  # the reference would be compared with itself; Triton only where it runs
+        skip = {"reference"} | (set() if uses_cuda(options) and triton_available() else {TRITON})
+        lists = {branch: tuple(b for b in names if b not in skip) for branch, names in BACKENDS.items()}
     specs = []
     for branch, backends in lists.items():
         for backend in backends:

@@ -53,7 +53,7 @@ from pydantic import (
     create_model,
 )
 
-from nsa_diag.cases import Expectation, check_model_factory, check_spec, default_seq_len
+from nsa_diag.cases import Expectation, check_model_factory, check_spec, default_seq_len, with_device_backends
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
 
@@ -104,9 +104,12 @@ MODEL_KEYS: dict[str, tuple[Any, str]] = {
     "n_init": (NonNegativeInt, "initial blocks always selected"),
     "n_local": (PositiveInt, "local blocks always selected"),
     "window": (PositiveInt, "sliding window w"),
-    "sel_backend": (Literal["reference", "masked", "gather", "packed"], "selection backend"),
-    "cmp_backend": (Literal["reference", "masked"], "compression backend"),
-    "win_backend": (Literal["reference", "masked", "chunked"], "sliding-window backend"),
+    "sel_backend": (
+        Literal["reference", "masked", "gather", "packed", "triton"],
+        "selection backend (a device: cuda case runs triton unless named)",
+    ),
+    "cmp_backend": (Literal["reference", "masked", "triton"], "compression backend"),
+    "win_backend": (Literal["reference", "masked", "chunked", "triton"], "sliding-window backend"),
     "force_branch": (BranchChoice | None, "compute only this branch; all (or null): every branch"),
 }
 AXIS_KEYS = (*SPEC_KEYS, *MODEL_KEYS)
@@ -594,6 +597,8 @@ def _spec(draft: _Draft, problems: _Problems) -> CaseSpec | None:
         values["seq_len"] = default_seq_len(cfg)
     if values.get("inject") is not None:
         values["inject"] = tuple(Injection.parse(text) for text in values["inject"])  # checked: CaseFields
+    if values.get("model") is None:  # `device: cuda` runs the Triton kernels where no backend is named
+        overrides = with_device_backends(overrides, values.get("device") == "cuda")
     try:
         spec = CaseSpec.model_validate({**values, "name": draft.name, "overrides": overrides})
     except ValidationError as exc:

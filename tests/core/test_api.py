@@ -25,6 +25,7 @@ PUBLIC = [
     "RMSNorm",
     "SEL_BACKENDS",
     "SwiGLU",
+    "TRITON_BACKENDS",
     "TinyLM",
     "WIN_BACKENDS",
     "apply_rope",

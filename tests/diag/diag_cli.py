@@ -25,14 +25,18 @@ def cli_env(*, planted: bool = False, **extra: str) -> dict[str, str]:
 
 
 def run_cli(
-    *args: str | Path, cwd: Path | None = None, timeout: float = 240, planted: bool = False
+    *args: str | Path,
+    cwd: Path | None = None,
+    timeout: float = 240,
+    planted: bool = False,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m nsa_diag ARGS` to completion: return code, stdout, stderr."""
+    """`python -m nsa_diag ARGS` to completion: return code, stdout, stderr; `env` adds variables."""
     return subprocess.run(
         [sys.executable, "-m", "nsa_diag", *map(str, args)],
         capture_output=True,
         text=True,
-        env=cli_env(planted=planted),
+        env=cli_env(planted=planted, **(env or {})),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         timeout=timeout,

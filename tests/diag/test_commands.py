@@ -36,8 +36,10 @@ CLI_TIMEOUT_S = 180
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-def run_nsa_diag(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return run_cli_subprocess(*args, cwd=cwd, timeout=CLI_TIMEOUT_S)
+def run_nsa_diag(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_cli_subprocess(*args, cwd=cwd, timeout=CLI_TIMEOUT_S, env=env)
 
 
 def _cuda() -> bool:
@@ -72,6 +74,9 @@ BAD_INPUTS = [
     pytest.param(["selftest", "--inject", "nan"], "No such option: --inject", id="selftest-inject"),
     pytest.param(["run", "--tag", "../x"], "--tag", id="tag"),
     pytest.param(["run", "--stall", "0"], "--stall 0", id="stall"),
+    pytest.param(
+        ["run", "--sel", "triton", "--device", "cpu"], "--sel triton: the Triton kernels need", id="triton"
+    ),
 ]
 
 
@@ -151,9 +156,10 @@ def test_every_command_has_help_with_examples_without_torch(command: str) -> Non
 def test_choices_match_nsa_core() -> None:
     import nsa_core
 
-    assert tuple(b.value for b in cli.SelBackend) == nsa_core.SEL_BACKENDS
-    assert tuple(b.value for b in cli.CmpBackend) == nsa_core.CMP_BACKENDS
-    assert tuple(b.value for b in cli.WinBackend) == nsa_core.WIN_BACKENDS
+    triton = nsa_core.TRITON_BACKENDS
+    assert tuple(b.value for b in cli.SelBackend) == nsa_core.SEL_BACKENDS + triton
+    assert tuple(b.value for b in cli.CmpBackend) == nsa_core.CMP_BACKENDS + triton
+    assert tuple(b.value for b in cli.WinBackend) == nsa_core.WIN_BACKENDS + triton
     assert tuple(p.value for p in cli.Prefill) == nsa_core.PREFILL_MODES
     assert tuple(p.value for p in cli.Preset) == tuple(nsa_core.PRESETS)
     assert tuple(b.value for b in cli.Branch if b is not cli.Branch.all) == nsa_core.BRANCHES
@@ -170,6 +176,7 @@ def test_default_seq_len_makes_selection_sparse(preset: str, seq_len: int) -> No
 
 def test_options_become_overrides_and_fields() -> None:
     options = cli.CaseOptions(
+        device=cli.Device.cpu,
         layers=3,
         window=16,
         sel=cli.SelBackend.packed,
@@ -209,7 +216,7 @@ def test_branch_cases_force_each_branch_then_all() -> None:
 
 
 def test_backend_cases_default_to_every_non_reference_backend_with_reference_check() -> None:
-    specs = backend_specs(cli.CaseOptions(), {})
+    specs = backend_specs(cli.CaseOptions(device=cli.Device.cpu), {})
     assert [s.name for s in specs] == [
         "sel-masked",
         "sel-gather",
@@ -221,6 +228,50 @@ def test_backend_cases_default_to_every_non_reference_backend_with_reference_che
     assert all(s.reference_check for s in specs)
     sel_packed = specs[2].nsa_config().nsa
     assert (sel_packed.sel_backend, sel_packed.branches) == ("packed", ("sel",))
+
+
+def test_cuda_cases_run_triton_where_no_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nsa_diag.cases as cases
+
+    monkeypatch.setattr(cases, "cuda_available", lambda: True)
+    spec = build_spec(cli.CaseOptions(), name="x")  # --device auto on a CUDA machine
+    assert spec.overrides == {"sel_backend": "triton", "cmp_backend": "triton", "win_backend": "triton"}
+    spec = build_spec(cli.CaseOptions(sel=cli.SelBackend.masked, device=cli.Device.cuda), name="x")
+    assert spec.overrides == {"sel_backend": "masked", "cmp_backend": "triton", "win_backend": "triton"}
+    assert build_spec(cli.CaseOptions(device=cli.Device.cpu), name="x").overrides == {}
+    names = [s.name for s in backend_specs(cli.CaseOptions(), {})]
+    assert names == [
+        "sel-masked", "sel-gather", "sel-packed", "sel-triton", "cmp-masked", "cmp-triton",
+        "win-masked", "win-chunked", "win-triton",
+    ]  # fmt: skip
+    cpu_names = [s.name for s in backend_specs(cli.CaseOptions(device=cli.Device.cpu), {})]
+    assert "sel-triton" not in cpu_names
+
+
+def test_triton_backends_run_in_the_interpreter_on_the_cpu(tmp_path: Path) -> None:
+    """`--sel/--cmp/--win triton` end to end in Triton's CPU interpreter, checked against the reference."""
+    pytest.importorskip("triton")
+    out = tmp_path / "runs"
+    args = [
+        "run",
+        "--sel",
+        "triton",
+        "--cmp",
+        "triton",
+        "--win",
+        "triton",
+        "--device",
+        "cpu",
+        "--seq-len",
+        "40",
+    ]
+    done = run_nsa_diag(
+        *args, "--reference-check", "--out", str(out), "--json", env={"TRITON_INTERPRET": "1"}
+    )
+    assert done.returncode == 0, done.stderr
+    (case,) = json.loads(done.stdout)["cases"]
+    assert case["verdict"] == "pass"
+    assert case["parity"]["grad_rel_err_max"] <= case["parity"]["tolerance"]
 
 
 def test_backend_lists_choose_the_cases() -> None:

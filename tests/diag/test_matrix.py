@@ -147,6 +147,31 @@ def test_axes_expand_as_a_product_over_the_defaults_and_entries_on_top(tmp_path:
     }
 
 
+def test_cuda_cases_run_triton_where_no_backend_is_named(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        """
+        defaults: {preset: tiny, device: cuda}
+        cases:
+          - {name: plain}
+          - {name: masked, sel_backend: masked}
+          - {name: cpu, device: cpu}
+        """,
+    )
+    by = {c.name: c for c in load_matrix(path).cases}
+    assert by["plain"].spec.overrides == {
+        "sel_backend": "triton",
+        "cmp_backend": "triton",
+        "win_backend": "triton",
+    }
+    assert by["masked"].spec.overrides == {
+        "sel_backend": "masked",
+        "cmp_backend": "triton",
+        "win_backend": "triton",
+    }
+    assert by["cpu"].spec.overrides == {}
+
+
 def test_generated_names_are_folder_safe_unique_and_stable(tmp_path: Path) -> None:
     path = write(
         tmp_path,

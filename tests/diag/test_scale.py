@@ -67,6 +67,13 @@ def test_estimator_grows_as_the_backend_says() -> None:
 
     assert activations("masked", 4096) / activations("masked", 2048) == pytest.approx(4, rel=0.1)
     assert activations("gather", 4096) / activations("gather", 2048) == pytest.approx(2, rel=0.1)
+    assert activations("triton", 4096) / activations("triton", 2048) == pytest.approx(2, rel=0.01)
+    assert activations("triton", 4096) < activations("gather", 4096) / 4  # no gathered keys, no scores
+    triton = nsa_core.preset("m7c-125m", sel_backend="triton", cmp_backend="triton", win_backend="triton")
+    totals = [
+        estimate_peak_memory(triton, seq_len=s, batch=1, dtype="bf16").total for s in (8192, 16384, 32768)
+    ]
+    assert totals[2] - totals[1] == pytest.approx(2 * (totals[1] - totals[0]), rel=0.01)  # linear in S
 
 
 def test_estimator_counts_what_lives_at_the_peak() -> None:

@@ -96,8 +96,13 @@ def count_params(cfg: Any) -> int:
 
 
 def _scores(cfg: Any, branch: str, S: int, B: int) -> int:
-    """Score-sized elements of one branch of one layer: queries x heads x keys each query scores."""
+    """Score-sized elements of one branch of one layer: queries x heads x keys each query scores.
+
+    The Triton kernels keep no score (flash attention: a row's log-sum-exp instead): 0 for them.
+    """
     nsa = cfg.nsa
+    if getattr(nsa, f"{branch}_backend") == "triton":
+        return 0
     if branch == "sel":
         keys = S if nsa.sel_backend in ("masked", "reference") else nsa.n_sel * nsa.sel_block_len
     elif branch == "cmp":
@@ -116,9 +121,13 @@ def _branch_bytes(cfg: Any, branch: str, S: int, B: int, dtype: str) -> int:
     H, HKV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     kv = 2 * B * S * HKV * D * a + B * S * H * D * a  # its k/v projection and its output
     kept = _KEPT_PER_SCORE[dtype] * _scores(cfg, branch, S, B)
+    if getattr(nsa, f"{branch}_backend") == "triton":
+        kept += B * S * H * 4  # the rows' log-sum-exp (float32)
     if branch == "sel":
         kv += B * S * HKV * D * a  # rotated keys
-        if nsa.sel_backend in ("masked", "reference"):
+        if nsa.sel_backend == "triton":
+            kept += B * S * HKV * nsa.n_sel * 8  # the chosen blocks (int64)
+        elif nsa.sel_backend in ("masked", "reference"):
             kept += B * S * HKV * S  # the bool mask of the selected blocks
         else:
             slots = B * S * HKV * nsa.n_sel * nsa.sel_block_len
@@ -136,9 +145,22 @@ def _backward_workspace(cfg: Any, per_branch: dict[str, int], S: int, B: int, dt
     order = [b for b in ("cmp", "sel", "win") if b in per_branch]
     return max(
         _BACKWARD_PER_SCORE[dtype] * _scores(cfg, b, S, B)
+        + (_triton_backward(cfg, b, S, B, dtype) if getattr(cfg.nsa, f"{b}_backend") == "triton" else 0)
         - sum(per_branch[later] for later in order[i + 1 :])
         for i, b in enumerate(order)
     )
+
+
+def _triton_backward(cfg: Any, branch: str, S: int, B: int, dtype: str) -> int:
+    """A Triton branch's backward workspace: dq, dk, dv and the rows' delta; selection adds its inverted
+    index (int32 query rows, int64 sort keys and order) and float32 key gradients."""
+    a = _DTYPE_BYTES[dtype]
+    H, HKV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    grads = B * S * H * D * a + 2 * B * S * HKV * D * a + B * S * H * 4
+    if branch == "sel":
+        entries = B * S * HKV * cfg.nsa.n_sel
+        grads += entries * (4 + 8 + 8) + 2 * B * S * HKV * D * 4
+    return grads
 
 
 def _rank_transient(cfg: Any, S: int, B: int) -> int:

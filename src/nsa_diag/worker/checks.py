@@ -181,9 +181,10 @@ class Checker:
         baseline = None
         if not self.cpu:
             baseline = self.compare(self.run(f"masked {self.precision}", **MASKED), truth)[0]
-        from nsa_core import CMP_BACKENDS, SEL_BACKENDS, WIN_BACKENDS
+        from nsa_core import CMP_BACKENDS, SEL_BACKENDS, TRITON_BACKENDS, WIN_BACKENDS
 
-        choices = {"sel": SEL_BACKENDS, "cmp": CMP_BACKENDS, "win": WIN_BACKENDS}
+        triton = () if self.cpu else TRITON_BACKENDS  # the Triton kernels run on CUDA only (here)
+        choices = {"sel": SEL_BACKENDS + triton, "cmp": CMP_BACKENDS + triton, "win": WIN_BACKENDS + triton}
         lists = {
             branch: [
                 b

@@ -129,3 +129,28 @@ def test_window_rejects_bad_arguments(device: str) -> None:
         triton_sliding_window_attention(q, k, k, window=4, q_offset=2)
     with pytest.raises(ValueError, match="dtype"):
         triton_sliding_window_attention(q, k.double(), k.double(), window=4)
+
+
+def test_head_splits_give_the_same_gradients(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dK/dV split over the query heads of a group (few key tiles) equals the unsplit backward."""
+    from nsa_core.ops.triton import flash
+
+    case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=4, D=SIZES.head_dims[0], window=16)
+    inputs = _inputs(case, device)
+    runs = []
+    for target in (1, 1 << 30):  # never split; split the G = 4 heads into 4
+        monkeypatch.setattr(flash, "program_target", lambda device, target=target: target)
+        runs.append(_run(triton_sliding_window_attention, case, inputs, torch.float32))
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_head_splits_respect_the_workspace() -> None:
+    from nsa_core.ops.triton.flash import SPLIT_WORKSPACE_BYTES, head_splits
+
+    assert head_splits(32, 16, 1 << 10, 528) == 16  # 32 programs: 16 splits reach 512 < 528, the most
+    assert head_splits(256, 16, 1 << 10, 528) == 4  # 4 x 256 >= 528
+    assert head_splits(256, 6, 1 << 10, 528) == 3  # divisors of G only
+    assert head_splits(4096, 16, 1 << 10, 528) == 1
+    big = SPLIT_WORKSPACE_BYTES // 8 // 2  # two splits fit, four do not
+    assert head_splits(32, 16, big, 528) == 2

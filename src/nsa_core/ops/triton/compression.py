@@ -102,7 +102,7 @@ def _importance_tile(
     return acc + tl.dot(p_group, overlap, input_precision="ieee", out_dtype=ACC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "HKV", "G", "Tq", "Nc", "Ns", "q_offset", "row0", "rows"])
 def _importance_kernel(
     q,
     k_cmp,
@@ -173,7 +173,7 @@ def _importance_kernel(
     tl.store(ptr, acc.to(imp.dtype.element_ty), mask=mask_m[:, None] & (offs_s < Ns)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HKV", "Ns", "q_offset", "row0", "rows"])
 def _top_n_kernel(
     imp,
     idx,

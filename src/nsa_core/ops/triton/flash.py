@@ -57,7 +57,7 @@ def _visible(
     return vis
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
 def _fwd_kernel(
     q,
     k,
@@ -149,7 +149,7 @@ def _fwd_kernel(
     tl.store(lse + pid_bh * Tq + offs_m, row_lse.to(lse.dtype.element_ty), mask=mask_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "Tq"])
 def _delta_kernel(
     o,
     do,
@@ -179,7 +179,7 @@ def _delta_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "HKV", "G", "G_PER", "Tq", "Nk", "q_offset", "WINDOW"])
 def _bwd_dkdv_kernel(
     q,
     k,
@@ -195,9 +195,14 @@ def _bwd_dkdv_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
+    stride_ds,
+    stride_db,
+    stride_dt,
+    stride_dh,
     HQ,
     HKV,
     G,
+    G_PER,
     Tq,
     Nk,
     D,
@@ -214,9 +219,11 @@ def _bwd_dkdv_kernel(
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # one program per (key tile, KV head): dK/dV summed over the G query heads of the group
+    # one program per (key tile, KV head, head split): dK/dV summed over G_PER query heads of the group;
+    # with several splits each writes its partial sums to its own slice of dk/dv (summed by the launcher)
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
     b, hk = pid_bk // HKV, pid_bk % HKV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -234,7 +241,7 @@ def _bwd_dkdv_kernel(
         hi = tl.minimum(Tq, last_end + WINDOW - q_offset)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for g in range(G):
+    for g in range(split * G_PER, split * G_PER + G_PER):
         h = hk * G + g
         q_base = q + b * stride_qb + h * stride_qh
         do_base = do + b * stride_qb + h * stride_qh
@@ -256,11 +263,13 @@ def _bwd_dkdv_kernel(
             dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
             ds = p * (dp - row_delta[:, None])
             dk_acc += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION, out_dtype=ACC)
-    tl.store(dk + kv_ptr, (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
-    tl.store(dv + kv_ptr, dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
+    d_ptr = split.to(tl.int64) * stride_ds + b * stride_db + hk * stride_dh
+    d_ptr += offs_n.to(tl.int64)[:, None] * stride_dt + offs_d[None, :]
+    tl.store(dk + d_ptr, (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
+    tl.store(dv + d_ptr, dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
 def _bwd_dq_kernel(
     q,
     k,
@@ -349,11 +358,51 @@ def launch_options(dtype: torch.dtype, block_d: int) -> dict[str, int]:
     return dict(num_warps=4, num_stages=stages)
 
 
+# Per-kernel overrides of `kernel_config` ("fwd", "dkdv", "dq" -> BLOCK_M, BLOCK_N, num_warps, num_stages);
+# empty: the defaults below. benchmarks/tune_triton.py sets them to time other tile shapes.
+LAUNCH: dict[str, dict[str, int]] = {}
+
+
+def kernel_config(kind: str, dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Tiles and launch options of one banded kernel: ``BLOCK_M`` (query tile), ``BLOCK_N`` (key tile),
+    ``num_warps``, ``num_stages``; `LAUNCH` overrides them per kernel."""
+    block_m, block_n, block_d = block_sizes(head_dim)
+    config = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(dtype, block_d))
+    return {**config, **LAUNCH.get(kind, {})}
+
+
 def block_sizes(head_dim: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_D)``: 64 x 64 tiles up to head dim 128, 32 x 32 beyond."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     tile = 64 if block_d <= 128 else 32
     return tile, tile, block_d
+
+
+SPLIT_WORKSPACE_BYTES = 64 << 20  # float32 partial dK + dV of the head splits, at most
+
+
+def program_target(device: torch.device) -> int:
+    """Programs that fill the device: 4 per SM on CUDA (a small number in the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
+    """Into how many parts the dK/dV programs split the G query heads of a group: the smallest divisor of G
+    that gives ``target`` programs, as far as the float32 partial sums fit `SPLIT_WORKSPACE_BYTES`.
+
+    Few key tiles (the compressed keys are T/d; short windows of short sequences) would otherwise leave
+    most of the GPU idle while each program walks every query of every head of its group.
+    """
+    best = 1
+    for splits in range(2, G + 1):
+        if G % splits or splits * kv_elements * 8 > SPLIT_WORKSPACE_BYTES:
+            continue
+        if programs * best >= target:
+            break
+        best = splits
+    return best
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -385,20 +434,20 @@ def banded_forward(
     assert q.stride(-1) == 1
     assert k.stride(-1) == 1
     assert same_layout(k, v)  # the kernels index v with k's strides
-    block_m, block_n, block_d = block_sizes(D)
+    block_d = block_sizes(D)[2]
+    config = kernel_config("fwd", q.dtype, D)
     acc, precision = kernel_dtypes(q.dtype)
     o = torch.empty_like(q) if compute_o else q.new_empty(0)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(B, HQ, Tq, dtype=lse_dtype, device=q.device)
     o_strides = o.stride()[:3] if compute_o else (0, 0, 0)
-    grid = (triton.cdiv(Tq, block_m), B * HQ)
+    grid = (triton.cdiv(Tq, config["BLOCK_M"]), B * HQ)
     _fwd_kernel[grid](
         q, k, v, o, lse,
         *q.stride()[:3], *k.stride()[:3], *o_strides,
         HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale * LOG2_E,
         KEY_STRIDE=key_stride, KEY_OFFSET=key_offset, HAS_WINDOW=window is not None, COMPUTE_O=compute_o,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, ACC=acc, PRECISION=precision,
-        **launch_options(q.dtype, block_d),
+        BLOCK_D=block_d, ACC=acc, PRECISION=precision, **config,
     )  # fmt: skip
     return o, lse
 
@@ -423,24 +472,40 @@ def banded_backward(
     do = do.contiguous()
     assert same_layout(do, o)  # one set of strides indexes do, o and q
     assert same_layout(o, q)
-    block_m, block_n, block_d = block_sizes(D)
+    block_d = block_sizes(D)[2]
+    dkdv_config, dq_config = kernel_config("dkdv", q.dtype, D), kernel_config("dq", q.dtype, D)
     acc, precision = kernel_dtypes(q.dtype)
     delta = torch.empty_like(lse)
-    _delta_kernel[(triton.cdiv(Tq, block_m), B * HQ)](
-        o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=block_m, BLOCK_D=block_d, ACC=acc
+    _delta_kernel[(triton.cdiv(Tq, 64), B * HQ)](
+        o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=64, BLOCK_D=block_d, ACC=acc
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
+    G = HQ // HKV
+    key_tiles = triton.cdiv(Nk, dkdv_config["BLOCK_N"])
+    splits = head_splits(key_tiles * B * HKV, G, B * Nk * HKV * D, program_target(q.device))
+    if splits == 1:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk_out, dv_out = dk, dv
+        d_strides = (0, *dk.stride()[:3])
+    else:  # partial sums per split, in float32, then one sum
+        part_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+        dk_out = torch.empty(splits, B, Nk, HKV, D, dtype=part_dtype, device=k.device)
+        dv_out = torch.empty_like(dk_out)
+        d_strides = dk_out.stride()[:4]
+    assert same_layout(dk_out, dv_out)
     common = dict(
         KEY_STRIDE=key_stride, KEY_OFFSET=key_offset, HAS_WINDOW=window is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, ACC=acc, PRECISION=precision,
-        **launch_options(q.dtype, block_d),
+        BLOCK_D=block_d, ACC=acc, PRECISION=precision,
     )  # fmt: skip
-    _bwd_dkdv_kernel[(triton.cdiv(Nk, block_n), B * HKV)](
-        q, k, v, do, lse, delta, dk, dv, *q.stride()[:3], *k.stride()[:3],
-        HQ, HKV, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common,
+    _bwd_dkdv_kernel[(key_tiles, B * HKV, splits)](
+        q, k, v, do, lse, delta, dk_out, dv_out, *q.stride()[:3], *k.stride()[:3], *d_strides,
+        HQ, HKV, G, G // splits, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E,
+        **common, **dkdv_config,
     )  # fmt: skip
-    _bwd_dq_kernel[(triton.cdiv(Tq, block_m), B * HQ)](
+    if splits > 1:
+        dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
+    _bwd_dq_kernel[(triton.cdiv(Tq, dq_config["BLOCK_M"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
-        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common,
+        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common, **dq_config,
     )  # fmt: skip
     return dq, dk, dv

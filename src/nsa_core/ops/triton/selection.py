@@ -34,7 +34,7 @@ MIN_CHUNK = 2048
 WORKSPACE_BYTES = 64 << 20
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "q_offset"])
 def _selected_fwd_kernel(
     Q,
     K,
@@ -125,7 +125,7 @@ def _selected_fwd_kernel(
     tl.store(LSE + (i_b * Tq + i_t) * (HKV * G) + heads, b_lse, mask=m_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "q_offset"])
 def _selected_bwd_dq_kernel(
     Q,
     K,
@@ -217,7 +217,7 @@ def _selected_bwd_dq_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tq", "Tk", "Ns", "q_offset"])
 def _selected_bwd_dkdv_kernel(
     Q,
     K,
@@ -345,7 +345,7 @@ def _selected_bwd_dkdv_kernel(
             tl.store(WV + o_w, b_dv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Tk", "Ns"])
 def _selected_bwd_reduce_kernel(
     DK,
     DV,
@@ -426,6 +426,19 @@ def _num_stages(dtype: torch.dtype, tiles: dict[str, int]) -> int:
     return 3 if tile_bytes <= 16 << 10 else 2
 
 
+# Per-kernel overrides ("fwd", "dq", "dkdv" -> num_warps, num_stages, and BLOCK_R for dkdv); empty: the
+# defaults. benchmarks/tune_triton.py sets them to time other launch options.
+LAUNCH: dict[str, dict[str, int]] = {}
+_WARPS = {"fwd": 4, "dq": 4, "dkdv": 8}
+
+
+def _launch(kind: str, dtype: torch.dtype, tiles: dict[str, int]) -> dict[str, int]:
+    config = dict(num_warps=_WARPS[kind], num_stages=_num_stages(dtype, tiles))
+    if kind == "dkdv":
+        config["BLOCK_R"] = _rows(tiles)
+    return {**config, **LAUNCH.get(kind, {})}
+
+
 def _rows(tiles: dict[str, int]) -> int:
     # dK/dV rows per step (query tokens x heads of one group): with two [l', D] fp32 accumulators live, 64
     # rows spill registers at D = 128 (sm_90 compiles: ~900 B of stack), 32 rows at 8 warps do not
@@ -463,7 +476,7 @@ def selected_fwd(
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(block_idx),
         Tq, q_offset, scale * LOG2E,
         HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=_num_stages(q.dtype, tiles), **tiles,
+        **_launch("fwd", q.dtype, tiles), **tiles,
     )  # fmt: skip
     return o, lse
 
@@ -538,7 +551,7 @@ def selected_bwd(
         *_strides(block_idx),
         Tq, q_offset, scale * LOG2E, scale,
         HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=precision,
-        num_warps=4, num_stages=_num_stages(q.dtype, tiles), **tiles,
+        **_launch("dq", q.dtype, tiles), **tiles,
     )  # fmt: skip
 
     offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
@@ -562,8 +575,7 @@ def selected_bwd(
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         Tq, Tk, num_sel_blocks, q_offset, scale * LOG2E, scale,
         HKV=HKV, G=G, D=D, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
-        BLOCK_R=_rows(tiles), BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, PRECISION=precision,
-        num_warps=8, num_stages=_num_stages(q.dtype, tiles),
+        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, PRECISION=precision, **_launch("dkdv", q.dtype, tiles),
     )  # fmt: skip
     if n_chunks > 1:
         _selected_bwd_reduce_kernel[grid](

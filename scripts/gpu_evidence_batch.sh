@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Several parts of scripts/gpu_evidence.sh at once in one device call, on the same GPU(s): most of their
+# cases are small and each spends ~10 s starting its worker, so three parts side by side take about the
+# time of the longest. Peak memory stays per process (each case's figure is its own); times interfere, so
+# time figures from a batch are marked as such in EVIDENCE.md. Keep memory-hungry parts (part5's 64k
+# scale, whose out-of-memory point must be the card's) out of a batch.
+# Returns in $OUT: evidence-batch-summary.txt (every part's table), evidence-batch-logs.tgz (every part's
+# step logs and console output), evidence-<part>-runs.tgz per part and part1's evidence-part1-profile.tgz.
+#   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_evidence_batch.sh part1 part2 part4
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/nsa-evidence/out}
+stage=/tmp/nsa-evidence/batch
+rm -rf "$stage"
+mkdir -p "$out" "$stage"
+for part in "$@"; do
+  mkdir -p "$stage/$part"
+  OUT=$stage/$part BUDGET=${BUDGET:-550} bash scripts/gpu_evidence.sh "$part" >"$stage/$part/console.log" 2>&1 &
+  sleep 5  # stagger the first workers' start-up
+done
+wait
+for part in "$@"; do
+  cat "$stage/$part/evidence-$part-summary.txt" 2>/dev/null || { echo "=== $part: no summary"; tail -n 20 "$stage/$part/console.log"; }
+  echo
+done | tee "$out/evidence-batch-summary.txt"
+(cd "$stage" && tar -czf "$out/evidence-batch-logs.tgz" ./*/console.log ./*/evidence-*-logs.tgz 2>/dev/null)
+for part in "$@"; do
+  for f in "$stage/$part"/evidence-"$part"-{runs,profile}.tgz; do
+    [[ -f $f ]] && cp "$f" "$out/"
+  done
+done
+ls -la "$out"

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call for the Triton kernels (issue 7), on one GPU, in parts so each fits a call:
+#   tests    the tests/core/triton folder at real sizes (CUDA_SIZES), slowest tests listed
+#   profile  benchmarks/nsa_profile.py: time per kernel at 8k and 64k (G=16) and 16k (m7c-125m, G=6)
+#   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at three shapes
+#   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
+#   gqa      benchmarks/nsa_op.py at G=4 and G=6 (m7c-125m's 12 heads / 2 KV heads, head dim 64)
+#   model    benchmarks/model_step.py: m7c-125m training tokens/s and peak, triton vs cuDNN dense
+# Usage: bash scripts/gpu_triton.sh PART... (each part has a time limit; logs and a table in $OUT)
+#   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_triton.sh tests profile
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu-triton-out}
+mkdir -p "$out"
+source scripts/gpu_env.sh
+declare -a rows=()
+step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $out/NAME.log, remember rc and time
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "=== $name: $*"
+  timeout -s INT -k 20 "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$out/$name.log" | cut -c1-160
+  rows+=("$(printf '%-10s rc=%-3s %5ss' "$name" "$rc" "$((SECONDS - start))")")
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for part in "$@"; do
+  case $part in
+    tests) step tests "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider --durations=12 tests/core/triton ;;
+    profile)
+      step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
+      [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
+    tune) step tune "${TUNE_S:-300}" python3 benchmarks/tune_triton.py ;;
+    bench) step bench "${BENCH_S:-240}" python3 benchmarks/nsa_op.py --json "$out/nsa_op.json" ;;
+    gqa)
+      step gqa-g4 90 python3 benchmarks/nsa_op.py --heads 16 --kv-heads 4 --seq-lens 8192 65536 --json "$out/g4.json"
+      step gqa-g6 90 python3 benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 8192 65536 --json "$out/g6.json" ;;
+    model) step model "${MODEL_S:-200}" python3 benchmarks/model_step.py --seq-lens 2048 16384 --json "$out/model.json" ;;
+    *) echo "unknown part $part (tests, profile, tune, bench, gqa, model)"; exit 2 ;;
+  esac
+done
+echo; printf '%s\n' "${rows[@]}"
