@@ -36,6 +36,7 @@ from nsa_core.layers.attention import BlockCompressor
 from nsa_core.ops.compression import unfold_blocks
 from nsa_core.ops.triton import (
     triton_compressed_attention,
+    triton_gated_sum,
     triton_selected_attention,
     triton_sliding_window_attention,
 )
@@ -67,9 +68,7 @@ class NSAOp(torch.nn.Module):
         return o_cmp, o_sel, o_win
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gates = torch.sigmoid(gate)[..., None]  # [B, T, HQ, 3, 1]
-        o_cmp, o_sel, o_win = self.branches(q, k, v)
-        return gates[..., 0, :] * o_cmp + gates[..., 1, :] * o_sel + gates[..., 2, :] * o_win
+        return triton_gated_sum(gate, *self.branches(q, k, v))  # sigmoid gates, one pass each way
 
 
 def sdpa(backend: SDPBackend) -> Callable[..., torch.Tensor]:

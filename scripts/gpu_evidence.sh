@@ -69,14 +69,13 @@ out=${OUT:-/tmp/nsa-evidence/out}
 work=/tmp/nsa-evidence/$part${CHECK:+-check-$CHECK}
 logs=$work/logs runs=$work/runs
 rm -rf "$work"
-mkdir -p "$out" "$logs" "$runs" "$work/py"
+mkdir -p "$out" "$logs" "$runs"
 if [[ -z $CHECK ]]; then
   source scripts/gpu_env.sh  # the carried wheels into /tmp/site; PYTHONPATH with src; unbuffered output
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 fi
-export PYTHONPATH=$work/py:$PYTHONPATH  # where the --model factory for the Triton backends goes
-[[ $CHECK == cpu ]] && export TRITON_INTERPRET=1  # the Triton kernels on the CPU, through the interpreter
+[[ $CHECK ]] && export TRITON_INTERPRET=1  # the Triton kernels on the CPU, through the interpreter
 diag=("$PY" -m nsa_diag)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
@@ -171,26 +170,8 @@ compare() {  # compare NAME TAG_A TAG_B: `nsa-diag compare` of two steps' run fo
   step "$name" 60 "${diag[@]}" compare "$a" "$b" --out "$runs/$name.md"
 }
 
-# The Triton backends for the long sequences: the CLI's own --sel/--cmp/--win triton where it has them;
-# otherwise (this revision: the choices stop at the torch backends, and `--sel triton` exits 2) the same
-# built-in model through --model, a factory that only switches the three backends to "triton".
-if "$PY" -c 'from nsa_diag._cli_utils import SelBackend as S, CmpBackend as C, WinBackend as W
-[E("triton") for E in (S, C, W)]' 2>/dev/null; then
-  triton=(--sel triton --cmp triton --win triton)
-else
-  cat >"$work/py/nsa_evidence_triton.py" <<'EOF'
-"""--model factory for gpu_evidence.sh: the built-in TinyLM of the case (preset + overrides), every branch
-on its Triton backend."""
-import nsa_core
-
-TRITON = {"sel_backend": "triton", "cmp_backend": "triton", "win_backend": "triton"}
-
-
-def build(spec):
-    return nsa_core.TinyLM(nsa_core.preset(spec.preset, **{**spec.overrides, **TRITON}))
-EOF
-  triton=(--model nsa_evidence_triton:build)
-fi
+# The Triton backends, named (on CUDA they are also what a case runs where it names no backend)
+triton=(--sel triton --cmp triton --win triton)
 
 cuda=(--device cuda)
 m7c5=(--preset m7c-125m --layers 5 --batch 1 "${cuda[@]}")     # the seeds' 5-layer repro (dim 768, GQA 12/2)
@@ -204,14 +185,14 @@ part1() {  # branch isolation, backends, introspection: ~26 cases, about 7 minut
   ds seed000-branch-isolation-5L 120 branch "${m7c5[@]}" --seq-len 512
   # 002 A.2-A.4: backend sweeps, each branch alone, loss and every gradient against the reference backends
   # (the seeds' "parity" path); S=128 keeps the per-token reference at seconds
-  ds seed002-sel-backend-sweep 150 backend "${m7c5[@]}" --seq-len 128 --sel masked,packed,gather
-  ds seed002-cmp-backend-sweep 90 backend "${m7c5[@]}" --seq-len 128 --cmp masked
-  ds seed002-win-backend-sweep 90 backend "${m7c5[@]}" --seq-len 128 --win masked,chunked
+  ds seed002-sel-backend-sweep 150 backend "${m7c5[@]}" --seq-len 128 --sel masked,packed,gather,triton
+  ds seed002-cmp-backend-sweep 90 backend "${m7c5[@]}" --seq-len 128 --cmp masked,triton
+  ds seed002-win-backend-sweep 90 backend "${m7c5[@]}" --seq-len 128 --win masked,chunked,triton
   # 001 phase 3 ("no memory advantage between backends at S=2048"): the whole 5-layer model per selection
   # backend over S=512..2048, so the fit shows how each grows (parity at S=2048 would need the per-token
   # reference over 10k token-layers: minutes; the sweeps above give the parity)
   local sel
-  for sel in masked packed gather; do
+  for sel in masked packed gather triton; do
     ds "seed001-sel-backend-memory-$sel" 100 scale "${scale_m7c[@]}" --layers 5 --seq-lens 512,1024,2048 --sel "$sel"
   done
   # 000 "Diagnostic Tests" at S=512 and 002 B.6, B.7, C.9: profiler with the memory timeline and a CUDA
@@ -224,7 +205,7 @@ part1() {  # branch isolation, backends, introspection: ~26 cases, about 7 minut
 
 part2() {  # scaling: 33 points, about 7 minutes
   # 000 "Memory Scaling" (483 MB at 128 to 20.5 GB at 2048, "O(S^2) confirmed"), 5 layers: with the
-  # dense-mask backends the seeds ran, then with the default (linear) ones; exponent, estimate, OOM length
+  # dense-mask backends the seeds ran, then with the default ones (Triton on CUDA); exponent, estimate, OOM length
   ds seed000-seq-scaling-5L-masked 180 scale "${scale_m7c[@]}" --layers 5 --seq-lens 128,256,512,1024,2048 --sel masked --win masked
   ds seed000-seq-scaling-5L 180 scale "${scale_m7c[@]}" --layers 5 --seq-lens 128,256,512,1024,2048
   # 000 "Layer Scaling" at S=512: 4, 5, 6, 8, 10 layers (scale's layer series runs at the preset's S, 2048,

@@ -215,6 +215,11 @@ class NSAAttention(nn.Module):
 
         c.length = num_keys
         outputs = {name: self.branch_out[name](o) for name, o in outputs.items()}
-        gates = torch.sigmoid(self.gate(x)).view(B, T, cfg.heads, 3, 1)  # per head: cmp, sel, win
-        out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
+        gate_logits = self.gate(x).view(B, T, cfg.heads, 3)  # per head: cmp, sel, win
+        if len(outputs) == 3 and nsa.sel_backend == nsa.cmp_backend == nsa.win_backend == "triton":
+            gated_sum = triton_op("gates", "triton_gated_sum")  # one pass each way instead of ~10
+            out = gated_sum(gate_logits, outputs["cmp"], outputs["sel"], outputs["win"])
+        else:
+            gates = torch.sigmoid(gate_logits)[..., None]
+            out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))

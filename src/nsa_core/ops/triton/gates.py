@@ -1,0 +1,120 @@
+"""The gated sum of the three branch outputs in one Triton pass each way.
+
+``out = sigmoid(g_cmp) * o_cmp + sigmoid(g_sel) * o_sel + sigmoid(g_win) * o_win`` per (token, head), with
+``gate_logits [B, T, HQ, 3]`` and the outputs ``[B, T, HQ, D]``. In torch that is a sigmoid, three
+products and two sums forward and about twice as many passes backward over head-dim-wide tensors; here
+the forward reads each output once and writes ``out``, the backward reads ``do`` and the outputs once and
+writes their gradients and the gates' (``dg_b = s_b (1 - s_b) <do, o_b>``). Arithmetic in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _gated_sum_fwd_kernel(
+    gate,
+    o_cmp,
+    o_sel,
+    o_win,
+    out,
+    rows,
+    D,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # one program per BLOCK_R rows (token, head); every tensor contiguous: row r at r * D, gate r at r * 3
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < rows
+    mask = mask_r[:, None] & (offs_d < D)[None, :]
+    ptr = offs_r[:, None] * D + offs_d[None, :]
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for b, o in ((0, o_cmp), (1, o_sel), (2, o_win)):
+        s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
+        acc += s[:, None] * tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + ptr, acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _gated_sum_bwd_kernel(
+    gate,
+    o_cmp,
+    o_sel,
+    o_win,
+    do,
+    d_gate,
+    d_cmp,
+    d_sel,
+    d_win,
+    rows,
+    D,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < rows
+    mask = mask_r[:, None] & (offs_d < D)[None, :]
+    ptr = offs_r[:, None] * D + offs_d[None, :]
+    do_tile = tl.load(do + ptr, mask=mask, other=0.0).to(tl.float32)
+    for b, o, d_o in ((0, o_cmp, d_cmp), (1, o_sel, d_sel), (2, o_win, d_win)):
+        s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
+        o_tile = tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(d_o + ptr, (s[:, None] * do_tile).to(d_o.dtype.element_ty), mask=mask)
+        dg = s * (1.0 - s) * tl.sum(do_tile * o_tile, 1)
+        tl.store(d_gate + offs_r * 3 + b, dg.to(d_gate.dtype.element_ty), mask=mask_r)
+
+
+def _launch_shape(D: int) -> tuple[int, int]:
+    block_d = max(16, triton.next_power_of_2(D))
+    return max(1, 4096 // block_d), block_d  # BLOCK_R x BLOCK_D = 4096 elements a program
+
+
+class GatedSumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_logits, o_cmp, o_sel, o_win):  # type: ignore[override]
+        rows, D = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
+        out = torch.empty_like(o_cmp)
+        block_r, block_d = _launch_shape(D)
+        if rows:
+            _gated_sum_fwd_kernel[(triton.cdiv(rows, block_r),)](
+                gate_logits, o_cmp, o_sel, o_win, out, rows, D, BLOCK_R=block_r, BLOCK_D=block_d
+            )
+        ctx.save_for_backward(gate_logits, o_cmp, o_sel, o_win)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        gate_logits, o_cmp, o_sel, o_win = ctx.saved_tensors
+        do = do.contiguous()
+        rows, D = o_cmp.numel() // o_cmp.shape[-1], o_cmp.shape[-1]
+        d_gate = torch.empty_like(gate_logits)
+        d_cmp, d_sel, d_win = torch.empty_like(o_cmp), torch.empty_like(o_sel), torch.empty_like(o_win)
+        block_r, block_d = _launch_shape(D)
+        if rows:
+            _gated_sum_bwd_kernel[(triton.cdiv(rows, block_r),)](
+                gate_logits, o_cmp, o_sel, o_win, do, d_gate, d_cmp, d_sel, d_win, rows, D,
+                BLOCK_R=block_r, BLOCK_D=block_d,
+            )  # fmt: skip
+        return d_gate, d_cmp, d_sel, d_win
+
+
+def triton_gated_sum(
+    gate_logits: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor
+) -> torch.Tensor:
+    """``sum_b sigmoid(gate_logits[..., b, None]) * o_b`` over b = cmp, sel, win.
+
+    ``gate_logits [B, T, HQ, 3]``, outputs ``[B, T, HQ, D]`` of one dtype; returns ``[B, T, HQ, D]`` in the
+    outputs' dtype, differentiable in all four inputs.
+    """
+    if gate_logits.shape != (*o_cmp.shape[:-1], 3):
+        raise ValueError(f"gate_logits {tuple(gate_logits.shape)} must be {(*o_cmp.shape[:-1], 3)}")
+    if not (o_cmp.shape == o_sel.shape == o_win.shape) or not (o_cmp.dtype == o_sel.dtype == o_win.dtype):
+        raise ValueError("the three branch outputs must share one shape and dtype")
+    return GatedSumFunction.apply(
+        gate_logits.contiguous(), o_cmp.contiguous(), o_sel.contiguous(), o_win.contiguous()
+    )
