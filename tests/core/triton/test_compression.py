@@ -176,7 +176,10 @@ def test_compressed_fp32_matches_reference(case: Case, device: str) -> None:
         if r is None or t is None:  # no block yet: k_cmp/v_cmp are empty on both sides
             assert case.num_blocks == 0
             continue
-        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+        # hot block: nearly every query puts all its weight on block 0, so its dq is p (dp - delta) with
+        # p ~ 1 and dp ~ delta: zero in float64 (1e-24) and float32 cancellation (~1e-7 x |do||v|) here
+        atol = 1e-4 if case.pattern == "hot" and name == "dq" else 1e-5
+        assert_close(name, r, t, FP32_RATIO, atol=atol)
 
 
 @pytest.mark.parametrize("case", CASES)
