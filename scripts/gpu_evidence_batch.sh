@@ -6,6 +6,7 @@
 # scale, whose out-of-memory point must be the card's) out of a batch.
 # Returns in $OUT: evidence-batch-summary.txt (every part's table), evidence-batch-logs.tgz (every part's
 # step logs and console output), evidence-<part>-runs.tgz per part and part1's evidence-part1-profile.tgz.
+# The pseudo-part `triton-tests` runs tests/core/triton at real sizes beside them (triton-tests.log).
 #   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_evidence_batch.sh part1 part2 part4
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,12 +14,21 @@ out=${OUT:-/tmp/nsa-evidence/out}
 stage=/tmp/nsa-evidence/batch
 rm -rf "$stage"
 mkdir -p "$out" "$stage"
+parts=()
 for part in "$@"; do
   mkdir -p "$stage/$part"
+  if [[ $part == triton-tests ]]; then  # the Triton kernel tests at real sizes, beside the parts
+    (source scripts/gpu_env.sh && timeout -s INT -k 20 "${BUDGET:-550}" python3 -m pytest -q -p no:cacheprovider \
+      --durations=15 tests/core/triton) >"$out/triton-tests.log" 2>&1 &
+    continue
+  fi
+  parts+=("$part")
   OUT=$stage/$part BUDGET=${BUDGET:-550} bash scripts/gpu_evidence.sh "$part" >"$stage/$part/console.log" 2>&1 &
   sleep 5  # stagger the first workers' start-up
 done
 wait
+[[ -f $out/triton-tests.log ]] && tail -n 30 "$out/triton-tests.log"
+set -- "${parts[@]}"
 for part in "$@"; do
   cat "$stage/$part/evidence-$part-summary.txt" 2>/dev/null || { echo "=== $part: no summary"; tail -n 20 "$stage/$part/console.log"; }
   echo
