@@ -14,6 +14,23 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _gated(acc, gate, o, b, offs_r, mask_r, ptr, mask):
+    # acc + sigmoid(gate[:, b]) * o, in float32
+    s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
+    return acc + s[:, None] * tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gated_grads(do_tile, gate, o, d_o, d_gate, b, offs_r, mask_r, ptr, mask):
+    # d_o = sigmoid(g_b) * do; d_gate[:, b] = s (1 - s) <do, o_b>
+    s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
+    o_tile = tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(d_o + ptr, (s[:, None] * do_tile).to(d_o.dtype.element_ty), mask=mask)
+    dg = s * (1.0 - s) * tl.sum(do_tile * o_tile, 1)
+    tl.store(d_gate + offs_r * 3 + b, dg.to(d_gate.dtype.element_ty), mask=mask_r)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gated_sum_fwd_kernel(
     gate,
@@ -33,9 +50,9 @@ def _gated_sum_fwd_kernel(
     mask = mask_r[:, None] & (offs_d < D)[None, :]
     ptr = offs_r[:, None] * D + offs_d[None, :]
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for b, o in ((0, o_cmp), (1, o_sel), (2, o_win)):
-        s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
-        acc += s[:, None] * tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
+    acc = _gated(acc, gate, o_cmp, 0, offs_r, mask_r, ptr, mask)
+    acc = _gated(acc, gate, o_sel, 1, offs_r, mask_r, ptr, mask)
+    acc = _gated(acc, gate, o_win, 2, offs_r, mask_r, ptr, mask)
     tl.store(out + ptr, acc.to(out.dtype.element_ty), mask=mask)
 
 
@@ -61,12 +78,9 @@ def _gated_sum_bwd_kernel(
     mask = mask_r[:, None] & (offs_d < D)[None, :]
     ptr = offs_r[:, None] * D + offs_d[None, :]
     do_tile = tl.load(do + ptr, mask=mask, other=0.0).to(tl.float32)
-    for b, o, d_o in ((0, o_cmp, d_cmp), (1, o_sel, d_sel), (2, o_win, d_win)):
-        s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
-        o_tile = tl.load(o + ptr, mask=mask, other=0.0).to(tl.float32)
-        tl.store(d_o + ptr, (s[:, None] * do_tile).to(d_o.dtype.element_ty), mask=mask)
-        dg = s * (1.0 - s) * tl.sum(do_tile * o_tile, 1)
-        tl.store(d_gate + offs_r * 3 + b, dg.to(d_gate.dtype.element_ty), mask=mask_r)
+    _gated_grads(do_tile, gate, o_cmp, d_cmp, d_gate, 0, offs_r, mask_r, ptr, mask)
+    _gated_grads(do_tile, gate, o_sel, d_sel, d_gate, 1, offs_r, mask_r, ptr, mask)
+    _gated_grads(do_tile, gate, o_win, d_win, d_gate, 2, offs_r, mask_r, ptr, mask)
 
 
 def _launch_shape(D: int) -> tuple[int, int]:
