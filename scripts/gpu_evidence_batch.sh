@@ -6,7 +6,8 @@
 # scale, whose out-of-memory point must be the card's) out of a batch.
 # Returns in $OUT: evidence-batch-summary.txt (every part's table), evidence-batch-logs.tgz (every part's
 # step logs and console output), evidence-<part>-runs.tgz per part and part1's evidence-part1-profile.tgz.
-# The pseudo-part `triton-tests` runs tests/core/triton at real sizes beside them (triton-tests.log).
+# The pseudo-part `triton-tests` runs tests/core/triton at real sizes beside them (triton-tests.log);
+# `gpu-smoke` runs `make gpu-smoke` in a fresh clone of HEAD (gpu-smoke.log).
 #   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_evidence_batch.sh part1 part2 part4
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +23,25 @@ for part in "$@"; do
       --durations=15 tests/core/triton) >"$out/triton-tests.log" 2>&1 &
     continue
   fi
+  if [[ $part == gpu-smoke ]]; then  # `make gpu-smoke` from a fresh clone of this checkout's HEAD
+    (
+      fresh=/tmp/nsa-evidence/fresh-clone
+      rm -rf "$fresh"
+      git clone -q . "$fresh" && cp -r .whl "$fresh/" 2>/dev/null
+      cd "$fresh" && git log --oneline -1 && source scripts/gpu_env.sh \
+        && GPU_SMOKE_OUT=/tmp/nsa-evidence/gpu-smoke timeout -s INT -k 20 "${BUDGET:-550}" \
+          make gpu-smoke NSA_DIAG='python3 -m nsa_diag'
+      echo "make gpu-smoke: rc=$?"
+    ) >"$out/gpu-smoke.log" 2>&1 &
+    continue
+  fi
   parts+=("$part")
   OUT=$stage/$part BUDGET=${BUDGET:-550} bash scripts/gpu_evidence.sh "$part" >"$stage/$part/console.log" 2>&1 &
   sleep 5  # stagger the first workers' start-up
 done
 wait
 [[ -f $out/triton-tests.log ]] && tail -n 30 "$out/triton-tests.log"
+[[ -f $out/gpu-smoke.log ]] && tail -n 30 "$out/gpu-smoke.log"
 set -- "${parts[@]}"
 for part in "$@"; do
   cat "$stage/$part/evidence-$part-summary.txt" 2>/dev/null || { echo "=== $part: no summary"; tail -n 20 "$stage/$part/console.log"; }
