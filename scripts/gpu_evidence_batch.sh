@@ -27,7 +27,11 @@ for part in "$@"; do
     (
       fresh=/tmp/nsa-evidence/fresh-clone
       rm -rf "$fresh"
-      git clone -q . "$fresh" && cp -r .whl "$fresh/" 2>/dev/null
+      if ! git clone -q . "$fresh"; then  # no repository in this copy: the tree as it came, without outputs
+        echo "git clone failed: copying the working tree instead"
+        mkdir -p "$fresh" && tar -c --exclude=./nsa-diag-runs --exclude=./.whl . | tar -x -C "$fresh"
+      fi
+      cp -r .whl "$fresh/" 2>/dev/null
       cd "$fresh" && git log --oneline -1 && source scripts/gpu_env.sh \
         && GPU_SMOKE_OUT=/tmp/nsa-evidence/gpu-smoke timeout -s INT -k 20 "${BUDGET:-550}" \
           make gpu-smoke NSA_DIAG='python3 -m nsa_diag'
