@@ -79,7 +79,10 @@ def _poisoned(make: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = make(*args, **kwargs)
         if out.is_floating_point():
-            out.fill_(float("nan"))
+            with (
+                torch.no_grad()
+            ):  # a leaf that requires grad (torch.utils.checkpoint makes one) may be filled
+                out.fill_(float("nan"))
         return out
 
     return wrapper

@@ -213,15 +213,17 @@ def test_compressed_low_precision_within_torch_error(case: Case, dtype: torch.dt
             assert case.num_blocks == 0
             continue
         assert t.dtype == dtype
-        assert_close(name, r, t, ratio=1.0)  # finite, same shape
+        assert t.shape == r.shape, name
+        assert torch.isfinite(t).all(), f"{name}: non-finite values"
         bound = LOW_PRECISION_FACTOR * get_err_ratio(r, base) + LOW_PRECISION_FLOOR
         assert get_err_ratio(r, t) <= bound, f"{name}: {get_err_ratio(r, t):.3e} > {bound:.3e}"
-    # the selection in low precision: the same blocks up to near ties of the float64 importance
-    ref_imp, ref_idx = _reference_selection(case, inputs)
-    q, k, v, _ = (x.to(dtype) for x in inputs)
+    # the selection in low precision: the blocks the float64 importance of the same rounded inputs picks,
+    # up to its near ties (rounding q and k to bf16 alone reorders near ties in ~13% of random rows)
+    rounded = tuple(x.to(dtype) for x in inputs)
+    ref_imp, ref_idx = _reference_selection(case, tuple(x.double() for x in rounded))
+    q, k, v, _ = rounded
     _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
-    differ = (ref_idx != tri_idx).any(-1).float().mean().item()
-    assert differ <= 0.05, f"{differ:.1%} of rows select other blocks in {dtype}"
+    assert_same_selection(ref_idx, tri_idx, ref_imp)
 
 
 TOP_N = [

@@ -106,7 +106,8 @@ def test_window_low_precision_within_torch_error(case: Case, dtype: torch.dtype,
     tri = _run(triton_sliding_window_attention, case, inputs, dtype)
     for name, r, base, t in zip(("o", "dq", "dk", "dv"), ref, torch_lp, tri, strict=True):
         assert t.dtype == dtype
-        assert_close(name, r, t, ratio=1.0)  # finite, same shape
+        assert t.shape == r.shape, name
+        assert torch.isfinite(t).all(), f"{name}: non-finite values"  # w=1: dq is 0 up to rounding
         bound = LOW_PRECISION_FACTOR * get_err_ratio(r, base) + LOW_PRECISION_FLOOR
         assert get_err_ratio(r, t) <= bound, f"{name}: {get_err_ratio(r, t):.3e} > {bound:.3e}"
 
