@@ -39,6 +39,8 @@
 # Every step has a time limit, cut to what is left of the part's budget (BUDGET, default 540 s, of which
 # RESERVE, 45 s, is kept for the reports and the archives); a step that no longer fits is listed as not run.
 #
+# ONLY="NAME NAME ..." runs just those steps of the part(s) (a rerun of what a budget cut off).
+#
 # Expected rc other than 0: seed003-gc-bisect-full 1 (the case passes with gc all: nothing to bisect),
 # seed003-ddp-missing-params 1 (grad-missing, by injection); any compare 1 means a case got worse.
 #
@@ -111,6 +113,9 @@ check_args() {  # check_args COMMAND...: the command for EVIDENCE_CHECK, in the 
 
 step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $logs/NAME.log, remember rc and time
   local name=$1 limit=$2; shift 2
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $name "* && $name != report-* && $name != env-* ]]; then
+    return  # ONLY="step names": just those (and the reports of what ran)
+  fi
   local left=$((part_end - SECONDS)) start=$SECONDS
   if ((left < 20)); then
     rows+=("$(printf '%-46s rc=%-3s %5ss  %s' "$name" "-" 0 "not run: the part's budget is spent")")
