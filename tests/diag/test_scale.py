@@ -191,3 +191,26 @@ def test_bad_sweep_options_exit_2_without_a_run_folder(
     assert run_cli(["scale", *args, "--out", str(tmp_path / "runs")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_estimator_names_the_phase_of_the_peak_and_the_fit_skips_optimizer_bound_points() -> None:
+    import nsa_core
+    from nsa_diag.analysis.sweep import growth_points
+
+    triton = nsa_core.preset(
+        "m7c-125m", layers=5, sel_backend="triton", cmp_backend="triton", win_backend="triton"
+    )
+    small = estimate_peak_memory(triton, seq_len=512, batch=1, device="cuda:0")
+    big = estimate_peak_memory(triton, seq_len=8192, batch=1, device="cuda:0")
+    assert (small.phase, big.phase) == ("optimizer", "backward")
+    cpu = estimate_peak_memory(triton, seq_len=512, batch=1)
+    assert (
+        small.total - cpu.total == 4 * count_params(triton) + 64 << 20
+    )  # AdamW's foreach temporaries, cuBLAS
+    points = [
+        {"x": 512, "device": "cuda:0", "estimate": small.to_json()},
+        {"x": 8192, "device": "cuda:0", "estimate": big.to_json()},
+        {"x": 512, "device": "cpu", "estimate": cpu.to_json()},  # peak RSS: every point counts
+        {"x": 1024, "device": "cuda:0", "estimate": None},
+    ]
+    assert [p["x"] for p in growth_points(points)] == [8192, 512, 1024]

@@ -163,12 +163,29 @@ def _add_estimator_errors(points: list[dict[str, Any]], fit: GrowthFit | None, o
             p["estimate_above_fixed_rel_err"] = (growing - measured) / measured
 
 
+def growth_points(passed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points whose peak comes from the activations: where the estimate puts a point's peak in the
+    optimizer step (parameters, gradients, moments: the same at every S), its peak says nothing of the
+    growth, and a flat run of such points ahead of the growing ones makes a power law look steep (the
+    Triton backends at S <= 2048 read as "quadratic" that way). On CUDA only: the CPU's peak RSS is a
+    high-water mark that keeps the activations' pages whichever phase the estimate names, and its fit has
+    the runtime in the fixed part. All points when the estimate is absent."""
+
+    def optimizer_bound(p: dict[str, Any]) -> bool:
+        on_cuda = (p.get("device") or "").startswith("cuda")
+        return on_cuda and (p.get("estimate") or {}).get("phase") == "optimizer"
+
+    return [p for p in passed if not optimizer_bound(p)]
+
+
 def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, Any]:
     """The series' points, fits, quadratic flag and predicted limit, as written to scale.json."""
     points = [point_record(x, spec, series.results.get(x)) for x, spec in series.points]
     passed = [p for p in points if p["verdict"] == "pass" and p.get("peak_memory_bytes")]
-    xs = [p["x"] for p in passed]
-    memory_fit = fit_growth(xs, [p["peak_memory_bytes"] for p in passed], with_fixed=True)
+    growing = growth_points(passed)
+    memory_fit = fit_growth(
+        [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
+    )
     time_fit = fit_growth(
         [p["x"] for p in passed if p.get("step_s")],
         [p["step_s"] for p in passed if p.get("step_s")],
@@ -198,6 +215,7 @@ def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, 
         "points": points,
         "stopped_by": series.stopped_by,
         "memory_fit": memory_fit.to_json() if memory_fit else None,
+        "memory_fit_points": [p["x"] for p in growing],
         "time_fit": time_fit.to_json() if time_fit else None,
         "memory_quadratic": bool(memory_fit and memory_fit.quadratic),
         "time_quadratic": bool(time_fit and time_fit.quadratic),
@@ -338,6 +356,16 @@ def render_scale(report: dict[str, Any]) -> None:
                 "-" if tokens is None else f"{tokens:,.0f}",
             )
         console.print(table)
+        left_out = len([p for p in a["points"] if p.get("verdict") == "pass"]) - len(
+            a.get("memory_fit_points", [])
+        )
+        if left_out > 0:
+            console.print(
+                f"  memory fit over {a.get('memory_fit_points')}: {left_out} point(s) left out, whose"
+                " estimated peak is the optimizer step (the same at every S)",
+                markup=False,
+                highlight=False,
+            )
         for what in ("memory", "time"):
             fit = a[f"{what}_fit"]
             gfit = None
