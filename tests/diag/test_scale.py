@@ -204,8 +204,8 @@ def test_estimator_names_the_phase_of_the_peak_and_the_fit_skips_optimizer_bound
     big = estimate_peak_memory(triton, seq_len=8192, batch=1, device="cuda:0")
     assert (small.phase, big.phase) == ("optimizer", "backward")
     cpu = estimate_peak_memory(triton, seq_len=512, batch=1)
-    assert (
-        small.total - cpu.total == 4 * count_params(triton) + 64 << 20
+    assert small.total - cpu.total == 4 * count_params(triton) + (
+        64 << 20
     )  # AdamW's foreach temporaries, cuBLAS
     points = [
         {"x": 512, "device": "cuda:0", "estimate": small.to_json()},
