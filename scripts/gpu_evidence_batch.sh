@@ -6,7 +6,8 @@
 # scale, whose out-of-memory point must be the card's) out of a batch.
 # Returns in $OUT: evidence-batch-summary.txt (every part's table), evidence-batch-logs.tgz (every part's
 # step logs and console output), evidence-<part>-runs.tgz per part and part1's evidence-part1-profile.tgz.
-# The pseudo-part `triton-tests` runs tests/core/triton at real sizes beside them (triton-tests.log);
+# The pseudo-part `triton-tests` runs tests/core/triton at real sizes beside them (triton-tests.log; the
+# pytest arguments from TRITON_TESTS when set);
 # `gpu-smoke` runs `make gpu-smoke` in a fresh clone of HEAD (gpu-smoke.log).
 #   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_evidence_batch.sh part1 part2 part4
 set -uo pipefail
@@ -20,7 +21,7 @@ for part in "$@"; do
   mkdir -p "$stage/$part"
   if [[ $part == triton-tests ]]; then  # the Triton kernel tests at real sizes, beside the parts
     (source scripts/gpu_env.sh && timeout -s INT -k 20 "${BUDGET:-550}" python3 -m pytest -q -p no:cacheprovider \
-      --durations=15 tests/core/triton) >"$out/triton-tests.log" 2>&1 &
+      --durations=15 ${TRITON_TESTS:-tests/core/triton}) >"$out/triton-tests.log" 2>&1 &
     continue
   fi
   if [[ $part == gpu-smoke ]]; then  # `make gpu-smoke` from a fresh clone of this checkout's HEAD

@@ -24,6 +24,13 @@ def get_abs_err(ref: torch.Tensor, tri: torch.Tensor) -> float:
     return (ref.double() - tri.double()).abs().max().item() if ref.numel() else 0.0
 
 
+# A gradient that is zero in exact arithmetic (a saturated softmax: p = 1 on one key, so p (dp - delta) = 0;
+# a decode step at t = 0 reads one key) comes out of float32/bf16 kernels as rounding noise of the size of
+# the cancelled terms: a relative error against it is meaningless. Low-precision comparisons pass when the
+# largest absolute difference stays below this; gradients elsewhere are O(1) in these tests.
+LOW_PRECISION_ATOL = 1e-3
+
+
 def get_err_ratio(ref: torch.Tensor, tri: torch.Tensor) -> float:
     if not ref.numel():
         return 0.0

@@ -25,7 +25,7 @@ from nsa_core.ops.triton.compression import (
     triton_top_n_blocks,
 )
 
-from ..utils import assert_close, get_err_ratio
+from ..utils import LOW_PRECISION_ATOL, assert_close, get_abs_err, get_err_ratio
 from .conftest import SIZES
 
 FP32_RATIO = 2e-5  # float32 kernel vs float64 reference: summation order and exp2 only
@@ -150,7 +150,9 @@ def _reference_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> tuple[
     return imp, idx
 
 
-def assert_same_selection(ref_idx: torch.Tensor, tri_idx: torch.Tensor, ref_imp: torch.Tensor) -> None:
+def assert_same_selection(
+    ref_idx: torch.Tensor, tri_idx: torch.Tensor, ref_imp: torch.Tensor, all_ties: bool = False
+) -> None:
     """Equal block lists, except slots whose two blocks tie in the reference importance (to ``TIE_TOL``)."""
     assert tri_idx.dtype == torch.long
     assert tri_idx.shape == ref_idx.shape
@@ -158,7 +160,8 @@ def assert_same_selection(ref_idx: torch.Tensor, tri_idx: torch.Tensor, ref_imp:
     if not differ.any():
         return
     rows = differ.any(-1)
-    assert rows.float().mean().item() <= MAX_TIE_ROWS, f"{int(rows.sum())} rows select other blocks"
+    if not all_ties:  # with a hot block every other block's importance is ~0: every row ties, by design
+        assert rows.float().mean().item() <= MAX_TIE_ROWS, f"{int(rows.sum())} rows select other blocks"
     for b, t, h, s in differ.nonzero().tolist():
         r, x = ref_idx[b, t, h, s].item(), tri_idx[b, t, h, s].item()
         assert min(r, x) >= 0, f"row {(b, t, h)}: slot {s} is {x}, reference {r}"
@@ -176,9 +179,10 @@ def test_compressed_fp32_matches_reference(case: Case, device: str) -> None:
         if r is None or t is None:  # no block yet: k_cmp/v_cmp are empty on both sides
             assert case.num_blocks == 0
             continue
-        # hot block: nearly every query puts all its weight on block 0, so its dq is p (dp - delta) with
-        # p ~ 1 and dp ~ delta: zero in float64 (1e-24) and float32 cancellation (~1e-7 x |do||v|) here
-        atol = 1e-4 if case.pattern == "hot" and name == "dq" else 1e-5
+        # hot block: every query puts all its weight on block 0 (a saturated softmax), so dq and dk_cmp are
+        # p (dp - delta) with p ~ 1 and dp ~ delta: zero in float64 (1e-24), float32 cancellation noise
+        # here, summed over every query for block 0's dk (1e-3 at 8k x 64 heads); o is compared as usual
+        atol = 2e-3 if case.pattern == "hot" and name != "o" else 1e-5
         assert_close(name, r, t, FP32_RATIO, atol=atol)
 
 
@@ -193,7 +197,7 @@ def test_fused_selection_matches_reference(case: Case, device: str) -> None:
     )  # fmt: skip
     assert_close("importance", ref_imp, tri_imp, FP32_RATIO, atol=1e-5)
     _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
-    assert_same_selection(ref_idx, tri_idx, ref_imp)
+    assert_same_selection(ref_idx, tri_idx, ref_imp, all_ties=case.pattern == "hot")
     only = triton_compressed_block_select(
         q, k, **{key: val for key, val in case.select.items() if key != "kv_heads"}, **case.geometry
     )
@@ -215,6 +219,8 @@ def test_compressed_low_precision_within_torch_error(case: Case, dtype: torch.dt
         assert t.dtype == dtype
         assert t.shape == r.shape, name
         assert torch.isfinite(t).all(), f"{name}: non-finite values"
+        if get_abs_err(r, t) <= LOW_PRECISION_ATOL:  # hot block or one visible block: zero, and noise
+            continue
         bound = LOW_PRECISION_FACTOR * get_err_ratio(r, base) + LOW_PRECISION_FLOOR
         assert get_err_ratio(r, t) <= bound, f"{name}: {get_err_ratio(r, t):.3e} > {bound:.3e}"
     # the selection in low precision: the blocks the float64 importance of the same rounded inputs picks,
@@ -223,7 +229,7 @@ def test_compressed_low_precision_within_torch_error(case: Case, dtype: torch.dt
     ref_imp, ref_idx = _reference_selection(case, tuple(x.double() for x in rounded))
     q, k, v, _ = rounded
     _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
-    assert_same_selection(ref_idx, tri_idx, ref_imp)
+    assert_same_selection(ref_idx, tri_idx, ref_imp, all_ties=case.pattern == "hot")
 
 
 TOP_N = [
