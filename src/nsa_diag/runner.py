@@ -339,10 +339,10 @@ def _last_sample(proc: subprocess.Popen[bytes], case_dir: Path) -> bool:
     if proc.poll() is not None or not catches_sigusr1(proc.pid):
         return False
     path = case_dir / artifacts.STACKS
-    size = path.stat().st_size if path.exists() else 0
-    if not stacks.request_sample(proc.pid, path, 1, note="nsa-diag interrupted"):
+    header_end = stacks.request_sample(proc.pid, path, 1, note="nsa-diag interrupted")
+    if header_end is None:
         return False
-    stacks.wait_for_dump(path, size)
+    stacks.wait_for_dump(path, header_end)
     return True
 
 

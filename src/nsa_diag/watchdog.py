@@ -443,9 +443,9 @@ def gather_hang_evidence(
     cpu0 = procfs.cpu_seconds(pid)
     beat0 = _heartbeat(case_dir)
     if sampling:
-        size = stacks_path.stat().st_size if stacks_path.exists() else 0
-        stacks.request_sample(pid, stacks_path, 1)
-        stacks.wait_for_dump(stacks_path, size)
+        header_end = stacks.request_sample(pid, stacks_path, 1)
+        if header_end is not None:
+            stacks.wait_for_dump(stacks_path, header_end)
     snapshot = (
         gpu.nvml_snapshot()
         if spec.device != "cpu"
@@ -457,9 +457,9 @@ def gather_hang_evidence(
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:
-        size = stacks_path.stat().st_size if stacks_path.exists() else 0
-        stacks.request_sample(pid, stacks_path, 2)
-        stacks.wait_for_dump(stacks_path, size)
+        header_end = stacks.request_sample(pid, stacks_path, 2)
+        if header_end is not None:
+            stacks.wait_for_dump(stacks_path, header_end)
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
     if beat0 is not None and beat1 is not None and beat0 > 0:
         ev.heartbeat_between = beat1 > beat0

@@ -362,3 +362,38 @@ def test_a_worker_that_finished_but_does_not_exit_is_a_hang_that_says_so() -> No
     assert v.reason.startswith(
         "the worker reported grad-missing but did not exit: no progress for 31.0 s at done;"
     )
+
+
+def test_wait_for_dump_waits_past_the_header_for_the_dump(tmp_path: Path) -> None:
+    """A real SIGUSR1 dump of a child: the wait ends with the dump in the file, not at the header alone
+    (a late dump on a loaded machine once left samples empty)."""
+    import subprocess
+    import sys
+    import time
+
+    from nsa_diag.evidence import stacks as stack_samples
+    from nsa_diag.watchdog import catches_sigusr1
+
+    path = tmp_path / "stacks.txt"
+    code = (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(path)!r}, 'a')\n"
+        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 5
+        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
+            time.sleep(0.01)
+        header_end = stack_samples.request_sample(child.pid, path, 1)
+        assert header_end is not None
+        stack_samples.wait_for_dump(path, header_end, timeout_s=5)
+        assert "<string>" in path.read_text(), path.read_text()  # the child's frame, from its dump
+    finally:
+        child.kill()
+        child.wait()
+    assert stack_samples.request_sample(child.pid, path, 2) is None  # gone

@@ -210,19 +210,27 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
-def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> bool:
-    """Write the header of sample ``number`` into ``stacks.txt`` and SIGUSR1 ``pid``; False if it is gone."""
+def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> int | None:
+    """Write the header of sample ``number`` into ``stacks.txt`` and SIGUSR1 ``pid``.
+
+    Returns the file's size once the header is written (for `wait_for_dump`), None if ``pid`` is gone.
+    """
     suffix = f" ({note})" if note else ""
     artifacts.append_text(stacks_path, f"{SAMPLE_HEADER} {number} at {_now()}{suffix}\n")
+    header_end = stacks_path.stat().st_size
     try:
         os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
-        return False
-    return True
+        return None
+    return header_end
 
 
 def wait_for_dump(stacks_path: Path, size_before: int, timeout_s: float = 0.5) -> None:
-    """Wait until faulthandler's output stops growing (it writes in a burst), at most ``timeout_s``."""
+    """Wait until faulthandler's output stops growing (it writes in a burst), at most ``timeout_s``.
+
+    ``size_before`` is `request_sample`'s answer, header included: counted without it, the header alone
+    looked like a finished dump and the wait ended before the worker had written anything.
+    """
     deadline = time.monotonic() + timeout_s
     last = -1
     while time.monotonic() < deadline:
