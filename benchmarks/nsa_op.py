@@ -171,12 +171,8 @@ def fmt_mem(r: dict | None) -> str:
     return "-" if r is None or "error" in r else f"{r['peak_mib']:.0f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536, 262144])
-    parser.add_argument("--baseline-max", type=int, default=65536, help="no SDPA baselines above this T")
+def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
+    """The op's heads, dtype and NSA geometry (PERFORMANCE.md's by default); shared by the benchmarks."""
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -186,6 +182,15 @@ def main() -> None:
     parser.add_argument("--sel-block-len", type=int, default=64)
     parser.add_argument("--n-sel", type=int, default=16)
     parser.add_argument("--window", type=int, default=512)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192, 16384, 32768, 65536, 262144])
+    parser.add_argument("--baseline-max", type=int, default=65536, help="no SDPA baselines above this T")
+    add_geometry_arguments(parser)
     parser.add_argument("--breakdown", action="store_true", help="also time each branch alone")
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args()

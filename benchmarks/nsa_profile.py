@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nsa_op import NSAOp, inputs
+from nsa_op import NSAOp, add_geometry_arguments, inputs
 
 
 def kernel_times(op: NSAOp, xs: list[torch.Tensor], steps: int) -> tuple[dict[str, float], float]:
@@ -47,15 +47,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
-    parser.add_argument("--heads", type=int, default=64)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
-    parser.add_argument("--block-len", type=int, default=32)
-    parser.add_argument("--block-stride", type=int, default=16)
-    parser.add_argument("--sel-block-len", type=int, default=64)
-    parser.add_argument("--n-sel", type=int, default=16)
-    parser.add_argument("--window", type=int, default=512)
+    add_geometry_arguments(parser)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=14, help="kernels listed per length")
     args = parser.parse_args()

@@ -15,6 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _row_tile(rows, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # this program's BLOCK_R rows (token, head); every tensor contiguous: row r at r * D, gate r at r * 3
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_r = offs_r < rows
+    mask = mask_r[:, None] & (offs_d < D)[None, :]
+    return offs_r, mask_r, offs_r[:, None] * D + offs_d[None, :], mask
+
+
+@triton.jit
 def _gated(acc, gate, o, b, offs_r, mask_r, ptr, mask):
     # acc + sigmoid(gate[:, b]) * o, in float32
     s = tl.sigmoid(tl.load(gate + offs_r * 3 + b, mask=mask_r, other=0.0).to(tl.float32))
@@ -43,12 +53,7 @@ def _gated_sum_fwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # one program per BLOCK_R rows (token, head); every tensor contiguous: row r at r * D, gate r at r * 3
-    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < rows
-    mask = mask_r[:, None] & (offs_d < D)[None, :]
-    ptr = offs_r[:, None] * D + offs_d[None, :]
+    offs_r, mask_r, ptr, mask = _row_tile(rows, D, BLOCK_R, BLOCK_D)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     acc = _gated(acc, gate, o_cmp, 0, offs_r, mask_r, ptr, mask)
     acc = _gated(acc, gate, o_sel, 1, offs_r, mask_r, ptr, mask)
@@ -72,11 +77,7 @@ def _gated_sum_bwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < rows
-    mask = mask_r[:, None] & (offs_d < D)[None, :]
-    ptr = offs_r[:, None] * D + offs_d[None, :]
+    offs_r, mask_r, ptr, mask = _row_tile(rows, D, BLOCK_R, BLOCK_D)
     do_tile = tl.load(do + ptr, mask=mask, other=0.0).to(tl.float32)
     _gated_grads(do_tile, gate, o_cmp, d_cmp, d_gate, 0, offs_r, mask_r, ptr, mask)
     _gated_grads(do_tile, gate, o_sel, d_sel, d_gate, 1, offs_r, mask_r, ptr, mask)
