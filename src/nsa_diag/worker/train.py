@@ -497,11 +497,15 @@ class Trainer:
         result["steps_done"] = self.steps_done
         if result["parity"] is None:
             result["parity"] = self.parity
-        tokens = spec.batch * spec.seq_len * len(self.step_s)
+        # Step 1 warms up (Triton compiles its kernels there, 10-15 s on a cold cache; cuDNN and the
+        # allocator settle): with more steps the rate is over steps 2.., so two runs compare as they run.
+        timed = self.step_s[1:] if len(self.step_s) > 1 else self.step_s
+        tokens = spec.batch * spec.seq_len * len(timed)
         metrics: dict[str, Any] = {
             "phase_s": self.phase_s,
             "step_s": self.step_s,
-            "tokens_per_s": tokens / sum(self.step_s) if self.step_s else None,
+            "tokens_per_s": tokens / sum(timed) if timed and sum(timed) > 0 else None,
+            "tokens_per_s_steps": "2.." if len(self.step_s) > 1 else "1",
             "loss": self.losses,
             "grad_norm": self.grad_norms,
             "params": self._params() if self.loaded is not None else None,
