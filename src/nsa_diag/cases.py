@@ -223,8 +223,7 @@ def check_triton(spec: CaseSpec) -> None:
         raise UsageError(
             f"{named[0]}: the triton package is not installed (it comes with CUDA builds of torch)"
         )
-    on_cuda = spec.device == "cuda" or (spec.device == "auto" and cuda_available())
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not runs_on_cuda(spec.device) and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError(
             f"{named[0]}: the Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them slowly "
             "in Triton's CPU interpreter); pick another backend here"
@@ -254,9 +253,14 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def runs_on_cuda(device: str) -> bool:
+    """Whether a case with ``device`` (cpu, cuda, auto) runs on CUDA: auto resolves as in the worker."""
+    return device == "cuda" or (device == "auto" and cuda_available())
+
+
 def uses_cuda(options: CaseOptions) -> bool:
     """Whether the worker will run on CUDA (`--device auto` resolves as in the worker)."""
-    return options.device.value == "cuda" or (options.device.value == "auto" and cuda_available())
+    return runs_on_cuda(options.device.value)
 
 
 def check_model_factory(target: str) -> None:

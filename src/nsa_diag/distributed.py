@@ -770,9 +770,9 @@ def resolve_backend(backend: str, device: str) -> str:
     """auto: nccl when the ranks run on CUDA (device cuda, or auto with a GPU), else gloo."""
     if backend != "auto":
         return backend
-    from nsa_diag.cases import cuda_available
+    from nsa_diag.cases import runs_on_cuda
 
-    return "nccl" if device == "cuda" or (device == "auto" and cuda_available()) else "gloo"
+    return "nccl" if runs_on_cuda(device) else "gloo"
 
 
 def check_ddp_options(

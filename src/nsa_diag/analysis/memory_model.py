@@ -98,13 +98,17 @@ def count_params(cfg: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _on_triton(cfg: Any, branch: str) -> bool:
+    return getattr(cfg.nsa, f"{branch}_backend") == "triton"
+
+
 def _scores(cfg: Any, branch: str, S: int, B: int) -> int:
     """Score-sized elements of one branch of one layer: queries x heads x keys each query scores.
 
     The Triton kernels keep no score (flash attention: a row's log-sum-exp instead): 0 for them.
     """
     nsa = cfg.nsa
-    if getattr(nsa, f"{branch}_backend") == "triton":
+    if _on_triton(cfg, branch):
         return 0
     if branch == "sel":
         keys = S if nsa.sel_backend in ("masked", "reference") else nsa.n_sel * nsa.sel_block_len
@@ -124,7 +128,7 @@ def _branch_bytes(cfg: Any, branch: str, S: int, B: int, dtype: str) -> int:
     H, HKV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
     kv = 2 * B * S * HKV * D * a + B * S * H * D * a  # its k/v projection and its output
     kept = _KEPT_PER_SCORE[dtype] * _scores(cfg, branch, S, B)
-    if getattr(nsa, f"{branch}_backend") == "triton":
+    if _on_triton(cfg, branch):
         kept += B * S * H * 4  # the rows' log-sum-exp (float32)
     if branch == "sel":
         kv += B * S * HKV * D * a  # rotated keys
@@ -148,7 +152,7 @@ def _backward_workspace(cfg: Any, per_branch: dict[str, int], S: int, B: int, dt
     order = [b for b in ("cmp", "sel", "win") if b in per_branch]
     return max(
         _BACKWARD_PER_SCORE[dtype] * _scores(cfg, b, S, B)
-        + (_triton_backward(cfg, b, S, B, dtype) if getattr(cfg.nsa, f"{b}_backend") == "triton" else 0)
+        + (_triton_backward(cfg, b, S, B, dtype) if _on_triton(cfg, b) else 0)
         - sum(per_branch[later] for later in order[i + 1 :])
         for i, b in enumerate(order)
     )

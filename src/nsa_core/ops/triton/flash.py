@@ -492,7 +492,6 @@ def banded_backward(
         dk_out = torch.empty(splits, B, Nk, HKV, D, dtype=part_dtype, device=k.device)
         dv_out = torch.empty_like(dk_out)
         d_strides = dk_out.stride()[:4]
-    assert same_layout(dk_out, dv_out)
     common = dict(
         KEY_STRIDE=key_stride, KEY_OFFSET=key_offset, HAS_WINDOW=window is not None,
         BLOCK_D=block_d, ACC=acc, PRECISION=precision,
