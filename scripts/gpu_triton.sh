@@ -11,6 +11,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-triton-out}
+for part in "$@"; do  # a wrong part name fails before any set-up
+  case $part in tests | profile | tune | bench | gqa | model) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model)"; exit 2 ;; esac
+done
 mkdir -p "$out"
 source scripts/gpu_env.sh
 declare -a rows=()
@@ -36,7 +39,6 @@ for part in "$@"; do
       step gqa-g4 90 python3 benchmarks/nsa_op.py --heads 16 --kv-heads 4 --seq-lens 8192 65536 --json "$out/g4.json"
       step gqa-g6 90 python3 benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 8192 65536 --json "$out/g6.json" ;;
     model) step model "${MODEL_S:-200}" python3 benchmarks/model_step.py --seq-lens 2048 16384 --json "$out/model.json" ;;
-    *) echo "unknown part $part (tests, profile, tune, bench, gqa, model)"; exit 2 ;;
   esac
 done
 echo; printf '%s\n' "${rows[@]}"
