@@ -93,3 +93,17 @@ def _poison_empty(monkeypatch: pytest.MonkeyPatch) -> None:
     """``torch.empty`` / ``torch.empty_like`` return NaN-filled floating tensors during a Triton test."""
     for name in _EMPTY_FUNCTIONS:
         monkeypatch.setattr(torch, name, _poisoned(getattr(torch, name)))
+
+
+SMALL_TILES = 16  # tl.dot's smallest tile
+
+
+@pytest.fixture
+def small_tiles(monkeypatch: pytest.MonkeyPatch) -> int:
+    """The banded kernels on 16 x 16 tiles: at interpreter sizes most tiles are then inside the band, so
+    the loops without a mask run (with 64 x 64 tiles every tile of a short sequence holds its edge)."""
+    from nsa_core.ops.triton import flash
+
+    tiles = dict(BLOCK_M=SMALL_TILES, BLOCK_N=SMALL_TILES)
+    monkeypatch.setattr(flash, "LAUNCH", {kind: tiles for kind in ("fwd", "dkdv", "dq")})
+    return SMALL_TILES

@@ -46,6 +46,58 @@ def _key_range(
 
 
 @triton.jit
+def _full_key_tiles(
+    lo,
+    hi,
+    t0,
+    t1,
+    Nk,
+    WINDOW,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # key tiles lo + i * BLOCK_N, i in [a, b), that every query of t0..t1 reads whole: no mask needed there
+    n_tiles = (hi - lo + BLOCK_N - 1) // BLOCK_N
+    # keys every query reads (end <= t0), never past Nk
+    below = tl.minimum(tl.where(t0 >= KEY_OFFSET, (t0 - KEY_OFFSET) // KEY_STRIDE + 1, 0), Nk)
+    b = tl.maximum(below - lo, 0) // BLOCK_N
+    a = b * 0
+    if HAS_WINDOW:  # and the last query still reads the tile's first key: start * stride + offset > t1 - w
+        x = t1 - WINDOW - KEY_OFFSET
+        first = tl.where(x >= 0, x // KEY_STRIDE + 1, 0)
+        a = (tl.maximum(first - lo, 0) + BLOCK_N - 1) // BLOCK_N
+    b = tl.minimum(tl.maximum(a, b), n_tiles)
+    a = tl.minimum(a, b)
+    return a, b, n_tiles
+
+
+@triton.jit
+def _full_query_tiles(
+    lo,
+    hi,
+    first_end,
+    last_end,
+    q_offset,
+    WINDOW,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # query tiles lo + i * BLOCK_M, i in [a, b), whose every query reads every key of the tile whose keys
+    # end at first_end..last_end (rows past Tq add nothing: their q and do load as 0)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    a = (tl.maximum(last_end - q_offset - lo, 0) + BLOCK_M - 1) // BLOCK_M
+    b = n_tiles
+    if HAS_WINDOW:  # the tile's last query t1 still reads the first key: first_end > t1 - w
+        y = first_end + WINDOW - q_offset - lo - BLOCK_M + 1
+        b = (tl.maximum(y, 0) + BLOCK_M - 1) // BLOCK_M
+    b = tl.minimum(tl.maximum(a, b), n_tiles)
+    a = tl.minimum(a, b)
+    return a, b, n_tiles
+
+
+@triton.jit
 def _visible(
     t, offs_n, Nk, WINDOW, KEY_STRIDE: tl.constexpr, KEY_OFFSET: tl.constexpr, HAS_WINDOW: tl.constexpr
 ):
@@ -55,6 +107,60 @@ def _visible(
     if HAS_WINDOW:
         vis = vis & (end[None, :] > t[:, None] - WINDOW)
     return vis
+
+
+@triton.jit
+def _fwd_tile(
+    q_tile,
+    k_base,
+    v_base,
+    stride_kt,
+    start,
+    t,
+    offs_d,
+    mask_d,
+    m_i,
+    l_i,
+    acc,
+    Nk,
+    WINDOW,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    COMPUTE_O: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one key tile of the online softmax; MASKED=False where every query of the tile reads every key
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_k = offs_n.to(tl.int64) * stride_kt
+    mask_n = offs_n < Nk
+    k_t = tl.load(
+        k_base + row_k[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
+    )  # [BD, BN]
+    s = tl.dot(q_tile, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2  # [BM, BN]
+    if MASKED:
+        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key here yet stays empty
+    else:
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if COMPUTE_O:
+        v_tile = tl.load(
+            v_base + row_k[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+        )  # [BN, BD]
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v_tile.dtype), v_tile, input_precision=PRECISION, out_dtype=ACC
+        )
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
@@ -113,29 +219,27 @@ def _fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
     l_i = tl.zeros([BLOCK_M], dtype=ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Nk
-        row_k = offs_n.to(tl.int64) * stride_kt
-        k_t = tl.load(
-            k_base + row_k[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0
-        )  # [BD, BN]
-        s = tl.dot(q_tile, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2  # [BM, BN]
-        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key here yet stays empty
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if COMPUTE_O:
-            v_tile = tl.load(
-                v_base + row_k[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
-            )  # [BN, BD]
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v_tile.dtype), v_tile, input_precision=PRECISION, out_dtype=ACC
-            )
-        m_i = m_new
+    a, b_full, n_tiles = _full_key_tiles(
+        lo, hi, t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N
+    )
+    for i in range(0, a):  # window edge: masked
+        m_i, l_i, acc = _fwd_tile(
+            q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
+            Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, True,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
+    for i in range(a, b_full):  # keys every query of the tile reads
+        m_i, l_i, acc = _fwd_tile(
+            q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
+            Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, False,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
+    for i in range(b_full, n_tiles):  # causal edge: masked
+        m_i, l_i, acc = _fwd_tile(
+            q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
+            Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, True,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
     empty = l_i == 0.0
     if COMPUTE_O:
         acc = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -177,6 +281,55 @@ def _delta_kernel(
     tl.store(
         delta + pid_bh * Tq + offs_m, tl.sum(o_tile * do_tile, 1).to(delta.dtype.element_ty), mask=offs_m < Tq
     )
+
+
+@triton.jit
+def _dkdv_tile(
+    q_base,
+    do_base,
+    lse_row,
+    delta_row,
+    stride_qt,
+    start,
+    k_tile,
+    v_tile,
+    dk_acc,
+    dv_acc,
+    offs_n,
+    offs_d,
+    mask_d,
+    Tq,
+    Nk,
+    q_offset,
+    WINDOW,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one query tile's share of a key tile's dK/dV; MASKED=False where every query reads every key
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < Tq
+    row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    q_tile = tl.load(q_base + row_q, mask=q_mask, other=0.0)  # [BM, BD]
+    do_tile = tl.load(do_base + row_q, mask=q_mask, other=0.0)
+    row_lse = tl.load(lse_row + offs_m, mask=mask_m, other=0.0)
+    row_delta = tl.load(delta_row + offs_m, mask=mask_m, other=0.0)
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
+    p = tl.exp2(s - row_lse[:, None])  # [BM, BN]; rows past Tq: do = 0 adds nothing
+    if MASKED:
+        vis = _visible(q_offset + offs_m, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
+        p = tl.where(vis & mask_m[:, None], p, 0.0)
+    dv_acc += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=PRECISION, out_dtype=ACC)
+    dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
+    ds = p * (dp - row_delta[:, None])
+    dk_acc += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION, out_dtype=ACC)
+    return dk_acc, dv_acc
 
 
 @triton.jit(do_not_specialize=["HQ", "HKV", "G", "G_PER", "Tq", "Nk", "q_offset", "WINDOW"])
@@ -239,34 +392,78 @@ def _bwd_dkdv_kernel(
     hi = Tq
     if HAS_WINDOW:
         hi = tl.minimum(Tq, last_end + WINDOW - q_offset)
+    a, b_full, n_tiles = _full_query_tiles(lo, hi, first_end, last_end, q_offset, WINDOW, HAS_WINDOW, BLOCK_M)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     for g in range(split * G_PER, split * G_PER + G_PER):
         h = hk * G + g
         q_base = q + b * stride_qb + h * stride_qh
         do_base = do + b * stride_qb + h * stride_qh
-        row_base = (b * HQ + h) * Tq
-        for start in range(lo, hi, BLOCK_M):
-            offs_m = start + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < Tq
-            row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
-            q_mask = mask_m[:, None] & mask_d[None, :]
-            q_tile = tl.load(q_base + row_q, mask=q_mask, other=0.0)  # [BM, BD]
-            do_tile = tl.load(do_base + row_q, mask=q_mask, other=0.0)
-            row_lse = tl.load(lse + row_base + offs_m, mask=mask_m, other=0.0)
-            row_delta = tl.load(delta + row_base + offs_m, mask=mask_m, other=0.0)
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
-            vis = _visible(q_offset + offs_m, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
-            vis = vis & mask_m[:, None]
-            p = tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)  # [BM, BN]
-            dv_acc += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=PRECISION, out_dtype=ACC)
-            dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
-            ds = p * (dp - row_delta[:, None])
-            dk_acc += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION, out_dtype=ACC)
+        lse_row, delta_row = lse + (b * HQ + h) * Tq, delta + (b * HQ + h) * Tq
+        for i in range(0, a):  # causal edge: masked
+            dk_acc, dv_acc = _dkdv_tile(
+                q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
+                dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
+                KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True, BLOCK_M, ACC, PRECISION,
+            )  # fmt: skip
+        for i in range(a, b_full):  # queries that read every key of the tile
+            dk_acc, dv_acc = _dkdv_tile(
+                q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
+                dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
+                KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, False, BLOCK_M, ACC, PRECISION,
+            )  # fmt: skip
+        for i in range(b_full, n_tiles):  # window edge: masked
+            dk_acc, dv_acc = _dkdv_tile(
+                q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
+                dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
+                KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True, BLOCK_M, ACC, PRECISION,
+            )  # fmt: skip
     d_ptr = split.to(tl.int64) * stride_ds + b * stride_db + hk * stride_dh
     d_ptr += offs_n.to(tl.int64)[:, None] * stride_dt + offs_d[None, :]
     tl.store(dk + d_ptr, (dk_acc * scale).to(dk.dtype.element_ty), mask=kv_mask)
     tl.store(dv + d_ptr, dv_acc.to(dv.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(
+    q_tile,
+    do_tile,
+    row_lse,
+    row_delta,
+    k_base,
+    v_base,
+    stride_kt,
+    start,
+    t,
+    mask_m,
+    offs_d,
+    mask_d,
+    dq_acc,
+    Nk,
+    WINDOW,
+    scale_log2,
+    KEY_STRIDE: tl.constexpr,
+    KEY_OFFSET: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # one key tile's share of a query tile's dQ; MASKED=False where every query reads every key
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row_k = offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+    kv_mask = (offs_n < Nk)[:, None] & mask_d[None, :]
+    k_tile = tl.load(k_base + row_k, mask=kv_mask, other=0.0)  # [BN, BD]
+    v_tile = tl.load(v_base + row_k, mask=kv_mask, other=0.0)
+    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
+    p = tl.exp2(s - row_lse[:, None])
+    if MASKED:
+        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW) & mask_m[:, None]
+        p = tl.where(vis, p, 0.0)
+    dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
+    ds = p * (dp - row_delta[:, None])
+    return dq_acc + tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION, out_dtype=ACC)
 
 
 @triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
@@ -321,20 +518,28 @@ def _bwd_dq_kernel(
     lo, hi = _key_range(t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N)
     k_base = k + b * stride_kb + hk * stride_kh
     v_base = v + b * stride_kb + hk * stride_kh
+    a, b_full, n_tiles = _full_key_tiles(
+        lo, hi, t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N
+    )
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < Nk
-        row_k = offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_tile = tl.load(k_base + row_k, mask=kv_mask, other=0.0)  # [BN, BD]
-        v_tile = tl.load(v_base + row_k, mask=kv_mask, other=0.0)
-        s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
-        vis = _visible(t, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW) & mask_m[:, None]
-        p = tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)
-        dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
-        ds = p * (dp - row_delta[:, None])
-        dq_acc += tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION, out_dtype=ACC)
+    for i in range(0, a):  # window edge: masked
+        dq_acc = _dq_tile(
+            q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
+            offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
+    for i in range(a, b_full):  # keys every query of the tile reads
+        dq_acc = _dq_tile(
+            q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
+            offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, False,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
+    for i in range(b_full, n_tiles):  # causal edge: masked
+        dq_acc = _dq_tile(
+            q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
+            offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True,
+            BLOCK_N, ACC, PRECISION,
+        )  # fmt: skip
     tl.store(dq + q_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
 
 
