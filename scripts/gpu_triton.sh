@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the Triton kernels (issue 7), on one GPU, in parts so each fits a call:
-#   tests    the tests/core/triton folder at real sizes (CUDA_SIZES), slowest tests listed
+#   tests    the tests/core/triton folder at real sizes (CUDA_SIZES), one pytest per file side by side
 #   profile  benchmarks/nsa_profile.py: time per kernel at 8k and 64k (G=16) and 16k (m7c-125m, G=6)
 #   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at three shapes
 #   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
@@ -29,7 +29,17 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $out/NA
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for part in "$@"; do
   case $part in
-    tests) step tests "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider --durations=12 tests/core/triton ;;
+    tests)  # one pytest per test file, side by side: the kernels compile on the CPUs, ~2.5 s a test
+      pids=()
+      for file in tests/core/triton/test_*.py; do
+        name=tests-$(basename "$file" .py)
+        step "$name" "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 ${TESTS_K:+-k "$TESTS_K"} "$file" &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      for file in tests/core/triton/test_*.py; do  # step's rows are lost in the subshells: the summaries
+        rows+=("$(printf '%-28s %s' "$(basename "$file" .py)" "$(grep -E '(passed|failed|error)' "$out/tests-$(basename "$file" .py).log" | tail -n 1)")")
+      done ;;
     profile)
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;

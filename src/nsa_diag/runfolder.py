@@ -25,7 +25,7 @@ from typing import Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.errors import UsageError
-from nsa_diag.spec import CaseResult, Where
+from nsa_diag.spec import CaseResult, CaseSpec, Where
 
 MATRIX_JSON = "matrix.json"
 SCALE_JSON = "scale.json"
@@ -357,15 +357,49 @@ def _device_total(env: Mapping[str, Any] | None, device: str | None) -> tuple[in
     return (total, "total memory of the machine (env.json)") if isinstance(total, int) else None
 
 
+def _series_point(case: CaseRecord) -> dict[str, Any]:
+    """A passed case as a point of a length series: `sweep.point_record`, the memory estimator's estimate
+    (with the phase of its peak) next to the measurement, from spec.json validated as a `CaseSpec`; a
+    spec.json that no longer validates (another version's fields) gives the point without an estimate.
+    The peak is the case's summary row's where the result has none (memory_stats.json)."""
+    from nsa_diag.analysis.sweep import point_record
+
+    assert case.spec is not None
+    assert case.result is not None
+    result = case.result
+    try:
+        spec: CaseSpec | None = CaseSpec.model_validate(case.spec)
+    except ValueError:
+        spec = None
+    if spec is not None:
+        point = point_record(spec.seq_len, spec, result)
+    else:
+        point = {
+            "x": case.spec["seq_len"],
+            "estimate": None,
+            "verdict": result.verdict,
+            "device": result.device,
+            "step_s": _step_time(result),
+            "tokens_per_s": case.entry.get("tokens_per_s"),
+        }
+    point["case"] = case.name  # spec.json's name can be another's (a copied case folder)
+    if point.get("peak_memory_bytes") is None:
+        point["peak_memory_bytes"] = case.entry.get("peak_memory_bytes")
+        point["peak_memory_kind"] = case.entry.get("peak_memory_kind")
+    return point
+
+
 def length_series(run: RunFolder) -> list[dict[str, Any]]:
     """Series of memory and time against S, in scale.json's shape (`plots.plot_scale` draws them).
 
     From scale.json when the run has one; otherwise from the cases that passed and differ only in S
-    (and the watchdog limits), when three lengths or more are there, each fitted as `scale` fits.
+    (and the watchdog limits), when three lengths or more are there, each fitted as `scale` fits
+    (`sweep.fit_points`: CUDA points whose estimated peak is the optimizer step are left out of the
+    memory fit), with the memory budget for the limit from env.json, not from this machine.
     """
     if run.scale and isinstance(run.scale.get("series"), list):
         return run.scale["series"]
-    from nsa_diag.analysis.scaling import fit_growth, predict_limit
+    from nsa_diag.analysis.sweep import fit_points
 
     groups: dict[str, list[CaseRecord]] = {}
     for case in run.cases:
@@ -378,30 +412,7 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
     varying = sorted({k for f in flats for k in f if any(not _same(f.get(k), g.get(k)) for g in flats)})
     series = []
     for (_key, cases), flat in zip(groups.items(), flats, strict=True):
-        points = []
-        for case in sorted(cases, key=lambda c: c.spec["seq_len"]):
-            assert case.result is not None
-            points.append(
-                {
-                    "x": case.spec["seq_len"],
-                    "case": case.name,
-                    "verdict": case.verdict,
-                    "device": case.result.device,
-                    "peak_memory_bytes": case.entry.get("peak_memory_bytes"),
-                    "peak_memory_kind": case.entry.get("peak_memory_kind"),
-                    "step_s": _step_time(case.result),
-                    "tokens_per_s": case.entry.get("tokens_per_s"),
-                }
-            )
-        mem = [p for p in points if p["peak_memory_bytes"]]
-        timed = [p for p in points if p["step_s"]]
-        memory_fit = fit_growth([p["x"] for p in mem], [p["peak_memory_bytes"] for p in mem], with_fixed=True)
-        time_fit = fit_growth([p["x"] for p in timed], [p["step_s"] for p in timed], with_fixed=False)
-        limit = None
-        total = _device_total(run.env, points[0]["device"])
-        if memory_fit is not None and total is not None:
-            at = predict_limit(memory_fit, total[0])
-            limit = {"budget_bytes": total[0], "budget_source": total[1], "seq_len": int(at) if at else None}
+        points = [_series_point(case) for case in sorted(cases, key=lambda c: c.spec["seq_len"])]
         backends = ",".join(
             f"{b}={flat[f'{b}_backend']}" for b in ("sel", "cmp", "win") if f"{b}_backend" in flat
         )
@@ -412,9 +423,8 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
                 "backend": backends or None,
                 "x": "seq_len",
                 "points": points,
-                "memory_fit": memory_fit.to_json() if memory_fit else None,
-                "time_fit": time_fit.to_json() if time_fit else None,
-                "memory_limit": limit,
+                "stopped_by": None,
+                **fit_points(points, "seq_len", lambda device: _device_total(run.env, device)),
             }
         )
     return series

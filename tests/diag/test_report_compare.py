@@ -25,6 +25,7 @@ from diag_cli import cli_env, run_cli
 from nsa_diag import artifacts
 from nsa_diag.analysis.compare import BETTER, CHANGED, NOT_COMPARABLE, SAME, WORSE, verdict_change
 from nsa_diag.errors import UsageError
+from nsa_diag.report import build_report
 from nsa_diag.runfolder import CaseRecord, RunFolder, load_run, verdict_grids
 
 TINY = ["--layers", "2", "--batch", "1", "--device", "cpu"]
@@ -231,6 +232,116 @@ def test_report_of_a_matrix_has_a_verdict_grid_per_remaining_axis_value(
     assert "| 32 | pass |" in text
     assert "memory above the fixed part ~ seq_len^" in text
     assert (run_dir / "report-scaling.png").read_bytes().startswith(PNG_MAGIC)
+
+
+TRITON = {"layers": 5, "sel_backend": "triton", "cmp_backend": "triton", "win_backend": "triton"}
+GPU_TOTAL = 80 << 30
+
+
+def _written_matrix(dest: Path, device: str, seq_lens: list[int], peaks: list[int]) -> Path:
+    """A matrix run over seq_len of m7c-125m (5 layers, Triton) on `device` as `nsa-diag matrix` leaves
+    it, every case passed with the given peak memory; env.json from a machine with an 80 GiB GPU."""
+    from nsa_diag.spec import CaseResult, CaseSpec
+
+    cases = []
+    for s, peak in zip(seq_lens, peaks, strict=True):
+        name = f"seq_len={s}"
+        spec = CaseSpec(
+            name=name, preset="m7c-125m", overrides=TRITON, seq_len=s, batch=1, device=device.split(":")[0]
+        )
+        kind = "cuda_max_allocated_bytes" if device.startswith("cuda") else "cpu_peak_rss_bytes"
+        metrics = {"peak_memory": {kind: peak}, "phase_s": {"forward": [s / 1e4], "backward": [s / 5e3]}}
+        result = CaseResult(
+            name=name, spec_hash=spec.spec_hash(), verdict="pass", reason="ok", device=device, metrics=metrics
+        )
+        (dest / "cases" / name).mkdir(parents=True)
+        artifacts.write_json(dest / "cases" / name / artifacts.SPEC, spec.model_dump(mode="json"))
+        artifacts.write_json(dest / "cases" / name / artifacts.RESULT, result.model_dump(mode="json"))
+        cases.append({"name": name, "tags": [], "spec_hash": spec.spec_hash(), "axes": {"seq_len": s}})
+    matrix = {
+        "file": "m.yaml",
+        "name": "m",
+        "description": None,
+        "axes": {"seq_len": seq_lens},
+        "cases": cases,
+    }
+    artifacts.write_json(dest / "matrix.json", matrix)
+    env = {
+        "torch": {"devices": [{"name": "NVIDIA H100", "total_memory_bytes": GPU_TOTAL}]},
+        "cpu_memory": {"memory_total_bytes": 64 << 30},
+    }
+    artifacts.write_json(dest / artifacts.ENV, env)
+    return dest
+
+
+def _no_device_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's budget comes from env.json: asking this machine's devices fails the test."""
+    from nsa_diag.analysis import sweep
+
+    def refuse(device: str | None) -> tuple[int, str]:
+        raise AssertionError(f"the report asked this machine for {device}'s memory")
+
+    monkeypatch.setattr(sweep, "device_memory_total", refuse)
+
+
+def test_matrix_length_series_fits_memory_as_scale_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton on CUDA at S <= 1024: the estimated peak is the optimizer step (flat in S), so, as in
+    `scale`, those points stay out of the memory fit: over all five the flat start makes it steep."""
+    import nsa_core
+    from nsa_diag.analysis.memory_model import estimate_peak_memory
+    from nsa_diag.analysis.scaling import QUADRATIC_EXPONENT, fit_growth
+    from nsa_diag.runfolder import length_series
+
+    _no_device_query(monkeypatch)
+    seq_lens = [512, 1024, 2048, 4096, 8192]
+    cfg = nsa_core.preset("m7c-125m", **TRITON)
+    estimates = [estimate_peak_memory(cfg, seq_len=s, batch=1, device="cuda:0") for s in seq_lens]
+    peaks = [e.total for e in estimates]  # measured as estimated: flat, then linear in S
+    assert [e.phase for e in estimates] == ["optimizer"] * 2 + ["backward"] * 3
+    all_points = fit_growth(seq_lens, peaks)
+    assert all_points is not None
+    assert all_points.exponent > QUADRATIC_EXPONENT  # what the report said before: "quadratic"
+
+    run = load_run(_written_matrix(tmp_path / "20260101-120000-matrix-m", "cuda:0", seq_lens, peaks))
+    (series,) = length_series(run)
+    assert [p["estimate"]["phase"] for p in series["points"]] == [e.phase for e in estimates]
+    assert [p["case"] for p in series["points"]] == [f"seq_len={s}" for s in seq_lens]
+    assert series["memory_fit_points"] == [2048, 4096, 8192]
+    assert series["memory_fit"]["n"] == 3
+    assert series["memory_fit"]["exponent"] == pytest.approx(1.0, abs=0.01)
+    assert series["memory_quadratic"] is False
+    assert series["time_fit"]["n"] == 5  # time is not the optimizer's: every point
+    assert series["estimate_max_abs_rel_err"] == pytest.approx(0.0, abs=1e-9)
+    assert series["memory_limit"]["budget_bytes"] == GPU_TOTAL
+    assert series["memory_limit"]["budget_source"] == "NVIDIA H100 total (env.json)"
+
+    text = build_report(run, {})
+    assert "memory above the fixed part ~ seq_len^1.00" in text
+    assert "(quadratic)" not in text
+
+
+def test_matrix_length_series_on_the_cpu_fits_every_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU (peak RSS keeps the activations' pages whatever the estimate's phase) every point is
+    fitted, as before the estimate was attached: the fit is the plain fit over all of them."""
+    from nsa_diag.analysis.scaling import fit_growth
+    from nsa_diag.runfolder import length_series
+
+    _no_device_query(monkeypatch)
+    seq_lens = [512, 1024, 2048, 4096]
+    peaks = [(900 << 20) + 3000 * s**2 for s in seq_lens]
+    run = load_run(_written_matrix(tmp_path / "20260101-120000-matrix-m", "cpu", seq_lens, peaks))
+    (series,) = length_series(run)
+    assert "optimizer" in [p["estimate"]["phase"] for p in series["points"]]
+    assert series["memory_fit_points"] == seq_lens
+    expected = fit_growth(seq_lens, peaks)
+    assert expected is not None
+    assert series["memory_fit"] == expected.to_json()
+    assert series["memory_quadratic"] is True
+    assert series["memory_limit"]["budget_source"] == "total memory of the machine (env.json)"
 
 
 def _record(name: str, verdict: str, **axes: Any) -> CaseRecord:

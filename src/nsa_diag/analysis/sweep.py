@@ -10,7 +10,7 @@ plus ``scale.json`` and ``scale.png``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,11 +178,16 @@ def growth_points(passed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [p for p in passed if not optimizer_bound(p)]
 
 
-def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, Any]:
-    """The series' points, fits, quadratic flag and predicted limit, as written to scale.json."""
-    points = [point_record(x, spec, series.results.get(x)) for x, spec in series.points]
+def fit_points(
+    points: list[dict[str, Any]], x_name: str, total: Callable[[str | None], tuple[int, str] | None]
+) -> dict[str, Any]:
+    """The fits, estimator errors, quadratic flags and predicted limit of a series' points (as
+    `point_record` makes them), in scale.json's keys; the estimator's errors are added to the points.
+    The memory fit is over `growth_points`, named in ``memory_fit_points``. `total(device)`: the memory
+    budget (bytes, where it comes from) of the device the points ran on, asked only where it is used;
+    None where it is not known leaves the limit and the oom points' foresight out."""
     passed = [p for p in points if p["verdict"] == "pass" and p.get("peak_memory_bytes")]
-    growing = growth_points(passed)
+    growing = passed
     memory_fit = fit_growth(
         [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
     )
@@ -196,24 +201,19 @@ def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, 
     errors = [abs(p["estimate_rel_err"]) for p in points if "estimate_rel_err" in p]
     above = [abs(p["estimate_above_fixed_rel_err"]) for p in points if "estimate_above_fixed_rel_err" in p]
     ooms = [p for p in points if p["verdict"] == "oom" and p.get("estimate")]
-    wants_limit = memory_fit is not None and series.x_name == "seq_len"
-    if ooms or wants_limit:  # the device's total (on CUDA: a query through torch) only where it is used
-        device = next((p.get("device") for p in points if p.get("device")), None)
-        total, source = budget if budget is not None else device_memory_total(device)
-    for p in ooms:  # did the estimate see it coming?
-        p["estimate_exceeds_budget"] = p["estimate"]["total"] > total
+    wants_limit = memory_fit is not None and x_name == "seq_len"
+    budget = None
+    if ooms or wants_limit:  # asked only where used: `scale` on CUDA queries the device through torch
+        budget = total(next((p.get("device") for p in points if p.get("device")), None))
+    if budget is not None:
+        for p in ooms:  # did the estimate see it coming?
+            p["estimate_exceeds_budget"] = p["estimate"]["total"] > budget[0]
     limit: dict[str, Any] | None = None
-    if wants_limit:
+    if wants_limit and budget is not None:
         assert memory_fit is not None
-        at = predict_limit(memory_fit, total)
-        limit = {"budget_bytes": total, "budget_source": source, "seq_len": int(at) if at else None}
+        at = predict_limit(memory_fit, budget[0])
+        limit = {"budget_bytes": budget[0], "budget_source": budget[1], "seq_len": int(at) if at else None}
     return {
-        "name": series.name,
-        "branch": series.branch,
-        "backend": series.backend,
-        "x": series.x_name,
-        "points": points,
-        "stopped_by": series.stopped_by,
         "memory_fit": memory_fit.to_json() if memory_fit else None,
         "memory_fit_points": [p["x"] for p in growing],
         "time_fit": time_fit.to_json() if time_fit else None,
@@ -222,6 +222,25 @@ def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, 
         "estimate_max_abs_rel_err": max(errors) if errors else None,
         "estimate_above_fixed_max_abs_rel_err": max(above) if above else None,
         "memory_limit": limit,
+    }
+
+
+def analyse_series(series: Series, budget: tuple[int, str] | None) -> dict[str, Any]:
+    """The series' points, fits, quadratic flag and predicted limit, as written to scale.json; the
+    budget is `--memory`'s, or the device's total (`device_memory_total`)."""
+    points = [point_record(x, spec, series.results.get(x)) for x, spec in series.points]
+
+    def total(device: str | None) -> tuple[int, str]:
+        return budget if budget is not None else device_memory_total(device)
+
+    return {
+        "name": series.name,
+        "branch": series.branch,
+        "backend": series.backend,
+        "x": series.x_name,
+        "points": points,
+        "stopped_by": series.stopped_by,
+        **fit_points(points, series.x_name, total),
     }
 
 
