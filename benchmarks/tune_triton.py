@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench
 
-from nsa_core.ops.triton import flash, selection
-from nsa_core.ops.triton.compression import triton_compressed_block_select
+from nsa_core.ops.triton import compression, flash, selection
+from nsa_core.ops.triton.compression import select_from_lse, triton_compressed_block_select
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the banded kernels; (num_warps, num_stages[, BLOCK_R]) for
 # the selection kernels. None: the default.
@@ -36,9 +36,16 @@ SELECTION = {
     "dq": [None, (2, 2), (2, 3), (4, 2), (4, 4), (8, 3)],
     "dkdv": [None, (4, 2, 32), (4, 3, 32), (8, 2, 64), (8, 3, 64), (4, 2, 64)],
 }
-FAMILIES = [f"{branch}-{kind}" for branch in ("win", "cmp") for kind in BANDED] + [
-    f"sel-{kind}" for kind in SELECTION
-]
+# (BLOCK_M, BLOCK_C, BLOCK_S, num_warps, num_stages) for the importance kernel (compression.LAUNCH)
+IMPORTANCE = [
+    None, (64, 128, 32, 8, 2), (32, 128, 32, 4, 3), (32, 256, 64, 8, 2), (64, 256, 64, 8, 2),
+    (128, 64, 16, 8, 2),
+]  # fmt: skip
+FAMILIES = (
+    [f"{branch}-{kind}" for branch in ("win", "cmp") for kind in BANDED]
+    + [f"sel-{kind}" for kind in SELECTION]
+    + ["cmp-imp"]
+)
 SHAPES = {  # name -> (HQ, HKV, D, T)
     "G16-8k": (64, 4, 128, 8192),
     "G16-64k": (64, 4, 128, 65536),
@@ -51,6 +58,8 @@ GEOMETRY = dict(block_len=32, block_stride=16, sel_block_len=64, n_sel=16, n_ini
 def launch(kind: str, candidate: tuple[int, ...] | None, banded: bool) -> dict[str, int]:
     if candidate is None:
         return {}
+    if kind == "importance":
+        return dict(zip(("BLOCK_M", "BLOCK_C", "BLOCK_S", "num_warps", "num_stages"), candidate, strict=True))
     if banded:
         return dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), candidate, strict=True))
     return dict(zip(("num_warps", "num_stages", "BLOCK_R"), candidate, strict=False))
@@ -64,6 +73,16 @@ def workload(family: str, shape: str) -> Callable[[], object]:
     make = dict(device=DEVICE, dtype=DTYPE)
     q = torch.randn(1, T, HQ, D, **make)
     scale = D**-0.5
+    if kind == "imp":  # the importance pass and top-n from the compressed branch's lse
+        Nc = (T - g["block_len"]) // g["block_stride"] + 1
+        k_cmp = torch.randn(1, Nc, HKV, D, **make)
+        cmp = dict(block_len=g["block_len"], block_stride=g["block_stride"], q_offset=0)
+        _, lse = flash.banded_forward(
+            q, k_cmp, k_cmp, key_stride=g["block_stride"], key_offset=g["block_len"] - 1, window=None,
+            q_offset=0, scale=scale, compute_o=False,
+        )  # fmt: skip
+        select = {key: g[key] for key in ("sel_block_len", "n_sel", "n_init", "n_local")}
+        return lambda: select_from_lse(q, k_cmp, lse, scale=scale, **cmp, **select)
     if branch in ("win", "cmp"):
         if branch == "win":
             k, v = torch.randn(1, T, HKV, D, **make), torch.randn(1, T, HKV, D, **make)
@@ -111,8 +130,9 @@ def main() -> None:
     for family in args.families:
         branch, kind = family.split("-")
         banded = branch != "sel"
-        module = flash if banded else selection
-        candidates = (BANDED if banded else SELECTION)[kind]
+        module = compression if kind == "imp" else flash if banded else selection
+        kind = "importance" if kind == "imp" else kind  # the key of compression.LAUNCH
+        candidates = IMPORTANCE if kind == "importance" else (BANDED if banded else SELECTION)[kind]
         calls = {shape: workload(family, shape) for shape in args.shapes}
         base: list[float] | None = None
         best = (1.0, "default")

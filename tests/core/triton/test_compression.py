@@ -224,6 +224,29 @@ def test_fused_selection_matches_reference(case: Case, device: str) -> None:
     assert torch.equal(only, tri_idx), "select-only entry disagrees with the fused one"
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [dict(BLOCK_M=16, BLOCK_C=16, BLOCK_S=8), dict(BLOCK_M=32, BLOCK_C=64, BLOCK_S=32)],
+    ids=lambda t: "-".join(f"{k[6:]}{v}" for k, v in t.items()),
+)
+def test_importance_tiles_match_reference(
+    tiles: dict[str, int], device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other importance tiles (several steps per program, several programs per row): same result."""
+    monkeypatch.setattr(triton_compression, "LAUNCH", {"importance": tiles})
+    case = Case(B=2, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2)
+    inputs = _inputs(case, device)
+    ref_imp, ref_idx = _reference_selection(case, inputs)
+    q, k, v, _ = (x.float() for x in inputs)
+    tri_imp = triton_block_importance(
+        q, k, block_len=case.block_len, block_stride=case.block_stride, sel_block_len=case.sel_block_len,
+        q_offset=case.q_offset,
+    )  # fmt: skip
+    assert_close("importance", ref_imp, tri_imp, FP32_RATIO, atol=1e-5)
+    _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
+    assert_same_selection(ref_idx, tri_idx, ref_imp)
+
+
 @pytest.mark.skipif(not SIZES.dtypes, reason="bf16/fp16 runs need CUDA")
 @pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
 @pytest.mark.parametrize("case", CASES)

@@ -35,7 +35,19 @@ from nsa_core.ops.triton.flash import (
 )
 
 IMPORTANCE_ELEMENTS = 1 << 24  # importance buffer per query chunk: 64 MiB of float32
-BLOCK_SEL = 16  # selection blocks per importance program
+
+# Overrides of `importance_config` (BLOCK_M, BLOCK_C, BLOCK_S, num_warps, num_stages); empty: the defaults.
+# benchmarks/tune_triton.py sets it to time other tile shapes.
+LAUNCH: dict[str, dict[str, int]] = {}
+
+
+def importance_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Tiles of the importance kernel: ``BLOCK_M`` query rows, ``BLOCK_C`` compressed blocks a step and
+    ``BLOCK_S`` selection blocks a program. Each program reloads the ``G`` query tiles of its group once
+    per step, so a wide ``BLOCK_C`` cuts the query traffic that bounds this kernel at long T."""
+    block_m, block_c, block_d = block_sizes(head_dim)
+    config = dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_S=16, **launch_options(dtype, block_d))
+    return {**config, **LAUNCH.get("importance", {})}
 
 
 @triton.jit
@@ -237,15 +249,15 @@ def _launch_importance(
         imp[:, :rows].zero_()
         return
     acc, precision = kernel_dtypes(q.dtype)
-    block_m, block_c, block_d = block_sizes(D)
+    config = importance_config(q.dtype, D)
     R, K = block_len // block_stride, sel_block_len // block_stride
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(num_sel_blocks, BLOCK_SEL), B * HKV)
+    grid = (triton.cdiv(rows, config["BLOCK_M"]), triton.cdiv(num_sel_blocks, config["BLOCK_S"]), B * HKV)
     _importance_kernel[grid](
         q, k_cmp, lse, imp, *q.stride()[:3], *k_cmp.stride()[:3], imp.stride(0),
         HQ, HKV, HQ // HKV, Tq, Nc, num_sel_blocks, D, q_offset, row0, rows, scale * LOG2_E,
-        BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K, BLOCK_M=block_m, BLOCK_C=block_c,
-        BLOCK_SPILL=max(16, triton.next_power_of_2(max(1, R - 1))), BLOCK_S=BLOCK_SEL, BLOCK_D=block_d,
-        ACC=acc, PRECISION=precision, **launch_options(q.dtype, block_d),
+        BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K,
+        BLOCK_SPILL=max(16, triton.next_power_of_2(max(1, R - 1))), BLOCK_D=block_sizes(D)[2],
+        ACC=acc, PRECISION=precision, **config,
     )  # fmt: skip
 
 
@@ -292,7 +304,7 @@ def select_from_lse(
     B, Tq, HQ, D = q.shape
     HKV = k_cmp.shape[2]
     num_sel_blocks = -(-(q_offset + Tq) // sel_block_len)
-    block_m = block_sizes(D)[0]
+    block_m = importance_config(q.dtype, D)["BLOCK_M"]
     chunk = max(block_m, IMPORTANCE_ELEMENTS // (B * HKV * num_sel_blocks) // block_m * block_m)
     chunk = min(chunk, Tq)
     imp_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

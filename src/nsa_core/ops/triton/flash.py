@@ -311,7 +311,9 @@ def _dkdv_tile(
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # one query tile's share of a key tile's dK/dV; MASKED=False where every query reads every key
+    # one query tile's share of a key tile's dK/dV; MASKED=False where every query reads every key.
+    # Computed transposed (keys as rows: s^T = k q^T) so that p^T and ds^T feed the next products as
+    # they are: transposing a register tile would go through shared memory every step
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < Tq
     row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
@@ -320,15 +322,19 @@ def _dkdv_tile(
     do_tile = tl.load(do_base + row_q, mask=q_mask, other=0.0)
     row_lse = tl.load(lse_row + offs_m, mask=mask_m, other=0.0)
     row_delta = tl.load(delta_row + offs_m, mask=mask_m, other=0.0)
-    s = tl.dot(q_tile, tl.trans(k_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2
-    p = tl.exp2(s - row_lse[:, None])  # [BM, BN]; rows past Tq: do = 0 adds nothing
+    s_t = tl.dot(k_tile, tl.trans(q_tile), input_precision=PRECISION, out_dtype=ACC) * scale_log2  # [BN, BM]
+    p_t = tl.exp2(s_t - row_lse[None, :])  # rows past Tq: do = 0 adds nothing
     if MASKED:
-        vis = _visible(q_offset + offs_m, offs_n, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW)
-        p = tl.where(vis & mask_m[:, None], p, 0.0)
-    dv_acc += tl.dot(tl.trans(p.to(do_tile.dtype)), do_tile, input_precision=PRECISION, out_dtype=ACC)
-    dp = tl.dot(do_tile, tl.trans(v_tile), input_precision=PRECISION, out_dtype=ACC)
-    ds = p * (dp - row_delta[:, None])
-    dk_acc += tl.dot(tl.trans(ds.to(q_tile.dtype)), q_tile, input_precision=PRECISION, out_dtype=ACC)
+        end = offs_n * KEY_STRIDE + KEY_OFFSET
+        t = q_offset + offs_m
+        vis = (end[:, None] <= t[None, :]) & (offs_n[:, None] < Nk) & mask_m[None, :]
+        if HAS_WINDOW:
+            vis = vis & (end[:, None] > t[None, :] - WINDOW)
+        p_t = tl.where(vis, p_t, 0.0)
+    dv_acc += tl.dot(p_t.to(do_tile.dtype), do_tile, input_precision=PRECISION, out_dtype=ACC)
+    dp_t = tl.dot(v_tile, tl.trans(do_tile), input_precision=PRECISION, out_dtype=ACC)  # [BN, BM]
+    ds_t = p_t * (dp_t - row_delta[None, :])
+    dk_acc += tl.dot(ds_t.to(q_tile.dtype), q_tile, input_precision=PRECISION, out_dtype=ACC)
     return dk_acc, dv_acc
 
 
