@@ -187,7 +187,7 @@ def fit_points(
     budget (bytes, where it comes from) of the device the points ran on, asked only where it is used;
     None where it is not known leaves the limit and the oom points' foresight out."""
     passed = [p for p in points if p["verdict"] == "pass" and p.get("peak_memory_bytes")]
-    growing = passed
+    growing = growth_points(passed)
     memory_fit = fit_growth(
         [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
     )

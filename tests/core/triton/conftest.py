@@ -105,5 +105,5 @@ def small_tiles(monkeypatch: pytest.MonkeyPatch) -> int:
     from nsa_core.ops.triton import flash
 
     tiles = dict(BLOCK_M=SMALL_TILES, BLOCK_N=SMALL_TILES)
-    monkeypatch.setattr(flash, "LAUNCH", {kind: tiles for kind in ("fwd", "dkdv", "dq")})
+    monkeypatch.setattr(flash, "LAUNCH", dict.fromkeys(("fwd", "dkdv", "dq"), tiles))
     return SMALL_TILES
