@@ -222,19 +222,14 @@ def _fwd_kernel(
     a, b_full, n_tiles = _full_key_tiles(
         lo, hi, t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N
     )
-    for i in range(0, a):  # window edge: masked
-        m_i, l_i, acc = _fwd_tile(
-            q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
-            Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, True,
-            BLOCK_N, ACC, PRECISION,
-        )  # fmt: skip
-    for i in range(a, b_full):  # keys every query of the tile reads
+    for i in range(a, b_full):  # keys every query of the tile reads: no mask
         m_i, l_i, acc = _fwd_tile(
             q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
             Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, False,
             BLOCK_N, ACC, PRECISION,
         )  # fmt: skip
-    for i in range(b_full, n_tiles):  # causal edge: masked
+    for j in range(0, a + n_tiles - b_full):  # the window and causal edges: masked
+        i = tl.where(j < a, j, j - a + b_full)
         m_i, l_i, acc = _fwd_tile(
             q_tile, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, offs_d, mask_d, m_i, l_i, acc,
             Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, COMPUTE_O, True,
@@ -406,19 +401,14 @@ def _bwd_dkdv_kernel(
         q_base = q + b * stride_qb + h * stride_qh
         do_base = do + b * stride_qb + h * stride_qh
         lse_row, delta_row = lse + (b * HQ + h) * Tq, delta + (b * HQ + h) * Tq
-        for i in range(0, a):  # causal edge: masked
-            dk_acc, dv_acc = _dkdv_tile(
-                q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
-                dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
-                KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True, BLOCK_M, ACC, PRECISION,
-            )  # fmt: skip
-        for i in range(a, b_full):  # queries that read every key of the tile
+        for i in range(a, b_full):  # queries that read every key of the tile: no mask
             dk_acc, dv_acc = _dkdv_tile(
                 q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
                 dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
                 KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, False, BLOCK_M, ACC, PRECISION,
             )  # fmt: skip
-        for i in range(b_full, n_tiles):  # window edge: masked
+        for j in range(0, a + n_tiles - b_full):  # the causal and window edges: masked
+            i = tl.where(j < a, j, j - a + b_full)
             dk_acc, dv_acc = _dkdv_tile(
                 q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
                 dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
@@ -528,19 +518,14 @@ def _bwd_dq_kernel(
         lo, hi, t0, t1, Nk, WINDOW, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, BLOCK_N
     )
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=ACC)
-    for i in range(0, a):  # window edge: masked
-        dq_acc = _dq_tile(
-            q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
-            offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True,
-            BLOCK_N, ACC, PRECISION,
-        )  # fmt: skip
-    for i in range(a, b_full):  # keys every query of the tile reads
+    for i in range(a, b_full):  # keys every query of the tile reads: no mask
         dq_acc = _dq_tile(
             q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
             offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, False,
             BLOCK_N, ACC, PRECISION,
         )  # fmt: skip
-    for i in range(b_full, n_tiles):  # causal edge: masked
+    for j in range(0, a + n_tiles - b_full):  # the window and causal edges: masked
+        i = tl.where(j < a, j, j - a + b_full)
         dq_acc = _dq_tile(
             q_tile, do_tile, row_lse, row_delta, k_base, v_base, stride_kt, lo + i * BLOCK_N, t, mask_m,
             offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True,
