@@ -17,6 +17,7 @@ from typing import Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
+from nsa_diag.analysis.sweep import fit_points_note
 from nsa_diag.runfolder import (
     NO_RESULT,
     NOT_RUN,
@@ -80,6 +81,9 @@ def _series_markdown(series: Mapping[str, Any]) -> list[str]:
     lines += _table([x, "verdict", "peak memory", "forward + backward", "tokens/s"], rows)
     memory_fit = series.get("memory_fit")
     lines += ["", f"- {_fit_line('memory above the fixed part', memory_fit, x)}"]
+    note = fit_points_note(series)
+    if note:
+        lines.append(f"- {note}")
     if memory_fit:
         lines.append(f"- fixed part {render.format_bytes(int(memory_fit['fixed']))}")
     lines.append(f"- {_fit_line('time', series.get('time_fit'), x)}")

@@ -320,6 +320,7 @@ def test_matrix_length_series_fits_memory_as_scale_does(
     text = build_report(run, {})
     assert "memory above the fixed part ~ seq_len^1.00" in text
     assert "(quadratic)" not in text
+    assert "memory fit over [2048, 4096, 8192]: 2 point(s) left out" in text
 
 
 def test_matrix_length_series_on_the_cpu_fits_every_point(

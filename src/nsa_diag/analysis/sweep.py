@@ -352,6 +352,18 @@ def _estimate_cell(point: dict[str, Any]) -> str:
     return _pct(point.get("estimate_rel_err"))
 
 
+def fit_points_note(series: dict[str, Any]) -> str | None:
+    """Which points the memory fit used, where `growth_points` left some passed ones out; else None."""
+    measured = [p for p in series["points"] if p.get("verdict") == "pass" and p.get("peak_memory_bytes")]
+    used = series.get("memory_fit_points")
+    if used is None or len(measured) <= len(used):
+        return None
+    return (
+        f"memory fit over {used}: {len(measured) - len(used)} point(s) left out, whose estimated peak is"
+        " the optimizer step (the same at every S)"
+    )
+
+
 def render_scale(report: dict[str, Any]) -> None:
     """The sweep as a table on stdout, then one line per fit, the culprits and the predicted limits."""
     from rich.table import Table
@@ -375,16 +387,9 @@ def render_scale(report: dict[str, Any]) -> None:
                 "-" if tokens is None else f"{tokens:,.0f}",
             )
         console.print(table)
-        left_out = len([p for p in a["points"] if p.get("verdict") == "pass"]) - len(
-            a.get("memory_fit_points", [])
-        )
-        if left_out > 0:
-            console.print(
-                f"  memory fit over {a.get('memory_fit_points')}: {left_out} point(s) left out, whose"
-                " estimated peak is the optimizer step (the same at every S)",
-                markup=False,
-                highlight=False,
-            )
+        note = fit_points_note(a)
+        if note:
+            console.print(f"  {note}", markup=False, highlight=False)
         for what in ("memory", "time"):
             fit = a[f"{what}_fit"]
             gfit = None
