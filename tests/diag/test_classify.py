@@ -397,3 +397,46 @@ def test_wait_for_dump_waits_past_the_header_for_the_dump(tmp_path: Path) -> Non
         child.kill()
         child.wait()
     assert stack_samples.request_sample(child.pid, path, 2) is None  # gone
+
+
+def test_wait_for_dump_waits_for_a_late_handler(tmp_path: Path) -> None:
+    """The worker's handler runs 1.5 s after the signal (blocked, as on a loaded machine): the wait still
+    ends with the dump in the file, before the next sample's header could land ahead of it."""
+    import subprocess
+    import sys
+    import time
+
+    from nsa_diag.evidence import stacks as stack_samples
+    from nsa_diag.watchdog import catches_sigusr1
+
+    path = tmp_path / "stacks.txt"
+    code = (
+        "import faulthandler, signal, sys, time\n"
+        f"f = open({str(path)!r}, 'a')\n"
+        "faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"  # the signal is pending from here
+        "time.sleep(1.5)\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])\n"
+        "time.sleep(30)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdin is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 5
+        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
+            time.sleep(0.01)
+        header_end = stack_samples.request_sample(child.pid, path, 1)
+        assert header_end is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        stack_samples.wait_for_dump(path, header_end)
+        assert "<string>" in path.read_text(), path.read_text()
+    finally:
+        child.kill()
+        child.wait()

@@ -28,6 +28,7 @@ from nsa_diag import artifacts
 
 SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
+DUMP_START_TIMEOUT_S = 3.0  # how long a sample waits for the worker's handler to start writing
 PYSPY_HINT = "install it for native frames: pip install 'nsa-diag[pyspy]'"
 
 _THREAD_RE = re.compile(
@@ -225,20 +226,34 @@ def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> 
     return header_end
 
 
-def wait_for_dump(stacks_path: Path, size_before: int, timeout_s: float = 0.5) -> None:
-    """Wait until faulthandler's output stops growing (it writes in a burst), at most ``timeout_s``.
+def wait_for_dump(
+    stacks_path: Path, size_before: int, start_timeout_s: float = DUMP_START_TIMEOUT_S, timeout_s: float = 0.5
+) -> None:
+    """Wait for faulthandler's dump to begin (at most ``start_timeout_s``), then until it stops growing (it
+    writes in a burst; at most ``timeout_s`` more).
 
     ``size_before`` is `request_sample`'s answer, header included: counted without it, the header alone
-    looked like a finished dump and the wait ended before the worker had written anything.
+    looked like a finished dump and the wait ended before the worker had written anything. The start gets
+    seconds, not a fraction of one: on a loaded machine the worker's handler may run late, and a wait that
+    ended first let the next header land before the dump, leaving the samples empty.
     """
+    deadline = time.monotonic() + start_timeout_s
+    while _size(stacks_path) <= size_before:
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
     deadline = time.monotonic() + timeout_s
     last = -1
     while time.monotonic() < deadline:
-        size = stacks_path.stat().st_size if stacks_path.exists() else 0
-        if size > size_before and size == last:
+        size = _size(stacks_path)
+        if size == last:
             return
         last = size
         time.sleep(0.05)
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
 
 
 def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> dict[str, object]:
