@@ -316,14 +316,13 @@ def _selected_bwd_dkdv_kernel(
             row = (i_b * Tq + tok) * (HKV * G) + heads
             b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
             b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            # transposed (keys as rows) so that p^T and ds^T feed the next products without a transpose
-            b_st = tl.dot(b_k, tl.trans(b_q), input_precision=PRECISION) * qk_scale  # [S, R]
-            visible = m_s[:, None] & m_r[None, :] & (pos[:, None] <= q_offset + tok[None, :])
-            b_pt = tl.where(visible, tl.exp2(b_st - b_lse[None, :]), 0.0)
-            b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=PRECISION)
-            b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PRECISION)  # [S, R]
-            b_dst = b_pt * (b_dpt - b_delta[None, :])
-            b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=PRECISION)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+            visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
+            b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
         b_dk = b_dk * scale
 
         if (count <= CHUNK) | (N_CHUNKS == 1):
