@@ -32,13 +32,18 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $out/NA
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for part in "$@"; do
   case $part in
-    tests)  # shards side by side (the kernels compile on the CPUs; ~17 min in one process on the H100)
-      shards=("test_compression.py:compressed_fp32" "test_compression.py:not compressed_fp32"
-              "test_window.py:" "test_selection.py:" "test_gates.py:" "test_wiring.py:")
+    tests)  # three lanes side by side, shards in turn within a lane: the kernels compile on the CPUs (the
+      # folder takes ~17 min in one process on the H100); more lanes run the float64 references of
+      # T=8192 x 64 heads out of GPU memory together
+      shards=("test_compression.py:compressed_fp32" "test_window.py:" "test_compression.py:not compressed_fp32"
+              "test_selection.py:" "test_gates.py:" "test_wiring.py:")
+      lanes=("0 1" "2" "3 4 5")
       pids=()
-      for i in "${!shards[@]}"; do
-        file=${shards[$i]%%:*} expr=${shards[$i]#*:}
-        step "tests-$i" "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 ${expr:+-k "$expr"} "tests/core/triton/$file" &
+      for lane in "${lanes[@]}"; do
+        (for i in $lane; do
+          file=${shards[$i]%%:*} expr=${shards[$i]#*:}
+          step "tests-$i" "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 ${expr:+-k "$expr"} "tests/core/triton/$file"
+        done) &
         pids+=($!)
       done
       wait "${pids[@]}"
