@@ -6,16 +6,17 @@
 #   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
 #   gqa      benchmarks/nsa_op.py at G=4 and G=6 (m7c-125m's 12 heads / 2 KV heads, head dim 64)
 #   model    benchmarks/model_step.py: m7c-125m training tokens/s and peak, triton vs cuDNN dense
-#   ab       benchmarks/nsa_op.py at 8k and 64k with the older tree in .ab/base (git archive COMMIT src
-#            benchmarks | tar -x -C .ab/base; carry ".ab"), then with this one: before/after in one call
+#   ab       benchmarks/nsa_op.py ($AB_ARGS, default 8k and 64k) with an older tree in .ab/$AB_BASE (default
+#            base; git archive COMMIT src benchmarks | tar -x -C .ab/base; carry ".ab"), then with this one
+#   ab-model the same for benchmarks/model_step.py ($AB_ARGS, default S=2048 and 16384)
 # Usage: bash scripts/gpu_triton.sh PART... (each part has a time limit; logs and a table in $OUT)
 #   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_triton.sh tests profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-triton-out}
 for part in "$@"; do  # a wrong part name fails before any set-up
-  case $part in tests | profile | tune | bench | gqa | model | ab) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model, ab)"; exit 2 ;; esac
-  if [[ $part == ab && ! -d .ab/base/src ]]; then echo "part ab needs .ab/base/src (carry .ab)"; exit 2; fi
+  case $part in tests | profile | tune | bench | gqa | model | ab | ab-model) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model, ab, ab-model)"; exit 2 ;; esac
+  if [[ $part == ab* && ! -d .ab/${AB_BASE:-base}/src ]]; then echo "part $part needs .ab/${AB_BASE:-base}/src (carry .ab)"; exit 2; fi
 done
 mkdir -p "$out"
 source scripts/gpu_env.sh
@@ -54,9 +55,12 @@ for part in "$@"; do
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
     tune) step tune "${TUNE_S:-300}" python3 benchmarks/tune_triton.py ${TUNE_FAMILIES:+--families $TUNE_FAMILIES} ;;
-    ab)
-      step ab-base "${AB_S:-150}" env PYTHONPATH="$PWD/.ab/base/src:${PYTHONPATH#$PWD/src:}" python3 .ab/base/benchmarks/nsa_op.py --seq-lens 8192 65536 --json "$out/ab-base.json"
-      step ab-head "${AB_S:-150}" python3 benchmarks/nsa_op.py --seq-lens 8192 65536 --json "$out/ab-head.json" ;;
+    ab | ab-model)  # the same benchmark with the older tree, then with this one
+      bench=nsa_op.py args=${AB_ARGS:---seq-lens 8192 65536}
+      [[ $part == ab-model ]] && bench=model_step.py args=${AB_ARGS:---seq-lens 2048 16384}
+      base=.ab/${AB_BASE:-base}
+      step "$part-base" "${AB_S:-150}" env PYTHONPATH="$PWD/$base/src:${PYTHONPATH#$PWD/src:}" python3 "$base/benchmarks/$bench" $args --json "$out/$part-base.json"
+      step "$part-head" "${AB_S:-150}" python3 "benchmarks/$bench" $args --json "$out/$part-head.json" ;;
     bench) step bench "${BENCH_S:-240}" python3 benchmarks/nsa_op.py --json "$out/nsa_op.json" ;;
     gqa)
       step gqa-g4 90 python3 benchmarks/nsa_op.py --heads 16 --kv-heads 4 --seq-lens 8192 65536 --json "$out/g4.json"

@@ -226,15 +226,20 @@ def test_fused_selection_matches_reference(case: Case, device: str) -> None:
 
 @pytest.mark.parametrize(
     "tiles",
-    [dict(BLOCK_M=16, BLOCK_C=16, BLOCK_S=8), dict(BLOCK_M=32, BLOCK_C=64, BLOCK_S=32)],
+    [dict(BLOCK_T=16, BLOCK_C=16, BLOCK_S=8), dict(BLOCK_T=32, BLOCK_C=64, BLOCK_S=32)],
     ids=lambda t: "-".join(f"{k[6:]}{v}" for k, v in t.items()),
 )
 def test_importance_tiles_match_reference(
     tiles: dict[str, int], device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Other importance tiles (several steps per program, several programs per row): same result."""
+    """Other importance tiles (several steps per program, several programs per row): same result. With
+    l' = 4 there are 16+ selection blocks, so a program whose tile starts past block 0 must also count the
+    compressed block that reaches into its first chunk from the tile before (l = 2 d)."""
     monkeypatch.setattr(triton_compression, "LAUNCH", {"importance": tiles})
-    case = Case(B=2, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2)
+    case = Case(
+        B=2, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2,
+        sel_block_len=4,
+    )  # fmt: skip
     inputs = _inputs(case, device)
     ref_imp, ref_idx = _reference_selection(case, inputs)
     q, k, v, _ = (x.float() for x in inputs)
