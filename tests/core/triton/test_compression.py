@@ -226,7 +226,7 @@ def test_fused_selection_matches_reference(case: Case, device: str) -> None:
 
 @pytest.mark.parametrize(
     "tiles",
-    [dict(BLOCK_T=16, BLOCK_C=16, BLOCK_S=8), dict(BLOCK_T=32, BLOCK_C=64, BLOCK_S=32)],
+    [dict(BLOCK_M=16, BLOCK_C=16, BLOCK_S=8), dict(BLOCK_M=32, BLOCK_C=64, BLOCK_S=32)],
     ids=lambda t: "-".join(f"{k[6:]}{v}" for k, v in t.items()),
 )
 def test_importance_tiles_match_reference(

@@ -31,29 +31,87 @@ from nsa_core.ops.triton.flash import (
     banded_forward,
     block_sizes,
     kernel_dtypes,
+    launch_options,
 )
 
 IMPORTANCE_ELEMENTS = 1 << 24  # importance buffer per query chunk: 64 MiB of float32
 
-# Overrides of `importance_config` (BLOCK_T, BLOCK_C, BLOCK_S, num_warps, num_stages); empty: the defaults.
+# Overrides of `importance_config` (BLOCK_M, BLOCK_C, BLOCK_S, num_warps, num_stages); empty: the defaults.
 # benchmarks/tune_triton.py sets it to time other tile shapes.
 LAUNCH: dict[str, dict[str, int]] = {}
 
 
-def importance_config(dtype: torch.dtype, head_dim: int, G: int) -> dict[str, int]:
-    """Tiles of the importance kernel: ``BLOCK_T`` queries (x the ``G`` heads of a group, padded to
-    ``BLOCK_G``, make the row tile), ``BLOCK_C`` compressed blocks a step, ``BLOCK_S`` selection blocks a
-    program. Each program loads its query rows once and reads the compressed keys of its selection tile,
-    so a wide ``BLOCK_S`` cuts the query traffic that bounds this kernel at long T."""
-    block_g = triton.next_power_of_2(G)
-    block_d = block_sizes(head_dim)[2]
-    half = torch.finfo(dtype).bits == 16
-    rows = 256 if half and block_d <= 128 else 64  # exact fp32 products compile into long FMA loops
-    config = dict(
-        BLOCK_G=block_g, BLOCK_T=max(16, rows // block_g), BLOCK_C=64 if half else 32, BLOCK_S=64,
-        num_warps=8 if half else 4, num_stages=2,
-    )  # fmt: skip
+def importance_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    """Tiles of the importance kernel: ``BLOCK_M`` query rows, ``BLOCK_C`` compressed blocks a step and
+    ``BLOCK_S`` selection blocks a program. Each program reloads the ``G`` query tiles of its group once
+    per step, so a wide ``BLOCK_C`` cuts the query traffic that bounds this kernel at long T."""
+    block_m, block_c, block_d = block_sizes(head_dim)
+    config = dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_S=16, **launch_options(dtype, block_d))
     return {**config, **LAUNCH.get("importance", {})}
+
+
+@triton.jit
+def _importance_tile(
+    acc,
+    q,
+    k_cmp,
+    lse,
+    b,
+    hk,
+    offs_m,
+    mask_m,
+    t,
+    start,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    HQ,
+    G,
+    Tq,
+    Nc,
+    D,
+    scale_log2,
+    j0,
+    BLOCK_LEN: tl.constexpr,
+    BLOCK_STRIDE: tl.constexpr,
+    R: tl.constexpr,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # acc [BM, BS] += group-summed probabilities of compressed blocks start.. mapped onto selection blocks
+    offs_c = start + tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_c, mask_d = (offs_c >= 0) & (offs_c < Nc), offs_d < D
+    k_t = tl.load(
+        k_cmp + b * stride_kb + hk * stride_kh + offs_c.to(tl.int64)[None, :] * stride_kt + offs_d[:, None],
+        mask=mask_c[None, :] & mask_d[:, None],
+        other=0.0,
+    )  # [BD, BC]
+    vis = (offs_c[None, :] * BLOCK_STRIDE + BLOCK_LEN - 1 <= t[:, None]) & mask_c[None, :] & mask_m[:, None]
+    p_group = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
+    row_q = offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :]
+    for g in range(G):
+        h = hk * G + g
+        q_tile = tl.load(
+            q + b * stride_qb + h * stride_qh + row_q, mask=mask_m[:, None] & mask_d[None, :], other=0.0
+        )  # [BM, BD]
+        row_lse = tl.load(lse + (b * HQ + h) * Tq + offs_m, mask=mask_m, other=0.0)
+        s = tl.dot(q_tile, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2
+        p_group += tl.where(vis, tl.exp2(s - row_lse[:, None]), 0.0)  # Eq. 10: sum over the group
+    # Eq. 9: chunk m of selection block j is chunk j*K + m; compressed block c holds chunks c .. c + R - 1
+    offs_s = j0 + tl.arange(0, BLOCK_S)
+    first = tl.maximum(offs_c[:, None], offs_s[None, :] * K)
+    last = tl.minimum(offs_c[:, None] + R - 1, offs_s[None, :] * K + K - 1)
+    overlap = tl.maximum(last - first + 1, 0).to(ACC)  # [BC, BS]
+    return acc + tl.dot(p_group, overlap, input_precision="ieee", out_dtype=ACC)
 
 
 @triton.jit(do_not_specialize=["HQ", "HKV", "G", "Tq", "Nc", "Ns", "q_offset", "row0", "rows"])
@@ -84,77 +142,47 @@ def _importance_kernel(
     BLOCK_STRIDE: tl.constexpr,
     R: tl.constexpr,
     K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BLOCK_SPILL: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     # one program per (query tile, selection tile, KV group): imp [B, rows, HKV, Ns] for rows row0..
-    # The G heads of the BLOCK_T queries are one tile of BLOCK_G x BLOCK_T rows (head-major), loaded once
-    # and kept while the program walks the compressed blocks of its BLOCK_S selection blocks: the query
-    # traffic is paid once per selection tile, not once per head and step
-    pid_t = tl.program_id(0)
+    pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_bk = tl.program_id(2).to(tl.int64)
     b, hk = pid_bk // HKV, pid_bk % HKV
-    ROWS: tl.constexpr = BLOCK_G * BLOCK_T
-    offs_r = tl.arange(0, ROWS)
-    g_r, i_r = offs_r // BLOCK_T, offs_r % BLOCK_T
-    local_r = pid_t * BLOCK_T + i_r
-    mask_r = (g_r < G) & (local_r < rows)
-    t_r = q_offset + row0 + local_r
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    h_r = hk * G + g_r
-    q_rows = tl.load(
-        q
-        + b * stride_qb
-        + (row0 + local_r).to(tl.int64)[:, None] * stride_qt
-        + h_r[:, None] * stride_qh
-        + offs_d[None, :],
-        mask=mask_r[:, None] & mask_d[None, :],
-        other=0.0,
-    )  # [ROWS, BD]
-    lse_r = tl.load(lse + (b * HQ + h_r) * Tq + row0 + local_r, mask=mask_r, other=0.0)
-    # compressed blocks some row of the tile sees, and those that overlap this program's selection blocks
-    t1 = q_offset + row0 + tl.minimum(pid_t * BLOCK_T + BLOCK_T, rows) - 1
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = row0 + local
+    mask_m = local < rows
+    t = q_offset + offs_m
+    t1 = q_offset + row0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, rows) - 1
     c_hi = tl.where(t1 >= BLOCK_LEN - 1, (t1 - BLOCK_LEN + 1) // BLOCK_STRIDE + 1, 0)
+    c_hi = tl.minimum(c_hi, Nc)  # compressed blocks some row of the tile sees
     j0 = pid_s * BLOCK_S
-    c_hi = tl.minimum(tl.minimum(c_hi, Nc), j0 * K + BLOCK_S * K)
-    c_lo = tl.maximum(j0 * K - R + 1, 0)  # blocks c0 - R + 1 .. reach into the first selection block
+    c0 = j0 * K
+    acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=ACC)
+    # blocks c0 - R + 1 .. c0 - 1 reach into this tile's first chunks
+    if (R > 1) & (c0 > 0) & (c0 - R + 1 < c_hi):
+        acc = _importance_tile(
+            acc, q, k_cmp, lse, b, hk, offs_m, mask_m, t, c0 - BLOCK_SPILL,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            HQ, G, Tq, Nc, D, scale_log2, j0,
+            BLOCK_LEN, BLOCK_STRIDE, R, K, BLOCK_M, BLOCK_SPILL, BLOCK_S, BLOCK_D, ACC, PRECISION,
+        )  # fmt: skip
+    for start in range(c0, tl.minimum(c_hi, c0 + BLOCK_S * K), BLOCK_C):
+        acc = _importance_tile(
+            acc, q, k_cmp, lse, b, hk, offs_m, mask_m, t, start,
+            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+            HQ, G, Tq, Nc, D, scale_log2, j0,
+            BLOCK_LEN, BLOCK_STRIDE, R, K, BLOCK_M, BLOCK_C, BLOCK_S, BLOCK_D, ACC, PRECISION,
+        )  # fmt: skip
     offs_s = j0 + tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_T, BLOCK_S], dtype=ACC)
-    for start in range(c_lo, c_hi, BLOCK_C):
-        offs_c = start + tl.arange(0, BLOCK_C)
-        mask_c = offs_c < c_hi
-        k_t = tl.load(
-            k_cmp
-            + b * stride_kb
-            + hk * stride_kh
-            + offs_c.to(tl.int64)[None, :] * stride_kt
-            + offs_d[:, None],
-            mask=mask_c[None, :] & mask_d[:, None],
-            other=0.0,
-        )  # [BD, BC]
-        s = tl.dot(q_rows, k_t, input_precision=PRECISION, out_dtype=ACC) * scale_log2  # [ROWS, BC]
-        vis = (
-            (offs_c[None, :] * BLOCK_STRIDE + BLOCK_LEN - 1 <= t_r[:, None])
-            & mask_c[None, :]
-            & mask_r[:, None]
-        )
-        p = tl.where(vis, tl.exp2(s - lse_r[:, None]), 0.0)
-        p_group = tl.sum(tl.reshape(p, [BLOCK_G, BLOCK_T, BLOCK_C]), 0)  # Eq. 10: sum over the group
-        # Eq. 9: chunk m of selection block j is chunk j*K + m; compressed block c holds chunks c .. c + R - 1
-        first = tl.maximum(offs_c[:, None], offs_s[None, :] * K)
-        last = tl.minimum(offs_c[:, None] + R - 1, offs_s[None, :] * K + K - 1)
-        overlap = tl.maximum(last - first + 1, 0).to(ACC)  # [BC, BS]
-        acc += tl.dot(p_group, overlap, input_precision="ieee", out_dtype=ACC)
-    local = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     ptr = imp + b * stride_ib + (local.to(tl.int64)[:, None] * HKV + hk) * Ns + offs_s[None, :]
-    tl.store(ptr, acc.to(imp.dtype.element_ty), mask=(local < rows)[:, None] & (offs_s < Ns)[None, :])
+    tl.store(ptr, acc.to(imp.dtype.element_ty), mask=mask_m[:, None] & (offs_s < Ns)[None, :])
 
 
 @triton.jit(do_not_specialize=["HKV", "Ns", "q_offset", "row0", "rows"])
@@ -221,13 +249,14 @@ def _launch_importance(
         imp[:, :rows].zero_()
         return
     acc, precision = kernel_dtypes(q.dtype)
-    config = importance_config(q.dtype, D, HQ // HKV)
+    config = importance_config(q.dtype, D)
     R, K = block_len // block_stride, sel_block_len // block_stride
-    grid = (triton.cdiv(rows, config["BLOCK_T"]), triton.cdiv(num_sel_blocks, config["BLOCK_S"]), B * HKV)
+    grid = (triton.cdiv(rows, config["BLOCK_M"]), triton.cdiv(num_sel_blocks, config["BLOCK_S"]), B * HKV)
     _importance_kernel[grid](
         q, k_cmp, lse, imp, *q.stride()[:3], *k_cmp.stride()[:3], imp.stride(0),
         HQ, HKV, HQ // HKV, Tq, Nc, num_sel_blocks, D, q_offset, row0, rows, scale * LOG2_E,
-        BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K, BLOCK_D=block_sizes(D)[2],
+        BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K,
+        BLOCK_SPILL=max(16, triton.next_power_of_2(max(1, R - 1))), BLOCK_D=block_sizes(D)[2],
         ACC=acc, PRECISION=precision, **config,
     )  # fmt: skip
 
@@ -275,7 +304,7 @@ def select_from_lse(
     B, Tq, HQ, D = q.shape
     HKV = k_cmp.shape[2]
     num_sel_blocks = -(-(q_offset + Tq) // sel_block_len)
-    block_m = importance_config(q.dtype, D, HQ // HKV)["BLOCK_T"]
+    block_m = importance_config(q.dtype, D)["BLOCK_M"]
     chunk = max(block_m, IMPORTANCE_ELEMENTS // (B * HKV * num_sel_blocks) // block_m * block_m)
     chunk = min(chunk, Tq)
     imp_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
