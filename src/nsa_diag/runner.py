@@ -46,7 +46,7 @@ from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 ProgressCallback = Callable[[BeaconState | None, float], None]
 STDERR_TAIL_BYTES = 4096
-_CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE}
+_CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE, artifacts.STACK_REQUEST}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -339,11 +339,7 @@ def _last_sample(proc: subprocess.Popen[bytes], case_dir: Path) -> bool:
     if proc.poll() is not None or not catches_sigusr1(proc.pid):
         return False
     path = case_dir / artifacts.STACKS
-    header_end = stacks.request_sample(proc.pid, path, 1, note="nsa-diag interrupted")
-    if header_end is None:
-        return False
-    stacks.wait_for_dump(path, header_end)
-    return True
+    return stacks.take_sample(proc.pid, case_dir, path, 1, None, note="nsa-diag interrupted") is not None
 
 
 def _interrupted(

@@ -442,10 +442,9 @@ def gather_hang_evidence(
     t0 = time.monotonic()
     cpu0 = procfs.cpu_seconds(pid)
     beat0 = _heartbeat(case_dir)
+    writers = []  # who wrote each stack sample
     if sampling:
-        header_end = stacks.request_sample(pid, stacks_path, 1)
-        if header_end is not None:
-            stacks.wait_for_dump(stacks_path, header_end)
+        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before))
     snapshot = (
         gpu.nvml_snapshot()
         if spec.device != "cpu"
@@ -457,9 +456,9 @@ def gather_hang_evidence(
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:
-        header_end = stacks.request_sample(pid, stacks_path, 2)
-        if header_end is not None:
-            stacks.wait_for_dump(stacks_path, header_end)
+        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before))
+        if "heartbeat thread" in writers:
+            ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
     if beat0 is not None and beat1 is not None and beat0 > 0:
         ev.heartbeat_between = beat1 > beat0

@@ -440,3 +440,49 @@ def test_wait_for_dump_waits_for_a_late_handler(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_sample_the_signal_handler_does_not_write_comes_from_the_heartbeat_thread(tmp_path: Path) -> None:
+    """SIGUSR1 blocked in every thread of a real child (its handler never runs): `take_sample` asks the
+    worker's real heartbeat thread, which dumps every thread under the sample's header."""
+    import subprocess
+    import sys
+    import time
+
+    from nsa_diag import artifacts
+    from nsa_diag.evidence import stacks as stack_samples
+    from nsa_diag.evidence.stacks import parse_faulthandler
+    from nsa_diag.watchdog import catches_sigusr1
+
+    path = tmp_path / artifacts.STACKS
+    code = (
+        "import faulthandler, signal, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "from nsa_diag.worker.beacon import BeaconWriter\n"
+        "from nsa_diag.worker.probes import Heartbeat\n"
+        f"case = Path({str(tmp_path)!r})\n"
+        "stacks = open(case / 'stacks.txt', 'ab')\n"
+        "faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])  # inherited by the heartbeat thread\n"
+        "Heartbeat(BeaconWriter(case / 'beacon.bin'), case, on_dump=lambda: None, stacks=stacks).start()\n"
+        "print('ready', flush=True)\n"
+        "def _deadlock_here():\n"
+        "    lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=30)\n"
+        "_deadlock_here()\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 5
+        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer = stack_samples.take_sample(child.pid, tmp_path, path, 1, True)
+        assert writer == "heartbeat thread", path.read_text()
+        threads = parse_faulthandler(path.read_text().split("\n", 1)[1])
+        assert any(f.func == "_deadlock_here" for t in threads for f in t.frames), path.read_text()
+        # with the heartbeat stopped (a held GIL) nobody else is asked: the sample stays empty
+        assert stack_samples.take_sample(child.pid, tmp_path, path, 2, False) is None
+    finally:
+        child.kill()
+        child.wait()

@@ -3,7 +3,10 @@
 The worker registers `faulthandler` for SIGUSR1 with ``all_threads=True`` into ``stacks.txt``. Its C signal
 handler dumps every thread without taking the GIL, so a sample comes back also while the worker sits in C++
 or holds the GIL. The handler cannot write a header, so the runner appends ``=== stack sample N at <time>``
-before each signal; a fatal error (segfault, abort) dumps into the same file with no header of ours.
+before each signal; a fatal error (segfault, abort) dumps into the same file with no header of ours. Where
+the handler writes nothing within `DUMP_START_TIMEOUT_S` (seen on a loaded GPU machine, the training thread
+blocked on a lock, cause not found), `take_sample` asks the worker's heartbeat thread, when it is alive,
+to dump the same way from Python (``stack.request``).
 
 faulthandler shows Python frames only; ``py-spy dump --native`` adds the C/C++ frames (the lock, the CUDA
 sync, the collective the thread is blocked in) when py-spy is installed (``pip install 'nsa-diag[pyspy]'``).
@@ -224,6 +227,25 @@ def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> 
     except ProcessLookupError:
         return None
     return header_end
+
+
+def take_sample(
+    pid: int, case_dir: Path, stacks_path: Path, number: int, heartbeat: bool | None, note: str = ""
+) -> str | None:
+    """Stack sample ``number``: SIGUSR1 to faulthandler, and where its handler writes nothing in time while
+    the heartbeat thread is alive, the heartbeat thread's dump (``stack.request``). Returns who wrote it
+    ("signal", "heartbeat thread"), or None when nothing was written or ``pid`` is gone."""
+    header_end = request_sample(pid, stacks_path, number, note)
+    if header_end is None:
+        return None
+    wait_for_dump(stacks_path, header_end)
+    if _size(stacks_path) > header_end:
+        return "signal"
+    if heartbeat is False:  # a held GIL: the heartbeat thread cannot run either
+        return None
+    artifacts.write_text(Path(case_dir) / artifacts.STACK_REQUEST, f"{number}\n")
+    wait_for_dump(stacks_path, header_end)
+    return "heartbeat thread" if _size(stacks_path) > header_end else None
 
 
 def wait_for_dump(

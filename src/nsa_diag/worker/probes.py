@@ -8,6 +8,7 @@ wedged) and to ``progress.jsonl`` (the record a person reads afterwards). The ho
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import math
 import resource
@@ -16,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from nsa_diag import artifacts
 from nsa_diag.worker.beacon import BeaconWriter
@@ -276,14 +277,26 @@ class Heartbeat(threading.Thread):
     The runner creates ``dump.request`` before it kills a hung worker; this thread then records memory
     "at_hang" and creates ``dump.done``. While the GIL is held (a C call that never releases it) this
     thread cannot run: the heartbeat stops, which is exactly how the watchdog tells a held GIL.
+
+    When a SIGUSR1 stack sample stays empty (its handler never ran: seen on a loaded GPU machine with the
+    training thread blocked on a lock), the runner writes the sample's number into ``stack.request`` and
+    this thread dumps every thread's stack into ``stacks`` from Python, under the sample's header.
     """
 
-    def __init__(self, beacon: BeaconWriter, case_dir: Path, on_dump: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        beacon: BeaconWriter,
+        case_dir: Path,
+        on_dump: Callable[[], None],
+        stacks: BinaryIO | None = None,
+    ) -> None:
         super().__init__(name="nsa-diag-heartbeat", daemon=True)
         self.beacon = beacon
         self.request = Path(case_dir) / artifacts.DUMP_REQUEST
         self.done = Path(case_dir) / artifacts.DUMP_DONE
+        self.stack_request = Path(case_dir) / artifacts.STACK_REQUEST
         self.on_dump = on_dump
+        self.stacks = stacks
         self.stopped = False
 
     def run(self) -> None:
@@ -293,6 +306,7 @@ class Heartbeat(threading.Thread):
         # A plain sleep, not Event.wait: in stack samples this thread shows no lock or condition frames a
         # classifier could mistake for the training thread's deadlock ("probes.py ... in _heartbeat_loop").
         answered = False
+        samples_answered: set[str] = set()
         while not self.stopped:
             time.sleep(0.1)
             self.beacon.tick()
@@ -303,6 +317,11 @@ class Heartbeat(threading.Thread):
                     artifacts.write_text(self.done, "ok\n")
                 except Exception as exc:  # evidence is best effort; say what failed
                     artifacts.write_text(self.done, f"failed: {type(exc).__name__}: {exc}\n")
+            if self.stacks is not None and self.stack_request.exists():
+                number = self.stack_request.read_text(errors="replace").strip()
+                if number and number not in samples_answered:
+                    samples_answered.add(number)
+                    faulthandler.dump_traceback(file=self.stacks, all_threads=True)
 
 
 # ------------------------------------------------------------------------------------ failure-only checks
