@@ -11,6 +11,9 @@ Layout: ``q [B, Tq, HQ, D]``, ``k/v [B, Nk, HKV, D]`` (last dim contiguous), que
 no key, whose output is 0). The backward is FlashAttention-2's: ``delta = rowsum(o * do)``, one program per
 (key tile, KV head) accumulating dK/dV over the ``G`` query heads of its group (no atomics, deterministic),
 and one program per (query tile, query head) for dQ. Work and memory are O(T * keys a query reads).
+Each kernel's tile loop runs the tiles that every query of its tile reads whole without the visibility
+mask, and only the band's two edges with it (`_full_key_tiles`, `_full_query_tiles`); dK/dV works on
+``s^T = k q^T`` so that ``p^T`` and ``ds^T`` feed its products without transposing a register tile.
 Row offsets are cast to int64 before they meet a stride, so 256k tokens x 64 heads x 128 dims address.
 """
 
