@@ -9,11 +9,18 @@ explicitly, so the tests do not depend on where the recording was made.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from nsa_diag import artifacts
 from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind
+from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
 from nsa_diag.spec import Where
 
@@ -364,16 +371,31 @@ def test_a_worker_that_finished_but_does_not_exit_is_a_hang_that_says_so() -> No
     )
 
 
+@contextlib.contextmanager
+def _child_with_handler(code: str, *, stdin: bool = False) -> Iterator[subprocess.Popen[str]]:
+    """A real child running ``code``, once it has printed "ready" and registered its SIGUSR1 handler;
+    killed on the way out."""
+    from nsa_diag.watchdog import catches_sigusr1
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE if stdin else None, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 5
+        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_wait_for_dump_waits_past_the_header_for_the_dump(tmp_path: Path) -> None:
     """A real SIGUSR1 dump of a child: the wait ends with the dump in the file, not at the header alone
     (a late dump on a loaded machine once left samples empty)."""
-    import subprocess
-    import sys
-    import time
-
-    from nsa_diag.evidence import stacks as stack_samples
-    from nsa_diag.watchdog import catches_sigusr1
-
     path = tmp_path / "stacks.txt"
     code = (
         "import faulthandler, signal, sys, time\n"
@@ -382,33 +404,17 @@ def test_wait_for_dump_waits_past_the_header_for_the_dump(tmp_path: Path) -> Non
         "print('ready', flush=True)\n"
         "time.sleep(30)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 5
-        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _child_with_handler(code) as child:
         header_end = stack_samples.request_sample(child.pid, path, 1)
         assert header_end is not None
         stack_samples.wait_for_dump(path, header_end, timeout_s=5)
         assert "<string>" in path.read_text(), path.read_text()  # the child's frame, from its dump
-    finally:
-        child.kill()
-        child.wait()
     assert stack_samples.request_sample(child.pid, path, 2) is None  # gone
 
 
 def test_wait_for_dump_waits_for_a_late_handler(tmp_path: Path) -> None:
     """The worker's handler runs 1.5 s after the signal (blocked, as on a loaded machine): the wait still
     ends with the dump in the file, before the next sample's header could land ahead of it."""
-    import subprocess
-    import sys
-    import time
-
-    from nsa_diag.evidence import stacks as stack_samples
-    from nsa_diag.watchdog import catches_sigusr1
-
     path = tmp_path / "stacks.txt"
     code = (
         "import faulthandler, signal, sys, time\n"
@@ -421,39 +427,19 @@ def test_wait_for_dump_waits_for_a_late_handler(tmp_path: Path) -> None:
         "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])\n"
         "time.sleep(30)\n"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None
+    with _child_with_handler(code, stdin=True) as child:
         assert child.stdin is not None
-        assert child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 5
-        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
-            time.sleep(0.01)
         header_end = stack_samples.request_sample(child.pid, path, 1)
         assert header_end is not None
         child.stdin.write("go\n")
         child.stdin.flush()
         stack_samples.wait_for_dump(path, header_end)
         assert "<string>" in path.read_text(), path.read_text()
-    finally:
-        child.kill()
-        child.wait()
 
 
 def test_a_sample_the_signal_handler_does_not_write_comes_from_the_heartbeat_thread(tmp_path: Path) -> None:
     """SIGUSR1 blocked in every thread of a real child (its handler never runs): `take_sample` asks the
     worker's real heartbeat thread, which dumps every thread under the sample's header."""
-    import subprocess
-    import sys
-    import time
-
-    from nsa_diag import artifacts
-    from nsa_diag.evidence import stacks as stack_samples
-    from nsa_diag.evidence.stacks import parse_faulthandler
-    from nsa_diag.watchdog import catches_sigusr1
-
     path = tmp_path / artifacts.STACKS
     code = (
         "import faulthandler, signal, sys, threading, time\n"
@@ -470,19 +456,10 @@ def test_a_sample_the_signal_handler_does_not_write_comes_from_the_heartbeat_thr
         "    lock = threading.Lock(); lock.acquire(); lock.acquire(timeout=30)\n"
         "_deadlock_here()\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready"
-        deadline = time.monotonic() + 5
-        while catches_sigusr1(child.pid) is False and time.monotonic() < deadline:
-            time.sleep(0.01)
+    with _child_with_handler(code) as child:
         writer = stack_samples.take_sample(child.pid, tmp_path, path, 1, True)
         assert writer == "heartbeat thread", path.read_text()
         threads = parse_faulthandler(path.read_text().split("\n", 1)[1])
         assert any(f.func == "_deadlock_here" for t in threads for f in t.frames), path.read_text()
         # with the heartbeat stopped (a held GIL) nobody else is asked: the sample stays empty
         assert stack_samples.take_sample(child.pid, tmp_path, path, 2, False) is None
-    finally:
-        child.kill()
-        child.wait()

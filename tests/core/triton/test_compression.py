@@ -206,9 +206,8 @@ def test_compressed_unmasked_tiles_match_reference(case: Case, device: str, smal
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_fused_selection_matches_reference(case: Case, device: str) -> None:
-    inputs = _inputs(case, device)
+def _check_importance_and_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The importance and the fused selection in float32 against the reference; returns the selection."""
     ref_imp, ref_idx = _reference_selection(case, inputs)
     q, k, v, _ = (x.float() for x in inputs)
     tri_imp = triton_block_importance(
@@ -218,6 +217,14 @@ def test_fused_selection_matches_reference(case: Case, device: str) -> None:
     assert_close("importance", ref_imp, tri_imp, FP32_RATIO, atol=1e-5)
     _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
     assert_same_selection(ref_idx, tri_idx, ref_imp, all_ties=case.pattern == "hot")
+    return tri_idx
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_selection_matches_reference(case: Case, device: str) -> None:
+    inputs = _inputs(case, device)
+    tri_idx = _check_importance_and_selection(case, inputs)
+    q, k, _, _ = (x.float() for x in inputs)
     only = triton_compressed_block_select(
         q, k, **{key: val for key, val in case.select.items() if key != "kv_heads"}, **case.geometry
     )
@@ -240,16 +247,7 @@ def test_importance_tiles_match_reference(
         B=2, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2,
         sel_block_len=4,
     )  # fmt: skip
-    inputs = _inputs(case, device)
-    ref_imp, ref_idx = _reference_selection(case, inputs)
-    q, k, v, _ = (x.float() for x in inputs)
-    tri_imp = triton_block_importance(
-        q, k, block_len=case.block_len, block_stride=case.block_stride, sel_block_len=case.sel_block_len,
-        q_offset=case.q_offset,
-    )  # fmt: skip
-    assert_close("importance", ref_imp, tri_imp, FP32_RATIO, atol=1e-5)
-    _, tri_idx = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
-    assert_same_selection(ref_idx, tri_idx, ref_imp)
+    _check_importance_and_selection(case, _inputs(case, device))
 
 
 @pytest.mark.skipif(not SIZES.dtypes, reason="bf16/fp16 runs need CUDA")
