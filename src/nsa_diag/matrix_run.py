@@ -295,10 +295,8 @@ class ParallelRun:
 
 # --- progress ---------------------------------------------------------------------------------------------
 
-_STYLES = {"pass": "green", "skipped": "yellow", "slow": "yellow", "hang": "bold red"}
 
-
-class MatrixProgress:
+class MatrixProgress(render.LiveDisplay):
     """The live display on stderr: one line per running case (where its worker is), and a count.
 
     On a terminal a transient display follows the beacons; elsewhere (CI logs, pipes) one line per case
@@ -306,28 +304,14 @@ class MatrixProgress:
     """
 
     def __init__(self, console: Console, total: int, *, already: int = 0) -> None:
-        self.console = console
+        super().__init__(console)
         self.total = total
         self.started = already
         self.finished = already
         self._running: dict[str, dict[str, Any]] = {}
         self._lock = threading.RLock()
-        self._live: Any = None
 
-    def __enter__(self) -> MatrixProgress:
-        if self.console.is_terminal:
-            from rich.live import Live
-
-            self._live = Live(self._render(), console=self.console, transient=True, refresh_per_second=8)
-            self._live.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
-
-    def _render(self) -> Any:
+    def _renderable(self) -> Any:
         from rich.console import Group
         from rich.markup import escape
         from rich.spinner import Spinner
@@ -342,10 +326,6 @@ class MatrixProgress:
             lines.append(f"{head}: {escape(where)} · {info['elapsed']:.1f} s")
         return Group(*lines)
 
-    def _refresh(self) -> None:
-        if self._live is not None:
-            self._live.update(self._render())
-
     def start(self, case: MatrixCase, gpu: str | None) -> None:
         with self._lock:
             self.started += 1
@@ -357,14 +337,13 @@ class MatrixProgress:
                 "gpu": gpu,
             }
             self._running[case.name] = info
-            if self._live is not None:
+            if self.live:
                 self._refresh()
                 return
-            stall = "auto" if case.spec.stall == "auto" else f"{case.spec.stall:g} s"
             on_gpu = f" on GPU {gpu}" if gpu is not None else ""
             self.console.print(
                 f"[{info['index']}/{self.total}] {case.name}: running{on_gpu} "
-                f"(stall {stall}, timeout {case.spec.timeout:g} s)",
+                f"(stall {render.stall_text(case.spec.stall)}, timeout {case.spec.timeout:g} s)",
                 markup=False,
                 highlight=False,
             )
@@ -377,19 +356,11 @@ class MatrixProgress:
                 self._refresh()
 
     def end(self, result: CaseResult) -> None:
-        from rich.markup import escape
-
         with self._lock:
             info = self._running.pop(result.name, {"index": "?"})
             self.finished += 1
-            style = _STYLES.get(result.verdict, "red")
-            kind = f" ({result.hang_kind})" if result.hang_kind else ""
-            head = f"[{info['index']}/{self.total}] {escape(result.name)}"
-            took = render.format_seconds(result.elapsed_s)
-            self.console.print(
-                f"{head}: [{style}]{result.verdict}[/{style}]{kind} in {took}",
-                highlight=False,
-            )
+            head = f"[{info['index']}/{self.total}] {result.name}"
+            self.console.print(render.verdict_line(head, result), highlight=False)
             self._refresh()
 
 

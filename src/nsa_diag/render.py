@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
@@ -414,31 +414,47 @@ def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
     artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary) + follow_ups_markdown(summary))
 
 
-def _stall_text(stall: float | str) -> str:
+def stall_text(stall: float | str) -> str:
     return "auto" if stall == "auto" else f"{stall:g} s"
 
 
-class LiveProgress:
-    """The live display on stderr while cases run: the case, where the worker is, the time elapsed.
+def verdict_line(head: str, result: CaseResult) -> str:
+    """``<head>: <verdict> (<hang kind>) in <time>`` in rich markup; ``head`` is escaped here."""
+    from rich.markup import escape
 
-    On a terminal a transient status line follows the beacon; elsewhere (CI logs, pipes) one line per
-    case start and end, so logs stay readable. Feed it from the runner's callbacks.
-    """
+    style = _VERDICT_STYLES.get(result.verdict, "red")
+    kind = f" ({result.hang_kind})" if result.hang_kind else ""
+    return f"{escape(head)}: [{style}]{result.verdict}[/{style}]{kind} in {format_seconds(result.elapsed_s)}"
 
-    def __init__(self, console: Console, specs: Sequence[CaseSpec]) -> None:
+
+_Display = TypeVar("_Display", bound="LiveDisplay")
+
+
+class LiveDisplay:
+    """Base of the live displays on stderr: on a terminal a transient `rich.live.Live` showing
+    `_renderable()`, redrawn by `_refresh()`; elsewhere (CI logs, pipes) nothing, and the subclass prints
+    one line per case start and end instead."""
+
+    def __init__(self, console: Console) -> None:
         self.console = console
-        self.total = len(specs)
-        self.index = 0
-        self.spec: CaseSpec | None = None
-        self.state: Any = None
-        self.elapsed = 0.0
         self._live: Any = None
 
-    def __enter__(self) -> LiveProgress:
+    def _renderable(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def live(self) -> bool:
+        return self._live is not None
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._renderable())
+
+    def __enter__(self: _Display) -> _Display:
         if self.console.is_terminal:
             from rich.live import Live
 
-            self._live = Live(self._status(), console=self.console, transient=True, refresh_per_second=8)
+            self._live = Live(self._renderable(), console=self.console, transient=True, refresh_per_second=8)
             self._live.start()
         return self
 
@@ -447,11 +463,27 @@ class LiveProgress:
             self._live.stop()
             self._live = None
 
+
+class LiveProgress(LiveDisplay):
+    """The live display on stderr while cases run: the case, where the worker is, the time elapsed.
+
+    On a terminal a transient status line follows the beacon; elsewhere (CI logs, pipes) one line per
+    case start and end, so logs stay readable. Feed it from the runner's callbacks.
+    """
+
+    def __init__(self, console: Console, specs: Sequence[CaseSpec]) -> None:
+        super().__init__(console)
+        self.total = len(specs)
+        self.index = 0
+        self.spec: CaseSpec | None = None
+        self.state: Any = None
+        self.elapsed = 0.0
+
     def _prefix(self) -> str:
         name = self.spec.name if self.spec else "?"
         return f"[{self.index}/{self.total}] {name}"
 
-    def _status(self) -> Any:
+    def _renderable(self) -> Any:
         from rich.markup import escape
         from rich.spinner import Spinner
 
@@ -462,36 +494,27 @@ class LiveProgress:
         state = self.state
         idle = time.time() - state.time if state is not None and state.phase != "setup" else 0.0
         if idle >= 1.0:  # a hang in the making: count towards --stall (setup has a longer limit)
-            text += f" · no progress for {idle:.1f} s (stall {_stall_text(self.spec.stall)})"
+            text += f" · no progress for {idle:.1f} s (stall {stall_text(self.spec.stall)})"
         return Spinner("dots", text)
 
     def case_start(self, spec: CaseSpec) -> None:
         self.index += 1
         self.spec, self.state, self.elapsed = spec, None, 0.0
-        if self._live is not None:
-            self._live.update(self._status())
+        if self.live:
+            self._refresh()
         else:
             self.console.print(
-                f"{self._prefix()}: running (stall {_stall_text(spec.stall)}, timeout {spec.timeout:g} s)",
+                f"{self._prefix()}: running (stall {stall_text(spec.stall)}, timeout {spec.timeout:g} s)",
                 markup=False,
                 highlight=False,
             )
 
     def progress(self, state: Any, elapsed: float) -> None:
         self.state, self.elapsed = state, elapsed
-        if self._live is not None:
-            self._live.update(self._status())
+        self._refresh()
 
     def case_end(self, result: CaseResult) -> None:
-        from rich.markup import escape
-
-        style = _VERDICT_STYLES.get(result.verdict, "red")
-        kind = f" ({result.hang_kind})" if result.hang_kind else ""
-        self.console.print(
-            f"{escape(self._prefix())}: [{style}]{result.verdict}[/{style}]{kind} "
-            f"in {format_seconds(result.elapsed_s)}",
-            highlight=False,
-        )
+        self.console.print(verdict_line(self._prefix(), result), highlight=False)
 
 
 def describe_state(state: Any, steps: int | None = None) -> str:

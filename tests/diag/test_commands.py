@@ -503,6 +503,54 @@ def test_live_progress_off_a_terminal_prints_one_line_per_start_and_end() -> Non
     ]
 
 
+def test_matrix_progress_off_a_terminal_prints_one_line_per_start_and_end() -> None:
+    from rich.console import Console
+
+    from nsa_diag.matrix import MatrixCase
+    from nsa_diag.matrix_run import MatrixProgress
+
+    buffer = io.StringIO()
+    case = MatrixCase(CaseSpec(name="seq_len=2048", stall="auto"))
+    with MatrixProgress(Console(file=buffer, width=200, color_system=None), 2, already=1) as live:
+        live.start(case, "0")
+        live.update(case.name, None, 0.5)
+        live.end(_result(case.name, "hang", elapsed_s=12.0, hang_kind="python-deadlock"))
+    assert buffer.getvalue().splitlines() == [
+        "[2/2] seq_len=2048: running on GPU 0 (stall auto, timeout 300 s)",
+        "[2/2] seq_len=2048: hang (python-deadlock) in 12.0 s",
+    ]
+
+
+def test_live_displays_on_a_terminal_redraw_and_stop() -> None:
+    """On a terminal both displays run a transient rich Live: updated while cases run, gone after."""
+    from rich.console import Console
+
+    from nsa_diag.matrix import MatrixCase
+    from nsa_diag.matrix_run import MatrixProgress
+    from nsa_diag.worker.beacon import BeaconState
+
+    state = BeaconState(1, 0.0, 1, 1, "backward", "sel", "begin", 1, 1, 0.0, None)
+    spec = CaseSpec(name="cmp", stall=3)
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200, force_terminal=True, color_system=None)
+    with LiveProgress(console, [spec]) as live:
+        assert live.live
+        live.case_start(spec)
+        live.progress(state, 1.5)
+        live.case_end(_result("cmp", "pass", elapsed_s=1.5))
+    assert not live.live
+    assert "[1/1] cmp: pass in 1.5 s" in buffer.getvalue()
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=200, force_terminal=True, color_system=None)
+    with MatrixProgress(console, 1) as matrix:
+        assert matrix.live
+        matrix.start(MatrixCase(spec), None)
+        matrix.update("cmp", state, 0.5)
+        matrix.end(_result("cmp", "pass", elapsed_s=0.5))
+    assert not matrix.live
+    assert "[1/1] cmp: pass in 0.5 s" in buffer.getvalue()
+
+
 # --- end to end: real workers on the tiny CPU default ------------------------------------------------------
 
 
