@@ -43,7 +43,7 @@ MEMORY_TIMELINE = "memory_timeline.html"
 MEMORY_SNAPSHOT = "memory_snapshot.pickle"
 DUMP_REQUEST = "dump.request"  # the runner asks the worker's heartbeat thread for memory evidence at a hang
 DUMP_DONE = "dump.done"  # ... and the worker says it has written it
-STACK_REQUEST = "stack.request"  # a stack sample the SIGUSR1 handler did not write: the heartbeat thread's
+STACK_REQUEST = "stack.request"  # ... and for a stack sample (its number) the SIGUSR1 handler left empty
 
 
 def write_bytes(path: Path, data: bytes) -> Path:

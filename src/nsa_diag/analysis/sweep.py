@@ -178,6 +178,11 @@ def growth_points(passed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [p for p in passed if not optimizer_bound(p)]
 
 
+def _measured(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points that passed with a peak memory: what the memory fit may use."""
+    return [p for p in points if p.get("verdict") == "pass" and p.get("peak_memory_bytes")]
+
+
 def fit_points(
     points: list[dict[str, Any]], x_name: str, total: Callable[[str | None], tuple[int, str] | None]
 ) -> dict[str, Any]:
@@ -186,7 +191,7 @@ def fit_points(
     The memory fit is over `growth_points`, named in ``memory_fit_points``. `total(device)`: the memory
     budget (bytes, where it comes from) of the device the points ran on, asked only where it is used;
     None where it is not known leaves the limit and the oom points' foresight out."""
-    passed = [p for p in points if p["verdict"] == "pass" and p.get("peak_memory_bytes")]
+    passed = _measured(points)
     growing = growth_points(passed)
     memory_fit = fit_growth(
         [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
@@ -354,7 +359,7 @@ def _estimate_cell(point: dict[str, Any]) -> str:
 
 def fit_points_note(series: dict[str, Any]) -> str | None:
     """Which points the memory fit used, where `growth_points` left some passed ones out; else None."""
-    measured = [p for p in series["points"] if p.get("verdict") == "pass" and p.get("peak_memory_bytes")]
+    measured = _measured(series["points"])
     used = series.get("memory_fit_points")
     if used is None or len(measured) <= len(used):
         return None

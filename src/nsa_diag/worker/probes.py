@@ -306,7 +306,7 @@ class Heartbeat(threading.Thread):
         # A plain sleep, not Event.wait: in stack samples this thread shows no lock or condition frames a
         # classifier could mistake for the training thread's deadlock ("probes.py ... in _heartbeat_loop").
         answered = False
-        samples_answered: set[str] = set()
+        sample_answered = ""  # the number of the last stack sample dumped from here
         while not self.stopped:
             time.sleep(0.1)
             self.beacon.tick()
@@ -319,8 +319,8 @@ class Heartbeat(threading.Thread):
                     artifacts.write_text(self.done, f"failed: {type(exc).__name__}: {exc}\n")
             if self.stacks is not None and self.stack_request.exists():
                 number = self.stack_request.read_text(errors="replace").strip()
-                if number and number not in samples_answered:
-                    samples_answered.add(number)
+                if number and number != sample_answered:
+                    sample_answered = number
                     faulthandler.dump_traceback(file=self.stacks, all_threads=True)
 
 

@@ -44,7 +44,8 @@ LAUNCH: dict[str, dict[str, int]] = {}
 def importance_config(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     """Tiles of the importance kernel: ``BLOCK_M`` query rows, ``BLOCK_C`` compressed blocks a step and
     ``BLOCK_S`` selection blocks a program. Each program reloads the ``G`` query tiles of its group once
-    per step, so a wide ``BLOCK_C`` cuts the query traffic that bounds this kernel at long T."""
+    per step; wider steps or more rows were slower on an H100 (benchmarks/tune_triton.py, family
+    cmp-imp), so the defaults are the banded kernels' tiles."""
     block_m, block_c, block_d = block_sizes(head_dim)
     config = dict(BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_S=16, **launch_options(dtype, block_d))
     return {**config, **LAUNCH.get("importance", {})}
