@@ -15,6 +15,18 @@ sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
     python benchmarks/nsa_op.py                                  # 2k .. 64k, and 256k for ours alone
     python benchmarks/nsa_op.py --seq-lens 8192 65536 --breakdown  # plus each branch's own time
     python benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 2048 16384  # m7c-125m, G=6
+    python benchmarks/nsa_op.py --inputs smooth --composed  # locality; and the branch functions composed
+
+The op is `triton_nsa_attention` (one autograd function); ``--composed`` also times the three branch
+functions and `triton_gated_sum` composed by autograd, in the same run.
+
+Inputs: ``random`` draws every q/k/v entry independently, so neighbouring queries choose nearly disjoint
+blocks, which real NSA attention does not. ``smooth`` draws q and k from a slowly varying process along T
+(independent Gaussian knots every ``--corr-len`` tokens, linearly interpolated, plus white noise of
+``--noise`` relative size; v stays random): neighbouring queries then share most of their blocks. For each
+input kind the table reports the measured overlap: the share of a query's selected blocks its predecessor
+(same KV group) selected too, over all slots and over the slots that are not forced (initial and local
+blocks), and the distinct blocks a tile of 64 queries reads, per KV group.
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from nsa_core.ops.compression import unfold_blocks
 from nsa_core.ops.triton import (
     triton_compressed_attention,
     triton_gated_sum,
+    triton_nsa_attention,
     triton_selected_attention,
     triton_sliding_window_attention,
 )
@@ -67,6 +80,29 @@ class NSAOp(torch.nn.Module):
         o_win = triton_sliding_window_attention(q, k, v, window=a.window)
         return o_cmp, o_sel, o_win
 
+    def compressed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = self.args
+        k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
+        return k_cmp, self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
+
+    def fused(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op as one autograd function: ``(out, block_idx)``."""
+        a = self.args
+        return triton_nsa_attention(
+            q, *self.compressed_kv(k, v), k, v, k, v, gate, block_len=a.block_len,
+            block_stride=a.block_stride, sel_block_len=a.sel_block_len, n_sel=a.n_sel, n_init=1, n_local=2,
+            window=a.window,
+        )  # fmt: skip
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.fused(q, k, v, gate)[0]
+
+
+class ComposedNSAOp(NSAOp):
+    """The same op composed by autograd from the branch functions and the gated sum (the earlier path)."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return triton_gated_sum(gate, *self.branches(q, k, v))  # sigmoid gates, one pass each way
 
@@ -92,15 +128,54 @@ def sdpa(backend: SDPBackend) -> Callable[..., torch.Tensor]:
     return attend
 
 
+def smooth(T: int, heads: int, head_dim: int, corr_len: int, noise: float) -> torch.Tensor:
+    """``[1, T, heads, head_dim]`` float32 varying slowly along T: Gaussian knots every ``corr_len`` tokens,
+    linearly interpolated, rescaled to unit variance, plus white noise of relative size ``noise``."""
+    knots = torch.randn(1, heads * head_dim, T // corr_len + 2, device="cuda")
+    x = F.interpolate(knots, size=T, mode="linear", align_corners=True)  # [1, H * D, T]
+    x = x.transpose(1, 2).reshape(1, T, heads, head_dim)
+    x = x / x.std()
+    return (x + noise * torch.randn_like(x)) / math.sqrt(1.0 + noise**2)
+
+
 def inputs(args: argparse.Namespace, T: int) -> list[torch.Tensor]:
     dtype = getattr(torch, args.dtype)
-    make = dict(device="cuda", dtype=dtype, requires_grad=True)
-    return [
-        torch.randn(1, T, args.heads, args.head_dim, **make),
-        torch.randn(1, T, args.kv_heads, args.head_dim, **make),
-        torch.randn(1, T, args.kv_heads, args.head_dim, **make),
-        torch.randn(1, T, args.heads, 3, **make),
-    ]
+    if args.inputs == "smooth":
+        q = smooth(T, args.heads, args.head_dim, args.corr_len, args.noise)
+        k = smooth(T, args.kv_heads, args.head_dim, args.corr_len, args.noise)
+    else:
+        q = torch.randn(1, T, args.heads, args.head_dim, device="cuda")
+        k = torch.randn(1, T, args.kv_heads, args.head_dim, device="cuda")
+    v = torch.randn(1, T, args.kv_heads, args.head_dim, device="cuda")
+    gate = torch.randn(1, T, args.heads, 3, device="cuda")
+    return [x.to(dtype).requires_grad_(True) for x in (q, k, v, gate)]
+
+
+@torch.no_grad()
+def block_overlap(op: NSAOp, xs: list[torch.Tensor], tile: int = 64) -> dict:
+    """How much neighbouring queries share their selected blocks (see the module docstring)."""
+    a = op.args
+    _, idx = op.fused(*xs)  # [1, T, HKV, n]
+    T = idx.shape[1]
+    t = torch.arange(T, device=idx.device)[None, :, None, None]
+    own = t // a.sel_block_len
+    valid = (idx >= 0) & (idx * a.sel_block_len <= t)
+    chosen = valid & (idx >= 1) & (idx <= own - 2)  # neither the initial block nor the 2 local ones
+    prev, cur = idx[:, :-1], idx[:, 1:]
+    shared = (cur[..., :, None] == prev[..., None, :]).any(-1)  # slot of t found among t-1's slots
+    result = {
+        "overlap_all": ((shared & valid[:, 1:]).sum() / valid[:, 1:].sum().clamp_min(1)).item(),
+        "overlap_chosen": ((shared & chosen[:, 1:]).sum() / chosen[:, 1:].sum().clamp_min(1)).item(),
+    }
+    # distinct blocks per tile of `tile` queries and KV group: a one-hot of the tile's chosen blocks
+    Ns = triton.cdiv(T, a.sel_block_len)
+    tiles = triton.cdiv(T, tile)
+    hit = torch.zeros(tiles, idx.shape[2], Ns + 1, dtype=torch.bool, device=idx.device)
+    tile_of = (t // tile).expand_as(idx)
+    head_of = torch.arange(idx.shape[2], device=idx.device)[None, None, :, None].expand_as(idx)
+    hit[tile_of[valid], head_of[valid], idx[valid]] = True
+    result["tile_blocks"] = hit.sum(-1).float().mean().item()
+    return result
 
 
 def measure(fn: Callable[..., torch.Tensor], xs: list[torch.Tensor], params: list[torch.Tensor]) -> dict:
@@ -182,6 +257,9 @@ def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sel-block-len", type=int, default=64)
     parser.add_argument("--n-sel", type=int, default=16)
     parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--inputs", choices=["random", "smooth"], default="random")
+    parser.add_argument("--corr-len", type=int, default=256, help="smooth inputs: tokens between knots")
+    parser.add_argument("--noise", type=float, default=0.25, help="smooth inputs: relative white noise")
 
 
 def main() -> None:
@@ -192,6 +270,7 @@ def main() -> None:
     parser.add_argument("--baseline-max", type=int, default=65536, help="no SDPA baselines above this T")
     add_geometry_arguments(parser)
     parser.add_argument("--breakdown", action="store_true", help="also time each branch alone")
+    parser.add_argument("--composed", action="store_true", help="also time the branch functions composed")
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -199,6 +278,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     op = NSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))
+    composed = ComposedNSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))
+    composed.load_state_dict(op.state_dict())
     params = list(op.parameters())
     header = {
         "card": torch.cuda.get_device_name(),
@@ -210,7 +291,9 @@ def main() -> None:
     rows = []
     for seq_len in args.seq_lens:
         xs = inputs(args, seq_len)
-        row: dict = {"T": seq_len, "nsa": measure(op, xs, params)}
+        row: dict = {"T": seq_len, "nsa": measure(op, xs, params), "overlap": block_overlap(op, xs)}
+        if args.composed:
+            row["nsa_composed"] = measure(composed, xs, list(composed.parameters()))
         if seq_len <= args.baseline_max:
             row["sdpa_flash"] = measure(sdpa(SDPBackend.FLASH_ATTENTION), xs, [])
             row["sdpa_cudnn"] = measure(sdpa(SDPBackend.CUDNN_ATTENTION), xs, [])
@@ -220,9 +303,11 @@ def main() -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
         del xs
 
+    smooth_note = f" (corr-len {args.corr_len}, noise {args.noise})" if args.inputs == "smooth" else ""
     print(f"{header['card']}, torch {header['torch']}, Triton {header['triton']}, {header['date']}, "
           f"{args.dtype}, B=1, HQ={args.heads}, HKV={args.kv_heads}, D={args.head_dim}, l={args.block_len}, "
-          f"d={args.block_stride}, l'={args.sel_block_len}, n={args.n_sel}, w={args.window}")  # fmt: skip
+          f"d={args.block_stride}, l'={args.sel_block_len}, n={args.n_sel}, w={args.window}, "
+          f"inputs {args.inputs}{smooth_note}")  # fmt: skip
     print("ms forward / forward+backward; peak MiB of forward+backward above the inputs\n")
     print("| T | SDPA flash | SDPA cuDNN | NSA (ours) | vs cuDNN fwd+bwd | mem flash | mem cuDNN | mem NSA |")
     print("|---|---|---|---|---|---|---|---|")
@@ -241,6 +326,19 @@ def main() -> None:
         print(
             f"\nNSA memory exponent {t0 // 1024}k -> {t1 // 1024}k: "
             f"{math.log(m1 / m0) / math.log(t1 / t0):.2f}"
+        )
+    print(
+        "\n| T | NSA fused | NSA composed | mem fused | mem composed | overlap all | overlap chosen | "
+        "blocks per 64-query tile |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        ov = row["overlap"]
+        print(
+            f"| {row['T'] // 1024}k | {fmt(row['nsa'])} | {fmt(row.get('nsa_composed'))} | "
+            f"{fmt_mem(row['nsa'])} | {fmt_mem(row.get('nsa_composed'))} | {ov['overlap_all']:.2f} | "
+            f"{ov['overlap_chosen']:.2f} | "
+            f"{ov['tile_blocks']:.1f} |"
         )
     if args.breakdown:
         print("\n| T | cmp | cmp+select | sel | win |\n|---|---|---|---|---|")

@@ -6,6 +6,7 @@ share of the step. Use it to pick what to tune; `nsa_op.py` stays the benchmark 
 
     python benchmarks/nsa_profile.py --seq-lens 8192 65536
     python benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384
+    python benchmarks/nsa_profile.py --composed  # the branch functions composed by autograd (earlier path)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nsa_op import NSAOp, add_geometry_arguments, inputs
+from nsa_op import ComposedNSAOp, NSAOp, add_geometry_arguments, inputs
 
 
 def kernel_times(op: NSAOp, xs: list[torch.Tensor], steps: int) -> tuple[dict[str, float], float]:
@@ -49,12 +50,13 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 65536])
     add_geometry_arguments(parser)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--composed", action="store_true", help="the branch functions composed by autograd")
     parser.add_argument("--top", type=int, default=14, help="kernels listed per length")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/nsa_profile.py needs a CUDA device")
     torch.manual_seed(0)
-    op = NSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))
+    op = (ComposedNSAOp if args.composed else NSAOp)(args).to(device="cuda", dtype=getattr(torch, args.dtype))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, HQ={args.heads} HKV={args.kv_heads} "
           f"D={args.head_dim} {args.dtype}")  # fmt: skip
     for T in args.seq_lens:

@@ -24,7 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa_core.ops.triton import compression, flash, gates, selection  # noqa: E402
+from nsa_core.ops.triton import compression, flash, gates, nsa, selection  # noqa: E402
 
 MODULES = (flash, selection, compression, gates)
 POINTER_TYPES = {
@@ -114,6 +114,11 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     ctx = _Ctx()
     ctx.saved_tensors = (gate, q, q, q)
     gates.GatedSumFunction.backward(ctx, do)
+    # the whole op in one function: dq added into one tensor, delta and lse from the gates' pass
+    geometry = nsa.NSAGeometry(**g)
+    ctx = _Ctx()
+    nsa.NSAAttentionFunction.forward(ctx, q, k_cmp, v_cmp, k, v, k, v, gate, geometry, 0, scale)
+    nsa.NSAAttentionFunction.backward(ctx, do, None)
 
 
 class _Ctx:
@@ -121,6 +126,9 @@ class _Ctx:
 
     def save_for_backward(self, *tensors: torch.Tensor) -> None:
         self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
+        pass
 
 
 PAPER = dict(block_len=32, block_stride=16, sel_block_len=64, n_sel=16, n_init=1, n_local=2, window=512)

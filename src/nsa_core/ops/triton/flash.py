@@ -492,12 +492,15 @@ def _bwd_dq_kernel(
     KEY_STRIDE: tl.constexpr,
     KEY_OFFSET: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # one program per (query tile, query head); ACCUMULATE adds to the dq already there (the fused op's
+    # three branches share one dq tensor)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // HQ, pid_bh % HQ
@@ -534,7 +537,10 @@ def _bwd_dq_kernel(
             offs_d, mask_d, dq_acc, Nk, WINDOW, scale_log2, KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, True,
             BLOCK_N, ACC, PRECISION,
         )  # fmt: skip
-    tl.store(dq + q_ptr, (dq_acc * scale).to(dq.dtype.element_ty), mask=q_mask)
+    dq_acc = dq_acc * scale
+    if ACCUMULATE:
+        dq_acc += tl.load(dq + q_ptr, mask=q_mask, other=0.0).to(ACC)
+    tl.store(dq + q_ptr, dq_acc.to(dq.dtype.element_ty), mask=q_mask)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -670,22 +676,32 @@ def banded_backward(
     window: int | None,
     q_offset: int,
     scale: float,
+    delta: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of `banded_forward`'s output for the output gradient ``do``."""
+    """``(dq, dk, dv)`` of `banded_forward`'s output for the output gradient ``do``.
+
+    The fused op (`nsa_core.ops.triton.nsa`) passes ``delta [B, HQ, Tq]`` (then ``o`` is not read) and a
+    ``dq`` to add this branch's gradient into (returned as ``dq``).
+    """
     B, Tq, HQ, D = q.shape
     Nk, HKV = k.shape[1], k.shape[2]
     do = do.contiguous()
-    assert same_layout(do, o)  # one set of strides indexes do, o and q
-    assert same_layout(o, q)
+    assert same_layout(do, q)  # one set of strides indexes do, o, q and dq
+    assert delta is not None or same_layout(o, q)
+    assert dq is None or same_layout(dq, q)
     block_d = block_sizes(D)[2]
     dkdv_config = kernel_config("dkdv", q.dtype, D, windowed=window is not None)
     dq_config = kernel_config("dq", q.dtype, D)
     acc, precision = kernel_dtypes(q.dtype)
-    delta = torch.empty_like(lse)
-    _delta_kernel[(triton.cdiv(Tq, 64), B * HQ)](
-        o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=64, BLOCK_D=block_d, ACC=acc
-    )
-    dq = torch.empty_like(q)
+    if delta is None:
+        delta = torch.empty_like(lse)
+        _delta_kernel[(triton.cdiv(Tq, 64), B * HQ)](
+            o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=64, BLOCK_D=block_d, ACC=acc
+        )
+    accumulate = dq is not None
+    if dq is None:
+        dq = torch.empty_like(q)
     G = HQ // HKV
     key_tiles = triton.cdiv(Nk, dkdv_config["BLOCK_N"])
     splits = head_splits(key_tiles * B * HKV, G, B * Nk * HKV * D, program_target(q.device))
@@ -711,6 +727,7 @@ def banded_backward(
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
     _bwd_dq_kernel[(triton.cdiv(Tq, dq_config["BLOCK_M"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
-        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, **common, **dq_config,
+        HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, ACCUMULATE=accumulate,
+        **common, **dq_config,
     )  # fmt: skip
     return dq, dk, dv

@@ -166,11 +166,13 @@ def _selected_bwd_dq_kernel(
     D: tl.constexpr,
     N_SEL: tl.constexpr,
     L_SEL: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # HAS_DELTA: DELTA holds rowsum(o * dO) already (the fused op's gate pass); else computed and stored
     i_t = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -184,10 +186,14 @@ def _selected_bwd_dq_kernel(
     b_do = tl.load(
         DO + i_b * sdo_b + i_t * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_gd, other=0.0
     )
-    b_o = tl.load(O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :], mask=m_gd, other=0.0)
-    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [G]
     row = (i_b * Tq + i_t) * (HKV * G) + heads
-    tl.store(DELTA + row, b_delta, mask=m_g)
+    if HAS_DELTA:
+        b_delta = tl.load(DELTA + row, mask=m_g, other=0.0)
+    else:
+        o_ptr = O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :]
+        b_o = tl.load(o_ptr, mask=m_gd, other=0.0)
+        b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [G]
+        tl.store(DELTA + row, b_delta, mask=m_g)
     b_lse = tl.load(LSE + row, mask=m_g, other=float("inf"))
 
     K_bh = K + i_b * sk_b + i_h * sk_h
@@ -540,8 +546,13 @@ def selected_bwd(
     q_offset: int,
     scale: float,
     chunk: int | None = None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index. ``chunk`` is for tests."""
+    """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index. ``chunk`` is for tests.
+
+    The fused op (`nsa_core.ops.triton.nsa`) passes ``delta = rowsum(o * do) [B, Tq, HQ]`` (float32); then
+    ``o`` is not read.
+    """
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
     G = HQ // HKV
@@ -552,14 +563,18 @@ def selected_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = _tiles(G, D, sel_block_len)
     precision = _precision(q.dtype)
-    delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
+    has_delta = delta is not None
+    if delta is None:
+        delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
+    assert delta.shape == (B, Tq, HQ)
+    assert delta.is_contiguous()
     _selected_bwd_dq_kernel[(Tq, B * HKV)](
         q, k, v, o, do, dq, lse, delta, block_idx,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         *_strides(block_idx),
         Tq, q_offset, scale * LOG2E, scale,
-        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=precision,
-        **_launch("dq", q.dtype, tiles), **tiles,
+        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, HAS_DELTA=has_delta,
+        PRECISION=precision, **_launch("dq", q.dtype, tiles), **tiles,
     )  # fmt: skip
 
     offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
