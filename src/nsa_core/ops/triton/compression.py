@@ -361,7 +361,7 @@ def triton_block_importance(
     Equals ``block_importance(p)`` of `nsa_core.ops.selection` for the compression probabilities ``p``.
     For tests and tools: it holds the ``[T, Ns]`` tensor the fused path avoids.
     """
-    _check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
+    check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     B, Tq, _, _ = q.shape
     num_sel_blocks = -(-(q_offset + Tq) // sel_block_len)
@@ -404,7 +404,7 @@ class CompressedAttentionFunction(torch.autograd.Function):
 SELECT_KEYS = ("kv_heads", "sel_block_len", "n_sel", "n_init", "n_local")
 
 
-def _check_compressed(
+def check_compressed(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
     v_cmp: torch.Tensor,
@@ -424,7 +424,7 @@ def _check_compressed(
         )
 
 
-def _check_select(select: dict[str, Any], kv_heads: int, block_stride: int) -> None:
+def check_select(select: dict[str, Any], kv_heads: int, block_stride: int) -> None:
     if sorted(select) != sorted(SELECT_KEYS):
         raise ValueError(f"select must hold exactly {SELECT_KEYS}; got {tuple(sorted(select))}")
     if select["kv_heads"] != kv_heads:
@@ -456,9 +456,9 @@ def triton_compressed_attention(
     `nsa_core.ops.compression` returns, without materialising ``p``; otherwise ``None``.
     Returns ``(o [B, Tq, HQ, D], block_idx | None)``.
     """
-    _check_compressed(q, k_cmp, v_cmp, block_len, block_stride, q_offset)
+    check_compressed(q, k_cmp, v_cmp, block_len, block_stride, q_offset)
     if select is not None:
-        _check_select(select, k_cmp.shape[2], block_stride)
+        check_select(select, k_cmp.shape[2], block_stride)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[1] == 0:
         block_idx = None if select is None else q.new_empty(*q.shape[:2], k_cmp.shape[2], select["n_sel"])
@@ -499,10 +499,10 @@ def triton_compressed_block_select(
     The same blocks as ``triton_compressed_attention(..., select=...)[1]``; the forward pass skips the
     values, so ``v_cmp`` is not needed.
     """
-    _check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
+    check_compressed(q, k_cmp, k_cmp, block_len, block_stride, q_offset)
     select = dict(kv_heads=k_cmp.shape[2], sel_block_len=sel_block_len, n_sel=n_sel, n_init=n_init,
                   n_local=n_local)  # fmt: skip
-    _check_select(select, k_cmp.shape[2], block_stride)
+    check_select(select, k_cmp.shape[2], block_stride)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[1] == 0:
         return torch.empty(*q.shape[:2], k_cmp.shape[2], n_sel, dtype=torch.long, device=q.device)

@@ -25,8 +25,8 @@ import torch
 from nsa_core.ops.common import check_qkv
 from nsa_core.ops.triton.compression import (
     SELECT_KEYS,
-    _check_compressed,
-    _check_select,
+    check_compressed,
+    check_select,
     select_from_lse,
     triton_compressed_attention,
 )
@@ -174,9 +174,9 @@ def triton_nsa_attention(
     """
     check_qkv(q, k_sel, v_sel, q_offset)
     check_qkv(q, k_win, v_win, q_offset)
-    _check_compressed(q, k_cmp, v_cmp, block_len, block_stride, q_offset)
+    check_compressed(q, k_cmp, v_cmp, block_len, block_stride, q_offset)
     geometry = NSAGeometry(block_len, block_stride, sel_block_len, n_sel, n_init, n_local, window)
-    _check_select(dict(kv_heads=k_cmp.shape[2], **geometry.select()), k_cmp.shape[2], block_stride)
+    check_select(dict(kv_heads=k_cmp.shape[2], **geometry.select()), k_cmp.shape[2], block_stride)
     assert set(geometry.select()) | {"kv_heads"} == set(SELECT_KEYS)
     if k_sel.shape[2] != k_cmp.shape[2] or k_win.shape[2] != k_cmp.shape[2]:
         raise ValueError("k_cmp, k_sel and k_win must have the same number of KV heads")
