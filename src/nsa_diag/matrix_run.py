@@ -7,11 +7,11 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
   case as the file now defines it is finished and not run again; a case that was interrupted, skipped, or
   whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
 - Parallel: ``jobs`` threads each take the next case and run it through `executor.run_case` in its own
-  worker process. Only the main thread handles signals (the runner installs its handlers only there): on
+  worker process. Only the main thread handles signals (the executor installs its handlers only there): on
   Ctrl-C or SIGTERM the main thread sets a flag that each running case's progress callback turns into
   `executor.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
 - GPUs: with several visible GPUs every case that runs on CUDA gets one to itself through
-  ``CUDA_VISIBLE_DEVICES`` (the runner's ``extra_env``) and waits for a free one; with a single GPU the
+  ``CUDA_VISIBLE_DEVICES`` (the executor's ``extra_env``) and waits for a free one; with a single GPU the
   running cases share it.
 - A case that needs CUDA (``requires: cuda``, ``device: cuda``) on a machine without it is ``skipped``
   with the reason, without a worker, and counts as ok: the file declared the requirement.

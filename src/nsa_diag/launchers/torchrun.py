@@ -96,7 +96,7 @@ def torchrun_argv(spec: CaseSpec, case_dir: Path, port: int | None = None) -> li
 
 
 class RankProcess:
-    """A rank seen by pid (torchrun is its parent, not us): what `gather_hang_evidence` needs of a Popen."""
+    """A rank seen by pid (torchrun is its parent, not us): a `ProcessHandle` for the hang evidence."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
