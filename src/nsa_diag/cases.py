@@ -5,6 +5,7 @@ impossible geometry, `--device cuda` without a GPU, a `--model` that cannot be i
 never fire. Each raises `UsageError` or `ConfigError` with one line naming the option and the fix (exit 2).
 
 `replay_argv(spec, out)` is the inverse: the `nsa-diag run` command line that reproduces one case.
+At the end, the same for `nsa-diag ddp` (issue 6): its flags checked, the `DdpSpec`, its replay flags.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from nsa_diag._cli_utils import Branch, CaseOptions, CmpBackend, SelBackend, WinBackend
 from nsa_diag.errors import ConfigError, UsageError
-from nsa_diag.spec import CaseSpec, Injection
+from nsa_diag.spec import CaseSpec, DdpSpec, Injection
 
 # Shared options that become `nsa_core.preset` overrides under the same name.
 _SAME_NAME_OVERRIDES = (
@@ -93,7 +94,7 @@ def default_seq_len(cfg: Any) -> int:
     return max(2 * nsa.n_sel * nsa.sel_block_len, 2 * nsa.window)
 
 
-def _overrides(options: CaseOptions) -> dict[str, Any]:
+def preset_overrides(options: CaseOptions) -> dict[str, Any]:
     overrides: dict[str, Any] = {
         name: getattr(options, name) for name in _SAME_NAME_OVERRIDES if getattr(options, name) is not None
     }
@@ -111,7 +112,7 @@ def _overrides(options: CaseOptions) -> dict[str, Any]:
     return overrides
 
 
-def _model_config(preset: str, overrides: dict[str, Any]) -> Any:
+def model_config(preset: str, overrides: dict[str, Any]) -> Any:
     import nsa_core
 
     try:
@@ -141,10 +142,10 @@ def build_spec(
     On CUDA the branches whose backend is not named run Triton (`with_device_backends`). An invalid
     geometry or value raises `ConfigError` in one line.
     """
-    all_overrides = {**_overrides(options), **(overrides or {})}
+    all_overrides = {**preset_overrides(options), **(overrides or {})}
     if options.model is None:
         all_overrides = with_device_backends(all_overrides, uses_cuda(options))
-    cfg = _model_config(options.preset.value, all_overrides)
+    cfg = model_config(options.preset.value, all_overrides)
     injections = tuple(parse_injection(text) for text in options.inject)
     values: dict[str, Any] = {
         "name": name,
@@ -397,7 +398,7 @@ def selftest_specs(
     would take four times that timeout, so the watchdog must call it slow, not hung. Without CUDA,
     `gpu-spin` is expected to come back `skipped`.
     """
-    cfg = _model_config(options.preset.value, _overrides(options))
+    cfg = model_config(options.preset.value, preset_overrides(options))
     layer = cfg.layers - 1
     expectations = {e.kind: e for e in SELFTEST_EXPECTATIONS}
     cases = []
@@ -449,8 +450,88 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
     if spec.alloc_conf is not None:
         argv += ["--alloc-conf", spec.alloc_conf]
     if spec.ddp is not None:  # issue 6
-        from nsa_diag.distributed import ddp_flags
-
         argv += ddp_flags(spec.ddp)
     argv += ["--out", str(Path(out).resolve())]
     return argv
+
+
+# --- nsa-diag ddp (issue 6): the ddp flags, checked, and the specs they make ------------------------------
+
+DDP_BACKENDS = ("auto", "gloo", "nccl")
+_ENDPOINT = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
+
+
+def ddp_flags(ds: DdpSpec) -> list[str]:
+    """The `nsa-diag ddp` flags that reproduce ``ds``, for replay lines."""
+    argv = ["--nproc", str(ds.nproc), "--backend", ds.backend]
+    argv += ["--static-graph"] * ds.static_graph + ["--find-unused"] * ds.find_unused
+    argv += ["--trace-buckets"] * ds.trace_buckets
+    if ds.bucket_mb is not None:
+        argv += ["--bucket-mb", f"{ds.bucket_mb:g}"]
+    if ds.nnodes > 1 or ds.rdzv_endpoint:
+        argv += ["--nnodes", str(ds.nnodes), "--node-rank", str(ds.node_rank)]
+        argv += ["--rdzv-endpoint", ds.rdzv_endpoint] if ds.rdzv_endpoint else []
+    return argv
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """auto: nccl when the ranks run on CUDA (device cuda, or auto with a GPU), else gloo."""
+    if backend != "auto":
+        return backend
+    return "nccl" if runs_on_cuda(device) else "gloo"
+
+
+def check_ddp_options(
+    *, nproc: int, backend: str, device: str, nnodes: int, node_rank: int, rdzv_endpoint: str | None
+) -> str:
+    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend."""
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc}: give 1 or more ranks per node")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes {nnodes}: give 1 or more nodes")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
+    if rdzv_endpoint is not None and not _ENDPOINT.match(rdzv_endpoint):
+        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+    if backend not in DDP_BACKENDS:
+        raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
+    resolved = resolve_backend(backend, device)
+    if resolved == "nccl":
+        if device == "cpu":
+            raise UsageError("--backend nccl with --device cpu: NCCL needs CUDA tensors; use --backend gloo")
+        if not cuda_available():
+            raise UsageError("--backend nccl: torch sees no CUDA device here; use --backend gloo on the CPU")
+        import torch  # here only: `nsa-diag --help` must not import torch
+
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UsageError(f"--nproc {nproc} with --backend nccl: only {gpus} GPU(s) here, one per rank")
+    return resolved
+
+
+def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, **fields: Any) -> CaseSpec:
+    """`build_spec` with ``spec.ddp`` from the ddp flags (already checked)."""
+    try:
+        ddp_spec = DdpSpec.model_validate(dict(ddp))
+    except ValidationError as exc:
+        raise ConfigError("; ".join(" ".join(str(e["msg"]).split()) for e in exc.errors())) from None
+    device = "cuda" if ddp_spec.backend == "nccl" else options.device.value
+    return build_spec(options.replace(device=type(options.device)(device)), name=name, ddp=ddp_spec, **fields)
+
+
+def ddp_selftest_specs(options: CaseOptions, ddp: Mapping[str, Any]) -> list[tuple[CaseSpec, Expectation]]:
+    """`selftest --ddp`: skip-collective on rank 1 (hang, collective) and unused-param on every rank
+    (grad-missing), each on the ranks of ``ddp`` (at least 2)."""
+    cfg = model_config(options.preset.value, preset_overrides(options))
+    layer = cfg.layers - 1
+    ddp = {**ddp, "nproc": max(2, int(ddp.get("nproc", 2)))}
+    cases = [
+        ("skip-collective:rank=1,step=1", Expectation("skip-collective", "hang", "collective")),
+        (f"unused-param:layer={layer},step=1", Expectation("unused-param", "grad-missing")),
+    ]
+    return [
+        (build_ddp_spec(options.replace(inject=(inject,)), ddp, name=f"ddp-{e.kind}"), e)
+        for inject, e in cases
+    ]

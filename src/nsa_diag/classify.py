@@ -1,6 +1,6 @@
 """Verdict, hang kind and a one-line reason from the recorded evidence of a case (pure functions).
 
-The runner records an `Evidence` (how the worker ended, its own result, stack samples, CPU%, heartbeat,
+The executor records an `Evidence` (how the worker ended, its own result, stack samples, CPU%, heartbeat,
 GPU utilisation, where the beacon last was) and `classify` decides, without touching processes or files:
 
 - exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch, error,
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nsa_diag.evidence.stacks import Frame, ThreadStack, fatal_error, parse_faulthandler, parse_pyspy
-from nsa_diag.spec import HangKind, Verdict, Where
+from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
 WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped")
@@ -89,12 +89,12 @@ _DIST_NATIVE = ("c10d::", "ProcessGroupNCCL", "ProcessGroupGloo", "gloo::", "ncc
 
 @dataclass(frozen=True)
 class Evidence:
-    """Everything `classify` looks at, recorded by the runner (and by tests, by hand)."""
+    """Everything `classify` looks at, recorded by the executor (and by tests, by hand)."""
 
     outcome: Outcome
     exit_code: int | None = None  # the worker's status; negative: killed by that signal
     signal: str | None = None  # "SIGSEGV": the signal that ended the worker, when the runner did not send it
-    worker_result: Mapping[str, Any] | None = None  # worker_result.json
+    worker_result: WorkerReport | None = None  # worker_result.json
     stack_samples: Sequence[str] = ()  # faulthandler texts, one per sample, in order
     fatal_stack: str | None = None  # faulthandler's dump at a fatal signal (segfault, abort)
     pyspy: str | None = None  # py-spy dump text
@@ -372,7 +372,7 @@ def _crash(ev: Evidence) -> Classification:
         what = f" ({fatal})" if fatal else ""
         return Classification("crash", None, f"killed by {ev.signal}{what} at {at}{where_frame}")
     wr = ev.worker_result
-    if wr is not None and wr.get("status") == "ok":
+    if wr is not None and wr.status == "ok":
         return Classification(
             "crash", None, f"reported ok, then exited with code {ev.exit_code} at {at}{where_frame}"
         )
@@ -390,12 +390,12 @@ def _last_line(text: str) -> str:
 
 def _exited(ev: Evidence) -> Classification:
     wr = ev.worker_result
-    if ev.signal or wr is None or (ev.exit_code not in (0, None) and wr.get("status") == "ok"):
+    if ev.signal or wr is None or (ev.exit_code not in (0, None) and wr.status == "ok"):
         return _crash(ev)
-    status = str(wr.get("status"))
-    reason = " ".join(str(wr.get("reason") or "").split())
+    status = wr.status
+    reason = " ".join(wr.reason.split())
     if status == "ok":
-        return Classification("pass", None, reason or f"{wr.get('steps_done', 0)} steps completed")
+        return Classification("pass", None, reason or f"{wr.steps_done} steps completed")
     if status in WORKER_VERDICTS:
         return Classification(status, None, reason or f"the worker reported {status}")  # type: ignore[arg-type]
     return Classification("error", None, f"the worker reported an unknown status {status!r}: {reason}")
@@ -418,6 +418,6 @@ def classify(ev: Evidence) -> Classification:
         )
         reason = f"{stalled} at {_at(ev.where)}; {why}"
         if ev.worker_result is not None:  # it finished the case, then did not exit (shutdown hang)
-            reason = f"the worker reported {ev.worker_result.get('status')!s} but did not exit: {reason}"
+            reason = f"the worker reported {ev.worker_result.status} but did not exit: {reason}"
         return Classification("hang", kind, reason)
     return _exited(ev)

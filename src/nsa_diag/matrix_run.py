@@ -6,12 +6,12 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
 - Resume: in the folder of an interrupted run, a case whose ``result.json`` carries the spec hash of the
   case as the file now defines it is finished and not run again; a case that was interrupted, skipped, or
   whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
-- Parallel: ``jobs`` threads each take the next case and run it through `runner.run_case` in its own
-  worker process. Only the main thread handles signals (the runner installs its handlers only there): on
+- Parallel: ``jobs`` threads each take the next case and run it through `executor.run_case` in its own
+  worker process. Only the main thread handles signals (the executor installs its handlers only there): on
   Ctrl-C or SIGTERM the main thread sets a flag that each running case's progress callback turns into
-  `runner.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
+  `executor.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
 - GPUs: with several visible GPUs every case that runs on CUDA gets one to itself through
-  ``CUDA_VISIBLE_DEVICES`` (the runner's ``extra_env``) and waits for a free one; with a single GPU the
+  ``CUDA_VISIBLE_DEVICES`` (the executor's ``extra_env``) and waits for a free one; with a single GPU the
   running cases share it.
 - A case that needs CUDA (``requires: cuda``, ``device: cuda``) on a machine without it is ``skipped``
   with the reason, without a worker, and counts as ok: the file declared the requirement.
@@ -185,7 +185,7 @@ class ParallelRun:
         return bool(self.gpus) and (case.spec.device == "cuda" or (case.spec.device == "auto" and self.cuda))
 
     def _run_one(self, case: MatrixCase, gpu: str | None) -> CaseResult:
-        from nsa_diag.runner import Interrupted, run_case
+        from nsa_diag.executor import Interrupted, run_case
 
         name = case.name
 
@@ -241,7 +241,7 @@ class ParallelRun:
                 self._active -= 1
 
     def run(self, cases: Sequence[MatrixCase]) -> tuple[dict[str, CaseResult], bool]:
-        from nsa_diag.runner import Interrupted
+        from nsa_diag.executor import Interrupted
 
         pending: queue.Queue[MatrixCase] = queue.Queue()
         for case in cases:

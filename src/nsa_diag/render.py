@@ -174,14 +174,9 @@ def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
     Empty when ``stacks.txt`` holds no sample, e.g. for a case that ended normally.
     """
     from nsa_diag import artifacts
-    from nsa_diag.evidence.stacks import parse_faulthandler, split_samples
+    from nsa_diag.evidence.stacks import parse_faulthandler, read_stacks
 
-    try:
-        text = (Path(case_dir) / artifacts.STACKS).read_text(errors="replace")
-    except OSError:
-        return []
-    samples, fatal = split_samples(text)
-    dump = fatal or (samples[-1] if samples else None)
+    dump = read_stacks(Path(case_dir) / artifacts.STACKS).last_dump()
     if not dump:
         return []
     threads = parse_faulthandler(dump)

@@ -1,7 +1,7 @@
 """One invocation of a case command: the run folder, the runner with the live display, the summary.
 
 Every case command ends in `run_session`: it creates the run folder (only now, after every check has
-passed), runs the cases one after the other through `nsa_diag.runner.run_cases` while `LiveProgress` shows
+passed), runs the cases one after the other through `nsa_diag.executor.run_cases` while `LiveProgress` shows
 on stderr where the worker is, writes summary.json and summary.md, prints the table (or the JSON with
 `--json`) on stdout, and returns the exit code: 0 when every case is ok, 1 when not, 130 when interrupted
 (the runner has then stopped the case's processes and written its result.json).
@@ -103,7 +103,7 @@ def run_session(
     `options`: the command's case options, for the follow-ups (--repeat, --minimize, --triage, --junit).
     """
     from nsa_diag.analysis.repeat import expand
-    from nsa_diag.runner import run_cases
+    from nsa_diag.executor import run_cases
 
     names = [spec.name for spec in specs]
     assert len(set(names)) == len(names), f"case names must be unique: {names}"
@@ -252,7 +252,7 @@ def _failing(
 
 def _trial_runner(folder: Path, out: Path, err: Console) -> Any:
     """Runs one follow-up case into ``folder/<its name>/`` with the live display; returns its result."""
-    from nsa_diag.runner import run_case
+    from nsa_diag.executor import run_case
 
     def run_trial(spec: CaseSpec) -> CaseResult:
         live = render.LiveProgress(err, [spec])

@@ -1,8 +1,10 @@
-"""What a case is and what came of it: `CaseSpec`, `Injection` and `CaseResult` (pydantic, extra="forbid").
+"""What a case is and what came of it: `CaseSpec`, `Injection`, `WorkerReport` and `CaseResult` (pydantic,
+extra="forbid").
 
 A `CaseSpec` is everything a worker needs to run one case; it is written to ``spec.json`` and hashed, so a
-finished case can be recognised. A `CaseResult` is written to ``result.json`` for every case, whatever
-happened to the worker. `nsa-diag schema` prints the JSON schema of `CaseSpec`.
+finished case can be recognised. A `WorkerReport` is the worker's own account (``worker_result.json``),
+written by the worker and read back by the executor. A `CaseResult` is written to ``result.json`` for
+every case, whatever happened to the worker. `nsa-diag schema` prints the JSON schema of `CaseSpec`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,15 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 Verdict = Literal[
     "pass", "hang", "slow", "oom", "crash", "error", "nonfinite", "grad-missing", "mismatch", "skipped"
@@ -61,7 +71,7 @@ class Injection(BaseModel):
 
 
 class DdpSpec(BaseModel):
-    """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.distributed`)."""
+    """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.launchers.torchrun`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -127,7 +137,7 @@ class CaseSpec(BaseModel):
     check: Literal["backends", "causality", "prefill", "gc"] | None = Field(
         None, description="run this correctness property (nsa-diag verify) instead of training steps"
     )
-    # Issue 6: set, the case runs on several ranks through torchrun (nsa_diag.distributed), not one worker.
+    # Issue 6: set, the case runs on several ranks through torchrun (nsa_diag.launchers.torchrun).
     ddp: DdpSpec | None = Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
 
     @property
@@ -205,6 +215,49 @@ class Where(BaseModel):
         return " ".join(parts) or "unknown"
 
 
+class WorkerException(BaseModel):
+    """The exception that ended a worker's run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    message: str
+    traceback: str
+
+
+class WorkerReport(BaseModel):
+    """What the worker reports of its run (``worker_result.json``), built in one place
+    (`nsa_diag.worker.outcome.worker_report`) and read back typed by the executor and `classify`.
+
+    A worker that is killed, or ends by a signal or ``os._exit``, leaves none: the executor then judges it
+    by its exit status, its stacks and its beacon.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # ok, or the verdict the worker found itself: oom | nonfinite | grad-missing | mismatch | error | skipped
+    # (a plain str: `classify` reports a status it does not know rather than dropping the report)
+    status: str
+    reason: str = ""
+    exception: WorkerException | None = None
+    device: str | None = None
+    steps_done: int = 0
+    metrics: dict[str, Any] = Field(default_factory=dict)  # phase times, tokens/s, losses, grad norm, memory
+    missing_grads: list[str] = Field(default_factory=list)
+    nonfinite: dict[str, Any] | None = None  # {"where": "loss"|"grad", "module": "blocks.1", ...}
+    parity: dict[str, Any] | None = None  # reference_check / verify: relative errors and bounds
+    # One rank of `nsa-diag ddp`: pre-flight, gradient arrival, parameter hashes, buckets, collectives,
+    # DDP's own error (nsa_diag.worker.ddp). Absent from the JSON of a single worker.
+    ddp: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_ddp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.ddp is None:
+            data.pop("ddp", None)
+        return data
+
+
 class CaseResult(BaseModel):
     """What came of a case; ``result.json``."""
 
@@ -232,7 +285,7 @@ class CaseResult(BaseModel):
     parity: dict[str, Any] | None = None  # reference_check: relative errors of loss and gradients
     evidence: dict[str, Any] = Field(default_factory=dict)  # cpu%, heartbeat, gpu util, file names
     # nsa-diag ddp (issue 6): per-rank verdicts, missing gradients per rank, minority ranks, first divergent
-    # frame, pre-flight, parameter hashes, buckets (nsa_diag.distributed.aggregate)
+    # frame, pre-flight, parameter hashes, buckets (nsa_diag.analysis.ranks.aggregate)
     ddp: dict[str, Any] | None = None
     files: list[str] = Field(default_factory=list)  # artifact files of the case folder
 

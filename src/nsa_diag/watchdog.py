@@ -5,7 +5,8 @@ progress event for the stall limit; heartbeat ticks are not progress) or past ``
 still making progress (slow). The stall limit is ``spec.stall`` seconds, or with ``--stall auto`` (the
 default) derived from the measured first step (`stall_limit`). `progress_rate` gives the rate and the
 time a slow case would still need.
-Both are pure functions of `Observation` lists, tested without processes. `watch` is the polling loop.
+Both are pure functions of `Observation` lists, tested without processes. `watch` is the polling loop, over
+the beacons of every unit of a job (one for a worker, one per local rank under torchrun).
 `gather_hang_evidence` is the escalation before any kill: memory at the hang (asked of the worker's
 heartbeat thread), two faulthandler stack samples a second apart with the CPU% and heartbeat between them,
 ``/proc`` state, py-spy, GPU state. `terminate_group` is the end of every case: SIGTERM to the worker's
@@ -20,9 +21,9 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from nsa_diag import artifacts
 from nsa_diag.evidence import gpu, procfs, stacks
@@ -287,34 +288,81 @@ def compact(history: list[Observation], keep_tail: int = _KEEP_TAIL) -> list[Obs
 
 @dataclass
 class WatchResult:
+    """One unit's record of the polling loop: the case's outcome, its beacon reads, its last decision."""
+
     outcome: Literal["exited", "stalled", "timeout"]
     history: list[Observation]
-    decision: Decision | None  # None when the worker exited by itself
+    decision: Decision | None  # None when the job exited by itself
     exit_code: int | None
+
+    @property
+    def last_state(self) -> BeaconState | None:
+        return _last_state(self.history)
+
+
+@dataclass
+class Watched:
+    """What the polling loop saw: how the job ended, each unit's record, and the unit that decided it."""
+
+    outcome: Literal["exited", "stalled", "timeout"]
+    units: list[WatchResult]  # one per beacon given to `watch`, in that order
+    decider: int | None  # the index of the unit that stalled (or ran out of time) first; None: exited
+
+
+class ProcessHandle(Protocol):
+    """What the watchdog needs of a process: a `subprocess.Popen`, or a pid another process started."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+
+def _judge(decision: Decision, has_beacon: bool, spec: CaseSpec) -> Decision:
+    """A unit without a beacon (a process that does not report progress) is never stalled: only the
+    timeout applies to it; its hangs show in the evidence, not in missing progress events."""
+    if has_beacon or decision.status != "stalled":
+        return decision
+    return replace(decision, status="timeout" if decision.elapsed_s > spec.timeout else "running")
 
 
 def watch(
-    proc: subprocess.Popen[bytes],
-    beacon_path: Path,
+    proc: ProcessHandle,
+    beacons: Sequence[Path | None],
     spec: CaseSpec,
     started: float,
     on_progress: Callable[[BeaconState | None, float], None] | None = None,
     poll_s: float = POLL_S,
-) -> WatchResult:
-    """Poll the worker until it exits, stalls or runs past its timeout."""
-    history = [Observation(started, None)]
+) -> Watched:
+    """Poll the job (``proc``) and every unit's beacon until the job exits, a unit stalls or the timeout
+    passes. A single worker is one unit; torchrun's local ranks are one each. Every unit is judged by
+    `decide`; the first unit to stall (the longest idle) decides, else the first past the timeout.
+    ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds since ``started``."""
+    histories = [[Observation(started, None)] for _ in beacons]
     while True:
         code = proc.poll()
         now = time.time()
-        history.append(Observation(now, read_beacon(beacon_path)))
-        history = compact(history)
+        for i, beacon in enumerate(beacons):
+            state = read_beacon(beacon) if beacon is not None else None
+            histories[i] = compact([*histories[i], Observation(now, state)])
         if on_progress is not None:
-            on_progress(history[-1].state, now - started)
+            states = [h[-1].state for h in histories if h[-1].state is not None]
+            behind = min(states, key=lambda s: s.seq) if states else None
+            on_progress(behind, now - started)
         if code is not None:
-            return WatchResult("exited", history, None, code)
-        decision = decide(history, now, spec)
-        if decision.status != "running":
-            return WatchResult(decision.status, history, decision, None)
+            return Watched("exited", [WatchResult("exited", h, None, code) for h in histories], None)
+        decisions = [
+            _judge(decide(h, now, spec), beacon is not None, spec)
+            for h, beacon in zip(histories, beacons, strict=True)
+        ]
+        # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
+        stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]
+        timed_out = [i for i, d in enumerate(decisions) if d.status == "timeout"]
+        if stalled or timed_out:
+            status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
+            first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
+            units = [WatchResult(status, h, d, None) for h, d in zip(histories, decisions, strict=True)]
+            return Watched(status, units, first)
         time.sleep(poll_s)
 
 
@@ -404,9 +452,7 @@ def catches_sigusr1(pid: int) -> bool | None:
     return bool(int(mask, 16) & (1 << (signal.SIGUSR1 - 1)))
 
 
-def _request_memory_dump(
-    case_dir: Path, proc: subprocess.Popen[bytes], heartbeat: bool | None
-) -> dict[str, Any]:
+def _request_memory_dump(case_dir: Path, proc: ProcessHandle, heartbeat: bool | None) -> dict[str, Any]:
     """Ask the worker's heartbeat thread for memory evidence; a stopped heartbeat cannot answer."""
     artifacts.write_text(case_dir / artifacts.DUMP_REQUEST, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
     if heartbeat is False:
@@ -426,7 +472,7 @@ def _heartbeat(case_dir: Path) -> int | None:
 
 
 def gather_hang_evidence(
-    proc: subprocess.Popen[bytes], case_dir: Path, spec: CaseSpec, last: BeaconState | None
+    proc: ProcessHandle, case_dir: Path, spec: CaseSpec, last: BeaconState | None
 ) -> HangEvidence:
     """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy."""
     pid = proc.pid
@@ -477,8 +523,7 @@ def gather_hang_evidence(
 
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes["gpu"] = _gpu_files(case_dir, snapshot)
-    if stacks_path.exists():
-        ev.samples = stacks.split_samples(stacks_path.read_text(errors="replace"))[0]
+    ev.samples = list(stacks.read_stacks(stacks_path).samples)
     return ev
 
 

@@ -22,7 +22,7 @@ from nsa_diag import artifacts
 from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
-from nsa_diag.spec import Where
+from nsa_diag.spec import Where, WorkerReport
 
 RECORDED = Path(__file__).parent / "recorded"
 WHERE = Where(phase="backward", step=1, layer=1, event="begin", module="blocks.1")
@@ -286,8 +286,8 @@ def test_the_workers_heartbeat_thread_is_never_the_focus() -> None:
 # --- other verdicts -----------------------------------------------------------------------------------
 
 
-def ok_result(status: str = "ok", reason: str = "2 step(s) done") -> dict[str, object]:
-    return {"status": status, "reason": reason, "steps_done": 2}
+def ok_result(status: str = "ok", reason: str = "2 step(s) done") -> WorkerReport:
+    return WorkerReport(status=status, reason=reason, steps_done=2)
 
 
 def test_pass() -> None:

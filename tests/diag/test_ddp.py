@@ -12,10 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nsa_diag.analysis.ranks import collective_state, cross_rank_diff, rank_exit_codes
 from nsa_diag.app import run_cli
-from nsa_diag.distributed import collective_state, cross_rank_diff, rank_exit_codes
 from nsa_diag.evidence.stacks import parse_faulthandler
-from nsa_diag.runner import run_case
+from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, DdpSpec, Injection
 from nsa_diag.worker.ddp import explain_ddp_error, preflight_verdict
 

@@ -21,7 +21,7 @@ import pytest
 
 from nsa_diag import artifacts
 from nsa_diag.evidence import gpu, procfs, stacks
-from nsa_diag.runner import run_case, run_cases
+from nsa_diag.executor import run_case, run_cases
 from nsa_diag.spec import CaseResult, CaseSpec, Injection
 from nsa_diag.worker.beacon import BeaconState, read_beacon
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from nsa_diag import artifacts
-from nsa_diag.runner import run_case
+from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, Injection
 from nsa_diag.watchdog import (
     AUTO_FACTOR,

@@ -3,7 +3,7 @@
 A series holds the points of one branch setting (and one layer count when S is swept), in increasing
 order; a point whose verdict is not pass (hang, oom, crash, ...) ends its series: the larger points are
 listed as not run, because they would only fail the same way, slower. Each point is an isolated worker
-through `nsa_diag.runner.run_cases`, so the run folder looks like any other (cases/<name>/, summary.*),
+through `nsa_diag.executor.run_cases`, so the run folder looks like any other (cases/<name>/, summary.*),
 plus ``scale.json`` and ``scale.png``.
 """
 
@@ -278,7 +278,7 @@ def run_sweep(
 
     `follow`: the `nsa_diag.session.FollowUps` (--minimize, --triage, --junit) applied to the points run.
     """
-    from nsa_diag.runner import run_cases
+    from nsa_diag.executor import run_cases
 
     specs = [spec for s in series for _, spec in s.points]
     run_dir = artifacts.new_run_dir("scale", out, tag)

@@ -93,8 +93,7 @@ def ddp(
         nsa-diag ddp --gc all --gc-reentrant --find-unused
         nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl
     """
-    from nsa_diag.cases import check_options
-    from nsa_diag.distributed import build_ddp_spec, check_ddp_options
+    from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_options
     from nsa_diag.session import run_session
 
     check_options(options)

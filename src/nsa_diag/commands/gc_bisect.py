@@ -49,7 +49,7 @@ class Bisector:
         from nsa_diag import artifacts
         from nsa_diag.analysis.bisect import Trial
         from nsa_diag.cases import replay_argv
-        from nsa_diag.runner import run_case
+        from nsa_diag.executor import run_case
         from nsa_diag.spec import CaseResult
 
         spec = _trial_spec(self.base, name, overrides, **fields)

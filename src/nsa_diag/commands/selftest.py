@@ -74,7 +74,14 @@ def selftest(
         nsa-diag selftest --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda --json
         nsa-diag selftest --kinds deadlock,gil-hog --repeat 5 --junit selftest.xml
     """
-    from nsa_diag.cases import check_options, parse_kinds, selftest_specs, uses_cuda
+    from nsa_diag.cases import (
+        check_ddp_options,
+        check_options,
+        ddp_selftest_specs,
+        parse_kinds,
+        selftest_specs,
+        uses_cuda,
+    )
     from nsa_diag.session import run_session
 
     chosen = parse_kinds(kinds)
@@ -82,9 +89,7 @@ def selftest(
     if options.stall is None:
         options = options.replace(stall=SELFTEST_CUDA_STALL_S if cuda else SELFTEST_STALL_S)
     check_options(options)
-    if ddp:  # issue 6: the ddp fault kinds on 2 ranks (nsa_diag.distributed)
-        from nsa_diag.distributed import check_ddp_options, ddp_selftest_specs
-
+    if ddp:  # issue 6: the ddp fault kinds on 2 ranks
         place = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None}
         backend = check_ddp_options(nproc=2, backend="auto", device=options.device.value, **place)
         cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place})

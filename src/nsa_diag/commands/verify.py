@@ -29,9 +29,9 @@ def parse_properties(text: str | None) -> tuple[str, ...]:
 
 def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...] = PROPERTIES) -> list[Any]:
     """One `check` case per property; on CUDA in bf16 unless another low precision is asked for."""
-    from nsa_diag.cases import _model_config, _overrides, build_spec, parse_stall
+    from nsa_diag.cases import build_spec, model_config, parse_stall, preset_overrides
 
-    cfg = _model_config(options.preset.value, _overrides(options))
+    cfg = model_config(options.preset.value, preset_overrides(options))
     fields: dict[str, Any] = {"seq_len": options.seq_len or verify_seq_len(cfg)}
     if parse_stall(options.stall) == "auto":  # no training step to measure: a fixed, generous limit
         fields["stall"] = CHECK_STALL_S

@@ -11,6 +11,8 @@ to dump the same way from Python (``stack.request``).
 faulthandler shows Python frames only; ``py-spy dump --native`` adds the C/C++ frames (the lock, the CUDA
 sync, the collective the thread is blocked in) when py-spy is installed (``pip install 'nsa-diag[pyspy]'``).
 Parsing is pure: `parse_faulthandler` / `parse_pyspy` turn texts into `ThreadStack` records.
+`read_stacks` is the one reader of ``stacks.txt``: its samples, its fatal-error dump and their threads
+(`StackFile`), for the executor, the watchdog, the torchrun launcher and the reports alike.
 """
 
 from __future__ import annotations
@@ -150,6 +152,36 @@ def split_samples(text: str) -> tuple[list[str], str | None]:
         if start >= 0 and parse_faulthandler(chunk[start:]):
             fatal = chunk[start:]
     return samples, fatal
+
+
+@dataclass(frozen=True)
+class StackFile:
+    """``stacks.txt`` read once: the watchdog's samples in order and a fatal dump (see `split_samples`)."""
+
+    samples: tuple[str, ...] = ()
+    fatal: str | None = None
+
+    def sample_threads(self) -> list[list[ThreadStack]]:
+        """The threads of each sample, in order (an empty list for a sample nothing answered)."""
+        return [parse_faulthandler(sample) for sample in self.samples]
+
+    def threads(self) -> list[ThreadStack]:
+        """Every thread of every sample, then of the fatal dump."""
+        return [t for text in [*self.samples, self.fatal or ""] for t in parse_faulthandler(text)]
+
+    def last_dump(self) -> str | None:
+        """The dump that shows where the process ended up: the fatal one, else the last sample."""
+        return self.fatal or (self.samples[-1] if self.samples else None)
+
+
+def read_stacks(path: Path) -> StackFile:
+    """``stacks.txt`` at ``path``; empty when there is none (a case that ended normally, or never started)."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return StackFile()
+    samples, fatal = split_samples(text)
+    return StackFile(tuple(samples), fatal)
 
 
 def fatal_error(text: str | None) -> str | None:

@@ -26,14 +26,12 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag.worker.outcome import CaseFailed, TrainingRun
 from nsa_diag.worker.probes import attach_progress, finite_or_none
-from nsa_diag.worker.train import CaseFailed
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from nsa_diag.worker.train import Trainer
 
 CPU_TOLERANCE = 1e-9  # relative error, float64
 LOW_FLOOR = 1e-2  # added to the same-dtype bound in bf16/fp16
@@ -67,7 +65,7 @@ class Outcome:
 class Checker:
     """The properties, on the model the worker built (its class and config, its initial weights)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainingRun) -> None:
         import torch
 
         loaded = trainer.loaded
@@ -82,7 +80,7 @@ class Checker:
                 f"check {trainer.spec.check}: needs an nsa_core.TinyLM (or subclass) built from a config",
             )
         self.state = {k: v.detach().cpu() for k, v in self.base.state_dict().items()}
-        self.tokens = trainer._batch(1)  # [B, S + 1], as the first training step would see
+        self.tokens = trainer.batch(1)  # [B, S + 1], as the first training step would see
         self.cpu = self.device.type == "cpu"
         spec = trainer.spec
         if self.cpu:
@@ -357,7 +355,7 @@ def _clean(value: Any) -> Any:
     return value
 
 
-def run_check(trainer: Trainer) -> tuple[dict[str, Any], str]:
+def run_check(trainer: TrainingRun) -> tuple[dict[str, Any], str]:
     """Run the spec's property; ``(parity, reason)`` when it holds, CaseFailed("mismatch") when not."""
     prop = trainer.spec.check
     assert prop is not None

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.worker import inject
+from nsa_diag.worker.outcome import CaseFailed, Outcome
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress
-from nsa_diag.worker.train import CaseFailed, Trainer, build_model, resolve_device
+from nsa_diag.worker.train import Trainer, build_model, resolve_device
 
 if TYPE_CHECKING:
     import torch
@@ -247,7 +248,7 @@ class DdpTrainer(Trainer):
         )
         self.progress.step = 1  # the faults fire at their step
         try:
-            self._loss(model, self._batch(1)).backward()
+            self._loss(model, self.batch(1)).backward()
         finally:
             self.progress.step = None
             for fault in faults:
@@ -372,21 +373,20 @@ class DdpTrainer(Trainer):
 
     # ------------------------------------------------------------------------------------- result
 
-    def _exception_result(self, exc: Exception) -> dict[str, Any]:
-        result = super()._exception_result(exc)
+    def _exception_outcome(self, exc: Exception) -> Outcome:
+        outcome = super()._exception_outcome(exc)
         names = [n for n, _ in self.loaded.model.named_parameters()] if self.loaded is not None else []
         explained = explain_ddp_error(str(exc), names)
         if explained is not None:
             self.report["ddp_error"] = explained
-            result["reason"] = f"{explained['explanation']} (at {result['reason']})"
+            outcome.reason = f"{explained['explanation']} (at {outcome.reason})"
             if explained["kind"] == "unused-parameters":
-                result.update(status="grad-missing", missing_grads=explained["params"])
-        return result
+                outcome.status, outcome.missing_grads = "grad-missing", explained["params"]
+        return outcome
 
-    def _finish(self, result: dict[str, Any]) -> None:
-        super()._finish(result)
+    def _ddp_report(self) -> dict[str, Any]:
         self.report["train_collectives"] = self.train_collectives
-        result["ddp"] = self.report
+        return self.report
 
 
 def _redirect_output(directory: Path) -> None:
@@ -426,9 +426,9 @@ def run(case_dir: Path, started: float) -> int:
     Heartbeat(beacon, directory, on_dump=at_hang, stacks=stacks).start()
     progress.event("setup", detail="spec read")
     trainer = DdpTrainer(spec, directory, progress, memory)
-    result = trainer.run(started)
-    progress.event("done", "end", status=result["status"], reason=result["reason"])
-    artifacts.write_json(directory / artifacts.WORKER_RESULT, result)
+    report = trainer.run(started)
+    progress.event("done", "end", status=report.status, reason=report.reason)
+    artifacts.write_json(directory / artifacts.WORKER_RESULT, report)
     _leave_group()
     return 0
 

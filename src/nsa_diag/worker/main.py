@@ -19,23 +19,15 @@ import faulthandler
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts
+from nsa_diag.spec import CaseSpec
 from nsa_diag.worker.beacon import BeaconWriter
+from nsa_diag.worker.outcome import Outcome, exception_info, worker_report
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress
 
 USAGE = "usage: python -m nsa_diag.worker <case_dir>   (the folder holding spec.json)"
-
-
-def _error_result(reason: str, exc: BaseException | None = None) -> dict[str, Any]:
-    exception = None
-    if exc is not None:
-        exception = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-    return {"status": "error", "reason": reason, "exception": exception, "device": None, "steps_done": 0,
-            "metrics": {}, "missing_grads": [], "nonfinite": None, "parity": None}  # fmt: skip
 
 
 def _at_hang(memory: MemoryRecorder) -> None:
@@ -56,19 +48,19 @@ def run(case_dir: Path, started: float) -> int:
     Heartbeat(beacon, case_dir, on_dump=lambda: _at_hang(memory), stacks=stacks).start()
 
     try:
-        from nsa_diag.spec import CaseSpec
-
         spec = CaseSpec.model_validate_json((case_dir / artifacts.SPEC).read_text())
     except Exception as exc:
-        result = _error_result(f"cannot read {artifacts.SPEC}: {type(exc).__name__}: {exc}", exc)
+        reason = f"cannot read {artifacts.SPEC}: {type(exc).__name__}: {exc}"
+        report = worker_report(Outcome("error", reason, exception_info(exc)))
     else:
         progress.event("setup", detail="spec read")
+        # The trainer imports torch-facing modules: only after faulthandler and the beacon are up.
         from nsa_diag.worker.train import Trainer
 
-        result = Trainer(spec, case_dir, progress, memory).run(started)
-    progress.event("done", "end", status=result["status"], reason=result["reason"])
-    artifacts.write_json(case_dir / artifacts.WORKER_RESULT, result)
-    return 0 if result["status"] == "ok" else 1
+        report = Trainer(spec, case_dir, progress, memory).run(started)
+    progress.event("done", "end", status=report.status, reason=report.reason)
+    artifacts.write_json(case_dir / artifacts.WORKER_RESULT, report)
+    return 0 if report.status == "ok" else 1
 
 
 def main(argv: list[str] | None = None) -> int:

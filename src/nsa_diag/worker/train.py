@@ -13,15 +13,16 @@ import importlib
 import math
 import re
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
-from nsa_diag.spec import CaseSpec, Where
+from nsa_diag.spec import CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
+from nsa_diag.worker.checks import run_check
+from nsa_diag.worker.outcome import CaseFailed, LoadedModel, Outcome, exception_info, worker_report
 from nsa_diag.worker.probes import (
     MemoryRecorder,
     NonfiniteLocator,
@@ -40,26 +41,6 @@ if TYPE_CHECKING:
 
 OOM_MESSAGES = ("out of memory", "can't allocate memory")
 ANOMALY_NAN = re.compile(r"Function '(\w+)' returned nan values")
-
-
-class CaseFailed(Exception):
-    """Ends the run with a status other than ok (raised inside the loop, turned into the result)."""
-
-    def __init__(self, status: str, reason: str, **fields: Any) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.fields = status, reason, fields
-
-
-@dataclass
-class LoadedModel:
-    """The model of a case and what the worker needs to know about it."""
-
-    model: nn.Module
-    prefix: str  # name of the layer list in named_modules() ("blocks" for TinyLM)
-    blocks: nn.ModuleList
-    vocab: int
-    idle: list[str] = field(default_factory=list)  # parameters the configuration leaves without gradient
-    cfg: Any = None  # the nsa_core.ModelConfig of the built-in model; None for a user model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -124,7 +105,7 @@ def _first_line(text: str) -> str:
 
 
 class Trainer:
-    """Runs the steps of one case and builds ``worker_result.json``'s content (`run` never raises)."""
+    """Runs the steps of one case and builds its `WorkerReport` (`run` never raises)."""
 
     def __init__(self, spec: CaseSpec, case_dir: Path, progress: Progress, memory: MemoryRecorder) -> None:
         self.spec, self.case_dir, self.progress, self.memory = spec, Path(case_dir), progress, memory
@@ -150,47 +131,41 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- the run
 
-    def run(self, started: float) -> dict[str, Any]:
-        """All steps of the case; the worker result (status ok or why not)."""
-        result: dict[str, Any] = {"status": "ok", "reason": "", "exception": None, "device": None,
-                                  "steps_done": 0, "metrics": {}, "missing_grads": [], "nonfinite": None,
-                                  "parity": None}  # fmt: skip
+    def run(self, started: float) -> WorkerReport:
+        """All steps of the case; the worker's report (status ok or why not)."""
+        outcome = Outcome()
         try:
             self._setup()
             self.phase_s["setup"] = time.perf_counter() - started
             if self.spec.check is not None:  # nsa-diag verify: a correctness property, no training steps
-                from nsa_diag.worker.checks import run_check
-
-                self.parity, result["reason"] = run_check(self)
+                self.parity, outcome.reason = run_check(self)
             else:
                 with self._profiled():
                     for step in range(1, self.spec.steps + 1):
                         self._step(step)
-                result["reason"] = self._ok_reason()
+                outcome.reason = self._ok_reason()
         except CaseFailed as failed:
-            result.update(status=failed.status, reason=failed.reason, **failed.fields)
+            outcome = Outcome.failed(failed)
         except Exception as exc:
-            result.update(self._exception_result(exc))
+            outcome = self._exception_outcome(exc)
         finally:
             self.progress.step = None
-        self._finish(result)
-        return result
+        return self._finish(outcome)
 
-    def _exception_result(self, exc: Exception) -> dict[str, Any]:
-        """Status, reason and exception of a run that raised: oom, nonfinite (anomaly mode) or error."""
+    def _exception_outcome(self, exc: Exception) -> Outcome:
+        """How a run that raised ended: oom, nonfinite (anomaly mode) or error, with the exception."""
         where = Where(**self.progress.where).describe()
-        exception = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-        fields: dict[str, Any] = {"exception": exception}
+        exception = exception_info(exc)
         anomaly = ANOMALY_NAN.search(str(exc)) if isinstance(exc, RuntimeError) else None
         if anomaly:  # set_detect_anomaly stopped backward at the first Function that produced NaN
             seen = f"output of autograd Function {anomaly.group(1)} (anomaly mode)"
             module = self.progress.where.get("module") or "backward"
             nonfinite = {"where": "grad", "module": module, "seen": seen, "step": self.progress.step}
             reason = f"non-finite gradients at {where}, first seen in the {seen}"
-            return {**fields, "status": "nonfinite", "reason": reason, "nonfinite": nonfinite}
+            return Outcome("nonfinite", reason, exception, nonfinite=nonfinite)
         status = "oom" if is_oom(exc) else "error"
         what = "out of memory" if status == "oom" else type(exc).__name__
-        return {**fields, "status": status, "reason": f"{what} at {where}: {_first_line(str(exc))}"}
+        return Outcome(status, f"{what} at {where}: {_first_line(str(exc))}", exception)
 
     def _setup(self) -> None:
         # Setup events mark milestones, so a slow start (imports take seconds) still shows progress and a
@@ -232,7 +207,7 @@ class Trainer:
         progress.event("step", "begin")
         t_step = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        tokens = self._batch(step)
+        tokens = self.batch(step)
 
         progress.event("forward", "begin")
         t = time.perf_counter()
@@ -293,7 +268,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- step pieces
 
-    def _batch(self, step: int) -> torch.Tensor:
+    def batch(self, step: int) -> torch.Tensor:
         """``[B, S + 1]`` token ids, the same for a step whatever else changes (seed and step only)."""
         import torch
 
@@ -491,12 +466,10 @@ class Trainer:
         text = f"{self.steps_done} step(s) done"
         return text + (f", final loss {loss:.4f}" if loss is not None else "")
 
-    def _finish(self, result: dict[str, Any]) -> None:
+    def _finish(self, outcome: Outcome) -> WorkerReport:
         spec = self.spec
-        result["device"] = str(self.device) if self.device is not None else None
-        result["steps_done"] = self.steps_done
-        if result["parity"] is None:
-            result["parity"] = self.parity
+        if outcome.parity is None:
+            outcome.parity = self.parity
         # Step 1 warms up (Triton compiles its kernels there, 10-15 s on a cold cache; cuDNN and the
         # allocator settle): with more steps the rate is over steps 2.., so two runs compare as they run.
         timed = self.step_s[1:] if len(self.step_s) > 1 else self.step_s
@@ -533,7 +506,17 @@ class Trainer:
                 self.progress.event("export", "end", module=artifacts.MEMORY_SNAPSHOT)
         if self.notes:
             metrics["notes"] = self.notes
-        result["metrics"] = metrics
+        return worker_report(
+            outcome,
+            device=str(self.device) if self.device is not None else None,
+            steps_done=self.steps_done,
+            metrics=metrics,
+            ddp=self._ddp_report(),
+        )
+
+    def _ddp_report(self) -> dict[str, Any] | None:
+        """What a DDP rank adds to the report (`nsa_diag.worker.ddp.DdpTrainer`); None for one worker."""
+        return None
 
     @staticmethod
     def _safe(fn: Callable[[], Any], default: Any) -> Any:

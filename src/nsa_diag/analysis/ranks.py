@@ -1,0 +1,363 @@
+"""Cross-rank analysis of a `nsa-diag ddp` case (pure: no processes, no signals, no files).
+
+The torchrun launcher (`nsa_diag.launchers.torchrun`) reads each rank's files and passes them in; here:
+
+- `rank_exit_codes`: torchrun's failure summary on its stderr -> each failed rank's exit code;
+- `collective_state`: from a rank's progress records, the explicit collectives it entered per process group
+  and the one it waits in;
+- `cross_rank_diff`: each rank's training-thread stack normalised and clustered; the ranks outside the
+  largest cluster are the minority (on a tie: the ranks that never entered the training-group collective
+  the others wait in, the flight recorder's rule); their first divergent frame;
+- `aggregate`: the case's result from the ranks' results (each classified as a single worker's would be):
+  the verdict and the rank it comes from (`SEVERITY`; at a hang the minority rank, ``hang_kind``
+  collective when ranks wait in collectives), missing gradients per rank and their difference, the
+  pre-flight verdict, parameter hashes, buckets, and at a hang the cross-rank stack diff.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nsa_diag.evidence.stacks import ThreadStack
+from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.worker.ddp import TRAIN_GROUP
+
+# A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
+SEVERITY = (
+    "crash",
+    "error",
+    "oom",
+    "nonfinite",
+    "grad-missing",
+    "mismatch",
+    "slow",
+    "hang",
+    "skipped",
+    "pass",
+)
+
+
+_EXITCODE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def rank_exit_codes(torchrun_stderr: str) -> dict[int, int]:
+    """torchrun's failure summary (``rank : 1 (local_rank: 1)`` / ``exitcode : -11``) -> {rank: code}."""
+    return {int(r): int(c) for r, c in _EXITCODE.findall(torchrun_stderr)}
+
+
+# --- the cross-rank diff ------------------------------------------------------------------------------
+
+
+def collective_state(progress_lines: Sequence[str]) -> dict[str, Any]:
+    """From a rank's progress.jsonl: explicit collectives entered per group, and the one it waits in."""
+    entered: dict[str, int] = {}
+    waiting: dict[str, Any] | None = None
+    skipped: list[int] = []
+    for line in progress_lines:
+        if '"collective"' not in line and '"skip-collective"' not in line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("kind") == "skip-collective":
+            skipped.append(rec.get("step"))
+            continue
+        group = rec.get("group")
+        if rec.get("event") == "begin":
+            if rec.get("n") is not None:
+                entered[group] = max(entered.get(group, 0), int(rec["n"]))
+            waiting = {
+                "group": group,
+                "op": rec.get("collective"),
+                "n": rec.get("n"),
+                "module": rec.get("module"),
+            }
+        elif rec.get("event") == "end":
+            waiting = None
+    return {"entered": entered, "waiting": waiting, "skipped_at_steps": skipped}
+
+
+def _signature(thread: ThreadStack) -> tuple[tuple[str, str], ...]:
+    """A stack without line numbers or paths, outermost frame first: equal for ranks at the same place."""
+    return tuple((os.path.basename(f.file), f.func) for f in reversed(thread.python_frames))
+
+
+def cross_rank_diff(
+    threads: Mapping[int, ThreadStack | None], collectives: Mapping[int, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Cluster the ranks' training-thread stacks; name the minority ranks and their first divergent frame.
+
+    Largest cluster = majority. On a tie (two ranks, two places) the minority is the ranks that never
+    entered the training-group collective another rank waits in (they are the ones waited for); failing
+    that, the ranks that wait in no collective at all.
+    """
+    sigs = {r: _signature(t) for r, t in threads.items() if t is not None}
+    clusters: dict[tuple[tuple[str, str], ...], list[int]] = {}
+    for rank, sig in sorted(sigs.items()):
+        clusters.setdefault(sig, []).append(rank)
+    groups = sorted(clusters.values(), key=lambda ranks: (-len(ranks), ranks))
+    out: dict[str, Any] = {
+        "clusters": [
+            {
+                "ranks": ranks,
+                "top": threads[ranks[0]].python_frames[0].short()
+                if threads[ranks[0]].python_frames
+                else None,
+            }
+            for ranks in groups
+        ],
+        "minority_ranks": [],
+        "basis": "",
+    }
+    if len(groups) <= 1:
+        out["basis"] = "every rank is at the same frame" if groups else "no stack sample of any rank"
+        return out
+    majority: list[int] = []
+    if len(groups[0]) > len(groups[1]):
+        majority = groups[0]
+        out["basis"] = f"stack clusters: {_who(majority)} share one stack"
+    else:
+        waits = [
+            (r, c["waiting"]) for r, c in collectives.items()
+            if c.get("waiting") and c["waiting"].get("group") == TRAIN_GROUP and c["waiting"].get("n")
+        ]  # fmt: skip
+        if waits:
+            n = max(w["n"] for _, w in waits)
+            behind = [r for r in sigs if collectives.get(r, {}).get("entered", {}).get(TRAIN_GROUP, 0) < n]
+            if behind and len(behind) < len(sigs):
+                majority = [r for r in sigs if r not in behind]
+                op = next(w["op"] for _, w in waits if w["n"] == n)
+                out["basis"] = (
+                    f"collective sequence: {_who(majority)} wait(s) in {op} #{n} of the training group, "
+                    f"which {_who(behind)} never entered"
+                )
+        if not majority:
+            in_collective = [
+                r
+                for r, t in threads.items()
+                if t is not None and (_in_torch_distributed(t) or collectives.get(r, {}).get("waiting"))
+            ]
+            if in_collective and len(in_collective) < len(sigs):
+                majority = in_collective
+                out["basis"] = f"{_who(majority)} wait(s) in a collective, the others do not"
+    if not majority:
+        out["basis"] = "the ranks split evenly with nothing to tell the odd ones out"
+        return out
+    minority = sorted(r for r in sigs if r not in majority)
+    out["minority_ranks"] = minority
+    out["majority_ranks"] = sorted(majority)
+    ref = threads[majority[0]]
+    out["first_divergent_frame"] = {str(r): _first_divergence(threads[r], ref) for r in minority}
+    return out
+
+
+def _in_torch_distributed(thread: ThreadStack) -> bool:
+    return any("torch/distributed/" in f.file.replace("\\", "/") for f in thread.python_frames)
+
+
+def _first_divergence(thread: ThreadStack, ref: ThreadStack) -> dict[str, str | None]:
+    mine, theirs = list(reversed(thread.python_frames)), list(reversed(ref.python_frames))
+    for i, frame in enumerate(mine):
+        other = theirs[i] if i < len(theirs) else None
+        if other is None or (os.path.basename(frame.file), frame.func) != (
+            os.path.basename(other.file),
+            other.func,
+        ):
+            return {"frame": frame.short(), "majority_frame": other.short() if other else None}
+    return {"frame": mine[-1].short() if mine else None, "majority_frame": None}
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in sorted(ranks))
+
+
+def _who(ranks: Sequence[int]) -> str:
+    """``rank 1`` or ``ranks 0, 2``."""
+    return f"rank {_ranks(ranks)}" if len(ranks) == 1 else f"ranks {_ranks(ranks)}"
+
+
+@dataclass(frozen=True)
+class RankInputs:
+    """What the launcher read of one rank for `aggregate`."""
+
+    ddp_report: Mapping[str, Any]  # the rank's WorkerReport.ddp ({} when it wrote none)
+    last_thread: ThreadStack | None  # its training thread in its last stack sample
+    progress_lines: Sequence[str]  # its progress.jsonl
+
+
+def aggregate(
+    spec: CaseSpec,
+    outcome: str,
+    per_rank: Mapping[int, CaseResult],
+    inputs: Mapping[int, RankInputs],
+    decider: int | None,
+    stop: dict[str, Any],
+    elapsed: float,
+    notes: dict[str, Any],
+) -> CaseResult:
+    """The case's result from the ranks' results and what was read of each rank (module docstring)."""
+    ds = spec.ddp
+    assert ds is not None
+    ranks = sorted(per_rank)
+    reports = {r: inputs[r].ddp_report for r in ranks}
+    missing = {str(r): per_rank[r].missing_grads for r in ranks if per_rank[r].missing_grads}
+    arrival = {
+        str(r): {
+            step: info["missing"]
+            for step, info in (reports[r].get("grad_arrival") or {}).items()
+            if info["missing"]
+        }
+        for r in ranks
+    }
+    arrival = {r: v for r, v in arrival.items() if v}
+    ddp: dict[str, Any] = {
+        "nproc": ds.nproc, "nnodes": ds.nnodes, "node_rank": ds.node_rank, "world_size": ds.world_size,
+        "backend": ds.backend, "static_graph": ds.static_graph, "find_unused": ds.find_unused,
+        "bucket_mb": ds.bucket_mb,
+        "ranks": {
+            str(r): {"verdict": per_rank[r].verdict, "reason": per_rank[r].reason,
+                     "hang_kind": per_rank[r].hang_kind,
+                     "where": per_rank[r].where.describe() if per_rank[r].where else None,
+                     "steps_done": per_rank[r].steps_done, "exit_code": per_rank[r].exit_code,
+                     "missing_grads": per_rank[r].missing_grads}
+            for r in ranks
+        },
+        "missing_grads": missing,
+        "grad_arrival_missing": arrival,
+    }  # fmt: skip
+    if missing:
+        every = set.intersection(*(set(v) for v in missing.values())) if len(missing) == len(ranks) else set()
+        ddp["missing_grads_diff"] = {r: sorted(set(v) - every) for r, v in missing.items() if set(v) - every}
+        ddp["missing_grads_on_every_rank"] = sorted(every)
+    preflight = next((reports[r]["preflight"] for r in ranks if reports[r].get("preflight")), None)
+    if preflight:
+        ddp["preflight"] = preflight
+    hashes = next((reports[r]["param_hash"] for r in ranks if reports[r].get("param_hash")), None)
+    if hashes:
+        ddp["param_hash"] = hashes
+        ddp["params_in_sync"] = all(len(set(h)) == 1 for h in hashes.values())
+    buckets = {str(r): reports[r]["buckets"] for r in ranks if reports[r].get("buckets")}
+    if buckets:
+        ddp["buckets"] = buckets
+    errors = {str(r): reports[r]["ddp_error"] for r in ranks if reports[r].get("ddp_error")}
+    if errors:
+        ddp["ddp_error"] = errors
+    ddp.update(notes)
+
+    hang_kind = None
+    if outcome == "stalled":
+        threads = {r: inputs[r].last_thread for r in ranks}
+        collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
+        diff = cross_rank_diff(threads, collectives)
+        diff["collectives"] = {str(r): c for r, c in collectives.items()}
+        ddp["stack_diff"] = diff
+        ddp["minority_ranks"] = diff["minority_ranks"]
+        ddp["first_divergent_frame"] = diff.get("first_divergent_frame")
+        waiting = {r for r, c in collectives.items() if c.get("waiting")}
+        for r in waiting:  # NCCL waits show as a device sync in the stack; the progress record says which
+            if per_rank[r].hang_kind not in (None, "collective"):
+                ddp["ranks"][str(r)]["hang_kind_from_stacks"] = per_rank[r].hang_kind
+                ddp["ranks"][str(r)]["hang_kind"] = "collective"
+        kinds = {r: ddp["ranks"][str(r)]["hang_kind"] for r in ranks}
+        verdict, hang_kind, reason, source = _hang(per_rank, kinds, diff, decider)
+    else:
+        verdict, reason, source = _worst(per_rank, outcome)
+    src = per_rank[source]
+    return CaseResult(
+        name=spec.name,
+        spec_hash=spec.spec_hash(),
+        verdict=verdict,  # type: ignore[arg-type]
+        reason=reason,
+        hang_kind=hang_kind,  # type: ignore[arg-type]
+        where=src.where,
+        elapsed_s=round(elapsed, 3),
+        stall_limit_s=src.stall_limit_s,
+        stall_reason=reason.partition("; ")[2] or None if verdict == "hang" else None,
+        stall_limit_reason=src.stall_limit_reason,
+        timeout_s=spec.timeout,
+        device=per_rank[ranks[0]].device,
+        exit_code=stop.get("exit_code"),
+        signal=src.signal,
+        steps_done=min(per_rank[r].steps_done for r in ranks),
+        metrics=per_rank[ranks[0]].metrics,
+        rate=src.rate,
+        missing_grads=sorted({n for v in missing.values() for n in v}),
+        nonfinite=src.nonfinite,
+        parity=src.parity,
+        evidence={
+            "outcome": outcome,
+            "stop": stop,
+            "rank_of_verdict": source,
+            "ranks": {str(r): per_rank[r].evidence for r in ranks},
+        },
+        ddp=ddp,
+    )
+
+
+def _worst(per_rank: Mapping[int, CaseResult], outcome: str) -> tuple[str, str, int]:
+    """The most severe verdict over the ranks, the ranks that share it, and its reason."""
+
+    # A rank stopped by torchrun (SIGTERM) because another failed is a consequence, not the cause.
+    def key(r: int) -> tuple[int, int]:
+        res = per_rank[r]
+        consequence = int(res.verdict == "crash" and res.signal == "SIGTERM")
+        return consequence, SEVERITY.index(res.verdict) if res.verdict in SEVERITY else 0
+
+    source = min(per_rank, key=key)
+    verdict = per_rank[source].verdict
+    same = [r for r in sorted(per_rank) if per_rank[r].verdict == verdict]
+    if verdict == "pass":
+        reason = f"{len(per_rank)} rank(s) passed: {per_rank[source].reason}"
+    else:
+        reason = f"{_who(same)}: {per_rank[source].reason}"
+        if verdict == "grad-missing" and len(same) > 1:
+            differ = {r: per_rank[r].missing_grads for r in same}
+            if len({tuple(v) for v in differ.values()}) > 1:
+                reason += "; per rank: " + "; ".join(
+                    f"rank {r}: {', '.join(v[:3])}" for r, v in differ.items()
+                )
+    return verdict, reason, source
+
+
+def _hang(
+    per_rank: Mapping[int, CaseResult],
+    kinds: Mapping[int, str | None],
+    diff: Mapping[str, Any],
+    decider: int | None,
+) -> tuple[str, str | None, str, int]:
+    minority = list(diff.get("minority_ranks") or [])
+    minority_kinds = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
+    if minority_kinds:
+        kind = sorted(minority_kinds)[0]  # the odd rank's own hang (a deadlock) explains the others' wait
+    elif any(k == "collective" for k in kinds.values()):
+        kind = "collective"
+    else:
+        kind = next((k for k in kinds.values() if k), "unknown")
+    source = minority[0] if minority else (decider if decider is not None else min(per_rank))
+    stalled = per_rank[decider if decider is not None else source]
+    idle = stalled.reason.partition(" at ")[0] if stalled.reason.startswith("no progress") else "no progress"
+    parts = [f"{idle} on rank {decider if decider is not None else source}"]
+    majority = diff.get("majority_ranks") or []
+    if majority:
+        ref = per_rank[majority[0]]
+        parts.append(f"{_who(majority)} at {ref.where.describe() if ref.where else 'an unknown place'}")
+    if minority:
+        div = (diff.get("first_divergent_frame") or {}).get(str(minority[0])) or {}
+        src = per_rank[minority[0]]
+        text = f"minority {_who(minority)} at {src.where.describe() if src.where else 'an unknown place'}"
+        if div.get("frame"):
+            text += f", first divergent frame {div['frame']}"
+            if div.get("majority_frame"):
+                text += f" (the others: {div['majority_frame']})"
+        parts.append(text)
+    parts.append(diff.get("basis") or "")
+    why = per_rank[source].reason.partition("; ")[2]
+    if why:
+        parts.append(f"rank {source}: {why}")
+    return "hang", kind, "; ".join(p for p in parts if p), source

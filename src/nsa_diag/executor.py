@@ -1,0 +1,251 @@
+"""The one place a case is run: `run_case(spec, case_dir, launcher)` and `run_cases`, always a result.
+
+Whatever hosts the job (our worker, torchrun's ranks; later a user's own command or a cluster), a case
+runs the same way: write ``spec.json`` and ``replay.sh``, start the job through its launcher
+(`nsa_diag.launchers.base.Launcher`) in a new session with stdin closed, and watch every unit's beacon
+(`nsa_diag.watchdog.watch`). On a stall or a timeout, gather the evidence before any kill: the launcher's
+own (NCCL flight recorder), then for every live process memory at the hang, two stack samples a second
+apart, py-spy, GPU and ``/proc`` (in parallel when there are several); then stop every process of the
+job; classify each unit (`nsa_diag.results.unit_result`), let the launcher combine them, and write
+``result.json``.
+
+`run_case` returns a `CaseResult` in every outcome and raises only `Interrupted` (a KeyboardInterrupt)
+when nsa-diag itself gets SIGINT or SIGTERM, after the job's processes are gone and the case's
+``result.json`` (verdict error) is written. `InterruptGuard` holds those signals back while a job starts
+or stops, so an interrupt never leaves a job started but unknown, or half stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from nsa_diag import artifacts
+from nsa_diag.evidence.env import collect_env
+from nsa_diag.launchers import Launcher, Unit, default_launcher
+from nsa_diag.results import case_files, error_result, unit_result
+from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, gather_hang_evidence, watch
+from nsa_diag.worker.beacon import BeaconState
+
+ProgressCallback = Callable[[BeaconState | None, float], None]
+EVIDENCE_JOIN_S = 60.0  # per unit, when several are sampled at once: one wedged sampler must not hold all
+
+
+class Interrupted(KeyboardInterrupt):
+    """nsa-diag got SIGINT or SIGTERM while a case ran; the case's processes have been stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+
+
+class InterruptGuard:
+    """SIGINT/SIGTERM -> `Interrupted` while a case runs; held back inside `deferred` (starting the job,
+    stopping it), so an interrupt can never leave a job started but unknown, or half stopped."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+        self._depth = 0
+        self._closing = False
+        self.pending: int | None = None
+
+    def __enter__(self) -> InterruptGuard:
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._depth or self._closing:
+            self.pending = self.pending or signum
+            return
+        raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if self.pending is not None and not self._depth and not self._closing:
+            signum, self.pending = self.pending, None
+            raise Interrupted(signum)
+
+    def close(self) -> None:
+        """From now on signals are only noted: the cleanup after an interrupt runs to its end."""
+        self._closing = True
+
+
+def _finish(case_dir: Path, result: CaseResult) -> CaseResult:
+    artifacts.write_json(case_dir / artifacts.RESULT, result)  # result.json lists itself
+    result = result.model_copy(update={"files": case_files(case_dir)})
+    artifacts.write_json(case_dir / artifacts.RESULT, result)
+    return result
+
+
+def gather_evidence(
+    spec: CaseSpec,
+    units: Sequence[Unit],
+    watched: Sequence[WatchResult],
+    targets: Mapping[int, ProcessHandle],
+) -> dict[int, HangEvidence]:
+    """The watchdog's evidence of every process in ``targets`` (by unit key), before any kill. One unit is
+    sampled here; several in parallel threads, each sampling its own pid, so that all are taken at the
+    same moment of the hang."""
+    by_key = {u.key: (u, w) for u, w in zip(units, watched, strict=True)}
+    out: dict[int, HangEvidence] = {}
+
+    def one(key: int) -> None:
+        unit, w = by_key[key]
+        out[key] = gather_hang_evidence(targets[key], unit.folder, spec, w.last_state)
+
+    if len(units) == 1:
+        for key in targets:
+            one(key)
+        return out
+    threads = [threading.Thread(target=one, args=(key,), daemon=True) for key in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=EVIDENCE_JOIN_S)
+    return out
+
+
+def _watch_and_judge(
+    spec: CaseSpec,
+    case_dir: Path,
+    launcher: Launcher,
+    guard: InterruptGuard,
+    started: float,
+    t0: float,
+    on_progress: ProgressCallback | None,
+) -> CaseResult:
+    """From a started job to the case's result: watch, evidence, stop, classify, combine."""
+    assert launcher.proc is not None
+    units = launcher.units(case_dir)
+    watched = watch(launcher.proc, [u.beacon for u in units], spec, started, on_progress)
+    launcher.after_watch(case_dir)
+    notes = launcher.notes()
+    hangs: dict[int, HangEvidence] = {}
+    if watched.outcome != "exited":
+        notes.update(launcher.evidence_before_stop(case_dir))
+        hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
+    with guard.deferred():
+        stop = launcher.stop()
+    launcher.evidence_after_stop(case_dir, notes)
+    ends = launcher.unit_ends(case_dir, units, watched.units, hangs, stop)
+    per_unit = {}
+    for unit in units:
+        unit_watched, unit_stop = ends[unit.key]
+        per_unit[unit.key] = unit_result(
+            spec, unit.folder, unit_watched, hangs.get(unit.key), unit_stop, time.monotonic() - t0
+        )
+    decider = units[watched.decider].key if watched.decider is not None else None
+    return launcher.combine(case_dir, watched.outcome, per_unit, decider, stop, time.monotonic() - t0, notes)
+
+
+# --- entry points -------------------------------------------------------------------------------------
+
+
+def run_case(
+    spec: CaseSpec,
+    case_dir: Path,
+    launcher: Launcher | None = None,
+    *,
+    replay_argv: Sequence[str] | None = None,
+    on_progress: ProgressCallback | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> CaseResult:
+    """Run one case in ``case_dir``; the result (also written to ``result.json``) whatever happened.
+
+    ``launcher``: how the job starts and what it has (a fresh one per case); None picks
+    `nsa_diag.launchers.default_launcher` (torchrun when ``spec.ddp`` is set, else our worker).
+    ``replay_argv`` is the command line ``replay.sh`` runs (default: the launcher's own command).
+    ``extra_env``: variables for this job only, not in ``replay.sh`` (``nsa-diag matrix --jobs`` gives
+    each case its own GPU through ``CUDA_VISIBLE_DEVICES``). From a thread other than the main one no
+    signal handler is installed; ``on_progress`` may raise `Interrupted` there to stop the case.
+    Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM, after stopping the job.
+    """
+    case_dir = Path(case_dir)
+    case_dir.mkdir(parents=True, exist_ok=True)
+    launcher = launcher if launcher is not None else default_launcher(spec)
+    started, t0 = time.time(), time.monotonic()
+    guard = InterruptGuard()
+    with guard:
+        try:
+            launcher.prepare(case_dir)
+            artifacts.write_json(case_dir / artifacts.SPEC, spec)
+            argv = launcher.command(case_dir)
+            replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
+            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, launcher.replay_env(case_dir))
+            env = launcher.child_env(case_dir, extra_env)
+            with guard.deferred():
+                launcher.start(case_dir, argv, env)
+            result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)
+        except KeyboardInterrupt as exc:
+            guard.close()
+            by = getattr(exc, "signal_name", "SIGINT")
+            sampled = launcher.sample_on_interrupt(case_dir)
+            stop = launcher.stop()
+            result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
+            _finish(case_dir, result)
+            raise
+        except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
+            guard.close()
+            stop = launcher.stop()
+            result = error_result(
+                spec,
+                f"nsa-diag internal error while running the {launcher.label}: {type(exc).__name__}: {exc}",
+                time.monotonic() - t0,
+                {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
+            )
+        with guard.deferred():  # an interrupt now comes after the result is on disk
+            return _finish(case_dir, result)
+
+
+def run_cases(
+    specs: Sequence[CaseSpec],
+    run_dir: Path,
+    *,
+    replay_argv: Callable[[CaseSpec], Sequence[str]] | Mapping[str, Sequence[str]] | None = None,
+    on_case_start: Callable[[CaseSpec], None] | None = None,
+    on_progress: ProgressCallback | None = None,
+    on_case_end: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Run ``specs`` one after the other into ``run_dir/cases/<name>/``; writes ``run_dir/env.json``.
+
+    ``replay_argv``: per case, the command line of its ``replay.sh`` (a function of the spec, or a
+    mapping by case name). Raises `Interrupted` when interrupted (the running case has its result.json).
+    """
+    run_dir = Path(run_dir)
+    artifacts.write_json(run_dir / artifacts.ENV, collect_env())
+    results = []
+    for spec in specs:
+        if on_case_start is not None:
+            on_case_start(spec)
+        if callable(replay_argv):
+            argv: Sequence[str] | None = replay_argv(spec)
+        else:
+            argv = (replay_argv or {}).get(spec.name)
+        result = run_case(
+            spec, artifacts.case_dir(run_dir, spec.name), replay_argv=argv, on_progress=on_progress
+        )
+        results.append(result)
+        if on_case_end is not None:
+            on_case_end(result)
+    return results

@@ -1,0 +1,197 @@
+"""The launcher interface: how a job starts, which processes and beacons it has, how it stops.
+
+The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatever hosts it:
+
+1. ``prepare`` the case folder, write ``spec.json`` and ``replay.sh`` (`command`, `replay_argv`,
+   `replay_env`);
+2. `start` the job: `command` with `child_env`, stdin closed, stdout/stderr appended to the case's logs,
+   in a session of its own (its own process group) so that it can be stopped as a whole;
+3. watch its `units` (`nsa_diag.watchdog.watch`): each unit is a process the watchdog judges, with its
+   folder and its beacon (one for our worker; one per local rank, ``ranks/<r>/``, under torchrun);
+4. after a stall or a timeout, before any kill: `evidence_before_stop` (what only this launcher can take:
+   torchrun's NCCL flight recorder), then the watchdog's evidence of every process in `sample_targets`
+   (stacks, /proc, py-spy, GPU, memory);
+5. `stop` everything the job started, and report what it took;
+6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
+   record and stop report), and `combine` makes them the case's result (a worker: its one unit's result;
+   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`).
+
+A launcher object runs one case: it keeps what it learns of the job (the process, the ranks' pids).
+
+Adding a launcher is one more module here and nothing else: subclass `Launcher`, implement the abstract
+methods, and pass an instance to `run_case` (or teach `nsa_diag.launchers.default_launcher` when a spec
+field should pick it). A user's own command (``nsa-diag watch -- python train.py``): `command` is that
+argv, `child_env` adds the probe's ``sitecustomize`` to ``PYTHONPATH``; `units` gives each process a
+folder and the probe's beacon, or ``beacon=None`` for one without the probe: the watchdog then never calls
+it stalled, only the timeout applies, and its verdict comes from its exit status, /proc and py-spy;
+`combine` keeps the unit's result. A cluster launcher: `start` submits and returns a handle whose
+``poll``/``pid`` follow the job (`ProcessHandle`), `units` are the ranks' folders on shared storage, `stop`
+cancels the job.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nsa_diag import artifacts
+from nsa_diag.results import interrupted_result
+from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
+
+# The package root above nsa_diag: children import the same nsa_diag as this process, installed or not.
+SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One process the watchdog judges: its key (0 for a worker, the rank under torchrun), the folder its
+    files go to, and its beacon (None: a process that reports no progress)."""
+
+    key: int
+    folder: Path
+    beacon: Path | None
+
+
+def worker_env(spec: CaseSpec) -> dict[str, str]:
+    """The environment variables the spec sets for its worker (also exported by ``replay.sh``)."""
+    env = {}
+    if spec.alloc_conf:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = spec.alloc_conf
+    if spec.launch_blocking:
+        env["CUDA_LAUNCH_BLOCKING"] = "1"
+    return env
+
+
+def python_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment with the spec's variables and ``extra_env``, unbuffered output, and
+    ``PYTHONPATH`` leading to this nsa_diag: the environment our Python children start with."""
+    env = {**os.environ, **worker_env(spec), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if SOURCE_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([SOURCE_ROOT, *paths])
+    return env
+
+
+class Launcher(ABC):
+    """How one case's job starts, what the watchdog watches of it, and how it ends (module docstring).
+
+    ``label`` names the job in an internal-error reason ("... while running the case: ...").
+    """
+
+    label = "case"
+
+    def __init__(self, spec: CaseSpec) -> None:
+        self.spec = spec
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    # --- starting ------------------------------------------------------------------------------------
+
+    def prepare(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
+        """Folders the job expects before it starts."""
+
+    @abstractmethod
+    def command(self, case_dir: Path) -> list[str]:
+        """The command line that starts the job (asked once per case)."""
+
+    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
+        """What ``replay.sh`` runs when the caller gives no replay command: by default the job's own."""
+        return list(argv)
+
+    @abstractmethod
+    def replay_env(self, case_dir: Path) -> dict[str, str]:
+        """The variables ``replay.sh`` exports (those the job depends on; not this machine's others)."""
+
+    @abstractmethod
+    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
+        """The job's whole environment (``extra_env``: for this run only, not in ``replay.sh``)."""
+
+    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        """Start ``argv`` in a new session with stdin closed, its output appended to the case's logs."""
+        with (
+            artifacts.open_append(case_dir / artifacts.STDOUT, binary=True) as out,
+            artifacts.open_append(case_dir / artifacts.STDERR, binary=True) as err,
+        ):
+            self.proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=dict(env),
+                start_new_session=True,
+            )
+        return self.proc
+
+    # --- watching ------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def units(self, case_dir: Path) -> list[Unit]:
+        """The processes the watchdog judges, each with its folder and beacon."""
+
+    def after_watch(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
+        """The polling loop has ended: learn what `stop` and the evidence need (e.g. the ranks' pids)."""
+
+    def notes(self) -> dict[str, Any]:
+        """Launcher facts for the case's result (torchrun: its command line)."""
+        return {}
+
+    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+        """Evidence only this launcher can take, before any process is stopped (notes for the result)."""
+        return {}
+
+    @abstractmethod
+    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
+        """The processes (by unit key) whose stacks, /proc, py-spy and memory to take at a hang."""
+
+    # --- stopping and the result ---------------------------------------------------------------------
+
+    @abstractmethod
+    def stop(self) -> dict[str, Any]:
+        """Stop every process of the job (also those it started in sessions of their own); what it took,
+        with ``exit_code`` and any ``survivors``. ``{"started": False}`` when nothing was started."""
+
+    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:  # noqa: B027 (a hook)
+        """Evidence the job left as it stopped, added to ``notes``."""
+
+    def unit_ends(
+        self,
+        case_dir: Path,
+        units: Sequence[Unit],
+        watched: Sequence[WatchResult],
+        hangs: Mapping[int, HangEvidence],
+        stop: dict[str, Any],
+    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        """Each unit's watch record and stop report, for its classification. By default each unit ends as
+        the job did (one process: its own)."""
+        return {u.key: (w, stop) for u, w in zip(units, watched, strict=True)}
+
+    @abstractmethod
+    def combine(
+        self,
+        case_dir: Path,
+        outcome: str,
+        per_unit: Mapping[int, CaseResult],
+        decider: int | None,
+        stop: dict[str, Any],
+        elapsed: float,
+        notes: dict[str, Any],
+    ) -> CaseResult:
+        """The case's result from its units' results (``decider``: the key of the unit that stalled or
+        timed out first; None when the job exited)."""
+
+    # --- nsa-diag interrupted ------------------------------------------------------------------------
+
+    def sample_on_interrupt(self, case_dir: Path) -> bool:
+        """One quick stack sample when nsa-diag is interrupted, before the stop; whether one was taken."""
+        return False
+
+    def interrupted(
+        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+    ) -> CaseResult:
+        """The result of a case nsa-diag's SIGINT/SIGTERM (``by``) ended, after `stop`."""
+        return interrupted_result(self.spec, case_dir, by, elapsed, stop, sampled)

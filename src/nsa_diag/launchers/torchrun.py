@@ -1,0 +1,332 @@
+"""torchrun: one case on N ranks (`nsa-diag ddp`), each rank a unit with its own folder and beacon.
+
+``python -m torch.distributed.run ... -m nsa_diag.worker.ddp <case_dir>`` starts in a new session
+(rendezvous on 127.0.0.1 and a free port unless ``rdzv_endpoint`` is given); each rank works in
+``ranks/<r>/`` (see `nsa_diag.worker.ddp`) and torchrun starts each in a session of its own. The
+executor watches every local rank's beacon with the single worker's rules; at a stall this launcher first
+asks every rank's NCCL flight recorder for a dump through its debug pipe, the executor then takes every
+live rank's evidence (by pid: torchrun, not us, is their parent), and `stop_everything` signals
+torchrun's session and every rank's at once and checks that none is left. Each rank's result is
+classified as a single worker's would be; the case's result is their cross-rank aggregation
+(`nsa_diag.analysis.ranks.aggregate`), from what this launcher reads of each rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from nsa_diag import artifacts
+from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
+from nsa_diag.classify import focus_thread
+from nsa_diag.evidence import procfs
+from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.launchers.base import Launcher, Unit, python_env, worker_env
+from nsa_diag.results import error_result, read_worker_report
+from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
+from nsa_diag.worker.beacon import read_beacon
+from nsa_diag.worker.ddp import RANKS_DIR, pg_timeout_s, rank_dir
+
+LOOPBACK = "127.0.0.1"
+FR_PREFIX = "nccl_trace_rank_"  # TORCH_NCCL_DEBUG_INFO_TEMP_FILE: torch appends the rank
+PIPE_PREFIX = "nccl_pipe_rank_"  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: torch reads <prefix><rank>.pipe
+FR_FILE = "nccl_flight_recorder.pickle"  # where each rank's dump ends up, in ranks/<r>/
+FR_WAIT_S = 5.0
+FR_BUFFER = 2000
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+def local_ranks(spec: CaseSpec) -> list[int]:
+    assert spec.ddp is not None
+    first = spec.ddp.node_rank * spec.ddp.nproc
+    return list(range(first, first + spec.ddp.nproc))
+
+
+def ddp_env(spec: CaseSpec, case_dir: Path) -> dict[str, str]:
+    """Variables for torchrun and the ranks: the NCCL flight recorder on, dumped into the case folder on
+    timeout and on demand through its pipe; NCCL's own timeouts longer than the watchdog's stall."""
+    assert spec.ddp is not None
+    ranks = Path(case_dir).resolve() / RANKS_DIR
+    timeout = str(int(pg_timeout_s(spec)))
+    env = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(ranks / FR_PREFIX),
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(ranks / PIPE_PREFIX),
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": timeout,
+        "TORCH_NCCL_TRACE_CPP_STACK": "1",
+    }
+    if spec.ddp.rdzv_endpoint is None:  # one node: keep gloo's and NCCL's sockets on loopback too
+        env["GLOO_SOCKET_IFNAME"] = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+def torchrun_argv(spec: CaseSpec, case_dir: Path, port: int | None = None) -> list[str]:
+    """``python -m torch.distributed.run`` starting ``nsa_diag.worker.ddp`` on every local rank."""
+    ds = spec.ddp
+    assert ds is not None
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ds.nnodes),
+            "--nproc-per-node", str(ds.nproc), "--max-restarts", "0"]  # fmt: skip
+    if ds.rdzv_endpoint is None:
+        argv += ["--master-addr", LOOPBACK, "--master-port", str(port or free_port())]
+    else:
+        argv += ["--node-rank", str(ds.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 ds.rdzv_endpoint, "--rdzv-id", f"nsa-diag-{spec.spec_hash()}"]  # fmt: skip
+    return [*argv, "-m", "nsa_diag.worker.ddp", str(Path(case_dir).resolve())]
+
+
+# --- processes ----------------------------------------------------------------------------------------
+
+
+class RankProcess:
+    """A rank seen by pid (torchrun is its parent, not us): a `ProcessHandle` for the hang evidence."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        stat = procfs.read_stat(self.pid)
+        return None if stat is not None and stat["state"] != "Z" else 0
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    stat = procfs.read_stat(pid)
+    return stat is not None and stat["state"] != "Z"
+
+
+def _signal_all(pids: Sequence[int], sessions: Sequence[int], sig: signal.Signals) -> list[int]:
+    """``sig`` to every session (process group and members) and pid given; the live pids it reached."""
+    hit = set()
+    for session in sessions:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(session, sig)
+        members = [p for p in procfs.session_pids(session) if _alive(p)]
+        hit.update(members)
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+    for pid in pids:
+        if _alive(pid):
+            hit.add(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+    return sorted(hit)
+
+
+def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> dict[str, Any]:
+    """SIGTERM to torchrun's session and to every rank's session at once, a grace period, SIGKILL, reap;
+    what it took and whatever survived (nothing should)."""
+    pids = sorted({*rank_pids, *_descendants(proc.pid)})
+    sessions = [proc.pid, *pids]  # ranks run in sessions of their own (torchrun's start_new_session)
+    report: dict[str, Any] = {"sigterm": False, "sigkill": False, "rank_pids": list(rank_pids)}
+    if proc.poll() is None or any(_alive(p) for p in pids):
+        report["sigterm"] = True
+        _signal_all(pids, sessions, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while time.monotonic() < deadline:
+            proc.poll()
+            if proc.returncode is not None and not any(_alive(p) for p in pids):
+                break
+            time.sleep(0.05)
+    if proc.poll() is None or any(_alive(p) for p in pids):
+        report["sigkill"] = True
+        for _ in range(50):
+            if not _signal_all(pids, sessions, signal.SIGKILL) and proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        report["unreaped"] = proc.pid
+    report["exit_code"] = proc.returncode
+    survivors = [p for p in pids if _alive(p)] + [p for p in procfs.session_pids(proc.pid) if _alive(p)]
+    if survivors:
+        report["survivors"] = sorted(set(survivors))
+    return report
+
+
+# --- the NCCL flight recorder ------------------------------------------------------------------------
+
+
+def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> dict[str, Any]:
+    """NCCL only: ask every rank's flight recorder for a dump through its debug pipe, wait for the files."""
+    assert spec.ddp is not None
+    if spec.ddp.backend != "nccl":
+        return {"taken": False, "why": "gloo has no flight recorder (NCCL only)"}
+    ranks_dir = Path(case_dir) / RANKS_DIR
+    asked: dict[str, str] = {}
+    for rank in pids:
+        pipe = ranks_dir / f"{PIPE_PREFIX}{rank}.pipe"
+        try:
+            fd = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"1\n")
+            os.close(fd)
+            asked[str(rank)] = "asked through the debug pipe"
+        except OSError as exc:
+            asked[str(rank)] = f"no debug pipe ({exc.strerror}); the dump comes only on NCCL's own timeout"
+    deadline = time.monotonic() + FR_WAIT_S
+    while time.monotonic() < deadline and not all((ranks_dir / f"{FR_PREFIX}{r}").exists() for r in pids):
+        time.sleep(0.1)
+    time.sleep(0.3)  # a dump being written
+    return {"asked": asked, "files": collect_flight_recorder(case_dir, pids)}
+
+
+def collect_flight_recorder(case_dir: Path, ranks: Sequence[int] | Mapping[int, int]) -> dict[str, str]:
+    """Move ``ranks/nccl_trace_rank_<r>`` (torch's dump, on demand or on timeout) into ``ranks/<r>/``."""
+    found = {}
+    for rank in ranks:
+        src = Path(case_dir) / RANKS_DIR / f"{FR_PREFIX}{rank}"
+        if src.exists():
+            dest = rank_dir(case_dir, rank) / FR_FILE
+            artifacts.write_bytes(dest, src.read_bytes())
+            src.unlink(missing_ok=True)
+            found[str(rank)] = f"{RANKS_DIR}/{rank}/{FR_FILE}"
+    return found
+
+
+# --- the launcher -------------------------------------------------------------------------------------
+
+
+def _rank_inputs(unit_dir: Path) -> RankInputs:
+    """What the cross-rank aggregation needs of one rank, read from its folder."""
+    report = read_worker_report(unit_dir)
+    last: ThreadStack | None = None
+    for threads in reversed(read_stacks(unit_dir / artifacts.STACKS).sample_threads()):
+        last = focus_thread(threads)
+        if last is not None:
+            break
+    try:
+        lines = (unit_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    return RankInputs((report.ddp if report else None) or {}, last, lines)
+
+
+class TorchrunLauncher(Launcher):
+    """The case on ``spec.ddp``'s local ranks through torchrun (the default for a spec with ``ddp``)."""
+
+    label = "ddp case"
+
+    def __init__(self, spec: CaseSpec) -> None:
+        super().__init__(spec)
+        assert spec.ddp is not None
+        self.argv: list[str] = []
+        self.pids: dict[int, int] = {}  # rank -> pid, from the ranks' beacons
+
+    def prepare(self, case_dir: Path) -> None:
+        (case_dir / RANKS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def command(self, case_dir: Path) -> list[str]:
+        self.argv = torchrun_argv(self.spec, case_dir)  # picks a free port: asked once per case
+        return self.argv
+
+    def replay_env(self, case_dir: Path) -> dict[str, str]:
+        return {**worker_env(self.spec), **ddp_env(self.spec, case_dir)}
+
+    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
+        return {**python_env(self.spec), **ddp_env(self.spec, case_dir), **(extra_env or {})}
+
+    def units(self, case_dir: Path) -> list[Unit]:
+        return [
+            Unit(r, rank_dir(case_dir, r), rank_dir(case_dir, r) / artifacts.BEACON)
+            for r in local_ranks(self.spec)
+        ]
+
+    def after_watch(self, case_dir: Path) -> None:
+        assert self.proc is not None
+        beacons = {r: read_beacon(rank_dir(case_dir, r) / artifacts.BEACON) for r in local_ranks(self.spec)}
+        pids = {r: s.pid for r, s in beacons.items() if s is not None and s.pid > 0}
+        children = set(_descendants(self.proc.pid))
+        self.pids = {r: p for r, p in pids.items() if p in children or _alive(p)}
+
+    def notes(self) -> dict[str, Any]:
+        return {"torchrun": self.argv}
+
+    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+        return {"flight_recorder": flight_recorder_dump(case_dir, self.spec, self.pids)}
+
+    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
+        return {r: RankProcess(pid) for r, pid in self.pids.items() if _alive(pid)}
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc is None:
+            return {"started": False}
+        return stop_everything(self.proc, list(self.pids.values()))
+
+    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
+        found = collect_flight_recorder(case_dir, local_ranks(self.spec))  # written on NCCL's own timeout
+        if found:
+            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
+
+    def unit_ends(
+        self,
+        case_dir: Path,
+        units: Sequence[Unit],
+        watched: Sequence[WatchResult],
+        hangs: Mapping[int, HangEvidence],
+        stop: dict[str, Any],
+    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        """A rank that had exited before the others were stopped ended by itself, with the code torchrun's
+        failure summary gives it (0 when it wrote its result and is not in the summary)."""
+        codes = rank_exit_codes((case_dir / artifacts.STDERR).read_text(errors="replace"))
+        ends = {}
+        for unit, w in zip(units, watched, strict=True):
+            rank = unit.key
+            if w.outcome != "exited" and rank not in hangs:  # this rank had already exited
+                w = WatchResult("exited", w.history, None, codes.get(rank, 0))
+            code = codes.get(rank, 0 if (unit.folder / artifacts.WORKER_RESULT).exists() else None)
+            ends[rank] = (
+                w,
+                {"exit_code": code if w.outcome == "exited" else None, "pid": self.pids.get(rank)},
+            )
+        return ends
+
+    def combine(
+        self,
+        case_dir: Path,
+        outcome: str,
+        per_unit: Mapping[int, CaseResult],
+        decider: int | None,
+        stop: dict[str, Any],
+        elapsed: float,
+        notes: dict[str, Any],
+    ) -> CaseResult:
+        inputs = {r: _rank_inputs(rank_dir(case_dir, r)) for r in per_unit}
+        result = aggregate(self.spec, outcome, per_unit, inputs, decider, stop, elapsed, notes)
+        if stop.get("survivors"):
+            result = result.model_copy(
+                update={"reason": result.reason + f"; processes left: {stop['survivors']}"}
+            )
+        return result
+
+    def interrupted(
+        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+    ) -> CaseResult:
+        """One line: the ranks' own states are not gathered when nsa-diag itself is interrupted."""
+        reason = f"interrupted by {by} after {elapsed:.1f} s"
+        return error_result(self.spec, reason, elapsed, {"outcome": "interrupted", "stop": stop})

@@ -1,0 +1,240 @@
+"""From what was recorded of a watched unit (a worker, or one rank) to its `CaseResult`.
+
+The executor (`nsa_diag.executor`) calls `unit_result` once per unit after the job is stopped: the
+watchdog's record and decision, the hang evidence taken before any kill, the stop report, and the unit's
+own files (``worker_result.json`` as a `WorkerReport`, ``stacks.txt`` through `read_stacks`, the stderr
+tail, the setup record of ``progress.jsonl``) become an `Evidence` for `classify`, and the verdict with
+everything measured becomes the result. `error_result` and `interrupted_result` are the results of a
+case that the toolkit could not finish, or that nsa-diag's own interrupt ended. The JSON shape of the
+``evidence`` written into ``result.json`` is fixed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from nsa_diag import artifacts
+from nsa_diag.classify import Evidence, classify
+from nsa_diag.evidence import stacks
+from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerReport
+from nsa_diag.watchdog import (
+    HangEvidence,
+    StallLimit,
+    WatchResult,
+    configured_limit,
+    progress_rate,
+    step_limit,
+    steps_done,
+)
+from nsa_diag.worker.beacon import read_beacon
+
+STDERR_TAIL_BYTES = 4096
+_CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE, artifacts.STACK_REQUEST}
+
+
+def signal_name(code: int | None) -> str | None:
+    """``"SIGSEGV"`` for an exit status -11; None for a normal exit."""
+    if code is None or code >= 0:
+        return None
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def read_worker_report(unit_dir: Path) -> WorkerReport | None:
+    """The unit's ``worker_result.json``; None when it wrote none (killed, crashed) or it cannot be read."""
+    try:
+        return WorkerReport.model_validate(artifacts.read_json(Path(unit_dir) / artifacts.WORKER_RESULT))
+    except (OSError, ValueError, ValidationError):
+        return None
+
+
+def stderr_tail(unit_dir: Path) -> str:
+    try:
+        with open(Path(unit_dir) / artifacts.STDERR, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - STDERR_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def case_files(case_dir: Path) -> list[str]:
+    """The artifact files of the case folder (relative paths; control and temporary files left out)."""
+    files = []
+    for path in sorted(Path(case_dir).rglob("*")):
+        rel = path.relative_to(case_dir).as_posix()
+        if path.is_file() and not path.name.startswith(".") and path.name not in _CONTROL_FILES:
+            files.append(rel)
+    return files
+
+
+def device_from_progress(unit_dir: Path) -> str | None:
+    """The device the worker reported at the end of setup (for cases that ended without a result)."""
+    try:
+        with open(Path(unit_dir) / artifacts.PROGRESS, encoding="utf-8") as f:
+            for line in f:
+                if '"device"' in line:
+                    record = json.loads(line)
+                    if record.get("phase") == "setup" and record.get("device"):
+                        return str(record["device"])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def last_where(unit_dir: Path) -> Where | None:
+    """Where the unit's beacon last was."""
+    state = read_beacon(Path(unit_dir) / artifacts.BEACON)
+    return Where(**state.where()) if state is not None else None
+
+
+def _layers(spec: CaseSpec) -> int | None:
+    if spec.model is not None:
+        return None
+    try:
+        return int(spec.nsa_config().layers)
+    except Exception:
+        return None
+
+
+def unit_result(
+    spec: CaseSpec,
+    unit_dir: Path,
+    watched: WatchResult,
+    hang: HangEvidence | None,
+    stop: dict[str, Any],
+    elapsed: float,
+) -> CaseResult:
+    """The classified result of one unit, from its watch record, its hang evidence and its files."""
+    last = watched.last_state
+    where = Where(**last.where()) if last is not None else None
+    code = stop.get("exit_code")
+    report = read_worker_report(unit_dir)
+    stack_file = stacks.read_stacks(Path(unit_dir) / artifacts.STACKS)
+    decision = watched.decision
+    now = watched.history[-1].t
+    rate = progress_rate(watched.history, now, spec, _layers(spec)) if watched.outcome == "timeout" else None
+    ev = Evidence(
+        outcome=watched.outcome,
+        exit_code=code,
+        signal=signal_name(code) if watched.outcome == "exited" else None,
+        worker_result=report,
+        stack_samples=hang.samples if hang else (),
+        fatal_stack=stack_file.fatal,
+        pyspy=hang.pyspy_text if hang else None,
+        cpu_percent=hang.cpu_percent if hang else None,
+        heartbeat_advancing=hang.heartbeat_advancing if hang else None,
+        gpu_utilization=hang.gpu_utilization if hang else None,
+        main_wchan=hang.main_wchan if hang else None,
+        main_state=hang.main_state if hang else None,
+        where=where,
+        stalled_for_s=decision.idle_s if decision is not None else None,
+        elapsed_s=elapsed,
+        timeout_s=spec.timeout,
+        rate=rate,
+        source_lines=stacks.source_lines(stack_file.threads()),
+        stderr_tail=stderr_tail(unit_dir),
+    )
+    verdict = classify(ev)
+    evidence: dict[str, Any] = {"outcome": watched.outcome, "stop": stop}
+    if hang is not None:
+        evidence.update(
+            cpu_percent=hang.cpu_percent,
+            heartbeat={
+                "advancing": hang.heartbeat_advancing,
+                "before_samples": hang.heartbeat_before,
+                "between_samples": hang.heartbeat_between,
+            },
+            main_thread={"state": hang.main_state, "wchan": hang.main_wchan},
+            gpu_utilization=hang.gpu_utilization,
+            stack_samples=len(hang.samples),
+            **hang.notes,
+        )
+    if stack_file.fatal:
+        evidence["fatal_error"] = stacks.fatal_error(stack_file.fatal)
+    # The limit that decided a stall or timeout; for a worker that exited, the one its steps ran under.
+    if decision is not None:
+        limit = StallLimit(decision.stall_limit_s, decision.limit_reason)
+    else:
+        limit = step_limit(watched.history, spec)
+    return CaseResult(
+        name=spec.name,
+        spec_hash=spec.spec_hash(),
+        verdict=verdict.verdict,
+        reason=verdict.reason,
+        hang_kind=verdict.hang_kind,
+        where=where,
+        elapsed_s=round(elapsed, 3),
+        stall_limit_s=round(limit.seconds, 3),
+        stall_reason=verdict.reason.partition("; ")[2] or None if verdict.verdict == "hang" else None,
+        stall_limit_reason=limit.reason,
+        timeout_s=spec.timeout,
+        device=(report.device if report else None) or device_from_progress(unit_dir),
+        exit_code=code,
+        signal=signal_name(code),
+        steps_done=report.steps_done if report else steps_done(last, spec.steps),
+        metrics=report.metrics if report else {},
+        rate=rate,
+        missing_grads=list(report.missing_grads) if report else [],
+        nonfinite=report.nonfinite if report else None,
+        parity=report.parity if report else None,
+        evidence=evidence,
+    )
+
+
+def error_result(spec: CaseSpec, reason: str, elapsed: float, evidence: dict[str, Any]) -> CaseResult:
+    """verdict error with ``reason`` (one line) for a case that ended before anything was classified."""
+    return CaseResult(
+        name=spec.name,
+        spec_hash=spec.spec_hash(),
+        verdict="error",
+        reason=" ".join(reason.split()),
+        elapsed_s=round(elapsed, 3),
+        **_configured_limit_fields(spec),
+        timeout_s=spec.timeout,
+        evidence=evidence,
+    )
+
+
+def _configured_limit_fields(spec: CaseSpec) -> dict[str, Any]:
+    """stall_limit_s and its reason for a case that ended before the watchdog measured anything."""
+    limit = configured_limit(spec)
+    if limit is None:
+        return {"stall_limit_s": None, "stall_limit_reason": "auto: not measured (the case ended first)"}
+    return {"stall_limit_s": limit.seconds, "stall_limit_reason": limit.reason}
+
+
+def interrupted_result(
+    spec: CaseSpec, unit_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+) -> CaseResult:
+    """The result of a one-unit case whose nsa-diag got SIGINT/SIGTERM (``by``), after it was stopped:
+    where its beacon last was, and whether one last stack sample was taken (``sampled``)."""
+    where = last_where(unit_dir)
+    evidence = Evidence(outcome="interrupted", interrupted_by=by, elapsed_s=elapsed, where=where)
+    return CaseResult(
+        name=spec.name,
+        spec_hash=spec.spec_hash(),
+        verdict="error",
+        reason=classify(evidence).reason,
+        where=where,
+        elapsed_s=round(elapsed, 3),
+        **_configured_limit_fields(spec),
+        timeout_s=spec.timeout,
+        device=device_from_progress(unit_dir),
+        exit_code=stop.get("exit_code"),
+        signal=signal_name(stop.get("exit_code")),
+        evidence={
+            "outcome": "interrupted",
+            "interrupted_by": by,
+            "stack_samples": int(sampled),
+            "stop": stop,
+        },
+    )
