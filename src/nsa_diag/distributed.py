@@ -827,9 +827,9 @@ def build_ddp_spec(options: Any, ddp: Mapping[str, Any], *, name: str, **fields:
 def ddp_selftest_specs(options: Any, ddp: Mapping[str, Any]) -> list[tuple[CaseSpec, Any]]:
     """`selftest --ddp`: skip-collective on rank 1 (hang, collective) and unused-param on every rank
     (grad-missing), each on the ranks of ``ddp`` (at least 2)."""
-    from nsa_diag.cases import Expectation, _model_config, _overrides
+    from nsa_diag.cases import Expectation, model_config, preset_overrides
 
-    cfg = _model_config(options.preset.value, _overrides(options))
+    cfg = model_config(options.preset.value, preset_overrides(options))
     layer = cfg.layers - 1
     ddp = {**ddp, "nproc": max(2, int(ddp.get("nproc", 2)))}
     cases = [

@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 PROPERTIES = ("backends", "causality", "prefill", "gc")
 CHECK_TIMEOUT_S = 1800.0  # float64 on the CPU: m7c-125m takes minutes per property
@@ -29,9 +30,9 @@ def parse_properties(text: str | None) -> tuple[str, ...]:
 
 def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...] = PROPERTIES) -> list[Any]:
     """One `check` case per property; on CUDA in bf16 unless another low precision is asked for."""
-    from nsa_diag.cases import _model_config, _overrides, build_spec, parse_stall
+    from nsa_diag.cases import build_spec, model_config, parse_stall, preset_overrides
 
-    cfg = _model_config(options.preset.value, _overrides(options))
+    cfg = model_config(options.preset.value, preset_overrides(options))
     fields: dict[str, Any] = {"seq_len": options.seq_len or verify_seq_len(cfg)}
     if parse_stall(options.stall) == "auto":  # no training step to measure: a fixed, generous limit
         fields["stall"] = CHECK_STALL_S
@@ -48,7 +49,16 @@ def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...
     return specs
 
 
-@case_command(
+# A property is checked, not trained: no faults, steps, reference check or profile.
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
     omit=("inject", "steps", "reference_check", "profile", "memory_snapshot"),
     defaults={"batch": 1, "timeout": CHECK_TIMEOUT_S},
 )
@@ -56,9 +66,7 @@ def verify(
     options: CaseOptions,
     only: Annotated[
         str | None,
-        typer.Option(
-            "--only", metavar="P,Q,...", help="Only these properties: backends, causality, prefill, gc."
-        ),
+        typer.Option("--only", metavar="P,Q,...", help=f"Only these properties: {', '.join(PROPERTIES)}."),
     ] = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
