@@ -10,6 +10,15 @@ From those declarations come the Typer options (`_cli_utils.case_options`), the 
 receives, `build_spec`'s mapping and `replay_argv` (`nsa_diag.cases`). `GROUPS` lists every option once, in
 the help panel and the order `--help` shows it; a command names the groups it takes.
 
+Adding an option: declare it where it lands and name it in its group; then use it in the worker. E.g.
+
+    warmup: Annotated[int, Opt("--warmup", int, "Steps before timing starts.", min=0)] = Field(0, ge=0)
+
+on `CaseSpec`, and "warmup" in `TRAINING`: `--warmup` appears in every command that takes TRAINING,
+`build_spec` sets `spec.warmup`, and replay lines give it when it is not 0. An option that needs more than
+an Enum's value to become the spec's (`--stall`, `--inject`) also has a parser in `cases._PARSERS`.
+(`tests/diag/test_options.py` fails on an option without a group, or a field without a declaration.)
+
 Choices are `str` Enums, listed here once; `CaseSpec` validates the same values as `Literal`s made from them
 (`literal_of`), and `tests/diag/test_commands.py` checks them against `nsa_core`. Stdlib only, so that
 `nsa-diag --help` stays instant.
