@@ -4,41 +4,42 @@ Everything a command line can get wrong is found here, before a run folder exist
 impossible geometry, `--device cuda` without a GPU, a `--model` that cannot be imported, a fault that could
 never fire. Each raises `UsageError` or `ConfigError` with one line naming the option and the fix (exit 2).
 
-`replay_argv(spec, out)` is the inverse: the `nsa-diag run` command line that reproduces one case.
+`CaseOptions` (what a command receives), `build_spec` (options -> spec) and `replay_argv(spec, out)` (spec ->
+the `nsa-diag run|ddp` command line that reproduces it) are derived from the case options' declarations:
+the `Opt` of each `CaseSpec` field, `spec.MODEL_OPTIONS` and `options.SESSION_OPTIONS`.
 At the end, the same for `nsa-diag ddp` (issue 6): its flags checked, the `DdpSpec`, its replay flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from nsa_diag._cli_utils import Branch, CaseOptions, CmpBackend, SelBackend, WinBackend
 from nsa_diag.errors import ConfigError, UsageError
-from nsa_diag.spec import CaseSpec, DdpSpec, Injection
+from nsa_diag.options import (
+    FROM_FIELD,
+    GROUPS,
+    SESSION_OPTIONS,
+    Branch,
+    CmpBackend,
+    Opt,
+    SelBackend,
+    WinBackend,
+)
+from nsa_diag.spec import MODEL_OPTIONS, CaseSpec, DdpSpec, Injection
 
-# Shared options that become `nsa_core.preset` overrides under the same name.
-_SAME_NAME_OVERRIDES = (
-    "layers", "dim", "heads", "kv_heads", "head_dim", "vocab", "mlp_hidden",
-    "block_len", "block_stride", "sel_block_len", "n_sel", "n_init", "n_local", "window",
-)  # fmt: skip
-# Override name -> command-line flag, for the ones not spelled `--<name-with-dashes>`.
-_OVERRIDE_FLAGS = {
-    "sel_backend": "--sel",
-    "cmp_backend": "--cmp",
-    "win_backend": "--win",
-    "force_branch": "--branch",
-}
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 BACKENDS: dict[str, tuple[str, ...]] = {
@@ -94,21 +95,62 @@ def default_seq_len(cfg: Any) -> int:
     return max(2 * nsa.n_sel * nsa.sel_block_len, 2 * nsa.window)
 
 
+# --- the case options, from their declarations ------------------------------------------------------------
+
+
+def _field_options() -> dict[str, Opt]:
+    """`CaseSpec` field -> its `Opt`, with the command-line default filled in from the field."""
+    found: dict[str, Opt] = {}
+    for field, info in CaseSpec.model_fields.items():
+        opts = [item for item in info.metadata if isinstance(item, Opt)]
+        if not opts:
+            continue
+        (opt,) = opts
+        assert opt.name == field, f"CaseSpec.{field}: its option {opt.flag} must be named after it"
+        if opt.default is FROM_FIELD:
+            default = info.get_default(call_default_factory=True)
+            is_enum = isinstance(opt.type, type) and issubclass(opt.type, Enum)
+            opt = opt.with_default(opt.type(default) if is_enum else default)
+        found[field] = opt
+    return found
+
+
+SPEC_OPTIONS = _field_options()  # the options that set a CaseSpec field of the same name
+# Every case option by name: those of CaseSpec fields, the model overrides, the run's own.
+CASE_OPTIONS: dict[str, Opt] = {
+    opt.name: opt for opt in (*SPEC_OPTIONS.values(), *MODEL_OPTIONS, *SESSION_OPTIONS)
+}
+assert len(CASE_OPTIONS) == len(SPEC_OPTIONS) + len(MODEL_OPTIONS) + len(SESSION_OPTIONS), "an option twice"
+assert sorted(CASE_OPTIONS) == sorted(n for g in GROUPS for n in g.names), "options.GROUPS: each option once"
+
+
+class _CaseOptionsBase:
+    def replace(self, **changes: Any) -> Any:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def _option_type(opt: Opt) -> Any:
+    return opt.type if opt.default is not None else opt.type | None
+
+
+CaseOptions: Any = dataclasses.make_dataclass(
+    "CaseOptions",
+    [(name, _option_type(opt), dataclasses.field(default=opt.default)) for name, opt in CASE_OPTIONS.items()],
+    bases=(_CaseOptionsBase,),
+    frozen=True,
+)
+CaseOptions.__module__ = __name__
+CaseOptions.__doc__ = """The case options of one command line, as parsed: one attribute per declared option
+(`CASE_OPTIONS`), Enum members for choices, None for "the preset's value"; `replace(**changes)` copies."""
+
+
 def preset_overrides(options: CaseOptions) -> dict[str, Any]:
-    overrides: dict[str, Any] = {
-        name: getattr(options, name) for name in _SAME_NAME_OVERRIDES if getattr(options, name) is not None
-    }
-    for option, field in (("sel", "sel_backend"), ("cmp", "cmp_backend"), ("win", "win_backend")):
-        if getattr(options, option) is not None:
-            overrides[field] = getattr(options, option).value
-    if options.branch is not Branch.all:
-        overrides["force_branch"] = options.branch.value
-    if options.prefill is not None:
-        overrides["prefill"] = options.prefill.value
-    if options.gc is not None:
-        overrides["gc"] = options.gc
-    if options.gc_reentrant:
-        overrides["gc_reentrant"] = True
+    """The model overrides the options name, in `MODEL_OPTIONS` order; one at its default names none."""
+    overrides: dict[str, Any] = {}
+    for opt in MODEL_OPTIONS:
+        value = getattr(options, opt.name)
+        if value != opt.default:
+            overrides[opt.override] = opt.from_command_line(value)
     return overrides
 
 
@@ -134,43 +176,37 @@ def with_device_backends(overrides: dict[str, Any], on_cuda: bool) -> dict[str, 
     return {**{field: TRITON for field in BACKEND_FIELDS.values() if field not in overrides}, **overrides}
 
 
-def build_spec(
-    options: CaseOptions, *, name: str = "case", overrides: dict[str, Any] | None = None, **fields: Any
-) -> CaseSpec:
-    """The `CaseSpec` of `options`, with extra model `overrides` and `CaseSpec` `fields` on top.
+def _parse_injections(texts: Iterable[str]) -> tuple[Injection, ...]:
+    return tuple(parse_injection(text) for text in texts)
 
-    On CUDA the branches whose backend is not named run Triton (`with_device_backends`). An invalid
-    geometry or value raises `ConfigError` in one line.
+
+# Spec values that are more than the command line's value (an Enum's value, a tuple of a repeated option):
+# these parsers raise `UsageError` naming the option.
+_PARSERS: dict[str, Callable[[Any], Any]] = {"stall": parse_stall, "inject": _parse_injections}
+
+
+def build_spec(
+    options: CaseOptions, *, name: str | None = None, overrides: dict[str, Any] | None = None, **fields: Any
+) -> CaseSpec:
+    """The `CaseSpec` of `options` (named `name`, default `options.name`), with extra model `overrides` and
+    `CaseSpec` `fields` on top.
+
+    On CUDA the branches whose backend is not named run Triton (`with_device_backends`). An unset
+    `--seq-len` is `default_seq_len`. An invalid geometry or value raises `ConfigError` in one line.
     """
     all_overrides = {**preset_overrides(options), **(overrides or {})}
     if options.model is None:
         all_overrides = with_device_backends(all_overrides, uses_cuda(options))
     cfg = model_config(options.preset.value, all_overrides)
-    injections = tuple(parse_injection(text) for text in options.inject)
-    values: dict[str, Any] = {
-        "name": name,
-        "preset": options.preset.value,
-        "overrides": all_overrides,
-        "model": options.model,
-        "seq_len": options.seq_len or default_seq_len(cfg),
-        "batch": options.batch,
-        "steps": options.steps,
-        "dtype": options.dtype.value,
-        "device": options.device.value,
-        "seed": options.seed,
-        "lr": options.lr,
-        "timeout": options.timeout,
-        "stall": parse_stall(options.stall),
-        "inject": injections,
-        "anomaly": options.anomaly,
-        "launch_blocking": options.launch_blocking,
-        "profile": options.profile,
-        "memory_snapshot": options.memory_snapshot,
-        "alloc_conf": options.alloc_conf,
-        "reference_check": options.reference_check,
-        "tolerance": options.tolerance,
-        **fields,
-    }
+    values: dict[str, Any] = {}
+    for field, opt in SPEC_OPTIONS.items():
+        value = getattr(options, field)
+        values[field] = _PARSERS[field](value) if field in _PARSERS else opt.from_command_line(value)
+    values["overrides"] = all_overrides
+    values["seq_len"] = values["seq_len"] or default_seq_len(cfg)
+    if name is not None:
+        values["name"] = name
+    values.update(fields)
     try:
         spec = CaseSpec.model_validate(values)
     except ValidationError as exc:
@@ -421,11 +457,46 @@ def selftest_specs(
     return cases
 
 
+_OVERRIDE_FLAGS = {opt.override: opt.flag for opt in MODEL_OPTIONS}
+
+
+def _replay_order() -> tuple[str, ...]:
+    """The `CaseSpec` options a replay line gives after its head, in the order replay lines have always had:
+    single values, repeated options, flags, then values unset by default; each kind in `--help` order."""
+    head = ("name", "preset", "model")
+
+    def kind(field: str) -> int:
+        value = CaseSpec.model_fields[field].default  # not CaseSpec(): its validator imports nsa_core
+        return 3 if value is None else 2 if isinstance(value, bool) else 1 if isinstance(value, tuple) else 0
+
+    in_help = [name for group in GROUPS for name in group.names if name in SPEC_OPTIONS and name not in head]
+    return tuple(sorted(in_help, key=kind))
+
+
+_REPLAY_ORDER = _replay_order()
+
+
+def _replay_option(spec: CaseSpec, field: str) -> list[str]:
+    """`field`'s option as `nsa-diag run` takes it; none if its `Opt.replay` is "changed" and it is not."""
+    opt, value = SPEC_OPTIONS[field], getattr(spec, field)
+    if opt.replay == "changed" and value == CaseSpec.model_fields[field].default:
+        return []
+    if isinstance(value, bool):
+        return [opt.flag] if value else []
+    if isinstance(value, tuple):
+        return [part for item in value for part in (opt.flag, str(item))]
+    return [] if value is None else [opt.flag, str(value)]
+
+
 def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
-    """The `nsa-diag run` command line that reproduces `spec`, its run folder under `out`."""
-    defaults = CaseSpec()
+    """The `nsa-diag run` (or `ddp`) command line that reproduces `spec`, its run folder under `out`.
+
+    The head says which case and which model: name, preset, the overrides (in their order), `--model`;
+    then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`.
+    """
     command = "ddp" if spec.ddp is not None else "run"
-    argv = [sys.executable, "-m", "nsa_diag", command, "--name", spec.name, "--preset", spec.preset]
+    argv = [sys.executable, "-m", "nsa_diag", command, *_replay_option(spec, "name")]
+    argv += _replay_option(spec, "preset")
     for key, value in spec.overrides.items():
         flag = _OVERRIDE_FLAGS.get(key, "--" + key.replace("_", "-"))
         if isinstance(value, bool):
@@ -433,22 +504,9 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
                 argv.append(flag)
         elif value is not None:
             argv += [flag, str(value)]
-    if spec.model is not None:
-        argv += ["--model", spec.model]
-    always = ("seq_len", "steps", "stall", "timeout")  # what a hang or slow case depends on, spelled out
-    for field in ("seq_len", "batch", "steps", "dtype", "device", "seed", "lr", "stall", "timeout"):
-        value = getattr(spec, field)
-        if field in always or value != getattr(defaults, field):
-            argv += ["--" + field.replace("_", "-"), str(value)]
-    for inj in spec.inject:
-        argv += ["--inject", str(inj)]
-    for field in ("reference_check", "anomaly", "launch_blocking", "profile", "memory_snapshot"):
-        if getattr(spec, field):
-            argv.append("--" + field.replace("_", "-"))
-    if spec.tolerance is not None:
-        argv += ["--tolerance", str(spec.tolerance)]
-    if spec.alloc_conf is not None:
-        argv += ["--alloc-conf", spec.alloc_conf]
+    argv += _replay_option(spec, "model")
+    for field in _REPLAY_ORDER:
+        argv += _replay_option(spec, field)
     if spec.ddp is not None:  # issue 6
         argv += ddp_flags(spec.ddp)
     argv += ["--out", str(Path(out).resolve())]

@@ -55,6 +55,7 @@ from pydantic import (
 
 from nsa_diag.cases import Expectation, check_model_factory, check_spec, default_seq_len, with_device_backends
 from nsa_diag.errors import ConfigError, UsageError
+from nsa_diag.options import CmpBackend, Prefill, SelBackend, WinBackend, literal_of
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
 
 MAX_CASES = 2000
@@ -94,7 +95,7 @@ MODEL_KEYS: dict[str, tuple[Any, str]] = {
     "mlp_hidden": (PositiveInt | None, "SwiGLU hidden size; null: 8/3 dim"),
     "rope_theta": (PositiveFloat, "RoPE base"),
     "norm_eps": (PositiveFloat, "RMSNorm epsilon"),
-    "prefill": (Literal["batched", "sequential"], "how model(tokens) runs"),
+    "prefill": (literal_of(Prefill), "how model(tokens) runs"),
     "gc": (str, "gradient checkpointing: none, all, or A:B (layers A..B-1)"),
     "gc_reentrant": (bool, "reentrant checkpointing"),
     "block_len": (PositiveInt, "compression block length l"),
@@ -105,11 +106,11 @@ MODEL_KEYS: dict[str, tuple[Any, str]] = {
     "n_local": (PositiveInt, "local blocks always selected"),
     "window": (PositiveInt, "sliding window w"),
     "sel_backend": (
-        Literal["reference", "masked", "gather", "packed", "triton"],
+        literal_of(SelBackend),
         "selection backend (a device: cuda case runs triton unless named)",
     ),
-    "cmp_backend": (Literal["reference", "masked", "triton"], "compression backend"),
-    "win_backend": (Literal["reference", "masked", "chunked", "triton"], "sliding-window backend"),
+    "cmp_backend": (literal_of(CmpBackend), "compression backend"),
+    "win_backend": (literal_of(WinBackend), "sliding-window backend"),
     "force_branch": (BranchChoice | None, "compute only this branch; all (or null): every branch"),
 }
 AXIS_KEYS = (*SPEC_KEYS, *MODEL_KEYS)

@@ -5,13 +5,18 @@ A `CaseSpec` is everything a worker needs to run one case; it is written to ``sp
 finished case can be recognised. A `WorkerReport` is the worker's own account (``worker_result.json``),
 written by the worker and read back by the executor. A `CaseResult` is written to ``result.json`` for
 every case, whatever happened to the worker. `nsa-diag schema` prints the JSON schema of `CaseSpec`.
+
+Each `CaseSpec` field also declares its case option (an `Opt` in its `Annotated` metadata, or `NotAnOption`),
+and `MODEL_OPTIONS` declares the options that become `overrides`: the command line, `build_spec` and
+`replay_argv` are derived from these declarations (`nsa_diag.options`). The metadata changes neither
+`model_dump` nor the JSON schema.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -23,16 +28,31 @@ from pydantic import (
     model_validator,
 )
 
+from nsa_diag.options import (
+    Branch,
+    CmpBackend,
+    Device,
+    Dtype,
+    FaultKind,
+    ModelOpt,
+    NotAnOption,
+    Opt,
+    Prefill,
+    Preset,
+    SelBackend,
+    WinBackend,
+    literal_of,
+)
+
 Verdict = Literal[
     "pass", "hang", "slow", "oom", "crash", "error", "nonfinite", "grad-missing", "mismatch", "skipped"
 ]
 HangKind = Literal["python-deadlock", "python-busy", "gil-held", "cuda-kernel", "collective", "unknown"]
-InjectKind = Literal[
-    "deadlock", "busy", "slow", "nan", "oom", "segfault", "abort", "exit",
-    "unused-param", "skip-collective", "gil-hog", "gpu-spin",
-]  # fmt: skip
+InjectKind = literal_of(FaultKind)
 Phase = Literal["forward", "backward", "recompute"]
-PRESET_NAMES = ("tiny", "small", "m7c-125m")
+PresetName = literal_of(Preset)
+DtypeName = literal_of(Dtype)
+DeviceName = literal_of(Device)
 OverrideValue = int | float | str | bool | None
 
 
@@ -98,47 +118,179 @@ class DdpSpec(BaseModel):
         return self
 
 
+def _inject_help() -> str:
+    """`--inject`'s help, listing the kinds, phases and key defaults from `FaultKind` and `Injection`."""
+    fields = Injection.model_fields
+    phase = fields["phase"].default
+    phases = "|".join([phase, *(p for p in get_args(Phase) if p != phase)])
+    return (
+        f"Fault to inject (repeatable): {', '.join(k.value for k in FaultKind)}. Keys: layer (default "
+        f"{fields['layer'].default}), phase ({phases}, default {phase}), step (default "
+        f"{fields['step'].default}), seconds (slow). E.g. deadlock:layer=1,phase=backward."
+    )
+
+
+def _geometry(flag: str, help: str, minimum: int = 1) -> ModelOpt:
+    return ModelOpt(flag, int, help, default=None, min=minimum)
+
+
+# The case options that become model overrides (`CaseSpec.overrides`, flat `nsa_core.preset` fields), in
+# the order they enter `overrides` (and so spec.json and replay.sh).
+MODEL_OPTIONS = (
+    _geometry("--layers", "Transformer blocks."),
+    _geometry("--dim", "Model width."),
+    _geometry("--heads", "Query heads."),
+    _geometry("--kv-heads", "Key/value heads (GQA groups); must divide --heads."),
+    _geometry("--head-dim", "Dimension per head (even, for RoPE)."),
+    _geometry("--vocab", "Vocabulary size (the logits, and so memory, grow with it)."),
+    _geometry("--mlp-hidden", "SwiGLU hidden size."),
+    _geometry("--block-len", "Compression block length l."),
+    _geometry("--block-stride", "Compression stride d (divides l and l')."),
+    _geometry("--sel-block-len", "Selection block length l'."),
+    _geometry("--n-sel", "Selected blocks per query, forced ones included."),
+    _geometry("--n-init", "Initial blocks always selected.", minimum=0),
+    _geometry("--n-local", "Local blocks always selected."),
+    _geometry("--window", "Sliding window w."),
+    ModelOpt(
+        "--sel", SelBackend, "Selection backend (on CUDA: triton unless named).", None, key="sel_backend"
+    ),
+    ModelOpt(
+        "--cmp", CmpBackend, "Compression backend (on CUDA: triton unless named).", None, key="cmp_backend"
+    ),
+    ModelOpt(
+        "--win", WinBackend, "Sliding-window backend (on CUDA: triton unless named).", None, key="win_backend"
+    ),
+    ModelOpt(
+        "--branch",
+        Branch,
+        "Compute only this branch (force_branch); all: every one.",
+        Branch.all,
+        key="force_branch",
+    ),
+    ModelOpt(
+        "--prefill", Prefill, "How model(tokens) runs: batched, or token by token through the cache.", None
+    ),
+    ModelOpt(
+        "--gc", str, "Gradient checkpointing: none, all, or layers A..B-1.", None, metavar="none|all|A:B"
+    ),
+    ModelOpt("--gc-reentrant", bool, "Reentrant checkpointing (use_reentrant=True).", False),
+)
+
+_SEQ_LEN_HELP = (
+    "Sequence length S. Default: 2·n_sel·l' of the model, at least 2·window (tiny 128, small 512, "
+    "m7c-125m 2048), so that selection is sparse and S exceeds the window."
+)
+_STALL_HELP = (
+    "No progress for this long: hang. auto: 120 s until step 1 ends, then 3x its duration, at least 10 s."
+)
+
+
 class CaseSpec(BaseModel):
     """One case: the model, the batch, the run options and the faults to inject."""
 
+    # Each field's `Opt` is its case option (`nsa_diag.options`); `overrides` are set by MODEL_OPTIONS.
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field("case", pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", description="case id (folder name)")
-    preset: Literal["tiny", "small", "m7c-125m"] = "tiny"
-    overrides: dict[str, OverrideValue] = Field(
+    name: Annotated[
+        str, Opt("--name", str, "Case id: the name of its folder under cases/.", replay="always")
+    ] = Field("case", pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", description="case id (folder name)")
+    preset: Annotated[PresetName, Opt("--preset", Preset, "Model preset.", replay="always")] = "tiny"
+    overrides: Annotated[dict[str, OverrideValue], NotAnOption("the options of MODEL_OPTIONS")] = Field(
         default_factory=dict, description="flat nsa_core.preset overrides: layers, dim, sel_backend, gc, ..."
     )
-    model: str | None = Field(
-        None, description="user model factory 'pkg.module:factory', factory(spec) -> Module"
+    model: Annotated[
+        str | None,
+        Opt(
+            "--model",
+            str,
+            "Your own model: factory(spec) -> nn.Module mapping ids [B, S] to logits [B, S, V].",
+            metavar="PKG.MODULE:FACTORY",
+        ),
+    ] = Field(None, description="user model factory 'pkg.module:factory', factory(spec) -> Module")
+    seq_len: Annotated[int, Opt("--seq-len", int, _SEQ_LEN_HELP, None, min=1, replay="always")] = Field(
+        128, ge=1
     )
-    seq_len: int = Field(128, ge=1)
-    batch: int = Field(2, ge=1)
-    steps: int = Field(1, ge=1)
-    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
-    timeout: float = Field(300.0, gt=0, description="seconds for the whole case; past it with progress: slow")
-    stall: float | Literal["auto"] = Field(
+    batch: Annotated[int, Opt("--batch", int, "Batch size B.", min=1)] = Field(2, ge=1)
+    steps: Annotated[
+        int, Opt("--steps", int, "Training steps (forward, backward, AdamW step).", min=1, replay="always")
+    ] = Field(1, ge=1)
+    dtype: Annotated[
+        DtypeName, Opt("--dtype", Dtype, "Autocast dtype (fp32 master weights; fp16: GradScaler).")
+    ] = "fp32"
+    device: Annotated[DeviceName, Opt("--device", Device, "auto: CUDA when available, else CPU.")] = "auto"
+    seed: Annotated[int, Opt("--seed", int, "Seed of the weights and the random tokens.")] = 0
+    lr: Annotated[float, Opt("--lr", float, "AdamW learning rate.")] = Field(
+        1e-3, gt=0, description="AdamW learning rate"
+    )
+    timeout: Annotated[
+        float,
+        Opt(
+            "--timeout",
+            float,
+            "The case ran longer than this while progress continued: slow (with rate and ETA).",
+            metavar="SECONDS",
+            replay="always",
+        ),
+    ] = Field(300.0, gt=0, description="seconds for the whole case; past it with progress: slow")
+    # The command line gives the text ("auto" or seconds); `nsa_diag.cases.parse_stall` reads it.
+    stall: Annotated[
+        float | Literal["auto"], Opt("--stall", str, _STALL_HELP, metavar="auto|SECONDS", replay="always")
+    ] = Field(
         "auto",
         description="seconds without progress that make a hang; auto: from the first step's duration "
         "(nsa_diag.watchdog.stall_limit)",
     )
-    inject: tuple[Injection, ...] = ()
-    anomaly: bool = False
-    launch_blocking: bool = False
-    profile: bool = False
-    memory_snapshot: bool = False
-    alloc_conf: str | None = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the worker")
-    reference_check: bool = Field(False, description="compare loss and gradients with the reference backends")
-    tolerance: float | None = Field(
+    inject: Annotated[
+        tuple[Injection, ...], Opt("--inject", list[str], _inject_help(), (), metavar="KIND[:k=v,...]")
+    ] = ()
+    anomaly: Annotated[
+        bool, Opt("--anomaly", bool, "torch.autograd.set_detect_anomaly(True) in the worker.")
+    ] = False
+    launch_blocking: Annotated[
+        bool, Opt("--launch-blocking", bool, "CUDA_LAUNCH_BLOCKING=1 in the worker.")
+    ] = False
+    profile: Annotated[
+        bool, Opt("--profile", bool, "torch.profiler: Chrome trace (trace.json), memory timeline.")
+    ] = False
+    memory_snapshot: Annotated[
+        bool, Opt("--memory-snapshot", bool, "CUDA memory snapshot (memory_snapshot.pickle) for memory_viz.")
+    ] = False
+    alloc_conf: Annotated[
+        str | None,
+        Opt(
+            "--alloc-conf",
+            str,
+            "PYTORCH_CUDA_ALLOC_CONF for the worker, e.g. expandable_segments:True.",
+            metavar="CONF",
+        ),
+    ] = Field(None, description="PYTORCH_CUDA_ALLOC_CONF for the worker")
+    reference_check: Annotated[
+        bool,
+        Opt(
+            "--reference-check",
+            bool,
+            "Compare loss and gradients at step 1 with the reference backends: mismatch beyond --tolerance.",
+        ),
+    ] = Field(False, description="compare loss and gradients with the reference backends")
+    tolerance: Annotated[
+        float | None,
+        Opt(
+            "--tolerance",
+            float,
+            "Relative-error limit of --reference-check; by dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2.",
+        ),
+    ] = Field(
         None, gt=0, description="relative error above which reference_check is a mismatch; None: by dtype"
     )
-    check: Literal["backends", "causality", "prefill", "gc"] | None = Field(
-        None, description="run this correctness property (nsa-diag verify) instead of training steps"
-    )
+    check: Annotated[
+        Literal["backends", "causality", "prefill", "gc"] | None,
+        NotAnOption("nsa-diag verify: one case per property (--only)"),
+    ] = Field(None, description="run this correctness property (nsa-diag verify) instead of training steps")
     # Issue 6: set, the case runs on several ranks through torchrun (nsa_diag.launchers.torchrun).
-    ddp: DdpSpec | None = Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
+    ddp: Annotated[DdpSpec | None, NotAnOption("nsa-diag ddp's own options (--nproc, --backend, ...)")] = (
+        Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
+    )
 
     @property
     def parity_tolerance(self) -> float:

@@ -2,25 +2,52 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Annotated
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import (
+    EVIDENCE,
+    FAULTS,
+    FOLLOW_UPS,
+    MODEL,
+    NSA,
+    OUTPUT,
+    TRAINING,
+    WATCHDOG,
+    CmpBackend,
+    SelBackend,
+    WinBackend,
+    values_of,
+)
 
 _PANEL = "Backends to compare (default: every backend but the reference, of every branch)"
 
 
-def _backends(flag: str, names: str) -> object:
-    return typer.Option(flag, metavar="A,B,...", rich_help_panel=_PANEL, help=f"{names} backends to run.")
+def _backends(flag: str, what: str, choices: type[Enum]) -> object:
+    help = f"{what} ({', '.join(values_of(choices))}): backends to run."
+    return typer.Option(flag, metavar="A,B,...", rich_help_panel=_PANEL, help=help)
 
 
-@case_command(omit=("branch", "sel", "cmp", "win", "reference_check"))
+# Every case runs one branch, one backend of it, with --reference-check: the lists below choose them.
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
+    omit=("branch", "sel", "cmp", "win", "reference_check"),
+)
 def backend(
     options: CaseOptions,
-    sel: Annotated[str | None, _backends("--sel", "Selection (reference, masked, gather, packed):")] = None,
-    cmp: Annotated[str | None, _backends("--cmp", "Compression (reference, masked):")] = None,
-    win: Annotated[str | None, _backends("--win", "Sliding-window (reference, masked, chunked):")] = None,
+    sel: Annotated[str | None, _backends("--sel", "Selection", SelBackend)] = None,
+    cmp: Annotated[str | None, _backends("--cmp", "Compression", CmpBackend)] = None,
+    win: Annotated[str | None, _backends("--win", "Sliding-window", WinBackend)] = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:

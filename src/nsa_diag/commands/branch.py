@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 
-@case_command(omit=("branch",))
+@case_options(MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, FOLLOW_UPS, OUTPUT, omit=("branch",))
 def branch(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Run the case four times: compression only (`cmp`), selection only (`sel`), sliding window only
     (`win`), then every branch (`all`).

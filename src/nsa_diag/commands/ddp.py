@@ -6,7 +6,18 @@ from typing import Annotated
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import (
+    CASE_NAME,
+    EVIDENCE,
+    FAULTS,
+    FOLLOW_UPS,
+    MODEL,
+    NSA,
+    OUTPUT,
+    TRAINING,
+    WATCHDOG,
+)
 
 _DDP = "DDP"
 
@@ -22,7 +33,18 @@ BackendOpt = Annotated[
 ]
 
 
-@case_command(defaults={"stall": "auto"})
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
+    CASE_NAME,
+    defaults={"stall": "auto", "name": "ddp"},
+)
 def ddp(
     options: CaseOptions,
     nproc: NprocOpt = 2,
@@ -61,12 +83,6 @@ def ddp(
             rich_help_panel=_DDP,
         ),
     ] = None,
-    name: Annotated[
-        str,
-        typer.Option(
-            "--name", help="Case id: the name of its folder under cases/.", rich_help_panel="Output"
-        ),
-    ] = "ddp",
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -110,7 +126,7 @@ def ddp(
         "bucket_mb": bucket_mb, "trace_buckets": trace_buckets, "nnodes": nnodes, "node_rank": node_rank,
         "rdzv_endpoint": rdzv_endpoint,
     }  # fmt: skip
-    spec = build_ddp_spec(options, settings, name=name)
+    spec = build_ddp_spec(options, settings, name=options.name)
     code = run_session(
         "ddp", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
     )

@@ -9,7 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 GRADS_STALL_S = 120.0  # --stall auto in --grads mode: a check has no training step to measure
 
@@ -127,9 +128,9 @@ class Bisector:
         return 1 if differ or failed else 0
 
 
-# --repeat, --minimize and --triage are left out: a bisection is itself a minimization, and each of its
-# trials is one decision (a trial repeated until it fails would change what "reproduces" means).
-@case_command(omit=("branch", "repeat", "minimize", "triage"))
+# FOLLOW_UPS (--repeat, --minimize, --triage) is left out: a bisection is itself a minimization, and each of
+# its trials is one decision (a trial repeated until it fails would change what "reproduces" means).
+@case_options(MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, OUTPUT, omit=("branch",))
 def gc_bisect(
     options: CaseOptions,
     grads: Annotated[

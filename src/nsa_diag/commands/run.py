@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import (
+    CASE_NAME,
+    EVIDENCE,
+    FAULTS,
+    FOLLOW_UPS,
+    MODEL,
+    NSA,
+    OUTPUT,
+    TRAINING,
+    WATCHDOG,
+)
 
 
-@case_command()
-def run(
-    options: CaseOptions,
-    name: Annotated[
-        str,
-        typer.Option(
-            "--name", help="Case id: the name of its folder under cases/.", rich_help_panel="Output"
-        ),
-    ] = "case",
-    json_output: JsonOpt = False,
-    debug: DebugOpt = False,
-) -> None:
+@case_options(MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, FOLLOW_UPS, OUTPUT, CASE_NAME)
+def run(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
     """Run one case (a few real training steps) in a fresh worker process under the watchdog.
 
     The worker reports where it is (step, phase, layer, branch) from inside the model. No progress for
@@ -52,7 +51,7 @@ def run(
     from nsa_diag.session import run_session
 
     check_options(options)
-    spec = build_spec(options, name=name)
+    spec = build_spec(options)  # named --name
     code = run_session(
         "run", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
     )

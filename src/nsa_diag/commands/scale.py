@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 _PANEL = "Sweep"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -41,8 +42,20 @@ def parse_budget(text: str | None) -> tuple[int, str] | None:
     return int(float(match.group(1)) * _UNITS[unit]), f"--memory-budget {text.strip()}"
 
 
-# --repeat is left out: a sweep point is one measurement that its series' fit uses as it is.
-@case_command(omit=("layers", "seq_len", "repeat"), defaults={"batch": 1})
+# --repeat is left out: a sweep point is one measurement that its series' fit uses as it is; --layers and
+# --seq-len are the sweep's own lists below.
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
+    omit=("layers", "seq_len", "repeat"),
+    defaults={"batch": 1},
+)
 def scale(
     options: CaseOptions,
     seq_lens: Annotated[

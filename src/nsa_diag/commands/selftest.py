@@ -6,14 +6,24 @@ from typing import Annotated
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 SELFTEST_STALL_S = 3.0
 SELFTEST_CUDA_STALL_S = 10.0  # CUDA start-up and first kernels can sit silent for seconds
 SELFTEST_TIMEOUT_S = 60.0
 
 
-@case_command(
+# The faults are the selftest's own, on the built-in model: --inject, --model and the checks are left out.
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
     omit=("branch", "inject", "model", "reference_check", "tolerance"),
     defaults={"stall": None, "timeout": SELFTEST_TIMEOUT_S},
 )

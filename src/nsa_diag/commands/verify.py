@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 import typer
 
-from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_command
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
 
 PROPERTIES = ("backends", "causality", "prefill", "gc")
 CHECK_TIMEOUT_S = 1800.0  # float64 on the CPU: m7c-125m takes minutes per property
@@ -48,7 +49,16 @@ def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...
     return specs
 
 
-@case_command(
+# A property is checked, not trained: no faults, steps, reference check or profile.
+@case_options(
+    MODEL,
+    NSA,
+    TRAINING,
+    WATCHDOG,
+    FAULTS,
+    EVIDENCE,
+    FOLLOW_UPS,
+    OUTPUT,
     omit=("inject", "steps", "reference_check", "profile", "memory_snapshot"),
     defaults={"batch": 1, "timeout": CHECK_TIMEOUT_S},
 )
@@ -56,9 +66,7 @@ def verify(
     options: CaseOptions,
     only: Annotated[
         str | None,
-        typer.Option(
-            "--only", metavar="P,Q,...", help="Only these properties: backends, causality, prefill, gc."
-        ),
+        typer.Option("--only", metavar="P,Q,...", help=f"Only these properties: {', '.join(PROPERTIES)}."),
     ] = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
