@@ -95,7 +95,8 @@ def ddp(
     """
     from nsa_diag.cases import check_options
     from nsa_diag.distributed import build_ddp_spec, check_ddp_options
-    from nsa_diag.session import run_session
+    from nsa_diag.session import Session, check_follow_ups
+    from nsa_diag.session.plans import CaseList
 
     check_options(options)
     resolved = check_ddp_options(
@@ -112,7 +113,8 @@ def ddp(
         "rdzv_endpoint": rdzv_endpoint,
     }  # fmt: skip
     spec = build_ddp_spec(options, settings, name=name)
-    code = run_session(
-        "ddp", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
+    plan = CaseList("ddp", [spec])
+    session = Session(
+        plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)
     )
-    raise typer.Exit(code)
+    raise typer.Exit(session.run())
