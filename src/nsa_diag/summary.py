@@ -206,6 +206,11 @@ class RunSummary(_JsonRecord):
         summary.decide()
         return summary
 
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        data["cases"] = [case.to_json() for case in self.cases]
+        return data
+
     def decide(self, succeeded: bool | None = None) -> int:
         """Set and return the exit code: 130 when interrupted, else 0 when the run succeeded (by
         default: every case ok and none left unrun, ``ok``), else 1."""
