@@ -429,7 +429,7 @@ def describe_state(state: Any, steps: int | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Follow-ups (nsa_diag.session.follow_up): --repeat, --minimize, --triage sections of summary.json.
+# Follow-ups (nsa_diag.session.followups): --repeat, --minimize, --triage sections of summary.json.
 
 
 def _repeat_cells(entry: Mapping[str, Any]) -> dict[str, str]:
