@@ -4,9 +4,9 @@ A case option is declared once (`nsa_diag.options` says where); this module only
 Typer options. A case command names the option groups it takes (`options.MODEL`, `options.NSA`, ...) in
 `case_options(...)`, optionally leaving some options out (`omit`) or changing their defaults (`defaults`),
 and receives them collected in one `CaseOptions` value. The follow-up options (`--repeat`, `--minimize`,
-`--triage`, `--junit`) are case options too: a command hands its `CaseOptions` to
-`nsa_diag.session.run_session(options=...)`, which honours them; a command that cannot honour one leaves
-its group out or omits it.
+`--triage`, `--junit`) are case options too: a command hands them to its `nsa_diag.session.Session`
+(`follow=check_follow_ups(options)`), which honours them; a command that cannot honour one leaves its group
+out or omits it.
 
 Choices are `str` Enums (`nsa_diag.options`). Nothing here imports torch or `nsa_core` (whose package
 imports torch), so `nsa-diag --help` stays instant; `tests/diag/test_commands.py` checks the choices against

@@ -1,13 +1,13 @@
 """Output for people and for scripts: Rich tables on stdout, JSON on stdout, diagnostics on stderr.
 
 The environment snapshot (`render_env`); for case commands the live display on stderr (`LiveProgress`),
-the result table on stdout (`render_summary`), and the run folder's summary.json and summary.md
-(`build_summary`, `write_summary`, which writes through `artifacts`).
+the result table on stdout (`render_summary`), the run folder's summary.json and summary.md
+(`write_summary` of a `nsa_diag.summary.RunSummary`, through `artifacts`), the follow-ups' sections
+(`render_follow_ups`) and a sweep's fits (`render_scale`).
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import sys
@@ -16,15 +16,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nsa_diag import __version__
-from nsa_diag.errors import EXIT_ABORTED
 from nsa_diag.evidence.env import ENV_VAR_PREFIXES
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from nsa_diag.cases import Expectation
     from nsa_diag.spec import CaseResult, CaseSpec
+    from nsa_diag.summary import CaseEntry, RunSummary
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -146,26 +144,7 @@ def format_seconds(value: float | None) -> str:
     return f"{value:.1f} s" if value < 600 else f"{value / 60:.1f} min"
 
 
-def _peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:
-    """The headline peak memory of a case and what it measures."""
-    peak = metrics.get("peak_memory") or {}
-    for key, kind in (
-        ("cuda_max_allocated_bytes", "CUDA max allocated"),
-        ("cpu_peak_rss_bytes", "peak RSS of the worker"),
-    ):
-        if isinstance(peak.get(key), int):
-            return peak[key], kind
-    return None, None
-
-
-def _last(values: Any) -> float | None:
-    if isinstance(values, list) and values and isinstance(values[-1], int | float):
-        return float(values[-1])
-    return None
-
-
 STACK_DEPTH = 8
-_SHOWS_STACK = {"hang", "slow", "crash"}
 
 
 def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
@@ -184,100 +163,6 @@ def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
     return [frame.short() for frame in main.frames[:depth]] if main else []
 
 
-def _where(result: CaseResult) -> str | None:
-    """Where the case went wrong: the first non-finite module, else the beacon's last location."""
-    nonfinite = result.nonfinite or {}
-    if nonfinite.get("module"):
-        step = f" step {nonfinite['step']}" if nonfinite.get("step") is not None else ""
-        return f"{nonfinite['module']} ({nonfinite.get('where', '?')}){step}"
-    if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing
-        return None
-    return result.where.describe()
-
-
-def case_entry(
-    result: CaseResult, expected: Expectation | None = None, case_dir: Path | None = None
-) -> dict[str, Any]:
-    """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
-    case or crash, the innermost frames of the worker's main thread."""
-    metrics = result.metrics or {}
-    peak, peak_kind = _peak_memory(metrics)
-    ok = expected.met_by(result.verdict, result.hang_kind) if expected else result.passed
-    entry: dict[str, Any] = {
-        "name": result.name,
-        "ok": ok,
-        "verdict": result.verdict,
-        "hang_kind": result.hang_kind,
-        "reason": result.reason,
-        "where": _where(result),
-        "elapsed_s": round(result.elapsed_s, 3),
-        "device": result.device,
-        "steps_done": result.steps_done,
-        "tokens_per_s": metrics.get("tokens_per_s"),
-        "loss": _last(metrics.get("loss")),
-        "peak_memory_bytes": peak,
-        "peak_memory_kind": peak_kind,
-        "parity": result.parity,
-        "rate": result.rate,
-        "missing_grads": result.missing_grads,
-        "nonfinite": result.nonfinite,
-        "dir": f"cases/{result.name}",
-        "replay": f"cases/{result.name}/replay.sh",
-    }
-    if case_dir is not None and result.verdict in _SHOWS_STACK:
-        entry["stack"] = main_thread_stack(case_dir)
-    if expected is not None:
-        entry["expected"] = {"verdict": expected.verdict, "hang_kind": expected.hang_kind}
-    return entry
-
-
-def build_summary(
-    command: str,
-    run_dir: Path,
-    specs: Sequence[CaseSpec],
-    results: Sequence[CaseResult],
-    *,
-    started_at: float,
-    expectations: Mapping[str, Expectation] | None = None,
-    interrupted: bool = False,
-) -> dict[str, Any]:
-    """summary.json: the invocation, the exit code, and one entry per case that has a result."""
-    expectations = expectations or {}
-    cases = [
-        case_entry(result, expectations.get(result.name), Path(run_dir) / "cases" / result.name)
-        for result in results
-    ]
-    done = {result.name for result in results}
-    not_run = [spec.name for spec in specs if spec.name not in done]
-    counts: dict[str, int] = {}
-    for case in cases:
-        counts[case["verdict"]] = counts.get(case["verdict"], 0) + 1
-    all_ok = bool(cases) and all(case["ok"] for case in cases) and not not_run
-    if interrupted:
-        exit_code = EXIT_ABORTED
-    else:
-        exit_code = 0 if all_ok else 1
-    return {
-        "command": command,
-        "argv": ["nsa-diag", *sys.argv[1:]],
-        "nsa_diag_version": __version__,
-        "run_dir": str(run_dir),
-        "started_at": _iso(started_at),
-        "finished_at": _iso(time.time()),
-        "elapsed_s": round(time.time() - started_at, 3),
-        "interrupted": interrupted,
-        "ok": all_ok and not interrupted,
-        "exit_code": exit_code,
-        "counts": counts,
-        "not_run": not_run,
-        "cases": cases,
-    }
-
-
-def _iso(timestamp: float) -> str:
-    return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
-
-
 def _parity_text(parity: Mapping[str, Any] | None) -> str:
     if not parity:
         return "-"
@@ -289,7 +174,8 @@ def _parity_text(parity: Mapping[str, Any] | None) -> str:
     return f"loss {loss:.1e} · grad {grad:.1e}"
 
 
-def _cells(case: Mapping[str, Any]) -> dict[str, str]:
+def _cells(case: Mapping[str, Any] | CaseEntry) -> dict[str, str]:
+    """The table cells of a case: a `CaseEntry`, or its JSON (a run folder read back by `report`)."""
     tokens = case["tokens_per_s"]
     loss = case["loss"]
     return {
@@ -302,16 +188,22 @@ def _cells(case: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
-def render_summary(summary: Mapping[str, Any], console: Console | None = None) -> None:
+def _expected_text(case: CaseEntry) -> str:
+    expected = case.expected
+    assert expected is not None
+    return expected.verdict + (f" / {expected.hang_kind}" if expected.hang_kind else "")
+
+
+def render_summary(summary: RunSummary, console: Console | None = None) -> None:
     """The result table, then one line per case that did not pass, the run folder and the replay hint."""
     from rich.markup import escape
     from rich.table import Table
 
     console = console or stdout_console()
-    cases = summary["cases"]
-    selftest = any("expected" in case for case in cases)
-    with_parity = any(case["parity"] for case in cases)
-    table = Table(title=f"nsa-diag {summary['command']}", title_justify="left")
+    cases = summary.cases
+    selftest = any(case.expected is not None for case in cases)
+    with_parity = any(case.parity for case in cases)
+    table = Table(title=f"nsa-diag {summary.command}", title_justify="left")
     table.add_column("case", style="bold")
     if selftest:
         table.add_column("expected")
@@ -323,89 +215,87 @@ def render_summary(summary: Mapping[str, Any], console: Console | None = None) -
     for column in columns:
         table.add_column(column, justify="right" if column in ("time", "tokens/s", "loss") else "left")
     for case in cases:
-        style = _VERDICT_STYLES.get(case["verdict"], "red")
-        row = [escape(case["name"])]
+        style = _VERDICT_STYLES.get(case.verdict, "red")
+        row = [escape(case.name)]
         if selftest:
-            expected = case["expected"]
-            row.append(expected["verdict"] + (f" / {expected['hang_kind']}" if expected["hang_kind"] else ""))
-        row += [f"[{style}]{case['verdict']}[/{style}]", case["hang_kind"] or "-"]
+            row.append(_expected_text(case))
+        row += [f"[{style}]{case.verdict}[/{style}]", case.hang_kind or "-"]
         if selftest:
-            row.append("[green]yes[/green]" if case["ok"] else "[bold red]NO[/bold red]")
+            row.append("[green]yes[/green]" if case.ok else "[bold red]NO[/bold red]")
         cells = _cells(case)
         row += [escape(cells[column]) for column in columns]
         table.add_row(*row)
     console.print(table)
 
     for case in cases:
-        if case["verdict"] != "pass" or not case["ok"]:
-            reason = f"[bold]{escape(case['name'])}[/bold]: {escape(case['reason'])}"
+        if case.verdict != "pass" or not case.ok:
+            reason = f"[bold]{escape(case.name)}[/bold]: {escape(case.reason)}"
             console.print(reason, soft_wrap=True, highlight=False)
-        if case.get("stack"):
-            console.print(f"  main thread, last stack sample ({case['dir']}/stacks.txt):", highlight=False)
-            for frame in case["stack"]:
+        if case.stack:
+            console.print(f"  main thread, last stack sample ({case.dir}/stacks.txt):", highlight=False)
+            for frame in case.stack:
                 console.print(f"    {escape(frame)}", highlight=False, soft_wrap=True)
-    if summary["not_run"]:
-        console.print(f"not run: {', '.join(summary['not_run'])}")
-    counts = ", ".join(f"{n} {verdict}" for verdict, n in summary["counts"].items()) or "no case ran"
-    status = "interrupted" if summary["interrupted"] else ("all ok" if summary["ok"] else "not all ok")
-    console.print(f"{counts} ({status}) in {format_seconds(summary['elapsed_s'])}", soft_wrap=True)
-    console.print(f"run folder: {escape(summary['run_dir'])}", soft_wrap=True)
-    failed = [case for case in cases if not case["ok"]]
+    if summary.not_run:
+        console.print(f"not run: {', '.join(summary.not_run)}")
+    counts = ", ".join(f"{n} {verdict}" for verdict, n in summary.counts.items()) or "no case ran"
+    status = "interrupted" if summary.interrupted else ("all ok" if summary.ok else "not all ok")
+    console.print(f"{counts} ({status}) in {format_seconds(summary.elapsed_s)}", soft_wrap=True)
+    console.print(f"run folder: {escape(summary.run_dir)}", soft_wrap=True)
+    failed = [case for case in cases if not case.ok]
     if failed:
-        replay = Path(summary["run_dir"]) / failed[0]["replay"]
-        console.print(f"reproduce {escape(failed[0]['name'])}: {escape(str(replay))}", soft_wrap=True)
+        replay = Path(summary.run_dir) / failed[0].replay
+        console.print(f"reproduce {escape(failed[0].name)}: {escape(str(replay))}", soft_wrap=True)
 
 
-def summary_markdown(summary: Mapping[str, Any]) -> str:
+def summary_markdown(summary: RunSummary) -> str:
     """summary.md: the same as the table, for people reading the run folder."""
-    cases = summary["cases"]
-    selftest = any("expected" in case for case in cases)
-    with_parity = any(case["parity"] for case in cases)
+    cases = summary.cases
+    selftest = any(case.expected is not None for case in cases)
+    with_parity = any(case.parity for case in cases)
     head = ["case"] + (["expected"] if selftest else []) + ["verdict", "hang kind"]
     head += (["ok"] if selftest else []) + ["where", "time", "tokens/s", "loss", "peak memory"]
     head += ["parity"] if with_parity else []
     lines = [
-        f"# nsa-diag {summary['command']}",
+        f"# nsa-diag {summary.command}",
         "",
-        f"- started {summary['started_at']}, {format_seconds(summary['elapsed_s'])}; "
-        f"nsa-diag {summary['nsa_diag_version']}",
-        f"- command: `{' '.join(summary['argv'])}`",
-        f"- result: {'all ok' if summary['ok'] else 'not all ok'}"
-        + (" (interrupted)" if summary["interrupted"] else "")
-        + f", exit code {summary['exit_code']}",
+        f"- started {summary.started_at}, {format_seconds(summary.elapsed_s)}; "
+        f"nsa-diag {summary.nsa_diag_version}",
+        f"- command: `{' '.join(summary.argv)}`",
+        f"- result: {'all ok' if summary.ok else 'not all ok'}"
+        + (" (interrupted)" if summary.interrupted else "")
+        + f", exit code {summary.exit_code}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
     ]
     for case in cases:
         cells = _cells(case)
-        row = [case["name"]]
+        row = [case.name]
         if selftest:
-            expected = case["expected"]
-            row.append(expected["verdict"] + (f" / {expected['hang_kind']}" if expected["hang_kind"] else ""))
-        row += [case["verdict"], case["hang_kind"] or "-"]
-        row += (["yes" if case["ok"] else "**NO**"] if selftest else []) + [
+            row.append(_expected_text(case))
+        row += [case.verdict, case.hang_kind or "-"]
+        row += (["yes" if case.ok else "**NO**"] if selftest else []) + [
             cells[c] for c in ("where", "time", "tokens/s", "loss", "peak memory")
         ]
         row += [cells["parity"]] if with_parity else []
         lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |")
     lines += ["", "## Cases", ""]
     for case in cases:
-        lines.append(f"- **{case['name']}** ({case['verdict']}): {case['reason']}")
-        lines.append(f"  files: `{case['dir']}/`; reproduce: `{case['replay']}`")
-        if case.get("stack"):
-            lines.append(f"  main thread, last stack sample (`{case['dir']}/stacks.txt`):")
-            lines += ["", "  ```", *(f"  {frame}" for frame in case["stack"]), "  ```", ""]
-    if summary["not_run"]:
-        lines += ["", f"Not run: {', '.join(summary['not_run'])}."]
+        lines.append(f"- **{case.name}** ({case.verdict}): {case.reason}")
+        lines.append(f"  files: `{case.dir}/`; reproduce: `{case.replay}`")
+        if case.stack:
+            lines.append(f"  main thread, last stack sample (`{case.dir}/stacks.txt`):")
+            lines += ["", "  ```", *(f"  {frame}" for frame in case.stack), "  ```", ""]
+    if summary.not_run:
+        lines += ["", f"Not run: {', '.join(summary.not_run)}."]
     return "\n".join(lines) + "\n"
 
 
-def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> None:
+def write_summary(run_dir: Path, summary: RunSummary) -> None:
     """summary.json and summary.md in the run folder (atomic writes, through `artifacts`)."""
     from nsa_diag import artifacts
 
-    artifacts.write_json(Path(run_dir) / SUMMARY_JSON, dict(summary))
+    artifacts.write_json(Path(run_dir) / SUMMARY_JSON, summary.to_json())
     artifacts.write_text(Path(run_dir) / SUMMARY_MD, summary_markdown(summary) + follow_ups_markdown(summary))
 
 
@@ -534,7 +424,7 @@ def describe_state(state: Any, steps: int | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Follow-ups (nsa_diag.session.follow_up): --repeat, --minimize, --triage sections of summary.json.
+# Follow-ups (nsa_diag.session.followups): --repeat, --minimize, --triage sections of summary.json.
 
 
 def _repeat_cells(entry: Mapping[str, Any]) -> dict[str, str]:
@@ -575,13 +465,13 @@ def _figure(value: Any) -> str:
     return format_bytes(value)
 
 
-def render_follow_ups(summary: Mapping[str, Any], console: Console | None = None) -> None:
+def render_follow_ups(summary: RunSummary, console: Console | None = None) -> None:
     """The repeats table, the minimized commands and the OOM triage, for the sections `summary` has."""
     from rich.markup import escape
     from rich.table import Table
 
     console = console or stdout_console()
-    repeats = summary.get("repeats")
+    repeats = summary.repeats
     if repeats:
         table = Table(title=f"repeats ({repeats['repeat']} runs per case)", title_justify="left")
         for column in _REPEAT_COLUMNS:
@@ -602,7 +492,7 @@ def render_follow_ups(summary: Mapping[str, Any], console: Console | None = None
                 )
         if any(entry["time_to_hang_s"] for entry in repeats["cases"]):
             console.print("time to hang: min / median / max until the watchdog called it", highlight=False)
-    for record in summary.get("minimize", []):
+    for record in summary.minimize or []:
         head = f"minimize {record['case']} ({record['target']}): {record['runs']} run(s)"
         console.print(escape(head), highlight=False)
         console.print(f"  from  {escape(_shape_text(record['start']))}", highlight=False)
@@ -613,7 +503,7 @@ def render_follow_ups(summary: Mapping[str, Any], console: Console | None = None
         if record.get("stopped"):
             console.print(f"  {escape(record['stopped'])}", highlight=False)
         console.print(f"  reproduce: {escape(record['command'])}", soft_wrap=True, highlight=False)
-    for record in summary.get("triage", []):
+    for record in summary.triage or []:
         console.print(
             f"triage {escape(record['case'])}: [bold]{record['class']}[/bold]: {escape(record['why'])}",
             soft_wrap=True,
@@ -644,10 +534,10 @@ def render_follow_ups(summary: Mapping[str, Any], console: Console | None = None
             console.print(f"  {escape(record['note'])}", soft_wrap=True, highlight=False)
 
 
-def follow_ups_markdown(summary: Mapping[str, Any]) -> str:
+def follow_ups_markdown(summary: RunSummary) -> str:
     """The sections of summary.md for --repeat, --minimize and --triage ("" when there are none)."""
     lines: list[str] = []
-    repeats = summary.get("repeats")
+    repeats = summary.repeats
     if repeats:
         lines += ["", f"## Repeats ({repeats['repeat']} runs per case)", ""]
         lines += [
@@ -663,17 +553,17 @@ def follow_ups_markdown(summary: Mapping[str, Any]) -> str:
         ]
         if repeats["transient"]:
             lines.append(f"Transient (failed in some runs only): {', '.join(repeats['transient'])}.")
-    if summary.get("minimize"):
+    if summary.minimize:
         lines += ["", "## Minimized", ""]
-        for record in summary["minimize"]:
+        for record in summary.minimize:
             lines.append(f"- **{record['case']}** ({record['target']}), {record['runs']} run(s) under "
                          f"`{record.get('dir', 'minimize')}/`: {_shape_text(record['start'])} -> "
                          f"{_shape_text(record['smallest'])}"
                          + (f" ({record['stopped']})" if record.get("stopped") else ""))  # fmt: skip
             lines += ["", "  ```sh", f"  {record['command']}", "  ```"]
-    if summary.get("triage"):
+    if summary.triage:
         lines += ["", "## OOM triage", ""]
-        for record in summary["triage"]:
+        for record in summary.triage:
             lines.append(f"- **{record['case']}**: **{record['class']}**: {record['why']}")
             for rerun in record["reruns"]:
                 lines.append(
@@ -682,3 +572,94 @@ def follow_ups_markdown(summary: Mapping[str, Any]) -> str:
             if record.get("note"):
                 lines.append(f"  - {record['note']}")
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nsa-diag scale: the sweep's series (nsa_diag.analysis.sweep.analyse_series) as tables and fit lines.
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def _above_errors(points: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"{p['x']}: {p['estimate_above_fixed_rel_err']:+.0%}"
+        for p in points
+        if "estimate_above_fixed_rel_err" in p
+    )
+
+
+def _estimate_cell(point: dict[str, Any]) -> str:
+    if "estimate_exceeds_budget" in point:  # an oom point: the estimate foresaw it, or not
+        return "foresaw oom" if point["estimate_exceeds_budget"] else "missed oom"
+    return _pct(point.get("estimate_rel_err"))
+
+
+def render_scale(report: dict[str, Any]) -> None:
+    """The sweep as a table on stdout, then one line per fit, the culprits and the predicted limits."""
+    from rich.table import Table
+
+    from nsa_diag.analysis.scaling import GrowthFit, describe_fit
+    from nsa_diag.analysis.sweep import fit_points_note
+
+    console = stdout_console()
+    for a in report["series"]:
+        table = Table(title=f"{a['name']} (branch {a['branch']}, backend {a['backend'] or '-'})")
+        for column in (a["x"], "verdict", "peak memory", "estimate", "est. error", "fwd", "bwd", "tokens/s"):
+            table.add_column(column)
+        for p in a["points"]:
+            est = p.get("estimate") or {}
+            tokens = p.get("tokens_per_s")
+            table.add_row(
+                str(p["x"]),
+                p["verdict"],
+                format_bytes(p.get("peak_memory_bytes")),
+                format_bytes(est.get("total")),
+                _estimate_cell(p),
+                "-" if p.get("forward_s") is None else f"{p['forward_s']:.3f} s",
+                "-" if p.get("backward_s") is None else f"{p['backward_s']:.3f} s",
+                "-" if tokens is None else f"{tokens:,.0f}",
+            )
+        console.print(table)
+        note = fit_points_note(a)
+        if note:
+            console.print(f"  {note}", markup=False, highlight=False)
+        for what in ("memory", "time"):
+            fit = a[f"{what}_fit"]
+            gfit = None
+            if fit:
+                ci = tuple(fit["ci95"]) if fit["ci95"] else None
+                gfit = GrowthFit(fit["exponent"], ci, fit["fixed"], fit["coef"], fit["n"], fit["r2"])
+            text = describe_fit(what + (" above the fixed part" if what == "memory" else ""), gfit)
+            console.print("  " + text.replace("x^", f"{a['x']}^"), markup=False, highlight=False)
+        if a["memory_fit"]:
+            console.print(
+                f"  fixed part {format_bytes(int(a['memory_fit']['fixed']))}",
+                markup=False,
+                highlight=False,
+            )
+        if a["estimate_max_abs_rel_err"] is not None:
+            compared = next((p["estimate_compared"] for p in a["points"] if "estimate_compared" in p), "")
+            above = a["estimate_above_fixed_max_abs_rel_err"]
+            console.print(
+                f"  estimator: largest error {a['estimate_max_abs_rel_err']:.0%} ({compared})"
+                + (f"; of the growing part alone, per point: {_above_errors(a['points'])}" if above else ""),
+                markup=False,
+                highlight=False,
+            )
+        limit = a["memory_limit"]
+        if limit:
+            at = limit["seq_len"]
+            console.print(
+                f"  memory runs out at S ≈ {at:,} ({limit['budget_source']}, "
+                f"{format_bytes(limit['budget_bytes'])})"
+                if at
+                else f"  memory limit: not predictable from the fit ({limit['budget_source']})",
+                markup=False,
+                highlight=False,
+            )
+        if a["stopped_by"]:
+            console.print(f"  sweep stopped: {a['stopped_by']}", markup=False, highlight=False)
+    for line in report["culprits"]:
+        console.print(line, markup=False, highlight=False)

@@ -26,6 +26,7 @@ from typing import Any
 from nsa_diag import artifacts, render
 from nsa_diag.errors import UsageError
 from nsa_diag.spec import CaseResult, CaseSpec, Where
+from nsa_diag.summary import CaseEntry
 
 MATRIX_JSON = "matrix.json"
 SCALE_JSON = "scale.json"
@@ -47,7 +48,7 @@ class CaseRecord:
     dir: Path
     spec: dict[str, Any] | None
     result: CaseResult | None
-    entry: dict[str, Any]  # render.case_entry's row, or a stand-in when there is no result
+    entry: dict[str, Any]  # a `CaseEntry` as JSON, or a stand-in when there is no result
     axes: dict[str, Any] = field(default_factory=dict)  # matrix runs: the values of the axes that made it
     tags: list[str] = field(default_factory=list)
 
@@ -135,7 +136,7 @@ def _entry(
     why: str,
 ) -> dict[str, Any]:
     """The case's summary row from its result.json (summary.json's own row only when there is none):
-    `render.case_entry`, plus the peak at a hang from memory_stats.json, the last step's time and how
+    `CaseEntry.of`, plus the peak at a hang from memory_stats.json, the last step's time and how
     the stall limit came about."""
     from nsa_diag.cases import Expectation
 
@@ -157,7 +158,7 @@ def _entry(
         if isinstance(expected, Mapping) and expected.get("verdict")
         else None
     )
-    entry = render.case_entry(result, expectation, case_dir)
+    entry = CaseEntry.of(result, expectation, stack=lambda: render.main_thread_stack(case_dir)).to_json()
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
     entry["step_s"] = _last(result.metrics.get("step_s"))

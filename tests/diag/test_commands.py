@@ -29,7 +29,8 @@ from nsa_diag.cases import (
     selftest_specs,
 )
 from nsa_diag.errors import EXIT_ABORTED, EXIT_USAGE, UsageError
-from nsa_diag.render import LiveProgress, build_summary, render_summary, summary_markdown, write_summary
+from nsa_diag.render import LiveProgress, render_summary, summary_markdown, write_summary
+from nsa_diag.session import build_summary
 from nsa_diag.spec import CaseResult, CaseSpec, Where
 
 CLI_TIMEOUT_S = 180
@@ -507,7 +508,7 @@ def test_matrix_progress_off_a_terminal_prints_one_line_per_start_and_end() -> N
     from rich.console import Console
 
     from nsa_diag.matrix import MatrixCase
-    from nsa_diag.matrix_run import MatrixProgress
+    from nsa_diag.session.matrix import MatrixProgress
 
     buffer = io.StringIO()
     case = MatrixCase(CaseSpec(name="seq_len=2048", stall="auto"))
@@ -526,7 +527,7 @@ def test_live_displays_on_a_terminal_redraw_and_stop() -> None:
     from rich.console import Console
 
     from nsa_diag.matrix import MatrixCase
-    from nsa_diag.matrix_run import MatrixProgress
+    from nsa_diag.session.matrix import MatrixProgress
     from nsa_diag.worker.beacon import BeaconState
 
     state = BeaconState(1, 0.0, 1, 1, "backward", "sel", "begin", 1, 1, 0.0, None)

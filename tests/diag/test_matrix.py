@@ -32,7 +32,7 @@ from nsa_diag.matrix import (
     load_matrix,
     matrix_json_schema,
 )
-from nsa_diag.matrix_run import (
+from nsa_diag.session.matrix import (
     expectations,
     finished,
     gpu_slots,

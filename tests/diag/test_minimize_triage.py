@@ -31,10 +31,10 @@ from nsa_diag.analysis.triage import (
     combine_alloc_conf,
     measure,
     parse_oom_message,
-    triage_case,
     variant_specs,
 )
 from nsa_diag.cases import build_spec
+from nsa_diag.session.followups import triage_case
 from nsa_diag.spec import CaseResult, CaseSpec
 
 CLI_TIMEOUT_S = 300

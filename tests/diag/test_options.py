@@ -1,7 +1,7 @@
 """Case options are declared once: every declaration is complete, the choices match `nsa_core`, and a replay
 line read back through the command line builds the spec it came from.
 
-In-process and without workers: `run_session` is replaced by one that keeps the specs it is given.
+In-process and without workers: `Session.run` is replaced by one that keeps the specs of its plan.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-import nsa_diag.session as session
 from nsa_diag.app import run_cli
 from nsa_diag.cases import CASE_OPTIONS, SPEC_OPTIONS, CaseOptions, build_spec, replay_argv
 from nsa_diag.options import GROUPS, SESSION_OPTIONS, NotAnOption, Opt
+from nsa_diag.session import Session
 from nsa_diag.spec import MODEL_OPTIONS, CaseSpec, DdpSpec
 
 
@@ -79,11 +79,11 @@ def test_metadata_leaves_spec_json_alone() -> None:
 def _spec_of_command_line(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> CaseSpec:
     kept: list[CaseSpec] = []
 
-    def keep(command: str, specs: list[CaseSpec], **_: Any) -> int:
-        kept.extend(specs)
+    def keep(self: Session) -> int:
+        kept.extend(self.plan.specs())
         return 0
 
-    monkeypatch.setattr(session, "run_session", keep)
+    monkeypatch.setattr(Session, "run", keep)
     assert run_cli(argv) == 0
     (spec,) = kept
     return spec

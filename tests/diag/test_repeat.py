@@ -17,9 +17,10 @@ import pytest
 from diag_cli import run_cli
 
 from nsa_diag._cli_utils import CaseOptions
-from nsa_diag.analysis.repeat import case_repeats, expand, hang_timing, repeat_name, wilson_interval
+from nsa_diag.analysis.repeat import case_repeats, expand, repeat_name, wilson_interval
 from nsa_diag.cases import build_spec
 from nsa_diag.junit import junit_xml, write_junit
+from nsa_diag.session.followups import hang_timing
 from nsa_diag.spec import CaseResult, Where
 
 CLI_TIMEOUT_S = 240

@@ -276,12 +276,12 @@ def _written_matrix(dest: Path, device: str, seq_lens: list[int], peaks: list[in
 
 def _no_device_query(monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's budget comes from env.json: asking this machine's devices fails the test."""
-    from nsa_diag.analysis import sweep
+    from nsa_diag.session import plans
 
     def refuse(device: str | None) -> tuple[int, str]:
         raise AssertionError(f"the report asked this machine for {device}'s memory")
 
-    monkeypatch.setattr(sweep, "device_memory_total", refuse)
+    monkeypatch.setattr(plans, "device_memory_total", refuse)
 
 
 def test_matrix_length_series_fits_memory_as_scale_does(

@@ -1,2 +1,5 @@
-"""Analyses over several cases: growth fits of a sweep (`scaling`) and the analytical memory estimate
-(`memory_model`). Pure functions over measured numbers and configs; no processes, no files."""
+"""Analyses over cases and their results: growth fits of a sweep (`scaling`, `sweep`), the analytical
+memory estimate (`memory_model`), gc bisection (`bisect`), repeat statistics (`repeat`), minimization
+(`minimize`), OOM triage (`triage`) and run comparison (`compare`). Pure functions over measured numbers,
+results and configs: no processes, no files; what needs a run, a file or the GPU is handed in by the
+caller (`nsa_diag.session`), as a value or a callback."""

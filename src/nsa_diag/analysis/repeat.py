@@ -13,16 +13,15 @@ that read a run folder (report, compare, matrix --resume) see ordinary cases. su
   (the worker's last progress, measured from its first record, plus the stall limit), and the steps
   (``hang_steps``) at which they hung.
 
-The functions here are pure except `hang_timing`, which reads a case's ``progress.jsonl``.
+Pure: the time to hang of each hung run comes from the caller (`nsa_diag.session.followups.hang_timing`
+reads it from the run's ``progress.jsonl``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from nsa_diag.spec import CaseSpec
@@ -76,33 +75,6 @@ def spread(values: Sequence[float]) -> dict[str, float] | None:
     }
 
 
-def hang_timing(
-    case_dir: Path, stall_limit_s: float | None, step: int | None = None
-) -> dict[str, Any] | None:
-    """When a hung run stopped progressing and when the watchdog called it, in seconds from the worker's
-    first progress record (``progress.jsonl``), and the `step` it hung in; None when there is no progress."""
-    first = last = None
-    try:
-        with open(Path(case_dir) / "progress.jsonl", encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a killed worker may leave one partial last line
-                if not isinstance(record, dict) or not isinstance(record.get("t"), int | float):
-                    continue
-                first = record["t"] if first is None else first
-                if "phase" in record:  # progress events; notes (a fault firing) leave the stall timer alone
-                    last = record["t"]
-    except OSError:
-        return None
-    if first is None or last is None:
-        return None
-    onset = last - first
-    detected = onset + (stall_limit_s or 0.0)
-    return {"onset_s": round(onset, 3), "detected_s": round(detected, 3), "step": step}
-
-
 def _status(ok_runs: int, runs: int) -> str:
     if runs and ok_runs == runs:
         return "pass"
@@ -115,8 +87,9 @@ def case_repeats(
     repeat: int,
     timings: Mapping[str, Mapping[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
-    """The repeats entry of one case from its runs' summary entries (``render.case_entry``: name, ok,
-    verdict, hang_kind, reason, elapsed_s) and the `hang_timing` of its hung runs by run name."""
+    """The repeats entry of one case from its runs' summary entries (`nsa_diag.summary.CaseEntry` as
+    JSON: name, ok, verdict, hang_kind, reason, elapsed_s) and the timing of its hung runs by run name
+    (`nsa_diag.session.followups.hang_timing`)."""
     timings = timings or {}
     counts: dict[str, int] = {}
     kinds: dict[str, int] = {}

@@ -18,13 +18,14 @@ is total minus free), what PyTorch had allocated and what it held reserved but u
 
 On the CPU there is no caching allocator to configure: nothing is rerun (the record says so) and the
 classification uses the request in the CPU allocator's message against the machine's memory.
+
+Pure: the message, the device's total and the reruns come from the caller (`nsa_diag.session.followups`).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from nsa_diag.spec import CaseResult, CaseSpec
@@ -204,61 +205,22 @@ def _gib(value: int | None) -> str:
     return f"{value / 2**20:.1f} MiB"
 
 
-def machine_memory_total() -> int | None:
-    """This machine's memory (the CPU's device total), or None without psutil."""
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().total)
-
-
-def cuda_device_total(device: str | None) -> int | None:
-    """The total memory of the worker's CUDA device from NVML (no CUDA context in this process, which
-    would take device memory from the reruns); the index goes through CUDA_VISIBLE_DEVICES when numeric."""
-    import os
-
-    from nsa_diag.evidence.gpu import nvml_snapshot
-
-    index = int(device.partition(":")[2] or 0) if device and device.startswith("cuda") else 0
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if visible:
-        if index >= len(visible) or not visible[index].isdigit():
-            return None
-        index = int(visible[index])
-    snapshot = nvml_snapshot()
-    gpus = snapshot.get("gpus") or []
-    gpu = next((g for g in gpus if g.get("index") == index), None)
-    total = gpu.get("memory_total_bytes") if gpu else None
-    return int(total) if isinstance(total, int) else None
-
-
-def oom_message(case_dir: Path, result: CaseResult) -> str:
-    """The full out-of-memory message of the worker (``worker_result.json``), else the result's reason."""
-    from nsa_diag import artifacts
-
-    try:
-        data = artifacts.read_json(Path(case_dir) / artifacts.WORKER_RESULT)
-        message = (data.get("exception") or {}).get("message")
-    except (OSError, ValueError, AttributeError):
-        message = None
-    return str(message or result.reason)
-
-
-def triage_case(
+def triage_oom(
     spec: CaseSpec,
     result: CaseResult,
-    case_dir: Path,
+    message: str,
     run_trial: Callable[[CaseSpec], CaseResult],
     *,
+    device_total: Callable[[bool], int | None] = lambda on_cuda: None,
     say: Callable[[str], None] = lambda text: None,
 ) -> dict[str, Any]:
-    """Triage the oom case (`spec`, `result`, its folder `case_dir`): reruns on CUDA, then the class.
+    """Triage the oom case (`spec`, `result`, the worker's out-of-memory `message`): reruns on CUDA,
+    then the class.
 
-    `run_trial` runs a variant (named after it) wherever the caller keeps triage runs. An interrupt ends
-    the reruns; the class then comes from what ran (``interrupted`` true).
+    `run_trial` runs a variant (named after it) wherever the caller keeps triage runs. `device_total(on_cuda)`
+    is the memory of the device when the message does not say it (the machine's for the CPU). An interrupt
+    ends the reruns; the class then comes from what ran (``interrupted`` true).
     """
-    message = oom_message(case_dir, result)
     facts = parse_oom_message(message)
     on_cuda = (result.device or "").startswith("cuda") or facts["source"] == "cuda-caching-allocator"
     figures = measure(facts, result)
@@ -271,10 +233,10 @@ def triage_case(
             "nothing was rerun; classified from the CPU allocator's request against this machine's memory"
         )
         if figures["total_bytes"] is None:
-            figures["total_bytes"] = machine_memory_total()
+            figures["total_bytes"] = device_total(False)
     else:
         if figures["total_bytes"] is None:  # e.g. "Tried to allocate more than 1EB memory."
-            figures["total_bytes"] = cuda_device_total(result.device)
+            figures["total_bytes"] = device_total(True)
         for name, conf, variant in variant_specs(spec):
             if variant is None:
                 reruns.append({"name": name, "alloc_conf": conf, "verdict": None,

@@ -70,7 +70,8 @@ def backend(
         nsa-diag backend --sel masked,gather --minimize --junit backend.xml
     """
     from nsa_diag.cases import backend_specs, check_options, parse_backend_list
-    from nsa_diag.session import run_session
+    from nsa_diag.session import Session, check_follow_ups
+    from nsa_diag.session.plans import CaseList
 
     lists = {
         "sel": parse_backend_list("sel", sel),
@@ -79,7 +80,8 @@ def backend(
     }
     check_options(options)
     specs = backend_specs(options, {branch: names for branch, names in lists.items() if names})
-    code = run_session(
-        "backend", specs, out=options.out, tag=options.tag, json_output=json_output, options=options
+    plan = CaseList("backend", specs)
+    session = Session(
+        plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)
     )
-    raise typer.Exit(code)
+    raise typer.Exit(session.run())

@@ -110,7 +110,8 @@ def ddp(
         nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl
     """
     from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_options
-    from nsa_diag.session import run_session
+    from nsa_diag.session import Session, check_follow_ups
+    from nsa_diag.session.plans import CaseList
 
     check_options(options)
     resolved = check_ddp_options(
@@ -127,7 +128,8 @@ def ddp(
         "rdzv_endpoint": rdzv_endpoint,
     }  # fmt: skip
     spec = build_ddp_spec(options, settings, name=options.name)
-    code = run_session(
-        "ddp", [spec], out=options.out, tag=options.tag, json_output=json_output, options=options
+    plan = CaseList("ddp", [spec])
+    session = Session(
+        plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)
     )
-    raise typer.Exit(code)
+    raise typer.Exit(session.run())

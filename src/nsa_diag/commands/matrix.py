@@ -111,7 +111,8 @@ def matrix(
     from nsa_diag import artifacts
     from nsa_diag.errors import EXIT_USAGE, UsageError
     from nsa_diag.matrix import MatrixFileError, load_matrix
-    from nsa_diag.matrix_run import environment_gpus, make_plan, render_plan, run_matrix
+    from nsa_diag.session import FollowUps, Session
+    from nsa_diag.session.matrix import MatrixPlan, environment_gpus, make_plan, render_plan
 
     if resume is not None and (out is not None or tag is not None):
         raise UsageError("--resume continues in RUN_DIR; --out and --tag do not apply to it")
@@ -150,21 +151,13 @@ def matrix(
         render_plan(loaded, plan, json_output=json_output)
         raise typer.Exit(0)
 
-    if resume is not None:
-        run_dir, parent = resume, resume.parent
-    else:
-        parent = out or artifacts.DEFAULT_OUT
-        run_dir = artifacts.new_run_dir("matrix", parent, tag or loaded.name)
-    code = run_matrix(
-        loaded,
-        plan,
-        run_dir=run_dir,
+    parent = resume.parent if resume is not None else (out or artifacts.DEFAULT_OUT)
+    matrix_plan = MatrixPlan(loaded, plan, jobs=jobs, gpus=gpus, cuda=cuda, resume_dir=resume, junit=junit)
+    session = Session(
+        matrix_plan,
         out=parent,
-        jobs=jobs,
-        gpus=gpus,
-        cuda=cuda,
-        junit=junit,
+        tag=tag or loaded.name,
         json_output=json_output,
-        resumed=resume is not None,
+        follow=FollowUps(junit=junit),
     )
-    raise typer.Exit(code)
+    raise typer.Exit(session.run())

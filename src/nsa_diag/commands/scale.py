@@ -108,10 +108,10 @@ def scale(
         nsa-diag scale --preset m7c-125m --device cuda --dtype bf16 --seq-lens 512,1024,2048,4096,8192
         nsa-diag scale --preset m7c-125m --device cuda --seq-lens 16384,32768,65536 --triage --junit s.xml
     """
-    from nsa_diag.analysis.sweep import build_series, run_sweep
     from nsa_diag.cases import check_options
     from nsa_diag.errors import UsageError
-    from nsa_diag.session import check_follow_ups
+    from nsa_diag.session import Session, check_follow_ups
+    from nsa_diag.session.plans import Sweep, build_series
 
     lens, layer_counts = parse_int_list("--seq-lens", seq_lens), parse_int_list("--layers", layers)
     if not lens and not layer_counts:
@@ -120,7 +120,6 @@ def scale(
     check_options(options)
     follow = check_follow_ups(options)
     series = build_series(options, lens, layer_counts, per_branch=per_branch)
-    code = run_sweep(
-        series, out=options.out, tag=options.tag, budget=budget, json_output=json_output, follow=follow
-    )
-    raise typer.Exit(code)
+    plan = Sweep(series, budget)
+    session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
+    raise typer.Exit(session.run())

@@ -92,7 +92,8 @@ def selftest(
         selftest_specs,
         uses_cuda,
     )
-    from nsa_diag.session import run_session
+    from nsa_diag.session import Session, check_follow_ups
+    from nsa_diag.session.plans import CaseList
 
     chosen = parse_kinds(kinds)
     cuda = options.device.value != "cpu" and uses_cuda(options)
@@ -105,13 +106,10 @@ def selftest(
         cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place})
     else:
         cases = selftest_specs(options, chosen, cuda=cuda)
-    code = run_session(
-        "selftest",
-        [spec for spec, _ in cases],
-        out=options.out,
-        tag=options.tag,
-        json_output=json_output,
-        expectations={spec.name: expected for spec, expected in cases},
-        options=options,
+    plan = CaseList(
+        "selftest", [spec for spec, _ in cases], {spec.name: expected for spec, expected in cases}
     )
-    raise typer.Exit(code)
+    session = Session(
+        plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)
+    )
+    raise typer.Exit(session.run())

@@ -1,4 +1,4 @@
-"""`nsa-diag matrix`'s run: the cases of a matrix file, `jobs` at a time, into one resumable run folder.
+"""`nsa-diag matrix`'s plan: the cases of a matrix file, `jobs` at a time, into one resumable run folder.
 
 The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json``, ``summary.md``) plus
 ``matrix.json`` (`Matrix.to_json`: the file, its axes, per case the tags, spec hash and axis values).
@@ -6,7 +6,7 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
 - Resume: in the folder of an interrupted run, a case whose ``result.json`` carries the spec hash of the
   case as the file now defines it is finished and not run again; a case that was interrupted, skipped, or
   whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
-- Parallel: ``jobs`` threads each take the next case and run it through `executor.run_case` in its own
+- Parallel: ``jobs`` threads each take the next case and run it through `Session.run_case` in its own
   worker process. Only the main thread handles signals (the executor installs its handlers only there): on
   Ctrl-C or SIGTERM the main thread sets a flag that each running case's progress callback turns into
   `executor.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
@@ -15,6 +15,9 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
   running cases share it.
 - A case that needs CUDA (``requires: cuda``, ``device: cuda``) on a machine without it is ``skipped``
   with the reason, without a worker, and counts as ok: the file declared the requirement.
+
+`MatrixPlan` is what the `Session` runs; `make_plan` decides what happens to each case (`ResumePlan`),
+and `render_plan` shows that for ``--dry-run``.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.cases import Expectation, replay_argv
+from nsa_diag.executor import Interrupted
 from nsa_diag.matrix import Matrix, MatrixCase
+from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from nsa_diag.summary import RunSummary
 
 MATRIX_JSON = "matrix.json"
 NO_CUDA_REASON = "requires cuda: torch sees no CUDA device here"
@@ -48,7 +55,7 @@ NO_CUDA_REASON = "requires cuda: torch sees no CUDA device here"
 
 
 @dataclass
-class Plan:
+class ResumePlan:
     """What one invocation does with each selected case, in file order."""
 
     cases: list[MatrixCase]
@@ -68,13 +75,6 @@ class Plan:
         return "rerun" if case.name in self.stale else "run"
 
 
-def read_result(case_dir: Path) -> CaseResult | None:
-    try:
-        return CaseResult.model_validate(artifacts.read_json(Path(case_dir) / artifacts.RESULT))
-    except (OSError, ValueError):
-        return None
-
-
 def finished(result: CaseResult | None, case: MatrixCase) -> bool:
     """Whether a result found on disk stands for `case`: same spec hash, and the case ran to a verdict
     (not interrupted, not skipped for want of a GPU)."""
@@ -86,8 +86,9 @@ def finished(result: CaseResult | None, case: MatrixCase) -> bool:
     )
 
 
-def make_plan(cases: Sequence[MatrixCase], *, resume_dir: Path | None, cuda: bool) -> Plan:
-    plan = Plan(list(cases))
+def make_plan(cases: Sequence[MatrixCase], *, resume_dir: Path | None, cuda: bool) -> ResumePlan:
+    """Per case: finished in the resumed folder (not rerun), stale (rerun), or skipped here."""
+    plan = ResumePlan(list(cases))
     for case in cases:
         if resume_dir is not None:
             case_dir = Path(resume_dir) / "cases" / case.name
@@ -103,7 +104,7 @@ def make_plan(cases: Sequence[MatrixCase], *, resume_dir: Path | None, cuda: boo
     return plan
 
 
-def expectations(plan: Plan) -> dict[str, Expectation] | None:
+def expectations(plan: ResumePlan) -> dict[str, Expectation] | None:
     """What makes each case ok: its `expect`, `skipped` when skipped here for want of CUDA, else pass.
     None when every case just has to pass (the table then has no expected column)."""
     if not plan.skip and not any(case.expect for case in plan.cases):
@@ -165,8 +166,7 @@ def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]
 class ParallelRun:
     """Runs cases `jobs` at a time; `run()` returns the results by name and whether it was interrupted."""
 
-    run_dir: Path
-    out: Path
+    session: Session
     jobs: int
     gpus: list[str]
     cuda: bool
@@ -185,8 +185,6 @@ class ParallelRun:
         return bool(self.gpus) and (case.spec.device == "cuda" or (case.spec.device == "auto" and self.cuda))
 
     def _run_one(self, case: MatrixCase, gpu: str | None) -> CaseResult:
-        from nsa_diag.executor import Interrupted, run_case
-
         name = case.name
 
         def on_progress(state: Any, elapsed: float) -> None:
@@ -194,13 +192,11 @@ class ParallelRun:
                 raise Interrupted(self._signum)
             self.progress.update(name, state, elapsed)
 
-        case_dir = artifacts.case_dir(self.run_dir, name)
+        case_dir = self.session.case_dir(name)
         self.progress.start(case, gpu)
         try:
-            result = run_case(
+            result = self.session.run_case(
                 case.spec,
-                case_dir,
-                replay_argv=replay_argv(case.spec, self.out),
                 on_progress=on_progress,
                 extra_env={"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None,
             )
@@ -241,8 +237,6 @@ class ParallelRun:
                 self._active -= 1
 
     def run(self, cases: Sequence[MatrixCase]) -> tuple[dict[str, CaseResult], bool]:
-        from nsa_diag.executor import Interrupted
-
         pending: queue.Queue[MatrixCase] = queue.Queue()
         for case in cases:
             pending.put(case)
@@ -393,101 +387,110 @@ def junit_results(
     return out
 
 
-def run_matrix(
-    matrix: Matrix,
-    plan: Plan,
-    *,
-    run_dir: Path,
-    out: Path,
-    jobs: int,
-    gpus: list[str],
-    cuda: bool,
-    junit: Path | None,
-    json_output: bool,
-    resumed: bool,
-) -> int:
-    """Run the plan into `run_dir`, report it (table or JSON on stdout, summary files, JUnit) and return
-    the exit code: 0 every case ok, 1 not, 130 interrupted."""
-    from nsa_diag.evidence.env import collect_env
+class MatrixPlan(Plan):
+    """The selected cases of a matrix file: the finished ones of a resumed folder kept, those that need
+    CUDA skipped here, the others run `jobs` at a time (`ParallelRun`). Adds ``matrix.json`` to the run
+    folder and the ``matrix`` section to the summary; JUnit judges each case by its ``expect``."""
 
-    err = render.stderr_console()
-    started = time.time()
-    artifacts.write_json(run_dir / MATRIX_JSON, matrix.to_json(plan.cases))
-    artifacts.write_json(run_dir / artifacts.ENV, collect_env())
-    for name in plan.stale:  # a rerun starts from an empty case folder: no log holds two runs
-        if name not in plan.done:
-            shutil.rmtree(run_dir / "cases" / name, ignore_errors=True)
+    command = "matrix"
+    stopped = "the running cases were stopped"
+    records_junit = False  # summary.json of a matrix never named the JUnit file
 
-    results: dict[str, CaseResult] = dict(plan.done)
-    for case in plan.cases:
-        if case.name in plan.skip:
-            results[case.name] = _skipped_result(
-                case, artifacts.case_dir(run_dir, case.name), plan.skip[case.name]
-            )
+    def __init__(
+        self,
+        matrix: Matrix,
+        plan: ResumePlan,
+        *,
+        jobs: int,
+        gpus: list[str],
+        cuda: bool,
+        resume_dir: Path | None = None,
+        junit: Path | None = None,
+    ) -> None:
+        self.matrix, self.plan = matrix, plan
+        self.jobs, self.gpus, self.cuda = jobs, gpus, cuda
+        self.resume_dir = resume_dir
+        self.junit = junit
+        self._results: dict[str, CaseResult] = dict(plan.done)
+        self.assigned: dict[str, str] = {}
 
-    to_run = plan.to_run
-    verb = "continuing" if resumed else "running"
-    lines = [f"nsa-diag matrix {matrix.name}: {verb} {len(to_run)} of {len(plan.cases)} case(s) in {run_dir}"]
-    if plan.done:
-        lines.append(
-            f"  {len(plan.done)} case(s) already finished in this folder with the same spec: not rerun"
-        )
-    if plan.skip:
-        lines.append(f"  {len(plan.skip)} case(s) skipped: {NO_CUDA_REASON}")
-    if jobs > 1:
-        gpu_text = f", one GPU each of {', '.join(gpus)}" if gpus else ""
-        lines.append(f"  {jobs} cases at a time{gpu_text}")
-        if cuda and not gpus and any(c.spec.device != "cpu" for c in to_run):
+    def specs(self) -> Sequence[Any]:
+        return [case.spec for case in self.plan.cases]
+
+    def expectations(self) -> Mapping[str, Expectation] | None:
+        return expectations(self.plan)
+
+    def begin(self, session: Session) -> None:
+        plan, run_dir = self.plan, session.run_dir
+        artifacts.write_json(run_dir / MATRIX_JSON, self.matrix.to_json(plan.cases))
+        for name in plan.stale:  # a rerun starts from an empty case folder: no log holds two runs
+            if name not in plan.done:
+                shutil.rmtree(run_dir / "cases" / name, ignore_errors=True)
+        for case in plan.cases:
+            if case.name in plan.skip:
+                self._results[case.name] = _skipped_result(
+                    case, artifacts.case_dir(run_dir, case.name), plan.skip[case.name]
+                )
+        to_run = plan.to_run
+        verb = "continuing" if self.resume_dir is not None else "running"
+        head = f"nsa-diag matrix {self.matrix.name}: {verb} {len(to_run)} of {len(plan.cases)} case(s)"
+        lines = [f"{head} in {run_dir}"]
+        if plan.done:
             lines.append(
-                "  one GPU: the cases running at once share it (they must fit together; times interfere)"
+                f"  {len(plan.done)} case(s) already finished in this folder with the same spec: not rerun"
             )
-    for line in lines:
-        err.print(line, markup=False, highlight=False)
+        if plan.skip:
+            lines.append(f"  {len(plan.skip)} case(s) skipped: {NO_CUDA_REASON}")
+        if self.jobs > 1:
+            gpu_text = f", one GPU each of {', '.join(self.gpus)}" if self.gpus else ""
+            lines.append(f"  {self.jobs} cases at a time{gpu_text}")
+            if self.cuda and not self.gpus and any(c.spec.device != "cpu" for c in to_run):
+                lines.append(
+                    "  one GPU: the cases running at once share it (they must fit together; times interfere)"
+                )
+        for line in lines:
+            session.note(line)
 
-    progress = MatrixProgress(err, len(plan.cases), already=len(plan.cases) - len(to_run))
-    runner = ParallelRun(run_dir, out, jobs, gpus, cuda, progress)
-    with progress:
-        ran, interrupted = runner.run(to_run)
-    results.update(ran)
-    if interrupted:
-        err.print("nsa-diag: interrupted; the running cases were stopped", markup=False, highlight=False)
+    def execute(self, session: Session) -> None:
+        to_run = self.plan.to_run
+        total = len(self.plan.cases)
+        progress = MatrixProgress(session.err, total, already=total - len(to_run))
+        runner = ParallelRun(session, self.jobs, self.gpus, self.cuda, progress, self.assigned)
+        with progress:
+            ran, interrupted = runner.run(to_run)
+        self._results.update(ran)
+        if interrupted:
+            raise KeyboardInterrupt  # the running cases were stopped, each with its result.json
 
-    ordered = [results[case.name] for case in plan.cases if case.name in results]
-    expected = expectations(plan)
-    summary = render.build_summary(
-        "matrix",
-        run_dir,
-        [case.spec for case in plan.cases],
-        ordered,
-        started_at=started,
-        expectations=expected,
-        interrupted=interrupted,
-    )
-    summary["matrix"] = {
-        "file": str(matrix.path),
-        "name": matrix.name,
-        "jobs": jobs,
-        "resumed": resumed,
-        "not_rerun": sorted(plan.done),
-        "skipped_here": dict(plan.skip),
-        "gpus": dict(runner.assigned),
-    }
-    render.write_summary(run_dir, summary)
-    if junit is not None:
-        from nsa_diag.junit import write_junit
+    def results(self) -> list[CaseResult]:
+        return [self._results[case.name] for case in self.plan.cases if case.name in self._results]
 
-        write_junit(
-            junit, f"matrix.{matrix.name}", junit_results(ordered, expected), elapsed_s=summary["elapsed_s"]
-        )
-    if json_output:
-        render.print_json(summary)
-    else:
+    def extend(self, summary: RunSummary) -> None:
+        summary.matrix = {
+            "file": str(self.matrix.path),
+            "name": self.matrix.name,
+            "jobs": self.jobs,
+            "resumed": self.resume_dir is not None,
+            "not_rerun": sorted(self.plan.done),
+            "skipped_here": dict(self.plan.skip),
+            "gpus": dict(self.assigned),
+        }
+
+    def junit_suite(self, summary: RunSummary) -> str:
+        return f"matrix.{self.matrix.name}"
+
+    def junit_results(self, results: Sequence[CaseResult]) -> Sequence[CaseResult]:
+        return junit_results(results, self.expectations())
+
+    def junit_ok(self, summary: RunSummary) -> Mapping[str, bool] | None:
+        return None
+
+    def render(self, session: Session, summary: RunSummary) -> None:
         render.render_summary(summary)
-        if junit is not None:
+        if self.junit is not None:
             render.stdout_console().print(
-                f"JUnit XML: {junit}", soft_wrap=True, highlight=False, markup=False
+                f"JUnit XML: {self.junit}", soft_wrap=True, highlight=False, markup=False
             )
-    return int(summary["exit_code"])
 
 
 def environment_gpus(jobs: int, cases: Sequence[MatrixCase]) -> tuple[bool, list[str]]:
@@ -504,7 +507,7 @@ def environment_gpus(jobs: int, cases: Sequence[MatrixCase]) -> tuple[bool, list
     return cuda, gpu_slots(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def plan_rows(matrix: Matrix, plan: Plan) -> list[dict[str, Any]]:
+def plan_rows(matrix: Matrix, plan: ResumePlan) -> list[dict[str, Any]]:
     """One row per selected case: what `--dry-run` lists."""
     rows = []
     for case in plan.cases:
@@ -532,7 +535,7 @@ def plan_rows(matrix: Matrix, plan: Plan) -> list[dict[str, Any]]:
     return rows
 
 
-def render_plan(matrix: Matrix, plan: Plan, *, json_output: bool) -> None:
+def render_plan(matrix: Matrix, plan: ResumePlan, *, json_output: bool) -> None:
     """`--dry-run`: the cases and what would happen to each, nothing run and no folder created."""
     rows = plan_rows(matrix, plan)
     if json_output:

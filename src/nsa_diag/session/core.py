@@ -1,0 +1,293 @@
+"""The life of one run folder: `Session` runs a `Plan` and owns everything around its cases.
+
+A command validates its options, builds its specs and hands the session a plan (`nsa_diag.session.plans`:
+a list of cases, a sweep, a bisection; `nsa_diag.session.matrix`: a matrix). The plan says which cases run,
+in which order and how they are shown while they run, and what it adds to the summary; the session does
+the rest, the same way for every command:
+
+1. the run folder, created only now that every check has passed (or the one a plan resumes), and env.json;
+2. the cases, each through `nsa_diag.executor.run_case` into ``cases/<name>/`` (`Session.run_case`), under
+   the plan's live display on stderr;
+3. an interrupt (SIGINT, SIGTERM): the runner has stopped the running case's processes and written its
+   result.json; the session says so, and the summary is marked interrupted (exit 130);
+4. the summary (`nsa_diag.summary.RunSummary`, built once), the plan's section, the follow-ups
+   (--repeat, --minimize, --triage: `nsa_diag.session.followups`) and --junit;
+5. summary.json and summary.md, then the table (or the JSON with --json) on stdout;
+6. the exit code, decided once (`RunSummary.decide`) on the plan's measure of success.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nsa_diag import artifacts, render
+from nsa_diag.cases import replay_argv
+from nsa_diag.executor import run_case
+from nsa_diag.session.followups import FollowUps, follow_up
+from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.summary import RunSummary
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from nsa_diag.cases import Expectation
+    from nsa_diag.worker.beacon import BeaconState
+
+ProgressCallback = Callable[["BeaconState | None", float], None]
+
+
+def build_summary(
+    command: str,
+    run_dir: Path,
+    specs: Sequence[CaseSpec],
+    results: Sequence[CaseResult],
+    *,
+    started_at: float,
+    expectations: Mapping[str, Expectation] | None = None,
+    interrupted: bool = False,
+) -> RunSummary:
+    """The summary of `results` in `run_dir`, with the main thread's last frames of each hang, slow case
+    or crash (`render.main_thread_stack` of its stacks.txt)."""
+    return RunSummary.build(
+        command,
+        run_dir,
+        specs,
+        results,
+        started_at=started_at,
+        expectations=expectations,
+        interrupted=interrupted,
+        stack_of=render.main_thread_stack,
+    )
+
+
+def read_result(case_dir: Path) -> CaseResult | None:
+    """The case's result.json, or None when it has none (or it cannot be read)."""
+    try:
+        return CaseResult.model_validate(artifacts.read_json(Path(case_dir) / artifacts.RESULT))
+    except (OSError, ValueError):
+        return None
+
+
+class Plan:
+    """What a session runs: the cases, how they are chosen and shown, and what the plan adds to the
+    summary. Subclasses implement `specs`, `execute` and `results`; the other hooks have defaults."""
+
+    command: str = "run"  # the summary's command and the run folder's name
+    stopped = "the running case was stopped"  # what an interrupt did, said on stderr
+    resume_dir: Path | None = None  # a run folder to continue in, instead of a new one
+    refresh_env = True  # on resume: write env.json again (this machine, now)
+    catches_interrupt = True  # False: an interrupt ends the invocation at once (no summary)
+    records_junit = True  # summary.json names the --junit file
+
+    def prepare(self, follow: FollowUps) -> None:
+        """Called first, before the run folder exists (e.g. to expand --repeat)."""
+
+    def specs(self) -> Sequence[CaseSpec]:
+        """Every case the plan may run, in the summary's order (those without a result are ``not_run``)."""
+        raise NotImplementedError
+
+    def bases(self) -> tuple[Sequence[CaseSpec], Mapping[str, str] | None]:
+        """The cases the follow-ups work on, and each run's case by name (None: each run is its own)."""
+        return self.specs(), None
+
+    def expectations(self) -> Mapping[str, Expectation] | None:
+        """What makes each case ok, by name (None: passing)."""
+        return None
+
+    def begin(self, session: Session) -> None:
+        """Once the run folder exists: the plan's opening files, and its opening lines on stderr."""
+        session.note(f"nsa-diag {self.command}: {len(self.specs())} case(s) into {session.run_dir}")
+
+    def execute(self, session: Session) -> None:
+        """Run the cases through `session.run_case`; raises KeyboardInterrupt when interrupted (the
+        results so far stay available to `results`)."""
+        raise NotImplementedError
+
+    def results(self) -> list[CaseResult]:
+        """The results to summarize, in order."""
+        raise NotImplementedError
+
+    def extend(self, summary: RunSummary) -> None:
+        """Add the plan's section to the summary."""
+
+    def succeeded(self, summary: RunSummary) -> bool | None:
+        """The plan's measure of success for the exit code; None: every case ok (``summary.ok``)."""
+        return None
+
+    def junit_suite(self, summary: RunSummary) -> str:
+        return summary.command
+
+    def junit_results(self, results: Sequence[CaseResult]) -> Sequence[CaseResult]:
+        return results
+
+    def junit_ok(self, summary: RunSummary) -> Mapping[str, bool] | None:
+        return summary.judged()
+
+    def finish(self, session: Session, summary: RunSummary) -> None:
+        """After summary.json is written: the plan's own files."""
+
+    def to_json(self, summary: RunSummary) -> Any:
+        """What --json prints."""
+        return summary.to_json()
+
+    def render(self, session: Session, summary: RunSummary) -> None:
+        """What stdout shows without --json."""
+        render.render_summary(summary)
+        render.render_follow_ups(summary)
+
+
+class Session:
+    """One invocation's run folder, from its creation to the exit code: ``Session(plan, ...).run()``.
+
+    `out`: where the run folder is created (``<out>/<time>-<command>[-<tag>]``); `replay_out`: the
+    ``--out`` of each case's replay.sh (default `out`); `follow`: the follow-up options, checked
+    (`nsa_diag.session.followups.check_follow_ups`).
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        out: Path | None,
+        tag: str | None = None,
+        json_output: bool = False,
+        follow: FollowUps | None = None,
+        replay_out: Path | None = None,
+    ) -> None:
+        self.plan = plan
+        self.out = Path(out or artifacts.DEFAULT_OUT)
+        self.tag = tag
+        self.json_output = json_output
+        self.follow = follow or FollowUps()
+        self.replay_out = Path(replay_out) if replay_out is not None else self.out
+        self.err: Console = render.stderr_console()
+        self._run_dir: Path | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        assert self._run_dir is not None, "the run folder exists once Session.run has begun"
+        return self._run_dir
+
+    # --- for plans ----------------------------------------------------------------------------------------
+
+    def note(self, text: str, *, soft_wrap: bool = False) -> None:
+        """A line on stderr (plain text, no markup)."""
+        self.err.print(text, markup=False, highlight=False, soft_wrap=soft_wrap)
+
+    def case_dir(self, name: str) -> Path:
+        return artifacts.case_dir(self.run_dir, name)
+
+    def run_case(
+        self,
+        spec: CaseSpec,
+        *,
+        folder: Path | None = None,
+        on_progress: ProgressCallback | None = None,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> CaseResult:
+        """Run `spec` into ``folder/<name>/`` (default: the run folder's ``cases/``); its result.
+
+        Raises `Interrupted` (a KeyboardInterrupt) after the runner stopped the case and wrote result.json.
+        Callable from any thread (a matrix runs several cases at once)."""
+        case_dir = Path(folder) / spec.name if folder is not None else self.case_dir(spec.name)
+        return run_case(
+            spec,
+            case_dir,
+            replay_argv=replay_argv(spec, self.replay_out),
+            on_progress=on_progress,
+            extra_env=extra_env,
+        )
+
+    def run_shown(
+        self, live: render.LiveProgress, spec: CaseSpec, *, folder: Path | None = None
+    ) -> CaseResult:
+        """`run_case` with `live` following it: its start, where its worker is, its verdict."""
+        live.case_start(spec)
+        result = self.run_case(spec, folder=folder, on_progress=live.progress)
+        live.case_end(result)
+        return result
+
+    def trial_runner(self, folder: Path) -> Callable[[CaseSpec], CaseResult]:
+        """Runs one follow-up case into ``folder/<its name>/`` under its own live display."""
+
+        def run_trial(spec: CaseSpec) -> CaseResult:
+            with render.LiveProgress(self.err, [spec]) as live:
+                return self.run_shown(live, spec, folder=folder)
+
+        return run_trial
+
+    # --- the run ----------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the plan into its run folder, report it, and return the exit code."""
+        from nsa_diag.evidence.env import collect_env
+
+        plan, follow = self.plan, self.follow
+        plan.prepare(follow)
+        resumed = plan.resume_dir is not None
+        if plan.resume_dir is not None:
+            self._run_dir = Path(plan.resume_dir)
+        else:
+            self._run_dir = artifacts.new_run_dir(plan.command, self.out, self.tag)
+        plan.begin(self)
+        if not resumed or plan.refresh_env:
+            artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
+        started = time.time()
+        interrupted = False
+        try:
+            plan.execute(self)
+        except KeyboardInterrupt:
+            if not plan.catches_interrupt:
+                raise
+            interrupted = True
+            self.note(f"nsa-diag: interrupted; {plan.stopped}")
+        results = plan.results()
+        summary = build_summary(
+            plan.command,
+            self.run_dir,
+            plan.specs(),
+            results,
+            started_at=started,
+            expectations=plan.expectations(),
+            interrupted=interrupted,
+        )
+        plan.extend(summary)
+        bases, base_of = plan.bases()
+        follow_up(
+            summary,
+            self.run_dir,
+            bases,
+            results,
+            follow=follow,
+            base_of=base_of,
+            run_trials=self.trial_runner,
+            err=self.err,
+        )
+        summary.decide(plan.succeeded(summary))
+        self._junit(summary, results)
+        render.write_summary(self.run_dir, summary)
+        plan.finish(self, summary)
+        if self.json_output:
+            render.print_json(plan.to_json(summary))
+        else:
+            plan.render(self, summary)
+        return summary.exit_code
+
+    def _junit(self, summary: RunSummary, results: Sequence[CaseResult]) -> None:
+        if self.follow.junit is None:
+            return
+        from nsa_diag.junit import write_junit
+
+        plan = self.plan
+        write_junit(
+            self.follow.junit,
+            plan.junit_suite(summary),
+            plan.junit_results(results),
+            elapsed_s=summary.elapsed_s,
+            ok=plan.junit_ok(summary),
+        )
+        if plan.records_junit:
+            summary.junit = str(self.follow.junit)

@@ -1,0 +1,262 @@
+"""The run summary: one typed record of an invocation (`RunSummary`), written as ``summary.json``.
+
+A `RunSummary` holds the invocation (command, argv, times), the outcome (``interrupted``, ``ok``,
+``exit_code``), the verdict counts, the cases not run and one `CaseEntry` per case that has a result;
+then the sections a plan or a follow-up adds (``matrix``, ``bisect``, ``repeats``, ``minimize``,
+``triage``, ``junit``), each present in the file only when set. `RunSummary.build` is the one place a
+summary is made, and `RunSummary.decide` the one place its exit code is: 130 when interrupted, else 0
+when the run succeeded, else 1.
+
+Both records also read like the JSON they are written as (``summary["counts"]``, ``"stack" in entry``),
+so code and tests written against summary.json read them unchanged; `to_json` is the file's content.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from nsa_diag import __version__
+from nsa_diag.errors import EXIT_ABORTED
+from nsa_diag.spec import CaseResult
+
+if TYPE_CHECKING:
+    from nsa_diag.cases import Expectation
+    from nsa_diag.spec import CaseSpec
+
+SHOWS_STACK = {"hang", "slow", "crash"}  # verdicts whose entry carries the main thread's last frames
+
+
+class _JsonRecord(BaseModel):
+    """A record that reads like its JSON: ``record[key]`` and ``key in record``; the
+    keys in `OMIT_WHEN_NONE` are left out of the JSON (and are not "in" the record) while None."""
+
+    model_config = ConfigDict(extra="forbid")
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str) or key not in type(self).model_fields:
+            return False
+        return key not in self.OMIT_WHEN_NONE or getattr(self, key) is not None
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as written to its file, in field order."""
+        data = self.model_dump(mode="json")
+        return {key: value for key, value in data.items() if key in self}
+
+
+class ExpectedVerdict(_JsonRecord):
+    """What a case was expected to end as (selftest, a matrix case's ``expect``)."""
+
+    verdict: str
+    hang_kind: str | None = None
+
+
+class CaseEntry(_JsonRecord):
+    """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
+    case or crash, the innermost frames of the worker's main thread."""
+
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("stack", "expected")
+
+    name: str
+    ok: bool
+    verdict: str
+    hang_kind: str | None = None
+    reason: str
+    where: str | None = None
+    elapsed_s: float
+    device: str | None = None
+    steps_done: int = 0
+    tokens_per_s: int | float | None = None
+    loss: float | None = None
+    peak_memory_bytes: int | None = None
+    peak_memory_kind: str | None = None
+    parity: dict[str, Any] | None = None
+    rate: dict[str, Any] | None = None
+    missing_grads: list[str] = []
+    nonfinite: dict[str, Any] | None = None
+    dir: str
+    replay: str
+    stack: list[str] | None = None
+    expected: ExpectedVerdict | None = None
+
+    @classmethod
+    def of(
+        cls,
+        result: CaseResult,
+        expected: Expectation | None = None,
+        *,
+        stack: Callable[[], list[str]] | None = None,
+    ) -> CaseEntry:
+        """The entry of `result`; `stack()` gives the main thread's last frames, asked only for a
+        verdict that shows them (`SHOWS_STACK`)."""
+        metrics = result.metrics or {}
+        peak, peak_kind = peak_memory(metrics)
+        return cls(
+            name=result.name,
+            ok=expected.met_by(result.verdict, result.hang_kind) if expected else result.passed,
+            verdict=result.verdict,
+            hang_kind=result.hang_kind,
+            reason=result.reason,
+            where=_where(result),
+            elapsed_s=round(result.elapsed_s, 3),
+            device=result.device,
+            steps_done=result.steps_done,
+            tokens_per_s=metrics.get("tokens_per_s"),
+            loss=_last(metrics.get("loss")),
+            peak_memory_bytes=peak,
+            peak_memory_kind=peak_kind,
+            parity=result.parity,
+            rate=result.rate,
+            missing_grads=result.missing_grads,
+            nonfinite=result.nonfinite,
+            dir=f"cases/{result.name}",
+            replay=f"cases/{result.name}/replay.sh",
+            stack=stack() if stack is not None and result.verdict in SHOWS_STACK else None,
+            expected=ExpectedVerdict(verdict=expected.verdict, hang_kind=expected.hang_kind)
+            if expected is not None
+            else None,
+        )
+
+
+class RunSummary(_JsonRecord):
+    """summary.json: the invocation, the exit code, one entry per case that has a result, and the
+    sections of the plan (``matrix``, ``bisect``) and of the follow-ups."""
+
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("matrix", "bisect", "repeats", "minimize", "triage", "junit")
+
+    command: str
+    argv: list[str]
+    nsa_diag_version: str
+    run_dir: str
+    started_at: str
+    finished_at: str
+    elapsed_s: float
+    interrupted: bool
+    ok: bool
+    exit_code: int
+    counts: dict[str, int]
+    not_run: list[str]
+    cases: list[CaseEntry]
+    matrix: dict[str, Any] | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
+    bisect: dict[str, Any] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
+    repeats: dict[str, Any] | None = None  # --repeat (nsa_diag.analysis.repeat.repeats_section)
+    minimize: list[dict[str, Any]] | None = None  # --minimize: one record per failing case
+    triage: list[dict[str, Any]] | None = None  # --triage: one record per oom case
+    junit: str | None = None  # --junit: the file written
+
+    @classmethod
+    def build(
+        cls,
+        command: str,
+        run_dir: Path,
+        specs: Sequence[CaseSpec],
+        results: Sequence[CaseResult],
+        *,
+        started_at: float,
+        expectations: Mapping[str, Expectation] | None = None,
+        interrupted: bool = False,
+        stack_of: Callable[[Path], list[str]] | None = None,
+    ) -> RunSummary:
+        """The summary of `results` (of the cases `specs`; those without a result are ``not_run``).
+
+        `stack_of(case_dir)`: the main thread's last frames of a case, for the verdicts that show them.
+        The exit code is `decide`d on every case being ok; a plan with another measure decides again.
+        """
+        expectations = expectations or {}
+
+        def stack(name: str) -> Callable[[], list[str]] | None:
+            if stack_of is None:
+                return None
+            return lambda: stack_of(Path(run_dir) / "cases" / name)
+
+        cases = [CaseEntry.of(r, expectations.get(r.name), stack=stack(r.name)) for r in results]
+        done = {result.name for result in results}
+        not_run = [spec.name for spec in specs if spec.name not in done]
+        counts: dict[str, int] = {}
+        for case in cases:
+            counts[case.verdict] = counts.get(case.verdict, 0) + 1
+        all_ok = bool(cases) and all(case.ok for case in cases) and not not_run
+        summary = cls(
+            command=command,
+            argv=["nsa-diag", *sys.argv[1:]],
+            nsa_diag_version=__version__,
+            run_dir=str(run_dir),
+            started_at=_iso(started_at),
+            finished_at=_iso(time.time()),
+            elapsed_s=round(time.time() - started_at, 3),
+            interrupted=interrupted,
+            ok=all_ok and not interrupted,
+            exit_code=EXIT_ABORTED,
+            counts=counts,
+            not_run=not_run,
+            cases=cases,
+        )
+        summary.decide()
+        return summary
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        data["cases"] = [case.to_json() for case in self.cases]
+        return data
+
+    def decide(self, succeeded: bool | None = None) -> int:
+        """Set and return the exit code: 130 when interrupted, else 0 when the run succeeded (by
+        default: every case ok and none left unrun, ``ok``), else 1."""
+        if self.interrupted:
+            self.exit_code = EXIT_ABORTED
+        else:
+            self.exit_code = 0 if (self.ok if succeeded is None else succeeded) else 1
+        return self.exit_code
+
+    def mark_interrupted(self) -> None:
+        """The run was interrupted after its cases (in a follow-up): not ok; `decide` then gives 130."""
+        self.interrupted, self.ok = True, False
+
+    def judged(self) -> dict[str, bool]:
+        """Whether each case with an expectation ended as expected (what JUnit reports for it)."""
+        return {case.name: case.ok for case in self.cases if case.expected is not None}
+
+
+def peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:
+    """The headline peak memory of a case and what it measures."""
+    peak = metrics.get("peak_memory") or {}
+    for key, kind in (
+        ("cuda_max_allocated_bytes", "CUDA max allocated"),
+        ("cpu_peak_rss_bytes", "peak RSS of the worker"),
+    ):
+        if isinstance(peak.get(key), int):
+            return peak[key], kind
+    return None, None
+
+
+def _last(values: Any) -> float | None:
+    if isinstance(values, list) and values and isinstance(values[-1], int | float):
+        return float(values[-1])
+    return None
+
+
+def _where(result: CaseResult) -> str | None:
+    """Where the case went wrong: the first non-finite module, else the beacon's last location."""
+    nonfinite = result.nonfinite or {}
+    if nonfinite.get("module"):
+        step = f" step {nonfinite['step']}" if nonfinite.get("step") is not None else ""
+        return f"{nonfinite['module']} ({nonfinite.get('where', '?')}){step}"
+    if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing
+        return None
+    return result.where.describe()
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
