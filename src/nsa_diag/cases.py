@@ -267,6 +267,14 @@ def check_triton(spec: CaseSpec) -> None:
         )
 
 
+def check_output(out: Path | None, tag: str | None) -> None:
+    """`--out` must be a folder (or not exist yet) and `--tag` usable in a folder name."""
+    if tag is not None and not _TAG_PATTERN.match(tag):
+        raise UsageError(f"--tag {tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a folder")
+
+
 def check_options(options: CaseOptions) -> None:
     """What can be checked before any case is built: values, the tag, the device, the model factory."""
     parse_stall(options.stall)
@@ -274,10 +282,7 @@ def check_options(options: CaseOptions) -> None:
         raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds")
     if options.lr <= 0:
         raise UsageError(f"--lr {options.lr}: the learning rate must be > 0")
-    if options.tag is not None and not _TAG_PATTERN.match(options.tag):
-        raise UsageError(f"--tag {options.tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
-    if options.out.exists() and not options.out.is_dir():
-        raise UsageError(f"--out {options.out}: exists and is not a folder")
+    check_output(options.out, options.tag)
     if options.device.value == "cuda" and not cuda_available():
         raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu or auto")
     if options.model is not None:

@@ -90,6 +90,11 @@ class Injection(BaseModel):
         return self.kind + (":" + ",".join(f"{k}={getattr(self, k)}" for k in keys) if keys else "")
 
 
+# The process group a ddp case trains in: the worker names its collectives by it, the cross-rank diff
+# reads them.
+TRAIN_GROUP = "train"
+
+
 class DdpSpec(BaseModel):
     """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.launchers.torchrun`)."""
 

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nsa_diag.evidence.stacks import ThreadStack
-from nsa_diag.spec import CaseResult, CaseSpec
-from nsa_diag.worker.ddp import TRAIN_GROUP
+from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
 
 # A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
 SEVERITY = (

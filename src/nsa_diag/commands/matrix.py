@@ -109,6 +109,7 @@ def matrix(
     import sys
 
     from nsa_diag import artifacts
+    from nsa_diag.cases import check_output
     from nsa_diag.errors import EXIT_USAGE, UsageError
     from nsa_diag.matrix import MatrixFileError, load_matrix
     from nsa_diag.session import FollowUps, Session
@@ -118,13 +119,7 @@ def matrix(
         raise UsageError("--resume continues in RUN_DIR; --out and --tag do not apply to it")
     if resume is not None and not (resume / "matrix.json").is_file():
         raise UsageError(f"--resume {resume}: not the folder of a matrix run (no matrix.json in it)")
-    if tag is not None:
-        from nsa_diag.cases import _TAG_PATTERN
-
-        if not _TAG_PATTERN.match(tag):
-            raise UsageError(f"--tag {tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
-    if out is not None and out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: exists and is not a folder")
+    check_output(out, tag)
     if junit is not None and junit.is_dir():
         raise UsageError(f"--junit {junit}: is a folder; give a file name")
     try:

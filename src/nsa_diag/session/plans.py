@@ -16,17 +16,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts, render
-from nsa_diag._cli_utils import Branch
 from nsa_diag.analysis.bisect import STATE_FILE, BisectState, Trial, range_text, smallest_range
 from nsa_diag.analysis.repeat import expand
 from nsa_diag.analysis.sweep import Budget, Series, analyse_series, quadratic_culprits
 from nsa_diag.cases import build_spec, parse_stall
+from nsa_diag.options import Branch
 from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult, CaseSpec
 
 if TYPE_CHECKING:
-    from nsa_diag._cli_utils import CaseOptions
-    from nsa_diag.cases import Expectation
+    from nsa_diag.cases import CaseOptions, Expectation
     from nsa_diag.session.followups import FollowUps
     from nsa_diag.summary import RunSummary
 

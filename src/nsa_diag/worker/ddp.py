@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
+from nsa_diag.spec import TRAIN_GROUP
 from nsa_diag.worker import inject
 from nsa_diag.worker.outcome import CaseFailed, Outcome
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 
 USAGE = "usage: torchrun ... -m nsa_diag.worker.ddp <case_dir>   (the folder holding spec.json)"
 RANKS_DIR = "ranks"
-TRAIN_GROUP, SIDE_GROUP = "train", "nsa-diag"
+SIDE_GROUP = "nsa-diag"
 FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat thread at a hang (NCCL)
 # The process group's timeout: longer than any stall the watchdog waits for, so that a hung collective is
 # still hung (not torn down by torch) when the watchdog takes its evidence.

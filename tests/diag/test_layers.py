@@ -1,0 +1,193 @@
+"""The package's import structure (DESIGN.md): nsa_diag in layers, each importing only the layers below it.
+
+Every import counts, at module level and inside functions (an import inside a function still couples the
+two modules; it only hides a cycle). Imports under ``if TYPE_CHECKING:`` are left out: they exist for type
+hints alone and never run. Three rules:
+
+- no import cycle between modules of nsa_diag;
+- no private name (``_x``) taken from another module;
+- no module imports a module of a higher layer (`LAYERS`, lowest first).
+
+nsa_core never imports nsa_diag.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+# Lowest first; a module belongs to the layer of the longest prefix that names it or a package above it.
+# A new module is placed here, or the test says so.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # the vocabulary: specs and results, option declarations, file names and atomic writes, errors
+    ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.worker.beacon"),
+    # pure analysis and evidence taking
+    ("nsa_diag.analysis", "nsa_diag.evidence"),
+    # one case's judgement (watchdog, classify, results) and the child-process side (worker)
+    ("nsa_diag.watchdog", "nsa_diag.classify", "nsa_diag.results", "nsa_diag.worker"),
+    ("nsa_diag.launchers",),
+    ("nsa_diag.executor",),
+    # presentation: tables, reports, plots, JUnit, run folders read back
+    ("nsa_diag.render", "nsa_diag.plots", "nsa_diag.junit", "nsa_diag.runfolder", "nsa_diag.report"),
+    ("nsa_diag.session",),
+    ("nsa_diag._cli_utils", "nsa_diag.commands"),
+    ("nsa_diag.app", "nsa_diag.__main__", "nsa_diag.demo"),
+)  # fmt: skip
+
+
+def _modules(package: str) -> dict[str, Path]:
+    found = {}
+    for path in sorted((SRC / package).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return skipped
+
+
+def _imports(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, str | None]]:
+    """(imported module, name taken from it or None) for every import of ``module``."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                yield (sub, None) if sub in known else (base, alias.name)
+
+
+def _graph(package: str) -> tuple[dict[str, set[str]], list[str]]:
+    modules = _modules(package)
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for module, path in modules.items():
+        for target, name in _imports(module, path, set(modules)):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if not target or target == module or module.startswith(target + "."):
+                continue
+            edges[module].add(target)
+            if name and name.startswith("_") and not name.startswith("__"):
+                private.append(f"{module} imports {target}.{name}")
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def layer_of(module: str) -> int | None:
+    """The rank in `LAYERS` of the longest prefix naming ``module``; None where none does."""
+    matches = [
+        (len(prefix), rank)
+        for rank, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    return max(matches)[1] if matches else None
+
+
+EDGES, PRIVATE = _graph("nsa_diag")
+
+
+def test_no_import_cycle() -> None:
+    assert _cycles(EDGES) == []
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    assert PRIVATE == []
+
+
+def test_every_module_has_a_layer() -> None:
+    assert [m for m in EDGES if m != "nsa_diag" and layer_of(m) is None] == []
+
+
+@pytest.mark.parametrize("module", sorted(EDGES))
+def test_imports_only_its_layer_or_below(module: str) -> None:
+    rank = layer_of(module)
+    if rank is None:
+        return  # the package itself; test_every_module_has_a_layer names any other
+    upward = [t for t in sorted(EDGES[module]) if (layer_of(t) or 0) > rank]
+    assert upward == [], f"{module} (layer {rank}) imports higher layers: {upward}"
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
+    """The walk itself works: a planted cycle is found, and a planted upward import is."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+    assert layer_of("nsa_diag.executor") > layer_of("nsa_diag.launchers.worker")
+    assert EDGES["nsa_diag.session.core"] >= {"nsa_diag.executor"}
+
+
+def test_nsa_core_never_imports_nsa_diag() -> None:
+    edges, _ = _graph("nsa_core")
+    imports = {
+        target
+        for module, path in _modules("nsa_core").items()
+        for target, _name in _imports(module, path, set())
+        if target.split(".")[0] == "nsa_diag"
+    }
+    assert edges
+    assert imports == set()
