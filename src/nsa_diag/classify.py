@@ -5,7 +5,10 @@ GPU utilisation, where the beacon last was) and `classify` decides, without touc
 
 - exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch, error,
   skipped as they are); killed by a signal the runner did not send, or exited without a result -> crash.
-- timeout (progress continued past ``--timeout``) -> slow, with the rate and the time it would still need.
+- timeout (``--timeout`` ran out) -> slow, with the rate and the time it would still need; but a worker
+  idle for longer than any gap between its progress events before, with no progress while the evidence
+  was taken, and seen stuck (collective, gil-held, python-deadlock below) -> hang: idle is not progress,
+  whichever limit came first.
 - interrupted (nsa-diag got SIGINT/SIGTERM) -> error.
 - stalled (no progress for ``--stall`` seconds) -> hang, and the hang kind, first match wins:
   collective   torch.distributed frames (Python or c10d/NCCL/Gloo native) in the training thread;
@@ -35,6 +38,8 @@ Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
 WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped")
 DEADLOCK_CPU_MAX = 20.0  # percent of one core: a blocked wait uses (almost) none
 BUSY_CPU_MIN = 50.0
+# Hang kinds that show a worker not working: past the timeout without progress, these are a hang, not slow.
+STUCK_KINDS = ("collective", "gil-held", "python-deadlock")
 
 # Python frames (file suffix, function) that wait: threading, queue, subprocess, multiprocessing, futures.
 _BLOCKING_PY = {
@@ -108,6 +113,8 @@ class Evidence:
     elapsed_s: float = 0.0
     timeout_s: float | None = None
     rate: Mapping[str, Any] | None = None  # timeout: watchdog.progress_rate()
+    progressed: bool | None = None  # a progress event came while the evidence was taken
+    longest_gap_s: float | None = None  # the longest time between progress events before (after setup)
     source_lines: Mapping[str, str] = field(default_factory=dict)  # "file:line" -> source text
     stderr_tail: str = ""
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" to nsa-diag
@@ -410,6 +417,18 @@ def classify(ev: Evidence) -> Classification:
             f"interrupted by {ev.interrupted_by or 'a signal'} after {ev.elapsed_s:.1f} s at {_at(ev.where)}",
         )
     if ev.outcome == "timeout":
+        unprecedented = (
+            ev.longest_gap_s is None or ev.stalled_for_s is None or ev.stalled_for_s > ev.longest_gap_s
+        )
+        if ev.progressed is False and unprecedented:
+            kind, why = hang_kind(ev)
+            if kind in STUCK_KINDS:
+                idle = f" for {ev.stalled_for_s:.1f} s" if ev.stalled_for_s is not None else ""
+                reason = (
+                    f"no progress{idle} at {_at(ev.where)} when the {ev.timeout_s or ev.elapsed_s:g} s"
+                    f" timeout ran out, nor while the evidence was taken; {why}"
+                )
+                return Classification("hang", kind, reason)
         return Classification("slow", None, _slow_reason(ev))
     if ev.outcome == "stalled":
         kind, why = hang_kind(ev)

@@ -140,6 +140,8 @@ def unit_result(
         elapsed_s=elapsed,
         timeout_s=spec.timeout,
         rate=rate,
+        progressed=hang.progressed if hang else None,
+        longest_gap_s=watched.longest_gap_s,
         source_lines=stacks.source_lines(stack_file.threads()),
         stderr_tail=stderr_tail(unit_dir),
     )
@@ -156,6 +158,8 @@ def unit_result(
             main_thread={"state": hang.main_state, "wchan": hang.main_wchan},
             gpu_utilization=hang.gpu_utilization,
             stack_samples=len(hang.samples),
+            progressed_during_evidence=hang.progressed,
+            longest_progress_gap_s=watched.longest_gap_s,
             **hang.notes,
         )
     if stack_file.fatal:

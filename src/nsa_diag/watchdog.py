@@ -294,6 +294,10 @@ class WatchResult:
     history: list[Observation]
     decision: Decision | None  # None when the job exited by itself
     exit_code: int | None
+    # The longest time between two progress events seen after setup (events between two reads count as
+    # one gap, so it errs long); None before two such events. At the timeout, an idle time longer than
+    # any gap before is unprecedented: with a stuck stack, a hang rather than a slow step.
+    longest_gap_s: float | None = None
 
     @property
     def last_state(self) -> BeaconState | None:
@@ -326,6 +330,14 @@ def _judge(decision: Decision, has_beacon: bool, spec: CaseSpec) -> Decision:
     return replace(decision, status="timeout" if decision.elapsed_s > spec.timeout else "running")
 
 
+def _longest_gap(longest: float | None, before: BeaconState | None, now: BeaconState | None) -> float | None:
+    """``longest`` updated with the gap from the event ``before`` to a new one ``now`` (after setup)."""
+    if before is None or now is None or now.seq <= before.seq or in_setup(before):
+        return longest
+    gap = max(now.time - before.time, 0.0)
+    return gap if longest is None else max(longest, gap)
+
+
 def watch(
     proc: ProcessHandle,
     beacons: Sequence[Path | None],
@@ -339,18 +351,21 @@ def watch(
     `decide`; the first unit to stall (the longest idle) decides, else the first past the timeout.
     ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds since ``started``."""
     histories = [[Observation(started, None)] for _ in beacons]
+    gaps: list[float | None] = [None for _ in beacons]
     while True:
         code = proc.poll()
         now = time.time()
         for i, beacon in enumerate(beacons):
             state = read_beacon(beacon) if beacon is not None else None
+            gaps[i] = _longest_gap(gaps[i], _last_state(histories[i]), state)
             histories[i] = compact([*histories[i], Observation(now, state)])
         if on_progress is not None:
             states = [h[-1].state for h in histories if h[-1].state is not None]
             behind = min(states, key=lambda s: s.seq) if states else None
             on_progress(behind, now - started)
         if code is not None:
-            return Watched("exited", [WatchResult("exited", h, None, code) for h in histories], None)
+            units = [WatchResult("exited", h, None, code, g) for h, g in zip(histories, gaps, strict=True)]
+            return Watched("exited", units, None)
         decisions = [
             _judge(decide(h, now, spec), beacon is not None, spec)
             for h, beacon in zip(histories, beacons, strict=True)
@@ -361,7 +376,9 @@ def watch(
         if stalled or timed_out:
             status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
             first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
-            units = [WatchResult(status, h, d, None) for h, d in zip(histories, decisions, strict=True)]
+            units = [
+                WatchResult(status, h, d, None, g) for h, d, g in zip(histories, decisions, gaps, strict=True)
+            ]
             return Watched(status, units, first)
         time.sleep(poll_s)
 
@@ -434,6 +451,9 @@ class HangEvidence:
     main_wchan: str | None = None
     main_state: str | None = None
     pyspy_text: str | None = None
+    # Whether a progress event came while the evidence was taken (after the watchdog's last read): a slow
+    # step goes on, a stuck one does not. None: the worker never wrote its beacon.
+    progressed: bool | None = None
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -524,6 +544,9 @@ def gather_hang_evidence(
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes["gpu"] = _gpu_files(case_dir, snapshot)
     ev.samples = list(stacks.read_stacks(stacks_path).samples)
+    after = read_beacon(case_dir / artifacts.BEACON)
+    if after is not None:
+        ev.progressed = last is None or after.seq > last.seq
     return ev
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,41 @@ def test_timeout_is_slow_with_rate_and_eta() -> None:
     assert "0.4 steps/s" in v.reason
     assert "2/20 steps done" in v.reason
     assert "needs about 45 s more" in v.reason
+
+
+def timed_out(kind: str, **fields: object) -> Evidence:
+    """A worker the timeout stopped: the stacks of ``kind``, idle 2.5 s, a 6 s timeout."""
+    evidence = {"outcome": "timeout", "timeout_s": 6.0, "elapsed_s": 6.1, "stalled_for_s": 2.5, **fields}
+    return replace(stalled(kind, "lock.acquire()", cpu_percent=0.0), **evidence)  # type: ignore[arg-type]
+
+
+def test_a_stuck_worker_at_the_timeout_is_a_hang_not_slow() -> None:
+    # Issue 15 #1: before step 1 ends the stall limit is long, so a --timeout shorter than it came
+    # first and an idle worker was called "still progressing".
+    v = classify(timed_out("deadlock", progressed=False, longest_gap_s=0.3))
+    assert (v.verdict, v.hang_kind) == ("hang", "python-deadlock")
+    assert v.reason.startswith(
+        "no progress for 2.5 s at layer 1 backward step 1 when the 6 s timeout ran out"
+    )
+    assert "lock acquire" in v.reason
+    assert classify(timed_out("deadlock", progressed=False)).verdict == "hang"  # no gap seen before
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"progressed": True, "longest_gap_s": 0.3}, id="progress-while-sampled"),
+        pytest.param({"progressed": False, "longest_gap_s": 4.0}, id="idle-no-longer-than-gaps-before"),
+        pytest.param({"progressed": None}, id="no-beacon"),
+    ],
+)
+def test_a_timeout_is_slow_unless_the_idle_is_unprecedented_and_nothing_moves(fields: dict) -> None:
+    assert classify(timed_out("deadlock", **fields)).verdict == "slow"
+
+
+def test_a_busy_worker_at_the_timeout_is_slow() -> None:
+    v = classify(timed_out("busy", progressed=False, cpu_percent=97.0, pyspy=pyspy("busy")))
+    assert (v.verdict, v.hang_kind) == ("slow", None)
 
 
 def test_interrupted_is_an_error() -> None:

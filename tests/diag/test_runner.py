@@ -8,6 +8,7 @@ in the middle of a hung case.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -147,6 +148,21 @@ def test_busy_and_gil_held_hangs_without_pyspy(
     assert result.evidence["pyspy"]["taken"] is False
     assert "py-spy is not on PATH" in result.evidence["pyspy"]["why"]
     assert artifacts.PYSPY not in result.files
+    assert_no_process_left(case_dir)
+
+
+@pytest.mark.parametrize("stall", ["auto", math.inf], ids=["auto", "inf"])
+def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(
+    tmp_path: Path, stall: object
+) -> None:
+    # Issue 15 #1: in step 1 the auto limit is 120 s (--stall inf: none), so the 6 s timeout decides; an
+    # idle worker is not "still progressing".
+    case_dir = tmp_path / "deadlock"
+    result = run_case(make_spec("deadlock", "deadlock:layer=1", stall=stall, timeout=6.0), case_dir)
+    assert (result.verdict, result.hang_kind) == ("hang", "python-deadlock"), result.reason
+    assert "when the 6 s timeout ran out" in result.reason
+    assert result.evidence["outcome"] == "timeout"
+    assert result.evidence["progressed_during_evidence"] is False
     assert_no_process_left(case_dir)
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ class TorchrunLauncher(Launcher):
         for unit, w in zip(units, watched, strict=True):
             rank = unit.key
             if w.outcome != "exited" and rank not in hangs:  # this rank had already exited
-                w = WatchResult("exited", w.history, None, codes.get(rank, 0))
+                w = replace(w, outcome="exited", decision=None, exit_code=codes.get(rank, 0))
             code = codes.get(rank, 0 if (unit.folder / artifacts.WORKER_RESULT).exists() else None)
             ends[rank] = (
                 w,
