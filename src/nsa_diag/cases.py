@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import (
+    CHECK_OMITS,
     FROM_FIELD,
     GROUPS,
     SESSION_OPTIONS,
@@ -494,13 +495,19 @@ def _replay_option(spec: CaseSpec, field: str) -> list[str]:
 
 
 def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
-    """The `nsa-diag run` (or `ddp`) command line that reproduces `spec`, its run folder under `out`.
+    """The `nsa-diag run` (or `ddp`, or for a property `verify --only`) command line that reproduces
+    `spec`, its run folder under `out`.
 
     The head says which case and which model: name, preset, the overrides (in their order), `--model`;
     then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`.
     """
-    command = "ddp" if spec.ddp is not None else "run"
-    argv = [sys.executable, "-m", "nsa_diag", command, *_replay_option(spec, "name")]
+    if spec.check is not None:  # a property of `nsa-diag verify`: its replay checks it again
+        argv = [sys.executable, "-m", "nsa_diag", "verify", "--only", spec.check]
+        skip: tuple[str, ...] = ("name", *CHECK_OMITS)
+    else:
+        command = "ddp" if spec.ddp is not None else "run"
+        argv = [sys.executable, "-m", "nsa_diag", command, *_replay_option(spec, "name")]
+        skip = ()
     argv += _replay_option(spec, "preset")
     for key, value in spec.overrides.items():
         flag = _OVERRIDE_FLAGS.get(key, "--" + key.replace("_", "-"))
@@ -511,7 +518,8 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
             argv += [flag, str(value)]
     argv += _replay_option(spec, "model")
     for field in _REPLAY_ORDER:
-        argv += _replay_option(spec, field)
+        if field not in skip:
+            argv += _replay_option(spec, field)
     if spec.ddp is not None:  # issue 6
         argv += ddp_flags(spec.ddp)
     argv += ["--out", str(Path(out).resolve())]

@@ -261,3 +261,6 @@ OUTPUT = Group(_OUTPUT, ("out", "tag", "junit"))
 CASE_NAME = Group(_OUTPUT, ("name",))  # the commands that run one named case: run, ddp
 
 GROUPS = (MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, FOLLOW_UPS, OUTPUT, CASE_NAME)
+# `nsa-diag verify` checks a property, it does not train: the case options it does not take (its replay
+# line omits them too).
+CHECK_OMITS = ("inject", "steps", "reference_check", "profile", "memory_snapshot")

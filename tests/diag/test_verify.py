@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import run_cli_json
+from diag_cli import cli_env, run_cli_json
 
 from nsa_diag.commands.verify import PROPERTIES, parse_properties, verify_seq_len
 from nsa_diag.errors import UsageError
@@ -81,3 +82,12 @@ def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
     assert causality["parity"]["property"] == "causality"
     assert causality["parity"]["max_err"] > 1e-3
     assert "logits before t differ" in causality["parity"]["where"]
+    # Issue 15 #9: the replay checks the property again (it replayed a training step, which passed).
+    replay = Path(summary["run_dir"]) / "cases" / "causality" / "replay.sh"
+    assert " verify --only causality " in replay.read_text()
+    again = subprocess.run(
+        ["bash", str(replay), "--json"], capture_output=True, text=True, env=cli_env(planted=True),
+        cwd=ROOT, stdin=subprocess.DEVNULL, timeout=240, check=False,
+    )  # fmt: skip
+    assert again.returncode == 1, again.stderr
+    assert [case["verdict"] for case in json.loads(again.stdout)["cases"]] == ["mismatch"]

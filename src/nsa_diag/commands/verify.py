@@ -7,7 +7,17 @@ from typing import Annotated, Any
 import typer
 
 from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
-from nsa_diag.options import EVIDENCE, FAULTS, FOLLOW_UPS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
+from nsa_diag.options import (
+    CHECK_OMITS,
+    EVIDENCE,
+    FAULTS,
+    FOLLOW_UPS,
+    MODEL,
+    NSA,
+    OUTPUT,
+    TRAINING,
+    WATCHDOG,
+)
 
 PROPERTIES = ("backends", "causality", "prefill", "gc")
 CHECK_TIMEOUT_S = 1800.0  # float64 on the CPU: m7c-125m takes minutes per property
@@ -49,7 +59,6 @@ def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...
     return specs
 
 
-# A property is checked, not trained: no faults, steps, reference check or profile.
 @case_options(
     MODEL,
     NSA,
@@ -59,7 +68,7 @@ def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...
     EVIDENCE,
     FOLLOW_UPS,
     OUTPUT,
-    omit=("inject", "steps", "reference_check", "profile", "memory_snapshot"),
+    omit=CHECK_OMITS,
     defaults={"batch": 1, "timeout": CHECK_TIMEOUT_S},
 )
 def verify(
