@@ -22,6 +22,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 LINT_PATHS ?= $(wildcard src tests benchmarks)
 PYTEST_ARGS ?=
+# pytest-xdist processes. Most tests wait on subprocesses (a worker importing torch, a watchdog's stall
+# limit, torchrun), so 3 keep a 2-core machine busy; tests sharing an expensive fixture are grouped
+# (xdist_group, --dist loadgroup). PYTEST_JOBS=0 runs in one process.
+PYTEST_JOBS ?= 3
 MATRIX_ARGS ?=
 # The nsa-diag the matrix-<name> targets run. Where Python already has torch and the toolkit's
 # dependencies (a GPU machine), NSA_DIAG='python3 -m nsa_diag' with PYTHONPATH=src runs them without a venv.
@@ -46,8 +50,8 @@ demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/core/triton $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) tests/core/triton $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

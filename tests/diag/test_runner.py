@@ -8,7 +8,6 @@ in the middle of a hung case.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
@@ -151,16 +150,13 @@ def test_busy_and_gil_held_hangs_without_pyspy(
     assert_no_process_left(case_dir)
 
 
-@pytest.mark.parametrize("stall", ["auto", math.inf], ids=["auto", "inf"])
-def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(
-    tmp_path: Path, stall: object
-) -> None:
-    # Issue 15 #1: in step 1 the auto limit is 120 s (--stall inf: none), so the 6 s timeout decides; an
-    # idle worker is not "still progressing".
+def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(tmp_path: Path) -> None:
+    # Issue 15 #1: in step 1 the auto limit is 120 s, so the timeout decides; an idle worker is not
+    # "still progressing". (15 s: start-up on a loaded machine takes seconds of it.)
     case_dir = tmp_path / "deadlock"
-    result = run_case(make_spec("deadlock", "deadlock:layer=1", stall=stall, timeout=6.0), case_dir)
+    result = run_case(make_spec("deadlock", "deadlock:layer=1", stall="auto", timeout=15.0), case_dir)
     assert (result.verdict, result.hang_kind) == ("hang", "python-deadlock"), result.reason
-    assert "when the 6 s timeout ran out" in result.reason
+    assert "when the 15 s timeout ran out" in result.reason
     assert result.evidence["outcome"] == "timeout"
     assert result.evidence["progressed_during_evidence"] is False
     assert_no_process_left(case_dir)
