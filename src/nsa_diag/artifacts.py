@@ -5,6 +5,9 @@
       cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
 
 A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
+
+No file records the value of a variable whose name says it is a secret (`is_secret_name`): env.json and
+replay.sh name it as withheld instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from pathlib import Path
 from typing import IO, Any
 
 DEFAULT_OUT = Path("nsa-diag-runs")
+
+# A variable whose name contains one of these (in any case) holds a secret, whatever its prefix
+# (NSA_TOKEN, TORCH_SECRET, NSA_DIAG_PASSWORD, AWS_SECRET_ACCESS_KEY): its value is never written.
+SECRET_NAME_PARTS = ("token", "secret", "key", "password", "passwd", "credential", "auth")
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 
@@ -135,10 +142,21 @@ def case_dir(run_dir: Path, name: str) -> Path:
     return path
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether the variable `name` holds a secret (`SECRET_NAME_PARTS`): its value is never written."""
+    lowered = name.lower()
+    return any(part in lowered for part in SECRET_NAME_PARTS)
+
+
 def write_replay(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Path:
-    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set."""
+    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set; a secret's value is left out
+    and its name listed for the user to set."""
+    env = env or {}
+    withheld = sorted(name for name in env if is_secret_name(name))
     lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    if withheld:
+        lines.append(f"# Withheld (secret values are never written; set them yourself): {' '.join(withheld)}")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in withheld]
     lines.append(shlex.join(argv) + ' "$@"')
     write_text(path, "\n".join(lines) + "\n")
     os.chmod(path, 0o755)

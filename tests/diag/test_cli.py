@@ -102,6 +102,45 @@ def test_env_table_shows_nsa_variable_and_hides_others() -> None:
     assert "hunter2-secret" not in done.stdout
 
 
+SECRETS = {"NSA_TOKEN": "tok-0a1b2c", "TORCH_SECRET": "sec-3d4e5f", "NSA_DIAG_PASSWORD": "pw-6a7b8c"}
+
+
+def test_env_json_withholds_secret_values_and_names_them() -> None:
+    done = run_nsa_diag("env", "--json", env={**SECRETS, "NSA_DIAG_Auth_Header": "hdr-9d0e"})
+    assert done.returncode == 0, done.stderr
+    for value in [*SECRETS.values(), "hdr-9d0e"]:
+        assert value not in done.stdout
+    snapshot = json.loads(done.stdout)
+    assert snapshot["env_vars_withheld"] == sorted([*SECRETS, "NSA_DIAG_Auth_Header"])
+    assert not set(snapshot["env_vars"]) & set(snapshot["env_vars_withheld"])
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+)
+def test_no_artifact_records_a_secret_value(command: list[str], tmp_path: Path) -> None:
+    done = run_nsa_diag(*command, "--steps", "1", "--out", str(tmp_path), env=SECRETS)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = tmp_path.iterdir()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"env.json", "summary.json", "summary.md", "replay.sh"} <= {p.name for p in written}
+    for path in written:
+        data = path.read_bytes()
+        for value in SECRETS.values():
+            assert value.encode() not in data, f"{path.relative_to(run_dir)} records {value}"
+    assert json.loads((run_dir / "env.json").read_text())["env_vars_withheld"] == sorted(SECRETS)
+
+
+def test_replay_names_a_secret_variable_without_its_value(tmp_path: Path) -> None:
+    from nsa_diag.artifacts import write_replay
+
+    path = write_replay(tmp_path / "replay.sh", ["python", "-V"], {"NSA_API_KEY": "k-123", "NSA_X": "1"})
+    text = path.read_text()
+    assert "k-123" not in text
+    assert "NSA_API_KEY" in text
+    assert "export NSA_X=1" in text
+
+
 def test_select_env_vars_matches_prefixes_exactly() -> None:
     environ = {
         "NSA_SEQ": "1",
