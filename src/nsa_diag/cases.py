@@ -12,6 +12,7 @@ At the end, the same for `nsa-diag ddp` (issue 6): its flags checked, the `DdpSp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -38,7 +39,7 @@ from nsa_diag.options import (
     SelBackend,
     WinBackend,
 )
-from nsa_diag.spec import MODEL_OPTIONS, CaseSpec, DdpSpec, Injection
+from nsa_diag.spec import MODEL_OPTIONS, MODEL_REF, CaseSpec, DdpSpec, Injection
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -306,31 +307,63 @@ def uses_cuda(options: CaseOptions) -> bool:
 
 
 def check_model_factory(target: str) -> None:
-    """`pkg.module:factory` must import and name a callable, as the worker will look it up.
+    """`pkg.module:factory` must name a module the worker can import and a name its source binds.
 
-    The worker runs `python -m`, which puts the working directory first on `sys.path`; so does this check.
+    Nothing of the user's code runs here, not even a package's ``__init__``: a dry run, or a command
+    refused for another reason, must execute none of it. The module is looked up as the worker imports it
+    (the working directory first, `nsa_diag.worker.train.load_factory`), and its source is parsed, not
+    run; the worker then checks that the factory is callable.
     """
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--model {target!r}: expected 'pkg.module:factory'")
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
+    module_name, _, attr = target.partition(":")
+    if not MODEL_REF.match(target):
+        raise UsageError(
+            f"--model {target!r}: expected 'pkg.module:factory' (a module path, a colon, a function's name)"
+        )
+    source = _module_source(target, module_name)
+    if source is None:
+        return  # compiled, built in or a namespace package: the worker finds out
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of the user's code is a usage error here
-        raise UsageError(f"--model {target}: cannot import {module_name}: {_one_line(str(exc))}") from None
-    finally:
-        if added:
-            sys.path.remove(cwd)
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
-    if not callable(factory):
-        raise UsageError(f"--model {target}: {attr} is not callable; it must be factory(spec) -> nn.Module")
+        tree = ast.parse(Path(source).read_bytes(), filename=source)
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UsageError(f"--model {target}: cannot read {source}: {_one_line(str(exc))}") from None
+    names = _bound_names(tree)
+    if attr not in names and "*" not in names and "__getattr__" not in names:
+        raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
+
+
+def _module_source(target: str, module_name: str) -> str | None:
+    """The source file of `module_name` (None: it has none), found without importing any of its packages."""
+    from importlib.machinery import PathFinder
+
+    parts = module_name.split(".")
+    found = PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path])
+    if found is None:  # an installed package's own finder (editable installs), or a built-in module
+        found = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported to find it
+    for depth in range(1, len(parts)):
+        if found is None or not found.submodule_search_locations:
+            break
+        found = PathFinder.find_spec(".".join(parts[: depth + 1]), list(found.submodule_search_locations))
+    if found is None:
+        raise UsageError(f"--model {target}: cannot import {module_name}: no such module")
+    origin = found.origin
+    return origin if found.has_location and origin and origin.endswith(".py") else None
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (in if/try/with blocks too); "*" for a star import."""
+    names: set[str] = set()
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)  # not its body: that binds the function's or class's own names
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        else:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            pending.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def parse_backend_list(branch: str, text: str | None) -> tuple[str, ...]:

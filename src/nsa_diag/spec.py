@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -54,6 +55,8 @@ PresetName = literal_of(Preset)
 DtypeName = literal_of(Dtype)
 DeviceName = literal_of(Device)
 OverrideValue = int | float | str | bool | None
+# `--model`: a module path, a colon and the factory's name in that module; what the worker imports
+MODEL_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class Injection(BaseModel):
@@ -323,8 +326,8 @@ class CaseSpec(BaseModel):
     def _valid_model(self) -> CaseSpec:
         if self.model is None:
             self.nsa_config()  # raises ValueError with the field and the fix
-        elif ":" not in self.model:
-            raise ValueError(f"model={self.model!r} must be 'pkg.module:factory'")
+        elif not MODEL_REF.match(self.model):
+            raise ValueError(f"model={self.model!r} must be 'pkg.module:factory' (a function's name)")
         return self
 
     def nsa_config(self) -> Any:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from diag_cli import cli_env
 
 from nsa_diag.app import report_error, run_cli
 from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, ConfigError, UsageError, describe_error
@@ -162,6 +163,76 @@ def test_select_env_vars_matches_prefixes_exactly() -> None:
         "TORCH_LOGS": "+dynamo",
         "TRITON_INTERPRET": "1",
     }
+
+
+def run_as_console_script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`nsa-diag ARGS` in `cwd` as the console script runs it: the working directory is not on sys.path
+    (`-P`; `python -m nsa_diag` would put it there itself), tests/diag is (the planted models)."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "nsa_diag", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(planted=True),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+# A module that leaves a mark when it is executed.
+MARKING_MODULE = """\
+import pathlib
+pathlib.Path(__file__).with_suffix(".ran").write_text("imported")
+{rest}
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+)
+def test_the_worker_does_not_import_from_the_working_directory(command: list[str], tmp_path: Path) -> None:
+    (tmp_path / "pydantic.py").write_text(MARKING_MODULE.format(rest="raise ImportError('planted')"))
+    done = run_as_console_script(*command, "--steps", "1", "--out", "runs", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert not (tmp_path / "pydantic.ran").exists()
+
+
+def test_a_model_module_runs_only_once_the_command_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "user_model.py").write_text(MARKING_MODULE.format(rest="from diag_user_model import build"))
+    ran = tmp_path / "user_model.ran"
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        "defaults: {seq_len: 16, batch: 1, device: cpu}\ncases: [{model: 'user_model:build'}]\n"
+    )
+
+    done = run_as_console_script("matrix", str(matrix), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = run_as_console_script("run", "--model", "user_model:build", "--lr", "0", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    done = run_as_console_script("run", "--model", "user_model:nope", cwd=tmp_path)
+    assert (done.returncode, done.stderr.strip()) == (
+        EXIT_USAGE,
+        "nsa-diag: --model user_model:nope: module user_model has no attribute 'nope'",
+    )
+    assert not ran.exists()
+
+    # accepted: the worker imports it from the working directory
+    done = run_as_console_script(
+        "run", "--model", "user_model:build", "--seq-len", "16", "--out", "runs", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    "target", ["pkg.mod:Outer.build", "pkg.mod:", ":build", "pkg..mod:build", "pkg mod:b"]
+)
+def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Path) -> None:
+    done = run_as_console_script("run", "--model", target, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    expected = "expected 'pkg.module:factory' (a module path, a colon, a function's name)"
+    assert done.stderr.strip().splitlines() == [f"nsa-diag: --model {target!r}: {expected}"]
 
 
 @pytest.mark.parametrize(
