@@ -39,7 +39,15 @@ from nsa_diag.options import (
     SelBackend,
     WinBackend,
 )
-from nsa_diag.spec import MODEL_OPTIONS, MODEL_REF, CaseSpec, DdpSpec, Injection
+from nsa_diag.spec import (
+    MIN_STALL_S,
+    MODEL_OPTIONS,
+    MODEL_REF,
+    CaseSpec,
+    DdpSpec,
+    Injection,
+    endpoint_problem,
+)
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -78,15 +86,15 @@ def parse_injection(text: str) -> Injection:
 
 
 def parse_stall(value: float | str | None) -> float | str:
-    """`--stall` -> seconds (> 0) or "auto"; a `UsageError` otherwise."""
+    """`--stall` -> seconds (at least `MIN_STALL_S`, finite) or "auto"; a `UsageError` otherwise."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     try:
         seconds = float(value)
     except ValueError:
         raise UsageError(f"--stall {value}: give auto or a number of seconds") from None
-    if not seconds > 0:
-        raise UsageError(f"--stall {value}: must be more than 0 seconds")
+    if not MIN_STALL_S <= seconds < math.inf:
+        raise UsageError(f"--stall {value}: give at least {MIN_STALL_S:g} seconds (finite), or auto")
     return seconds
 
 
@@ -279,10 +287,10 @@ def check_output(out: Path | None, tag: str | None) -> None:
 def check_options(options: CaseOptions) -> None:
     """What can be checked before any case is built: values, the tag, the device, the model factory."""
     parse_stall(options.stall)
-    if options.timeout <= 0:
-        raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds")
-    if options.lr <= 0:
-        raise UsageError(f"--lr {options.lr}: the learning rate must be > 0")
+    if not 0 < options.timeout < math.inf:
+        raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds, and finite")
+    if not 0 < options.lr < math.inf:
+        raise UsageError(f"--lr {options.lr}: the learning rate must be > 0, and finite")
     check_output(options.out, options.tag)
     if options.device.value == "cuda" and not cuda_available():
         raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu or auto")
@@ -554,7 +562,6 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
 # --- nsa-diag ddp (issue 6): the ddp flags, checked, and the specs they make ------------------------------
 
 DDP_BACKENDS = ("auto", "gloo", "nccl")
-_ENDPOINT = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
 
 
 def ddp_flags(ds: DdpSpec) -> list[str]:
@@ -589,8 +596,9 @@ def check_ddp_options(
         raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
-    if rdzv_endpoint is not None and not _ENDPOINT.match(rdzv_endpoint):
-        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+    problem = None if rdzv_endpoint is None else endpoint_problem(rdzv_endpoint)
+    if problem:
+        raise UsageError(f"--rdzv-endpoint {problem}")
     if backend not in DDP_BACKENDS:
         raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
     resolved = resolve_backend(backend, device)

@@ -236,6 +236,39 @@ def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(["run", "--seed", str(10**23)], "--seed", id="seed-overflow"),
+        pytest.param(["run", "--seed", "-1"], "--seed", id="seed-negative"),
+        pytest.param(
+            ["run", "--lr", "inf"], "--lr inf: the learning rate must be > 0, and finite", id="lr-inf"
+        ),
+        pytest.param(
+            ["run", "--lr", "nan"], "--lr nan: the learning rate must be > 0, and finite", id="lr-nan"
+        ),
+        pytest.param(
+            ["run", "--timeout", "inf"], "--timeout inf: must be more than 0 seconds", id="timeout-inf"
+        ),
+        pytest.param(["run", "--stall", "1e-9"], "--stall 1e-9: give at least 0.5 seconds", id="stall-tiny"),
+        pytest.param(["run", "--stall", "inf"], "--stall inf: give at least 0.5 seconds", id="stall-inf"),
+        pytest.param(
+            ["run", "--inject", "slow:seconds=inf"], "seconds: Input should be a finite number", id="slow-inf"
+        ),
+        pytest.param(
+            ["ddp", "--rdzv-endpoint", "127.0.0.1:99999"], "port 99999 is not in 1..65535", id="rdzv-port"
+        ),
+    ],
+)
+def test_bad_values_are_refused_before_any_case(args: list[str], says: str, tmp_path: Path) -> None:
+    done = run_nsa_diag(*args, "--out", str(tmp_path / "runs"))
+    assert done.returncode == EXIT_USAGE, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("nsa-diag: ")
+    assert says in line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
     "args",
     [
         pytest.param(["--bogus"], id="root"),
