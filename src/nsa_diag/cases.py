@@ -50,6 +50,7 @@ from nsa_diag.spec import (
 )
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_TAG_CHARS = 64  # the run folder's name is the tag and 30 characters more; a file name is 255 at most
 
 BACKENDS: dict[str, tuple[str, ...]] = {
     "sel": tuple(b.value for b in SelBackend),
@@ -280,6 +281,10 @@ def check_output(out: Path | None, tag: str | None) -> None:
     """`--out` must be a folder (or not exist yet) and `--tag` usable in a folder name."""
     if tag is not None and not _TAG_PATTERN.match(tag):
         raise UsageError(f"--tag {tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if tag is not None and len(tag) > MAX_TAG_CHARS:
+        raise UsageError(
+            f"--tag {tag[:20]}...: {len(tag)} characters; at most {MAX_TAG_CHARS} (it names a folder)"
+        )
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder")
 

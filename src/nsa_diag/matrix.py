@@ -55,7 +55,14 @@ from pydantic import (
     create_model,
 )
 
-from nsa_diag.cases import Expectation, check_model_factory, check_spec, default_seq_len, with_device_backends
+from nsa_diag.cases import (
+    MAX_TAG_CHARS,
+    Expectation,
+    check_model_factory,
+    check_spec,
+    default_seq_len,
+    with_device_backends,
+)
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import CmpBackend, Prefill, SelBackend, WinBackend, literal_of
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
@@ -195,7 +202,9 @@ class MatrixFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, title="nsa-diag matrix file")
 
-    name: Annotated[str, Field(pattern=_TAG)] | None = Field(None, description="default: the file's stem")
+    name: Annotated[str, Field(pattern=_TAG, max_length=MAX_TAG_CHARS)] | None = Field(
+        None, description="default: the file's stem (the run folder's tag)"
+    )
     description: str | None = None
     defaults: CaseFields = Field(default_factory=CaseFields)  # type: ignore[valid-type]
     axes: Axes = Field(default_factory=dict, description="key -> values: one case per combination")

@@ -61,6 +61,8 @@ MIN_STALL_S = 0.5  # below it a healthy worker, between two beacon writes, alrea
 # The worker seeds its batches with seed·1_000_003 + step (nsa_diag.worker.train): that must stay within
 # torch.manual_seed's 64 bits.
 MAX_SEED = 2**32 - 1
+# A case's folder name; the follow-ups add suffixes (-r1000, minimize/ steps) within a file name's 255
+MAX_NAME_CHARS = 128
 MODEL_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
@@ -229,7 +231,12 @@ class CaseSpec(BaseModel):
 
     name: Annotated[
         str, Opt("--name", str, "Case id: the name of its folder under cases/.", replay="always")
-    ] = Field("case", pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", description="case id (folder name)")
+    ] = Field(
+        "case",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$",
+        max_length=MAX_NAME_CHARS,
+        description="case id (folder name)",
+    )
     preset: Annotated[PresetName, Opt("--preset", Preset, "Model preset.", replay="always")] = "tiny"
     overrides: Annotated[dict[str, OverrideValue], NotAnOption("the options of MODEL_OPTIONS")] = Field(
         default_factory=dict, description="flat nsa_core.preset overrides: layers, dim, sel_backend, gc, ..."

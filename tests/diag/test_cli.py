@@ -106,6 +106,65 @@ def test_env_table_shows_nsa_variable_and_hides_others() -> None:
 SECRETS = {"NSA_TOKEN": "tok-0a1b2c", "TORCH_SECRET": "sec-3d4e5f", "NSA_DIAG_PASSWORD": "pw-6a7b8c"}
 
 
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        pytest.param("/proc/self/x", "No such file or directory", id="proc"),
+        pytest.param("/proc/self/status/x", "Not a directory", id="under-a-file"),
+    ],
+)
+def test_an_out_where_no_run_folder_can_be_made_is_exit_2(out: str, says: str) -> None:
+    done = run_nsa_diag("run", "--out", out)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines() == [f"nsa-diag: --out {out}: cannot create a run folder there: {says}"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_out_is_exit_2_and_left_as_it_was(tmp_path: Path) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        done = run_nsa_diag("run", "--out", str(tmp_path / "runs"))
+    finally:
+        tmp_path.chmod(0o755)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "cannot create a run folder there: Permission denied" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_file_system_is_refused_before_the_first_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from nsa_diag import artifacts
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(artifacts.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    out = tmp_path / "a" / "runs"
+    assert run_cli(["run", "--out", str(out)]) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        f"nsa-diag: --out {out}: its file system is full (4 KiB free; a run needs 16 MiB)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # not even the folders of --out
+
+
+def test_a_run_folder_whose_first_file_cannot_be_written_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    from nsa_diag import artifacts
+
+    def disk_full(path: Path, data: object) -> Path:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(artifacts, "write_json", disk_full)
+    assert run_cli(["run", "--out", str(tmp_path)]) == EXIT_USAGE
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("cannot write the run's files: No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_env_json_withholds_secret_values_and_names_them() -> None:
     done = run_nsa_diag("env", "--json", env={**SECRETS, "NSA_DIAG_Auth_Header": "hdr-9d0e"})
     assert done.returncode == 0, done.stderr
@@ -257,6 +316,13 @@ def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Pa
         pytest.param(
             ["ddp", "--rdzv-endpoint", "127.0.0.1:99999"], "port 99999 is not in 1..65535", id="rdzv-port"
         ),
+        pytest.param(
+            ["scale", "--seq-lens", "32,64", "--memory-budget", "1.2.3GiB"],
+            "--memory-budget '1.2.3GiB': expected a size",
+            id="budget",
+        ),
+        pytest.param(["run", "--tag", "t" * 250], "250 characters; at most 64", id="tag-long"),
+        pytest.param(["run", "--name", "n" * 300], "name: String should have at most 128", id="name-long"),
     ],
 )
 def test_bad_values_are_refused_before_any_case(args: list[str], says: str, tmp_path: Path) -> None:
