@@ -332,6 +332,11 @@ def check_model_factory(target: str) -> None:
         raise UsageError(
             f"--model {target!r}: expected 'pkg.module:factory' (a module path, a colon, a function's name)"
         )
+    loaded = sys.modules.get(module_name)  # imported here already (os.path, torch.nn): looking runs nothing
+    if loaded is not None:
+        if not hasattr(loaded, attr):
+            raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
+        return
     source = _module_source(target, module_name)
     if source is None:
         return  # compiled, built in or a namespace package: the worker finds out
@@ -353,7 +358,8 @@ def _module_source(target: str, module_name: str) -> str | None:
     if found is None:  # an installed package's own finder (editable installs), or a built-in module
         found = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported to find it
     for depth in range(1, len(parts)):
-        if found is None or not found.submodule_search_locations:
+        if found is None or not found.submodule_search_locations:  # not a package: no module in it
+            found = None
             break
         found = PathFinder.find_spec(".".join(parts[: depth + 1]), list(found.submodule_search_locations))
     if found is None:

@@ -285,6 +285,25 @@ def test_a_model_module_runs_only_once_the_command_is_accepted(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        pytest.param("json.decoder:JSONDecoder", None, id="module-of-a-package"),
+        pytest.param("os.path:join", None, id="imported-already"),
+        pytest.param("os.path:nope", "module os.path has no attribute 'nope'", id="imported-no-attribute"),
+        pytest.param("json.decoder.x:f", "cannot import json.decoder.x: no such module", id="not-a-package"),
+    ],
+)
+def test_check_model_factory_finds_modules_without_importing_them(target: str, says: str | None) -> None:
+    from nsa_diag.cases import check_model_factory
+
+    if says is None:
+        check_model_factory(target)
+    else:
+        with pytest.raises(UsageError, match=says):
+            check_model_factory(target)
+
+
+@pytest.mark.parametrize(
     "target", ["pkg.mod:Outer.build", "pkg.mod:", ":build", "pkg..mod:build", "pkg mod:b"]
 )
 def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Path) -> None:
