@@ -5,6 +5,9 @@
       cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
 
 A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
+
+No file records the value of a variable whose name says it is a secret (`is_secret_name`): env.json and
+replay.sh name it as withheld instead.
 """
 
 from __future__ import annotations
@@ -12,13 +15,23 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from nsa_diag.errors import UsageError
+
 DEFAULT_OUT = Path("nsa-diag-runs")
+# A run folder is refused on a file system with less free: a case writes logs, stacks and evidence, and a
+# full disk midway would leave cases without result.json.
+MIN_FREE_BYTES = 16 * 2**20
+
+# A variable whose name contains one of these (in any case) holds a secret, whatever its prefix
+# (NSA_TOKEN, TORCH_SECRET, NSA_DIAG_PASSWORD, AWS_SECRET_ACCESS_KEY): its value is never written.
+SECRET_NAME_PARTS = ("token", "secret", "key", "password", "passwd", "credential", "auth")
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 
@@ -116,17 +129,53 @@ def read_json(path: Path) -> Any:
 
 
 def new_run_dir(command: str, out: Path | None = None, tag: str | None = None) -> Path:
-    """Create ``<out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]``, with a numeric suffix if it already exists."""
+    """Create ``<out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]``, with a numeric suffix if it already exists.
+
+    An ``--out`` where no run folder can be made (read-only, immutable, under /proc, its file system full,
+    a name too long) is a `UsageError` saying so, and leaves nothing behind: not even the folders of
+    ``--out`` this call made.
+    """
     base = Path(out or DEFAULT_OUT)
     stem = time.strftime("%Y%m%d-%H%M%S") + f"-{command}" + (f"-{tag}" if tag else "")
-    for n in range(1000):
-        path = base / (stem if n == 0 else f"{stem}.{n}")
+    made = [p for p in (base, *base.parents) if not p.exists()]  # deepest first
+    try:
+        for n in range(1000):
+            path = base / (stem if n == 0 else f"{stem}.{n}")
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise UsageError(f"--out {base}: {stem} and 999 numbered copies of it exist already")
+        free = shutil.disk_usage(path).free
+        if free < MIN_FREE_BYTES:
+            path.rmdir()
+            raise UsageError(
+                f"--out {base}: its file system is full ({free // 1024} KiB free; a run needs "
+                f"{MIN_FREE_BYTES // 2**20} MiB)"
+            )
+        return path
+    except OSError as exc:
+        _remove_empty(made)
+        raise UsageError(f"--out {base}: cannot create a run folder there: {exc.strerror or exc}") from None
+    except UsageError:
+        _remove_empty(made)
+        raise
+
+
+def remove_run_dir(path: Path) -> None:
+    """Undo `new_run_dir` when the run's first files cannot be written: no half run folder stays."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove each folder (deepest first) while it is empty."""
+    for folder in folders:
         try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"cannot create a run folder under {base}")
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def case_dir(run_dir: Path, name: str) -> Path:
@@ -135,10 +184,21 @@ def case_dir(run_dir: Path, name: str) -> Path:
     return path
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether the variable `name` holds a secret (`SECRET_NAME_PARTS`): its value is never written."""
+    lowered = name.lower()
+    return any(part in lowered for part in SECRET_NAME_PARTS)
+
+
 def write_replay(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Path:
-    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set."""
+    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set; a secret's value is left out
+    and its name listed for the user to set."""
+    env = env or {}
+    withheld = sorted(name for name in env if is_secret_name(name))
     lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+    if withheld:
+        lines.append(f"# Withheld (secret values are never written; set them yourself): {' '.join(withheld)}")
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in withheld]
     lines.append(shlex.join(argv) + ' "$@"')
     write_text(path, "\n".join(lines) + "\n")
     os.chmod(path, 0o755)

@@ -12,6 +12,7 @@ At the end, the same for `nsa-diag ddp` (issue 6): its flags checked, the `DdpSp
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -39,9 +40,18 @@ from nsa_diag.options import (
     SelBackend,
     WinBackend,
 )
-from nsa_diag.spec import MODEL_OPTIONS, CaseSpec, DdpSpec, Injection
+from nsa_diag.spec import (
+    MIN_STALL_S,
+    MODEL_OPTIONS,
+    MODEL_REF,
+    CaseSpec,
+    DdpSpec,
+    Injection,
+    endpoint_problem,
+)
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+MAX_TAG_CHARS = 64  # the run folder's name is the tag and 30 characters more; a file name is 255 at most
 
 BACKENDS: dict[str, tuple[str, ...]] = {
     "sel": tuple(b.value for b in SelBackend),
@@ -78,15 +88,15 @@ def parse_injection(text: str) -> Injection:
 
 
 def parse_stall(value: float | str | None) -> float | str:
-    """`--stall` -> seconds (> 0) or "auto"; a `UsageError` otherwise."""
+    """`--stall` -> seconds (at least `MIN_STALL_S`, finite) or "auto"; a `UsageError` otherwise."""
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     try:
         seconds = float(value)
     except ValueError:
         raise UsageError(f"--stall {value}: give auto or a number of seconds") from None
-    if not seconds > 0:
-        raise UsageError(f"--stall {value}: must be more than 0 seconds")
+    if not MIN_STALL_S <= seconds < math.inf:
+        raise UsageError(f"--stall {value}: give at least {MIN_STALL_S:g} seconds (finite), or auto")
     return seconds
 
 
@@ -272,6 +282,10 @@ def check_output(out: Path | None, tag: str | None) -> None:
     """`--out` must be a folder (or not exist yet) and `--tag` usable in a folder name."""
     if tag is not None and not _TAG_PATTERN.match(tag):
         raise UsageError(f"--tag {tag!r}: use letters, digits, '.', '_' and '-' (it names a folder)")
+    if tag is not None and len(tag) > MAX_TAG_CHARS:
+        raise UsageError(
+            f"--tag {tag[:20]}...: {len(tag)} characters; at most {MAX_TAG_CHARS} (it names a folder)"
+        )
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: exists and is not a folder")
 
@@ -279,10 +293,10 @@ def check_output(out: Path | None, tag: str | None) -> None:
 def check_options(options: CaseOptions) -> None:
     """What can be checked before any case is built: values, the tag, the device, the model factory."""
     parse_stall(options.stall)
-    if options.timeout <= 0:
-        raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds")
-    if options.lr <= 0:
-        raise UsageError(f"--lr {options.lr}: the learning rate must be > 0")
+    if not 0 < options.timeout < math.inf:
+        raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds, and finite")
+    if not 0 < options.lr < math.inf:
+        raise UsageError(f"--lr {options.lr}: the learning rate must be > 0, and finite")
     check_output(options.out, options.tag)
     if options.device.value == "cuda" and not cuda_available():
         raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu or auto")
@@ -307,31 +321,69 @@ def uses_cuda(options: CaseOptions) -> bool:
 
 
 def check_model_factory(target: str) -> None:
-    """`pkg.module:factory` must import and name a callable, as the worker will look it up.
+    """`pkg.module:factory` must name a module the worker can import and a name its source binds.
 
-    The worker runs `python -m`, which puts the working directory first on `sys.path`; so does this check.
+    Nothing of the user's code runs here, not even a package's ``__init__``: a dry run, or a command
+    refused for another reason, must execute none of it. The module is looked up as the worker imports it
+    (the working directory first, `nsa_diag.worker.train.load_factory`), and its source is parsed, not
+    run; the worker then checks that the factory is callable.
     """
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"--model {target!r}: expected 'pkg.module:factory'")
-    cwd = os.getcwd()
-    added = cwd not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import-time failure of the user's code is a usage error here
-        raise UsageError(f"--model {target}: cannot import {module_name}: {_one_line(str(exc))}") from None
-    finally:
-        if added:
-            sys.path.remove(cwd)
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
+    module_name, _, attr = target.partition(":")
+    if not MODEL_REF.match(target):
+        raise UsageError(
+            f"--model {target!r}: expected 'pkg.module:factory' (a module path, a colon, a function's name)"
+        )
+    loaded = sys.modules.get(module_name)  # imported here already (os.path, torch.nn): looking runs nothing
+    if loaded is not None:
+        if not hasattr(loaded, attr):
             raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
-    if not callable(factory):
-        raise UsageError(f"--model {target}: {attr} is not callable; it must be factory(spec) -> nn.Module")
+        return
+    source = _module_source(target, module_name)
+    if source is None:
+        return  # compiled, built in or a namespace package: the worker finds out
+    try:
+        tree = ast.parse(Path(source).read_bytes(), filename=source)
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UsageError(f"--model {target}: cannot read {source}: {_one_line(str(exc))}") from None
+    names = _bound_names(tree)
+    if attr not in names and "*" not in names and "__getattr__" not in names:
+        raise UsageError(f"--model {target}: module {module_name} has no attribute {attr!r}")
+
+
+def _module_source(target: str, module_name: str) -> str | None:
+    """The source file of `module_name` (None: it has none), found without importing any of its packages."""
+    from importlib.machinery import PathFinder
+
+    parts = module_name.split(".")
+    found = PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path])
+    if found is None:  # an installed package's own finder (editable installs), or a built-in module
+        found = importlib.util.find_spec(parts[0])  # a top-level name: nothing is imported to find it
+    for depth in range(1, len(parts)):
+        if found is None or not found.submodule_search_locations:  # not a package: no module in it
+            found = None
+            break
+        found = PathFinder.find_spec(".".join(parts[: depth + 1]), list(found.submodule_search_locations))
+    if found is None:
+        raise UsageError(f"--model {target}: cannot import {module_name}: no such module")
+    origin = found.origin
+    return origin if found.has_location and origin and origin.endswith(".py") else None
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level (in if/try/with blocks too); "*" for a star import."""
+    names: set[str] = set()
+    pending: list[ast.AST] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)  # not its body: that binds the function's or class's own names
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).partition(".")[0] for alias in node.names)
+        else:
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            pending.extend(ast.iter_child_nodes(node))
+    return names
 
 
 def parse_backend_list(branch: str, text: str | None) -> tuple[str, ...]:
@@ -529,7 +581,6 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
 # --- nsa-diag ddp (issue 6): the ddp flags, checked, and the specs they make ------------------------------
 
 DDP_BACKENDS = ("auto", "gloo", "nccl")
-_ENDPOINT = re.compile(r"^[A-Za-z0-9_.:\[\]-]+:\d{1,5}$")
 
 
 def ddp_flags(ds: DdpSpec) -> list[str]:
@@ -564,8 +615,9 @@ def check_ddp_options(
         raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
     if nnodes > 1 and not rdzv_endpoint:
         raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
-    if rdzv_endpoint is not None and not _ENDPOINT.match(rdzv_endpoint):
-        raise UsageError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT")
+    problem = None if rdzv_endpoint is None else endpoint_problem(rdzv_endpoint)
+    if problem:
+        raise UsageError(f"--rdzv-endpoint {problem}")
     if backend not in DDP_BACKENDS:
         raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
     resolved = resolve_backend(backend, device)

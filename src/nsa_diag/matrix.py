@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,16 +55,31 @@ from pydantic import (
     create_model,
 )
 
-from nsa_diag.cases import Expectation, check_model_factory, check_spec, default_seq_len, with_device_backends
+from nsa_diag.cases import (
+    MAX_TAG_CHARS,
+    Expectation,
+    check_model_factory,
+    check_spec,
+    default_seq_len,
+    with_device_backends,
+)
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import CmpBackend, Prefill, SelBackend, WinBackend, literal_of
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
 
 MAX_CASES = 2000
+# Limits on what a file may ask of the loader before any of it is validated: a matrix file is a few KiB,
+# nested a handful of levels; a "billion laughs" file of 549 bytes expands to 10^9 nodes through its
+# aliases, and PyYAML's composer recurses once per level (5,000 levels: RecursionError).
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_NODES = 100_000  # after alias expansion; 2000 cases of ~30 keys each stay well below
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$"  # CaseSpec.name: a folder name
 _NAME_TEMPLATE = r"^[A-Za-z0-9{][A-Za-z0-9._=+{}-]*$"  # ... or a template of axis values: "sel-{sel_backend}"
 _TAG = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"  # no comma: `--only a,b` separates tags with commas
 _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._=+-]+")
+# A name template's fields: "{sel_backend}" and nothing more (str.format would also read "{a.b}", "{a[0]}")
+_TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 # CaseSpec fields a matrix sets by their own name (`name` is the matrix's; `overrides` are flat keys).
 # `ddp` (several ranks through torchrun) is not a matrix key: `nsa-diag matrix` runs single-process cases.
@@ -185,7 +202,9 @@ class MatrixFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, title="nsa-diag matrix file")
 
-    name: Annotated[str, Field(pattern=_TAG)] | None = Field(None, description="default: the file's stem")
+    name: Annotated[str, Field(pattern=_TAG, max_length=MAX_TAG_CHARS)] | None = Field(
+        None, description="default: the file's stem (the run folder's tag)"
+    )
     description: str | None = None
     defaults: CaseFields = Field(default_factory=CaseFields)  # type: ignore[valid-type]
     axes: Axes = Field(default_factory=dict, description="key -> values: one case per combination")
@@ -522,13 +541,14 @@ def _drafts(doc: _Parts, problems: _Problems) -> list[_Draft]:
             )
             given = entry.name if entry else None
             if given is not None and "{" in given:
-                try:
-                    draft.name = given.format(**{k: _slug(v) for k, v in point_values.items()})
-                except (KeyError, IndexError, ValueError) as exc:
+                unknown = [key for key in _TEMPLATE_FIELD.findall(given) if key not in point_values]
+                if unknown:
                     problems.add(
-                        (*origin, "name"), f"template {given!r}: {exc!r} is not an axis of this entry"
+                        (*origin, "name"),
+                        f"template {given!r}: {{{unknown[0]}}} is not an axis of this entry",
                     )
                     continue
+                draft.name = _TEMPLATE_FIELD.sub(lambda m, values=point_values: _slug(values[m[1]]), given)
                 draft.given_name = True
             else:
                 own = {k: v for k, v in values.items() if k in (entry.model_fields_set if entry else ())}
@@ -630,19 +650,76 @@ def _union_axes(drafts: Sequence[_Draft]) -> dict[str, list[Any]]:
     return axes
 
 
+def _read_text(path: Path) -> str:
+    """The text of a regular file of at most `MAX_FILE_BYTES` (not /dev/zero, not a FIFO); `UsageError`."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO does not wait
+    except FileNotFoundError:
+        raise UsageError(f"matrix file {path}: no such file") from None
+    except OSError as exc:
+        raise UsageError(f"matrix file {path}: cannot read it: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"matrix file {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise UsageError(f"matrix file {path}: cannot read it: {exc.strerror}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(
+            f"matrix file {path}: larger than {MAX_FILE_BYTES // 1024} KiB, the most a matrix file holds"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"matrix file {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _check_shape(path: Path, text: str) -> None:
+    """Refuse a YAML text nested deeper than `MAX_DEPTH`, or that its aliases expand beyond `MAX_NODES`
+    nodes, or that holds a recursive alias, from its event stream (nothing is built yet); `UsageError`."""
+    import yaml
+
+    depth = expanded = 0
+    sizes: dict[str, int] = {}  # anchor -> nodes it stands for, once its node has ended
+    open_nodes: list[tuple[str | None, int]] = []  # the collections being read: anchor, count at start
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        line = event.start_mark.line + 1 if event.start_mark else 0
+        if isinstance(event, yaml.AliasEvent):
+            if any(anchor == event.anchor for anchor, _ in open_nodes):
+                raise UsageError(f"matrix file {path}:{line}: alias *{event.anchor} is inside its own anchor")
+            expanded += sizes.get(event.anchor or "", 1)  # an unknown anchor: the composer says so
+        elif isinstance(event, yaml.CollectionStartEvent):
+            expanded += 1
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise UsageError(f"matrix file {path}:{line}: nested deeper than {MAX_DEPTH} levels")
+            open_nodes.append((event.anchor, expanded - 1))
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+            anchor, start = open_nodes.pop()
+            if anchor is not None:
+                sizes[anchor] = expanded - start
+        elif isinstance(event, yaml.ScalarEvent):
+            expanded += 1
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        if expanded > MAX_NODES:
+            raise UsageError(
+                f"matrix file {path}:{line}: more than {MAX_NODES} values once its aliases are expanded"
+            )
+
+
 def load_matrix(path: Path | str) -> Matrix:
     """Read, validate and expand a matrix file; `MatrixFileError` listing every problem, `UsageError` for a
     file that cannot be read."""
     import yaml
 
     path = Path(path)
+    text = _read_text(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"matrix file {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"matrix file {path}: cannot read it: {exc}") from None
-    try:
+        _check_shape(path, text)
         lines, duplicates = _key_lines(text)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -106,14 +106,16 @@ def render_env(snapshot: Mapping[str, Any], console: Console | None = None) -> N
     variables = Table(
         title="environment variables",
         title_justify="left",
-        caption=f"only {prefixes} are recorded",
+        caption=f"only {prefixes} are recorded, never a secret's value",
         caption_justify="left",
     )
     variables.add_column("name", style="bold")
     variables.add_column("value", overflow="fold")
     for name, value in env_vars.items():
         variables.add_row(name, value)
-    if not env_vars:
+    for name in snapshot.get("env_vars_withheld") or ():
+        variables.add_row(name, "(withheld: the name says it is a secret)")
+    if not env_vars and not snapshot.get("env_vars_withheld"):
         variables.add_row("(none set)", "")
     console.print(variables)
 

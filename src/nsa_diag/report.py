@@ -153,7 +153,10 @@ def _env_markdown(env: Mapping[str, Any] | None) -> list[str]:
         return ["No env.json in this run folder.", ""]
     rows = [[k, _fact_text(v)] for k, v in env_facts(env).items()]
     lines = [f"Collected {env.get('collected_at', '?')}.", "", *_table(["fact", "value"], rows), ""]
-    variables = env.get("env_vars") or {}
+    # an env.json of an older nsa-diag may hold a secret's value: report.md never repeats it
+    recorded = env.get("env_vars") or {}
+    variables = {k: v for k, v in recorded.items() if not artifacts.is_secret_name(k)}
+    withheld = sorted({*(env.get("env_vars_withheld") or ()), *(set(recorded) - set(variables))})
     if variables:
         lines += [
             "Environment variables (only NSA_*, TORCH_*, NCCL_*, CUDA_*, PYTORCH_*, TRITON_* are kept):",
@@ -162,6 +165,8 @@ def _env_markdown(env: Mapping[str, Any] | None) -> list[str]:
         lines += _table(["variable", "value"], [[k, str(v)] for k, v in variables.items()])
     else:
         lines.append("No NSA_*, TORCH_*, NCCL_*, CUDA_*, PYTORCH_* or TRITON_* variable was set.")
+    if withheld:
+        lines += ["", f"Withheld (their names say they hold a secret): {', '.join(withheld)}."]
     return [*lines, ""]
 
 

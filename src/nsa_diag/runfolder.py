@@ -87,6 +87,28 @@ def _read_json(path: Path, notes: list[str]) -> Any:
         return None
 
 
+# The fields of summary.json and matrix.json that readers iterate or index, and the JSON type each must have.
+SUMMARY_SHAPE: dict[str, type] = {"command": str, "cases": list, "not_run": list, "argv": list}
+MATRIX_SHAPE: dict[str, type] = {"name": str, "file": str, "cases": list, "axes": dict}
+
+
+def _shaped(data: Any, file: str, shape: Mapping[str, type], notes: list[str]) -> dict[str, Any] | None:
+    """`data` if it is a JSON object, less each field of `shape` of another type (noted): a file edited by
+    hand, or of another tool, is read as far as it makes sense, never raised on."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        notes.append(f"{file} is not a JSON object: ignored")
+        return None
+    wrong = [key for key, kind in shape.items() if key in data and not isinstance(data[key], kind)]
+    for key in wrong:
+        notes.append(f"{file}: {key} is not a JSON {_JSON_TYPES[shape[key]]}: ignored")
+    return {key: value for key, value in data.items() if key not in wrong}
+
+
+_JSON_TYPES = {str: "string", list: "array", dict: "object"}
+
+
 def _memory_at_hang(case_dir: Path) -> tuple[int | None, str | None]:
     """The largest peak in memory_stats.json (written after forward and at a hang) when the result has
     none: a hung case never reaches the end-of-step measurement."""
@@ -173,14 +195,24 @@ def _command(path: Path, summary: Mapping[str, Any] | None) -> str:
     return match["command"] if match else "unknown"
 
 
+def _of_type(value: Any, kind: type) -> Any:
+    """`value` if it is a `kind` (dict, list), else an empty one."""
+    return value if isinstance(value, kind) else kind()
+
+
+def _named(entry: Mapping[str, Any]) -> bool:
+    return isinstance(entry.get("name"), str)
+
+
 def load_run(path: Path) -> RunFolder:
     """Read the run folder at `path`; `UsageError` when it is not one."""
     path = Path(path)
     if not path.is_dir():
         raise UsageError(f"{path}: no such folder (expected an nsa-diag run folder)")
     notes: list[str] = []
-    summary = _read_json(path / render.SUMMARY_JSON, notes)
-    summary = summary if isinstance(summary, dict) else None
+    summary = _shaped(
+        _read_json(path / render.SUMMARY_JSON, notes), render.SUMMARY_JSON, SUMMARY_SHAPE, notes
+    )
     cases_dir = path / "cases"
     folders = {
         p.name: p
@@ -192,11 +224,12 @@ def load_run(path: Path) -> RunFolder:
             f"{path} is not an nsa-diag run folder "
             f"(no {render.SUMMARY_JSON} and no cases/*/{artifacts.RESULT})"
         )
-    matrix = _read_json(path / MATRIX_JSON, notes)
-    matrix = matrix if isinstance(matrix, dict) else None
-    summary_entries = {c["name"]: c for c in (summary or {}).get("cases", []) if isinstance(c, dict)}
+    matrix = _shaped(_read_json(path / MATRIX_JSON, notes), MATRIX_JSON, MATRIX_SHAPE, notes)
+    summary_entries = {
+        c["name"]: c for c in (summary or {}).get("cases", []) if isinstance(c, dict) and _named(c)
+    }
     matrix_cases = {
-        c["name"]: c for c in (matrix or {}).get("cases", []) if isinstance(c, dict) and "name" in c
+        c["name"]: c for c in (matrix or {}).get("cases", []) if isinstance(c, dict) and _named(c)
     }
 
     summary_not_run = [n for n in (summary or {}).get("not_run") or [] if isinstance(n, str)]
@@ -227,8 +260,8 @@ def load_run(path: Path) -> RunFolder:
                 spec=spec if isinstance(spec, dict) else None,
                 result=result,
                 entry=entry,
-                axes=dict(in_matrix.get("axes") or {}),
-                tags=list(in_matrix.get("tags") or []),
+                axes=_of_type(in_matrix.get("axes"), dict),
+                tags=[t for t in _of_type(in_matrix.get("tags"), list) if isinstance(t, str)],
             )
         )
     not_run = [r.name for r in records if r.verdict == NOT_RUN]

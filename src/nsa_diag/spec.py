@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -54,6 +56,14 @@ PresetName = literal_of(Preset)
 DtypeName = literal_of(Dtype)
 DeviceName = literal_of(Device)
 OverrideValue = int | float | str | bool | None
+# `--model`: a module path, a colon and the factory's name in that module; what the worker imports
+MIN_STALL_S = 0.5  # below it a healthy worker, between two beacon writes, already looks stalled
+# The worker seeds its batches with seed·1_000_003 + step (nsa_diag.worker.train): that must stay within
+# torch.manual_seed's 64 bits.
+MAX_SEED = 2**32 - 1
+# A case's folder name; the follow-ups add suffixes (-r1000, minimize/ steps) within a file name's 255
+MAX_NAME_CHARS = 128
+MODEL_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class Injection(BaseModel):
@@ -66,7 +76,7 @@ class Injection(BaseModel):
     phase: Phase = Field("backward", description="recompute: only when a checkpointed layer re-runs forward")
     step: int = Field(1, ge=1, description="training step (1-based) in which the fault fires")
     rank: int | None = Field(None, ge=0, description="ddp rank; None: every rank")
-    seconds: float = Field(1.0, gt=0, description="delay per call for `slow`")
+    seconds: float = Field(1.0, gt=0, allow_inf_nan=False, description="delay per call for `slow`")
 
     @classmethod
     def parse(cls, text: str) -> Injection:
@@ -95,6 +105,19 @@ class Injection(BaseModel):
 TRAIN_GROUP = "train"
 
 
+_ENDPOINT = re.compile(r"^(?P<host>[A-Za-z0-9_.:\[\]-]+):(?P<port>\d{1,5})$")
+
+
+def endpoint_problem(endpoint: str) -> str | None:
+    """What is wrong with a rendezvous endpoint ``HOST:PORT`` (port 1..65535); None when nothing."""
+    match = _ENDPOINT.match(endpoint)
+    if match is None:
+        return f"{endpoint!r}: expected HOST:PORT"
+    if not 1 <= int(match["port"]) <= 65535:
+        return f"{endpoint!r}: port {int(match['port'])} is not in 1..65535"
+    return None
+
+
 class DdpSpec(BaseModel):
     """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.launchers.torchrun`)."""
 
@@ -109,6 +132,14 @@ class DdpSpec(BaseModel):
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT; None: 127.0.0.1 and a free port")
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        problem = None if value is None else endpoint_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @property
     def world_size(self) -> int:
@@ -186,7 +217,8 @@ _SEQ_LEN_HELP = (
     "m7c-125m 2048), so that selection is sparse and S exceeds the window."
 )
 _STALL_HELP = (
-    "No progress for this long: hang. auto: 120 s until step 1 ends, then 3x its duration, at least 10 s."
+    "No progress for this long: hang. auto: 120 s until step 1 ends, then 3x its duration, at least 10 s; "
+    f"SECONDS: at least {MIN_STALL_S:g}."
 )
 
 
@@ -199,7 +231,12 @@ class CaseSpec(BaseModel):
 
     name: Annotated[
         str, Opt("--name", str, "Case id: the name of its folder under cases/.", replay="always")
-    ] = Field("case", pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", description="case id (folder name)")
+    ] = Field(
+        "case",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$",
+        max_length=MAX_NAME_CHARS,
+        description="case id (folder name)",
+    )
     preset: Annotated[PresetName, Opt("--preset", Preset, "Model preset.", replay="always")] = "tiny"
     overrides: Annotated[dict[str, OverrideValue], NotAnOption("the options of MODEL_OPTIONS")] = Field(
         default_factory=dict, description="flat nsa_core.preset overrides: layers, dim, sel_backend, gc, ..."
@@ -224,9 +261,11 @@ class CaseSpec(BaseModel):
         DtypeName, Opt("--dtype", Dtype, "Autocast dtype (fp32 master weights; fp16: GradScaler).")
     ] = "fp32"
     device: Annotated[DeviceName, Opt("--device", Device, "auto: CUDA when available, else CPU.")] = "auto"
-    seed: Annotated[int, Opt("--seed", int, "Seed of the weights and the random tokens.")] = 0
+    seed: Annotated[
+        int, Opt("--seed", int, "Seed of the weights and the random tokens.", min=0, max=MAX_SEED)
+    ] = Field(0, ge=0, le=MAX_SEED)
     lr: Annotated[float, Opt("--lr", float, "AdamW learning rate.")] = Field(
-        1e-3, gt=0, description="AdamW learning rate"
+        1e-3, gt=0, allow_inf_nan=False, description="AdamW learning rate"
     )
     timeout: Annotated[
         float,
@@ -237,7 +276,12 @@ class CaseSpec(BaseModel):
             metavar="SECONDS",
             replay="always",
         ),
-    ] = Field(300.0, gt=0, description="seconds for the whole case; past it with progress: slow")
+    ] = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds for the whole case; past it with progress: slow",
+    )
     # The command line gives the text ("auto" or seconds); `nsa_diag.cases.parse_stall` reads it.
     stall: Annotated[
         float | Literal["auto"], Opt("--stall", str, _STALL_HELP, metavar="auto|SECONDS", replay="always")
@@ -305,8 +349,8 @@ class CaseSpec(BaseModel):
     @field_validator("stall")
     @classmethod
     def _positive_stall(cls, value: float | str) -> float | str:
-        if value != "auto" and not value > 0:  # type: ignore[operator]
-            raise ValueError(f"stall {value}: must be more than 0 seconds, or auto")
+        if value != "auto" and not MIN_STALL_S <= value < math.inf:  # type: ignore[operator]
+            raise ValueError(f"stall {value}: must be at least {MIN_STALL_S:g} seconds (and finite), or auto")
         return value
 
     @field_validator("overrides")
@@ -323,8 +367,8 @@ class CaseSpec(BaseModel):
     def _valid_model(self) -> CaseSpec:
         if self.model is None:
             self.nsa_config()  # raises ValueError with the field and the fix
-        elif ":" not in self.model:
-            raise ValueError(f"model={self.model!r} must be 'pkg.module:factory'")
+        elif not MODEL_REF.match(self.model):
+            raise ValueError(f"model={self.model!r} must be 'pkg.module:factory' (a function's name)")
         return self
 
     def nsa_config(self) -> Any:

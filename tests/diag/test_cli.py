@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from diag_cli import cli_env
 
 from nsa_diag.app import report_error, run_cli
 from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, ConfigError, UsageError, describe_error
@@ -102,6 +103,104 @@ def test_env_table_shows_nsa_variable_and_hides_others() -> None:
     assert "hunter2-secret" not in done.stdout
 
 
+SECRETS = {"NSA_TOKEN": "tok-0a1b2c", "TORCH_SECRET": "sec-3d4e5f", "NSA_DIAG_PASSWORD": "pw-6a7b8c"}
+
+
+@pytest.mark.parametrize(
+    ("out", "says"),
+    [
+        pytest.param("/proc/self/x", "No such file or directory", id="proc"),
+        pytest.param("/proc/self/status/x", "Not a directory", id="under-a-file"),
+    ],
+)
+def test_an_out_where_no_run_folder_can_be_made_is_exit_2(out: str, says: str) -> None:
+    done = run_nsa_diag("run", "--out", out)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines() == [f"nsa-diag: --out {out}: cannot create a run folder there: {says}"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_out_is_exit_2_and_left_as_it_was(tmp_path: Path) -> None:
+    tmp_path.chmod(0o555)
+    try:
+        done = run_nsa_diag("run", "--out", str(tmp_path / "runs"))
+    finally:
+        tmp_path.chmod(0o755)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "cannot create a run folder there: Permission denied" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_file_system_is_refused_before_the_first_case(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from nsa_diag import artifacts
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(artifacts.shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    out = tmp_path / "a" / "runs"
+    assert run_cli(["run", "--out", str(out)]) == EXIT_USAGE
+    assert capsys.readouterr().err.splitlines() == [
+        f"nsa-diag: --out {out}: its file system is full (4 KiB free; a run needs 16 MiB)"
+    ]
+    assert list(tmp_path.iterdir()) == []  # not even the folders of --out
+
+
+def test_a_run_folder_whose_first_file_cannot_be_written_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    from nsa_diag import artifacts
+
+    def disk_full(path: Path, data: object) -> Path:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(artifacts, "write_json", disk_full)
+    assert run_cli(["run", "--out", str(tmp_path)]) == EXIT_USAGE
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("cannot write the run's files: No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_env_json_withholds_secret_values_and_names_them() -> None:
+    done = run_nsa_diag("env", "--json", env={**SECRETS, "NSA_DIAG_Auth_Header": "hdr-9d0e"})
+    assert done.returncode == 0, done.stderr
+    for value in [*SECRETS.values(), "hdr-9d0e"]:
+        assert value not in done.stdout
+    snapshot = json.loads(done.stdout)
+    assert snapshot["env_vars_withheld"] == sorted([*SECRETS, "NSA_DIAG_Auth_Header"])
+    assert not set(snapshot["env_vars"]) & set(snapshot["env_vars_withheld"])
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+)
+def test_no_artifact_records_a_secret_value(command: list[str], tmp_path: Path) -> None:
+    done = run_nsa_diag(*command, "--steps", "1", "--out", str(tmp_path), env=SECRETS)
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = tmp_path.iterdir()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"env.json", "summary.json", "summary.md", "replay.sh"} <= {p.name for p in written}
+    for path in written:
+        data = path.read_bytes()
+        for value in SECRETS.values():
+            assert value.encode() not in data, f"{path.relative_to(run_dir)} records {value}"
+    assert json.loads((run_dir / "env.json").read_text())["env_vars_withheld"] == sorted(SECRETS)
+
+
+def test_replay_names_a_secret_variable_without_its_value(tmp_path: Path) -> None:
+    from nsa_diag.artifacts import write_replay
+
+    path = write_replay(tmp_path / "replay.sh", ["python", "-V"], {"NSA_API_KEY": "k-123", "NSA_X": "1"})
+    text = path.read_text()
+    assert "k-123" not in text
+    assert "NSA_API_KEY" in text
+    assert "export NSA_X=1" in text
+
+
 def test_select_env_vars_matches_prefixes_exactly() -> None:
     environ = {
         "NSA_SEQ": "1",
@@ -123,6 +222,135 @@ def test_select_env_vars_matches_prefixes_exactly() -> None:
         "TORCH_LOGS": "+dynamo",
         "TRITON_INTERPRET": "1",
     }
+
+
+def run_as_console_script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`nsa-diag ARGS` in `cwd` as the console script runs it: the working directory is not on sys.path
+    (`-P`; `python -m nsa_diag` would put it there itself), tests/diag is (the planted models)."""
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "nsa_diag", *args],
+        capture_output=True,
+        text=True,
+        env=cli_env(planted=True),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+# A module that leaves a mark when it is executed.
+MARKING_MODULE = """\
+import pathlib
+pathlib.Path(__file__).with_suffix(".ran").write_text("imported")
+{rest}
+"""
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+)
+def test_the_worker_does_not_import_from_the_working_directory(command: list[str], tmp_path: Path) -> None:
+    (tmp_path / "pydantic.py").write_text(MARKING_MODULE.format(rest="raise ImportError('planted')"))
+    done = run_as_console_script(*command, "--steps", "1", "--out", "runs", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert not (tmp_path / "pydantic.ran").exists()
+
+
+def test_a_model_module_runs_only_once_the_command_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "user_model.py").write_text(MARKING_MODULE.format(rest="from diag_user_model import build"))
+    ran = tmp_path / "user_model.ran"
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        "defaults: {seq_len: 16, batch: 1, device: cpu}\ncases: [{model: 'user_model:build'}]\n"
+    )
+
+    done = run_as_console_script("matrix", str(matrix), "--dry-run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    done = run_as_console_script("run", "--model", "user_model:build", "--lr", "0", cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    done = run_as_console_script("run", "--model", "user_model:nope", cwd=tmp_path)
+    assert (done.returncode, done.stderr.strip()) == (
+        EXIT_USAGE,
+        "nsa-diag: --model user_model:nope: module user_model has no attribute 'nope'",
+    )
+    assert not ran.exists()
+
+    # accepted: the worker imports it from the working directory
+    done = run_as_console_script(
+        "run", "--model", "user_model:build", "--seq-len", "16", "--out", "runs", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert ran.exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        pytest.param("json.decoder:JSONDecoder", None, id="module-of-a-package"),
+        pytest.param("os.path:join", None, id="imported-already"),
+        pytest.param("os.path:nope", "module os.path has no attribute 'nope'", id="imported-no-attribute"),
+        pytest.param("json.decoder.x:f", "cannot import json.decoder.x: no such module", id="not-a-package"),
+    ],
+)
+def test_check_model_factory_finds_modules_without_importing_them(target: str, says: str | None) -> None:
+    from nsa_diag.cases import check_model_factory
+
+    if says is None:
+        check_model_factory(target)
+    else:
+        with pytest.raises(UsageError, match=says):
+            check_model_factory(target)
+
+
+@pytest.mark.parametrize(
+    "target", ["pkg.mod:Outer.build", "pkg.mod:", ":build", "pkg..mod:build", "pkg mod:b"]
+)
+def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Path) -> None:
+    done = run_as_console_script("run", "--model", target, cwd=tmp_path)
+    assert done.returncode == EXIT_USAGE
+    expected = "expected 'pkg.module:factory' (a module path, a colon, a function's name)"
+    assert done.stderr.strip().splitlines() == [f"nsa-diag: --model {target!r}: {expected}"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(["run", "--seed", str(10**23)], "--seed", id="seed-overflow"),
+        pytest.param(["run", "--seed", "-1"], "--seed", id="seed-negative"),
+        pytest.param(
+            ["run", "--lr", "inf"], "--lr inf: the learning rate must be > 0, and finite", id="lr-inf"
+        ),
+        pytest.param(
+            ["run", "--lr", "nan"], "--lr nan: the learning rate must be > 0, and finite", id="lr-nan"
+        ),
+        pytest.param(
+            ["run", "--timeout", "inf"], "--timeout inf: must be more than 0 seconds", id="timeout-inf"
+        ),
+        pytest.param(["run", "--stall", "1e-9"], "--stall 1e-9: give at least 0.5 seconds", id="stall-tiny"),
+        pytest.param(["run", "--stall", "inf"], "--stall inf: give at least 0.5 seconds", id="stall-inf"),
+        pytest.param(
+            ["run", "--inject", "slow:seconds=inf"], "seconds: Input should be a finite number", id="slow-inf"
+        ),
+        pytest.param(
+            ["ddp", "--rdzv-endpoint", "127.0.0.1:99999"], "port 99999 is not in 1..65535", id="rdzv-port"
+        ),
+        pytest.param(
+            ["scale", "--seq-lens", "32,64", "--memory-budget", "1.2.3GiB"],
+            "--memory-budget '1.2.3GiB': expected a size",
+            id="budget",
+        ),
+        pytest.param(["run", "--tag", "t" * 250], "250 characters; at most 64", id="tag-long"),
+        pytest.param(["run", "--name", "n" * 300], "name: String should have at most 128", id="name-long"),
+    ],
+)
+def test_bad_values_are_refused_before_any_case(args: list[str], says: str, tmp_path: Path) -> None:
+    done = run_nsa_diag(*args, "--out", str(tmp_path / "runs"))
+    assert done.returncode == EXIT_USAGE, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("nsa-diag: ")
+    assert says in line
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(

@@ -73,3 +73,21 @@ def test_gc_bisect_grads_names_wrong_recompute_layers(tmp_path: Path) -> None:
     # every recompute re-runs the last block: checkpointing layer 0 or 1 alone corrupts the gradients
     assert bisect["layers_differ"] == [0, 1]
     assert "layer(s) 0, 1" in bisect["conclusion"]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param("{not json", id="not-json"),
+        pytest.param('{"spec": 5}', id="wrong-shape"),
+        pytest.param("[]", id="not-an-object"),
+    ],
+)
+def test_resume_of_a_corrupt_state_is_one_line_and_exit_2(content: str, tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_text(content)
+    code, summary, err = nsa_diag("gc-bisect", "--resume", str(tmp_path))
+    assert code == 2, err
+    assert summary == {}
+    (line,) = err.splitlines()
+    assert line.startswith(f"nsa-diag: --resume {tmp_path}: its {STATE_FILE} cannot be resumed: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]

@@ -246,7 +246,7 @@ def test_a_bad_file_lists_every_problem_with_its_line(tmp_path: Path) -> None:
         f"{path}:11: cases[3].inject[0]: 'bogus': kind: Input should be 'deadlock'",
         f"{path}:13: cases[4].expect.verdict: Input should be 'pass'",
         f"{path}:14: cases[5]: gc='2:1' needs 0 <= A < B <= layers=2",
-        f"{path}:15: cases[6].name: template 't-{{nope}}': KeyError('nope') is not an axis of this entry",
+        f"{path}:15: cases[6].name: template 't-{{nope}}': {{nope}} is not an axis of this entry",
     ]
     assert len(problems) == len(expected), "\n".join(problems)
     for line, start in zip(problems, expected, strict=True):
@@ -303,6 +303,60 @@ def test_a_bad_file_from_the_shell_is_exit_2_before_any_folder(tmp_path: Path) -
     assert not out.exists()
     assert run_cli(["matrix", str(tmp_path / "missing.yaml"), "--out", str(out)]) == EXIT_USAGE
     assert not out.exists()
+
+
+def _billion_laughs() -> str:
+    """549 bytes of YAML whose aliases expand to 10^9 strings."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in itertools.pairwise("abcdefghi"):
+        lines.append(f"{name}: &{name} [{','.join([f'*{prev}'] * 10)}]")
+    return "\n".join(lines) + "\n"
+
+
+def _nested(levels: int) -> str:
+    return "cases: " + "[" * levels + "]" * levels + "\n"
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        pytest.param(_billion_laughs(), "m.yaml:5: more than 100000 values once its aliases", id="laughs"),
+        pytest.param(_nested(5000), "m.yaml:1: nested deeper than 32 levels", id="nested"),
+        pytest.param("cases: &a [*a]\n", "m.yaml:1: alias *a is inside its own anchor", id="recursive"),
+        pytest.param("#" * (1 << 20) + "\n", "m.yaml: larger than 1024 KiB", id="large"),
+        pytest.param(b"cases: [\xff]\n", "m.yaml: not UTF-8 text", id="binary"),
+        pytest.param("/dev/zero", "/dev/zero: not a regular file", id="dev-zero"),
+        pytest.param("fifo", "m.yaml: not a regular file", id="fifo"),
+        pytest.param("folder", "m.yaml: not a regular file", id="folder"),
+    ],
+)
+def test_files_beyond_the_limits_are_refused_in_one_line(
+    tmp_path: Path, content: str | bytes, says: str
+) -> None:
+    path = tmp_path / "m.yaml"
+    if content == "/dev/zero":
+        path = Path(content)
+    elif content == "fifo":
+        os.mkfifo(path)  # nothing writes to it: reading it would wait forever
+    elif content == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    code, stdout, stderr = finish(nsa_diag("matrix", str(path), "--dry-run"))
+    assert (code, stdout) == (EXIT_USAGE, "")
+    (line,) = stderr.splitlines()
+    assert line.startswith("nsa-diag: matrix file ")
+    assert says in line
+
+
+def test_a_name_template_takes_axis_names_only(tmp_path: Path) -> None:
+    path = write(tmp_path, "cases: [{name: 'x{sel_backend.nope}', axes: {sel_backend: [masked]}}]\n")
+    with pytest.raises(MatrixFileError) as info:
+        load_matrix(path)
+    assert info.value.problems == [
+        f"{path}:1: cases[0].name: template 'x{{sel_backend.nope}}': {{sel_backend.nope}} is not an axis "
+        "of this entry"
+    ]
 
 
 # --- the shipped files -------------------------------------------------------------------------------------

@@ -389,6 +389,23 @@ def test_report_refuses_what_is_not_a_run_folder(tmp_path: Path) -> None:
         load_run(tmp_path)
 
 
+def test_a_summary_of_another_shape_is_read_around_not_raised_on(tmp_path: Path) -> None:
+    run = tmp_path / "20260101-120000-run"
+    (run / "cases" / "c").mkdir(parents=True)
+    result = {"name": "c", "spec_hash": "0" * 16, "verdict": "pass", "reason": "ok"}
+    (run / "cases" / "c" / artifacts.RESULT).write_text(json.dumps(result))
+    (run / "summary.json").write_text(json.dumps({"command": "run", "cases": 5, "not_run": 7, "argv": 3}))
+    matrix = {"axes": 5, "cases": [{"name": ["x"]}, {"name": "c", "axes": 5, "tags": 5}]}
+    (run / "matrix.json").write_text(json.dumps(matrix))
+
+    done = nsa_diag("report", run)
+    assert done.returncode == 0, done.stderr
+    assert "summary.json: cases is not a JSON array: ignored" in (run / "report.md").read_text()
+    done = nsa_diag("compare", run, run)
+    assert done.returncode == 0, done.stderr
+    assert "matrix.json: axes is not a JSON object: ignored" in done.stdout + done.stderr
+
+
 # --- compare ------------------------------------------------------------------------------------------------
 
 

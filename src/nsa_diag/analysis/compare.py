@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag.artifacts import is_secret_name
+
 if TYPE_CHECKING:
     from nsa_diag.runfolder import CaseRecord, RunFolder
 
@@ -73,7 +75,7 @@ def env_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) ->
     variables = [
         {"name": name, "a": va.get(name), "b": vb.get(name)}
         for name in sorted(set(va) | set(vb))
-        if va.get(name) != vb.get(name)
+        if va.get(name) != vb.get(name) and not is_secret_name(name)  # an older env.json may hold one
     ]
     return {
         "a_recorded": a is not None,

@@ -35,11 +35,12 @@ def parse_budget(text: str | None) -> tuple[int, str] | None:
 
     if text is None:
         return None
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
+    size = int(float(match.group(1)) * _UNITS[unit]) if match is not None and unit in _UNITS else 0
+    if size < 1:
         raise UsageError(f"--memory-budget {text!r}: expected a size such as 8GiB, 500MB or 1000000")
-    return int(float(match.group(1)) * _UNITS[unit]), f"--memory-budget {text.strip()}"
+    return size, f"--memory-budget {text.strip()}"
 
 
 # --repeat is left out: a sweep point is one measurement that its series' fit uses as it is; --layers and

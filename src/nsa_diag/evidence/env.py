@@ -4,7 +4,9 @@ It is what `nsa-diag env` prints and what every run folder records as `env.json`
 fact or, where the fact cannot be had (no CUDA, no NVML, not a git checkout), why not, and never raises.
 
 Environment variables: only those whose names start with one of `ENV_VAR_PREFIXES` are recorded, and no
-other variable, so that tokens and passwords never reach an artifact.
+other variable; of those, one whose name says it holds a secret (`artifacts.is_secret_name`: token,
+secret, key, password, credential, auth) is listed by name in ``env_vars_withheld``, its value never
+recorded, so that tokens and passwords never reach an artifact.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag import __version__
+from nsa_diag.artifacts import is_secret_name
 
 ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_")
 
@@ -28,8 +31,18 @@ _GIT_TIMEOUT_S = 5.0
 
 
 def select_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of `environ` whose names start with one of `ENV_VAR_PREFIXES`, sorted by name."""
-    return {name: environ[name] for name in sorted(environ) if name.startswith(ENV_VAR_PREFIXES)}
+    """The variables of `environ` whose names start with one of `ENV_VAR_PREFIXES`, sorted by name, less
+    those whose names say they hold a secret (`withheld_env_vars`)."""
+    return {
+        name: environ[name]
+        for name in sorted(environ)
+        if name.startswith(ENV_VAR_PREFIXES) and not is_secret_name(name)
+    }
+
+
+def withheld_env_vars(environ: Mapping[str, str]) -> list[str]:
+    """The names `select_env_vars` leaves out for holding a secret (NSA_TOKEN, TORCH_SECRET, ...), sorted."""
+    return sorted(name for name in environ if name.startswith(ENV_VAR_PREFIXES) and is_secret_name(name))
 
 
 def _python() -> dict[str, Any]:
@@ -217,6 +230,7 @@ def _probe(section: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
     """Collect the snapshot. `environ` defaults to `os.environ` and `cwd` to the working directory."""
+    environ = os.environ if environ is None else environ
     return {
         "nsa_diag_version": __version__,
         "collected_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -227,5 +241,6 @@ def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = Non
         "triton": _probe(_triton),
         "nvml": _probe(_nvml),
         "git": _probe(lambda: _git(cwd or Path.cwd())),
-        "env_vars": select_env_vars(os.environ if environ is None else environ),
+        "env_vars": select_env_vars(environ),
+        "env_vars_withheld": withheld_env_vars(environ),
     }

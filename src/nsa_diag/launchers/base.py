@@ -59,8 +59,13 @@ class Unit:
 
 
 def worker_env(spec: CaseSpec) -> dict[str, str]:
-    """The environment variables the spec sets for its worker (also exported by ``replay.sh``)."""
-    env = {}
+    """The environment variables the spec sets for its worker (also exported by ``replay.sh``).
+
+    ``PYTHONSAFEPATH=1`` (Python 3.11+, as ``-P``): ``python -m`` would put the working directory first on
+    ``sys.path``, and any ``pydantic.py`` or ``torch.py`` lying there would run inside the worker, torchrun
+    and every rank. Only a ``--model`` module is imported from the working directory
+    (`nsa_diag.worker.train.load_factory`)."""
+    env = {"PYTHONSAFEPATH": "1"}
     if spec.alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = spec.alloc_conf
     if spec.launch_blocking:

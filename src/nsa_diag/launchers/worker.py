@@ -21,7 +21,8 @@ from nsa_diag.watchdog import ProcessHandle, catches_sigusr1, terminate_group
 
 
 def worker_argv(case_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "nsa_diag.worker", str(case_dir)]
+    # -P: the working directory is not put on sys.path (see `worker_env`'s PYTHONSAFEPATH)
+    return [sys.executable, "-P", "-m", "nsa_diag.worker", str(case_dir)]
 
 
 class WorkerLauncher(Launcher):

@@ -6,6 +6,7 @@ in which order and how they are shown while they run, and what it adds to the su
 the rest, the same way for every command:
 
 1. the run folder, created only now that every check has passed (or the one a plan resumes), and env.json;
+   an --out where they cannot be written (read-only, full) is a usage error, and no half folder stays;
 2. the cases, each through `nsa_diag.executor.run_case` into ``cases/<name>/`` (`Session.run_case`), under
    the plan's live display on stderr;
 3. an interrupt (SIGINT, SIGTERM): the runner has stopped the running case's processes and written its
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.cases import replay_argv
+from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
 from nsa_diag.session.followups import FollowUps, follow_up
 from nsa_diag.spec import CaseResult, CaseSpec
@@ -232,9 +234,14 @@ class Session:
             self._run_dir = Path(plan.resume_dir)
         else:
             self._run_dir = artifacts.new_run_dir(plan.command, self.out, self.tag)
-        plan.begin(self)
-        if not resumed or plan.refresh_env:
-            artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
+        try:
+            if not resumed or plan.refresh_env:
+                artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
+            plan.begin(self)
+        except OSError as exc:  # e.g. the disk filled up: said before the first case, no half run folder
+            if not resumed:
+                artifacts.remove_run_dir(self.run_dir)
+            raise UsageError(f"{self.run_dir}: cannot write the run's files: {exc.strerror or exc}") from None
         started = time.time()
         interrupted = False
         try:

@@ -234,7 +234,13 @@ def resumed_bisection(run_dir: Path) -> BisectState:
     path = Path(run_dir) / STATE_FILE
     if not path.is_file():
         raise UsageError(f"--resume {run_dir}: no {STATE_FILE} there (not a gc-bisect run folder)")
-    return BisectState.model_validate(artifacts.read_json(path))
+    try:
+        state = BisectState.model_validate(artifacts.read_json(path))
+        CaseSpec.model_validate(state.spec)  # the base case the trials are made from
+    except (OSError, ValueError) as exc:  # unreadable, not JSON, or not a bisection's state (pydantic's)
+        why = exc.strerror if isinstance(exc, OSError) else " ".join(str(exc).split())[:200]
+        raise UsageError(f"--resume {run_dir}: its {STATE_FILE} cannot be resumed: {why}") from None
+    return state
 
 
 class Bisection(Plan):

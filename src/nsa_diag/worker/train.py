@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
 import re
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -54,8 +56,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
-    """``"pkg.module:factory"`` -> the factory; CaseFailed("error") saying what could not be imported."""
+    """``"pkg.module:factory"`` -> the factory; CaseFailed("error") saying what could not be imported.
+
+    The worker starts with the working directory off ``sys.path`` (``-P``); a ``--model`` module is the
+    user's own code, imported from there as they expect, so it is put first on the path for this alone.
+    """
     module_name, _, attr = ref.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
