@@ -168,6 +168,8 @@ def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
 def _parity_text(parity: Mapping[str, Any] | None) -> str:
     if not parity:
         return "-"
+    if parity.get("checked") is False:  # the check could not run (its why is in the reason)
+        return "not run"
     if isinstance(parity.get("max_err"), int | float):  # a verify property
         return f"max err {parity['max_err']:.1e} (bound {parity.get('bound', float('nan')):.0e})"
     loss, grad = parity.get("loss_rel_err"), parity.get("grad_rel_err_max")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from diag_cli import run_cli
 
-from nsa_diag.analysis.memory_model import count_params, estimate_peak_memory
+from nsa_diag.analysis.memory_model import count_params, estimate_peak_memory, plan_reference
 from nsa_diag.analysis.scaling import QUADRATIC_EXPONENT, fit_growth, predict_limit
 from nsa_diag.commands.scale import parse_budget, parse_int_list
 from nsa_diag.errors import UsageError
@@ -214,3 +216,43 @@ def test_estimator_names_the_phase_of_the_peak_and_the_fit_skips_optimizer_bound
         {"x": 1024, "device": "cuda:0", "estimate": None},
     ]
     assert [p["x"] for p in growth_points(points)] == [8192, 512, 1024]
+
+
+# --- a parity check's reference, sized to the case (issue 15 #14) ---------------------------------------
+
+
+def _forced(backend: str, branch: str) -> Any:
+    import nsa_core
+
+    cfg = nsa_core.preset("m7c-125m")
+    return replace(cfg, nsa=replace(cfg.nsa, force_branch=branch, **{f"{branch}_backend": backend}))
+
+
+def test_the_reference_is_dense_where_it_fits_and_lean_where_not() -> None:
+    cfg = _forced("triton", "win")
+    size = {"seq_len": 8192, "batch": 1, "dtype": "bf16", "device": "cuda"}
+    unlimited = plan_reference(cfg, **size, budget_bytes=None)
+    assert (unlimited.fits, unlimited.lean) == (True, False)
+    assert set(unlimited.backends.values()) == {"reference"}
+    # Below the dense need: the window branch is checked by chunked (linear in S), which does fit.
+    lean = plan_reference(cfg, **size, budget_bytes=unlimited.need_bytes - 1)
+    assert lean.lean
+    assert lean.backends["win"] == "chunked"
+    assert lean.need_bytes < unlimited.need_bytes / 2
+    assert lean.fits
+    # Smaller than any reference: the check cannot run, and says why.
+    none = plan_reference(cfg, **size, budget_bytes=1 << 30)
+    assert not none.fits
+    assert "of 1.0 GiB free" in none.describe()
+
+
+def test_a_lean_reference_is_never_the_backend_under_test() -> None:
+    dense = plan_reference(_forced("gather", "sel"), seq_len=8192, batch=1, dtype="fp32", device="cuda",
+                           budget_bytes=None)  # fmt: skip
+    plan = plan_reference(_forced("gather", "sel"), seq_len=8192, batch=1, dtype="fp32", device="cuda",
+                          budget_bytes=dense.need_bytes - 1)  # fmt: skip
+    assert plan.backends["sel"] == "packed"
+    chunked = plan_reference(_forced("chunked", "win"), seq_len=8192, batch=1, dtype="fp32", device="cuda",
+                             budget_bytes=1)  # fmt: skip
+    assert chunked.backends["win"] == "reference"  # no other lean window backend: the dense one, not fitting
+    assert not chunked.fits

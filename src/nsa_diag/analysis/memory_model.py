@@ -47,7 +47,7 @@ comparison is therefore made above the fitted fixed part.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -222,3 +222,66 @@ def estimate_peak_memory(
         total=total,
         phase="backward" if backward_phase >= optimizer_phase else "optimizer",
     )
+
+
+# --- a parity check's reference, sized to the case ------------------------------------------------------
+
+BRANCH_NAMES = ("sel", "cmp", "win")
+# Backends that check a branch in less memory than the dense reference (each agrees with it to 1e-15 in
+# float64: nsa-diag verify, tests/core), in order of preference: sel and win linear in S, cmp S²/d.
+LEAN_REFERENCES = {"sel": ("gather", "packed"), "cmp": ("masked",), "win": ("chunked",)}
+
+
+def estimate_check_memory(
+    cfg: Any, *, seq_len: int, batch: int, dtype: str = "fp32", device: str = "cpu"
+) -> int:
+    """Peak bytes of one forward and backward of `cfg` with no optimizer (a parity check's reference model):
+    parameters, gradients, the activations kept for backward, logits and one layer's backward workspace."""
+    est = estimate_peak_memory(cfg, seq_len=seq_len, batch=batch, dtype=dtype, device=device, steps=1)
+    return est.params + est.grads + est.activations + est.logits + est.transient + est.workspace
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """The backends a parity check's reference runs, and whether that fits the memory there is."""
+
+    backends: dict[str, str]  # branch -> backend of the reference model
+    need_bytes: int  # estimated peak of the reference pass(es)
+    budget_bytes: int | None  # what may be used (None: not known, not limited)
+    lean: bool  # some branch checked by a lean backend instead of the dense reference
+
+    @property
+    def fits(self) -> bool:
+        return self.budget_bytes is None or self.need_bytes <= self.budget_bytes
+
+    def describe(self) -> str:
+        names = ", ".join(f"{branch} {backend}" for branch, backend in self.backends.items())
+        budget = "" if self.budget_bytes is None else f" of {self.budget_bytes / 2**30:.1f} GiB free"
+        return f"reference backends {names}; about {self.need_bytes / 2**30:.1f} GiB{budget}"
+
+
+def plan_reference(
+    cfg: Any, *, seq_len: int, batch: int, dtype: str, device: str, budget_bytes: int | None
+) -> ReferencePlan:
+    """The reference of a parity check of `cfg`'s backends: the dense reference backends where they fit
+    ``budget_bytes``, else per computed branch the first lean backend that is not the one under test.
+    The reference runs in fp32 and, in bf16/fp16, once more under autocast: both are counted."""
+
+    def need(backends: dict[str, str]) -> int:
+        ref = replace(cfg, nsa=replace(cfg.nsa, **{f"{b}_backend": v for b, v in backends.items()}))
+        total = estimate_check_memory(ref, seq_len=seq_len, batch=batch, dtype="fp32", device=device)
+        if dtype != "fp32":
+            total += estimate_check_memory(ref, seq_len=seq_len, batch=batch, dtype=dtype, device=device)
+        return total
+
+    dense = dict.fromkeys(BRANCH_NAMES, "reference")
+    plan = ReferencePlan(dense, need(dense), budget_bytes, lean=False)
+    if plan.fits:
+        return plan
+    tested = {b: getattr(cfg.nsa, f"{b}_backend") for b in BRANCH_NAMES}
+    lean = dict(dense)
+    for branch in cfg.nsa.branches:
+        lean[branch] = next((c for c in LEAN_REFERENCES[branch] if c != tested[branch]), "reference")
+    if lean == dense:
+        return plan
+    return ReferencePlan(lean, need(lean), budget_bytes, lean=True)

@@ -366,10 +366,16 @@ class Trainer:
 
         fp32: the reference runs in fp32 and the bound is the spec's tolerance. bf16/fp16: rounding alone
         moves gradients by percents (and can flip near-tied block choices), so, as in flash-attention's tests,
-            parity["reference"] = f"fp32 reference backends; bound 2x the {self.spec.dtype} reference + floor"
-        the fp32 reference as the same-dtype reference is, plus the tolerance as a floor.
+        the bound is twice the error of the same computation with the reference backends in that dtype against
+        the fp32 reference, plus the tolerance as a floor.
+
+        The reference is sized to the case (`plan_reference`): the dense reference backends where they fit
+        the free memory, else lean ones (sel gather, win chunked, cmp masked) that are not the backend under
+        test. A check that cannot run (no backend fits, or the reference runs out of memory) says so in
+        ``parity`` and the notes; the case's verdict stays that of its training steps.
         """
         import nsa_core
+        from nsa_diag.analysis.memory_model import plan_reference
 
         assert self.loaded is not None
         assert self.device is not None
@@ -377,9 +383,16 @@ class Trainer:
             self.notes.append("reference_check: needs the built-in NSA model (not --model)")
             return
         progress, model = self.progress, self.loaded.model
-        progress.event("check", "begin", check="reference")
         cfg = self.loaded.cfg
-        nsa = replace(cfg.nsa, sel_backend="reference", cmp_backend="reference", win_backend="reference")
+        plan = plan_reference(
+            cfg, seq_len=self.spec.seq_len, batch=self.spec.batch, dtype=self.spec.dtype,
+            device=str(self.device), budget_bytes=self._free_memory_bytes(),
+        )  # fmt: skip
+        if not plan.fits:
+            self._check_not_run(f"the reference would not fit: {plan.describe()}")
+            return
+        progress.event("check", "begin", check="reference", backends=plan.backends)
+        nsa = replace(cfg.nsa, **{f"{branch}_backend": name for branch, name in plan.backends.items()})
         low_precision = self.spec.dtype != "fp32"
 
         def reference(autocast: bool) -> tuple[nn.Module, float]:
@@ -402,21 +415,20 @@ class Trainer:
                     handle.remove()
             return ref, float(ref_loss.detach())
 
-        tolerance = self.spec.parity_tolerance
-        ref32, ref32_loss = reference(autocast=False)
-        parity = parity_errors(model, ref32, loss_value, ref32_loss, tolerance)
-        if low_precision:
-            same_dtype, same_dtype_loss = reference(autocast=True)
-            baseline = parity_errors(same_dtype, ref32, same_dtype_loss, ref32_loss, tolerance)
-            parity["reference"] = (
-                f"reference backends in fp32; bound 2x the {self.spec.dtype} reference + floor"
+        try:
+            parity, bounds = self._parity(reference, model, loss_value, low_precision)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            self._release_memory()
+            self._check_not_run(
+                f"the reference ran out of memory ({plan.describe()}): {_first_line(str(exc))}"
             )
-            parity["baseline_loss_rel_err"] = baseline["loss_rel_err"]
-            parity["baseline_grad_rel_err_max"] = baseline["grad_rel_err_max"]
-            loss_bound = 2 * baseline["loss_rel_err"] + tolerance
-            grad_bound = 2 * baseline["grad_rel_err_max"] + tolerance
-        else:
-            loss_bound = grad_bound = tolerance
+            return
+        loss_bound, grad_bound = bounds
+        parity["reference_backends"] = plan.backends
+        if plan.lean:
+            parity["reference_sized"] = plan.describe()
         parity["loss_bound"], parity["grad_bound"] = loss_bound, grad_bound
         progress.event("check", "end", check="reference", **parity)
         loss_ok = parity["loss_rel_err"] <= loss_bound  # NaN counts as a mismatch
@@ -433,6 +445,61 @@ class Trainer:
                 parity=sanitize_parity(parity),
             )
         self.parity = sanitize_parity(parity)
+
+    def _parity(
+        self,
+        reference: Callable[[bool], tuple[nn.Module, float]],
+        model: nn.Module,
+        loss_value: float,
+        low_precision: bool,
+    ) -> tuple[dict[str, Any], tuple[float, float]]:
+        """The parity errors against the fp32 reference and the (loss, gradient) bounds."""
+        tolerance = self.spec.parity_tolerance
+        ref32, ref32_loss = reference(False)
+        parity = parity_errors(model, ref32, loss_value, ref32_loss, tolerance)
+        if not low_precision:
+            return parity, (tolerance, tolerance)
+        same_dtype, same_dtype_loss = reference(True)
+        baseline = parity_errors(same_dtype, ref32, same_dtype_loss, ref32_loss, tolerance)
+        parity["reference"] = f"reference backends in fp32; bound 2x the {self.spec.dtype} reference + floor"
+        parity["baseline_loss_rel_err"] = baseline["loss_rel_err"]
+        parity["baseline_grad_rel_err_max"] = baseline["grad_rel_err_max"]
+        return parity, (
+            2 * baseline["loss_rel_err"] + tolerance,
+            2 * baseline["grad_rel_err_max"] + tolerance,
+        )
+
+    def _check_not_run(self, why: str) -> None:
+        """A parity check that could not run: said in ``parity`` and the notes, never counted as passed."""
+        self.parity = {"checked": False, "why": why}
+        self.notes.append(f"reference check not run: {why}")
+        self.progress.note("check-not-run", check="reference", why=why)
+
+    def _free_memory_bytes(self) -> int | None:
+        """What a check may still use: free device memory plus the allocator's cached, unused blocks on CUDA,
+        available RAM on the CPU; 80% of it, leaving room for what the estimate does not model."""
+        import torch
+
+        assert self.device is not None
+        try:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+                return int(0.8 * (free + cached))
+            import psutil
+
+            return int(0.8 * psutil.virtual_memory().available)
+        except Exception:
+            return None
+
+    def _release_memory(self) -> None:
+        import gc
+
+        import torch
+
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------------ the result
 
@@ -473,7 +540,10 @@ class Trainer:
     def _ok_reason(self) -> str:
         loss = self.losses[-1] if self.losses else None
         text = f"{self.steps_done} step(s) done"
-        return text + (f", final loss {loss:.4f}" if loss is not None else "")
+        text += f", final loss {loss:.4f}" if loss is not None else ""
+        if self.parity is not None and self.parity.get("checked") is False:
+            text += f"; reference check NOT run: {self.parity['why']}"
+        return text
 
     def _finish(self, outcome: Outcome) -> WorkerReport:
         spec = self.spec
