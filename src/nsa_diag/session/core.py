@@ -8,7 +8,7 @@ the rest, the same way for every command:
 1. the run folder, created only now that every check has passed (or the one a plan resumes), and env.json;
 2. the cases, each through `nsa_diag.executor.run_case` into ``cases/<name>/`` (`Session.run_case`), under
    the plan's live display on stderr;
-3. an interrupt (SIGINT, SIGTERM): the runner has stopped the running case's processes and written its
+3. an interrupt (SIGINT, SIGTERM, SIGHUP): the runner has stopped the running case's processes and written its
    result.json; the session says so, and the summary is marked interrupted (exit 130);
 4. the summary (`nsa_diag.summary.RunSummary`, built once), the plan's section, the follow-ups
    (--repeat, --minimize, --triage: `nsa_diag.session.followups`) and --junit;
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nsa_diag import artifacts, render
+from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import replay_argv
 from nsa_diag.executor import run_case
 from nsa_diag.session.followups import FollowUps, follow_up
@@ -227,6 +227,7 @@ class Session:
 
         plan, follow = self.plan, self.follow
         plan.prepare(follow)
+        interrupts.check()  # noted while the command started (e.g. importing torch): nothing is created
         resumed = plan.resume_dir is not None
         if plan.resume_dir is not None:
             self._run_dir = Path(plan.resume_dir)

@@ -1,0 +1,154 @@
+"""nsa-diag under attack, with real processes and signals: what each signal to nsa-diag does, who owns a
+run folder, that no process of a case outlives nsa-diag, and where torchrun's store listens.
+
+The cases are the tiny model on the CPU (a deadlock at layer 1, or two gloo ranks through torchrun); each
+test leaves no process behind, whatever it did to nsa-diag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+from diag_cli import ROOT, cli_env
+
+CPU_CASE = ("--seq-len", "64", "--device", "cpu")
+DEADLOCK = ("run", "--inject", "deadlock:layer=1", "--stall", "60", "--timeout", "60", *CPU_CASE)
+DDP_DEADLOCK = ("ddp", "--nproc", "2", "--backend", "gloo", *DEADLOCK[1:])
+WAIT_S = 90.0  # a loaded machine may take a minute to reach a hung layer 1
+
+
+def nsa_diag(*args: str | Path, **popen: object) -> subprocess.Popen[str]:
+    """``python -m nsa_diag ARGS`` started, not awaited (the caller signals it, then `finish`)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "nsa_diag", *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        cwd=ROOT,
+        **popen,  # type: ignore[arg-type]
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
+def wait_for(what: Callable[[], object], timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if what():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+
+
+def hung_at_layer_1(out: Path) -> Callable[[], bool]:
+    def hung() -> bool:
+        """the worker to hang at layer 1"""
+        progress = [*out.glob("*/cases/*/progress.jsonl"), *out.glob("*/cases/*/ranks/*/progress.jsonl")]
+        return any('"layer": 1' in p.read_text(errors="replace") for p in progress)
+
+    return hung
+
+
+def alive(pids: list[int]) -> list[str]:
+    """Those of `pids` still running (not zombies), with their command lines."""
+    left = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{pid} {' '.join(proc.cmdline())[:100]}")
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+
+
+# --- a signal that arrives while nsa-diag starts is never lost (issue 15, defect 12) ---------------------
+
+
+@pytest.mark.parametrize("delay", [0.2, 0.4, 0.6, 0.8, 1.0, 1.4, 2.0])
+def test_sigint_early_in_the_start_always_interrupts(tmp_path: Path, delay: float) -> None:
+    """A Ctrl-C while Typer, pydantic or torch load (``import torch`` swallows a KeyboardInterrupt raised
+    while it initialises NumPy) ends nsa-diag with 130, no case run to its end."""
+    cli = nsa_diag(*DEADLOCK, "--out", tmp_path)
+    time.sleep(delay)
+    cli.send_signal(signal.SIGINT)
+    code, _, err = finish(cli, timeout=60)
+    assert code in (130, -signal.SIGINT), err
+    for result in tmp_path.glob("*/cases/*/result.json"):  # a case that had begun was stopped
+        assert json.loads(result.read_text())["evidence"]["outcome"] == "interrupted", err
+
+
+def test_an_interrupt_swallowed_while_loading_still_stops_nsa_diag(tmp_path: Path) -> None:
+    """The swallowing, made certain: a library catches the KeyboardInterrupt of a SIGINT (as torch's C++
+    NumPy initialisation does); nsa-diag still exits 130 before it creates a run folder."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from nsa_diag import interrupts
+        interrupts.install()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # what a library that swallows it does
+        from nsa_diag.app import main
+        main({[*DEADLOCK, "--out", str(tmp_path)]!r})
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60, check=False
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- SIGHUP: a closed terminal is an interrupt (issue 15, defect 3) -------------------------------------
+
+
+def test_sighup_under_ddp_stops_torchrun_and_its_ranks_and_writes_the_result(tmp_path: Path) -> None:
+    cli = nsa_diag(*DDP_DEADLOCK, "--out", tmp_path)
+    try:
+        wait_for(hung_at_layer_1(tmp_path))
+        family = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        assert len(family) >= 3, family  # torchrun's agent and two ranks
+        cli.send_signal(signal.SIGHUP)
+        code, _, err = finish(cli)
+    finally:
+        kill_all([cli.pid])
+    assert code == 130, err
+    (result_path,) = tmp_path.glob("*/cases/*/result.json")
+    result = json.loads(result_path.read_text())
+    assert result["reason"].startswith("interrupted by SIGHUP after "), result["reason"]
+    assert json.loads(next(tmp_path.glob("*/summary.json")).read_text())["interrupted"]
+    time.sleep(0.5)
+    left = alive(family)
+    kill_all(family)
+    assert left == []
