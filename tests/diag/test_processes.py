@@ -152,3 +152,74 @@ def test_sighup_under_ddp_stops_torchrun_and_its_ranks_and_writes_the_result(tmp
     left = alive(family)
     kill_all(family)
     assert left == []
+
+
+# --- a run folder has one owner at a time (issue 15, defect 2) ------------------------------------------
+
+
+def _files(run_dir: Path) -> dict[str, int]:
+    """Every file of the run folder that the running case does not keep writing, with its mtime."""
+    live = {"beacon.bin", "progress.jsonl", "stacks.txt", "stdout.log", "stderr.log"}
+    return {
+        str(p.relative_to(run_dir)): p.stat().st_mtime_ns
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and p.name not in live
+    }
+
+
+def _lock_holder(run_dir: Path) -> int | None:
+    try:
+        return int(json.loads((run_dir / ".nsa-diag.lock").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def test_a_second_resume_of_a_folder_in_use_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    matrix = tmp_path / "m.yaml"
+    matrix.write_text(
+        textwrap.dedent(
+            """
+            name: lock
+            defaults: {preset: tiny, device: cpu, layers: 2, seq_len: 32, batch: 1, stall: 120, timeout: 120}
+            cases:
+              - name: a
+                inject: ["deadlock:layer=1"]
+              - name: b
+            """
+        )
+    )
+    out = tmp_path / "runs"
+    first = nsa_diag("matrix", matrix, "--out", out)
+    family: list[int] = []
+    try:
+        wait_for(hung_at_layer_1(out))
+        (run_dir,) = out.iterdir()
+        family = [p.pid for p in psutil.Process(first.pid).children(recursive=True)]
+        before = _files(run_dir)
+        holder = json.loads((run_dir / ".nsa-diag.lock").read_text())
+        assert holder["pid"] == first.pid
+        assert holder["command"].startswith("nsa-diag matrix ")
+
+        second = nsa_diag("matrix", matrix, "--resume", run_dir)
+        code, _, err = finish(second, timeout=60)
+        assert code == 2, err
+        assert f"in use by pid {first.pid} (nsa-diag matrix " in err
+        assert len(err.strip().splitlines()) == 1, err
+        assert _files(run_dir) == before  # the running case's folder is untouched, b not started
+        assert first.poll() is None
+
+        # a holder killed outright leaves no lock behind: a resume goes ahead (stopped at once here)
+        first.kill()
+        first.wait()
+        kill_all(family)
+        third = nsa_diag("matrix", matrix, "--resume", run_dir)
+        wait_for(lambda: _lock_holder(run_dir) == third.pid)
+        family += [third.pid]
+        third.send_signal(signal.SIGINT)
+        code, _, err = finish(third)
+        assert code == 130, err
+        assert "continuing" in err
+        assert not (run_dir / ".nsa-diag.lock").exists()  # released at the end
+    finally:
+        kill_all([first.pid, *family])
+        first.communicate()

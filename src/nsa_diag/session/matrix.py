@@ -407,6 +407,10 @@ class MatrixPlan(Plan):
     def expectations(self) -> Mapping[str, Expectation] | None:
         return expectations(self.plan)
 
+    def reopened(self, session: Session) -> None:
+        self.plan = make_plan(self.plan.cases, resume_dir=session.run_dir, cuda=self.cuda)
+        self._results = dict(self.plan.done)
+
     def begin(self, session: Session) -> None:
         plan, run_dir = self.plan, session.run_dir
         artifacts.write_json(run_dir / MATRIX_JSON, self.matrix.to_json(plan.cases))
