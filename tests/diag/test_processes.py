@@ -223,3 +223,101 @@ def test_a_second_resume_of_a_folder_in_use_is_refused_and_changes_nothing(tmp_p
     finally:
         kill_all([first.pid, *family])
         first.communicate()
+
+
+# --- no process of a case outlives nsa-diag, however it dies (issue 15, defect 4) -----------------------
+
+
+def _family_when_hung(cli: subprocess.Popen[str], out: Path, processes: int) -> list[int]:
+    """nsa-diag's descendants once the case hangs at layer 1 and all `processes` of it are up."""
+    wait_for(hung_at_layer_1(out))
+    family: list[int] = []
+
+    def up() -> bool:
+        """the case's processes to start"""
+        family[:] = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        return len(family) >= processes
+
+    wait_for(up, 30)
+    return family
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = alive(pids)
+    kill_all(pids)
+    return left
+
+
+def test_sigkill_of_nsa_diag_takes_the_worker_with_it(tmp_path: Path) -> None:
+    cli = nsa_diag(*DEADLOCK, "--out", tmp_path)
+    family: list[int] = []
+    try:
+        family = _family_when_hung(cli, tmp_path, 1)
+        cli.kill()
+        cli.communicate()
+        assert _gone_within(family, 5) == []
+    finally:
+        kill_all([cli.pid, *family])
+
+
+def test_sigkill_of_nsa_diag_takes_torchrun_and_its_ranks_with_it(tmp_path: Path) -> None:
+    cli = nsa_diag(*DDP_DEADLOCK, "--out", tmp_path)
+    family: list[int] = []
+    try:
+        family = _family_when_hung(cli, tmp_path, 3)
+        cli.kill()
+        cli.communicate()
+        assert _gone_within(family, 5) == []
+    finally:
+        kill_all([cli.pid, *family])
+
+
+def test_a_child_whose_nsa_diag_is_already_gone_dies_at_once() -> None:
+    """The parent-death signal comes only if the parent dies after it is asked for: a child that finds
+    that nsa-diag (``NSA_DIAG_PID``) is no longer its parent or grandparent dies at once."""
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
+    script = "from nsa_diag.worker import tether; tether.hold(); print('still alive')"
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=cli_env(NSA_DIAG_PID=ended.stdout.strip()),
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert "still alive" not in proc.stdout
+
+
+def test_without_a_parent_death_signal_the_parent_watch_ends_an_orphan() -> None:
+    """Where the kernel has no parent-death signal (not Linux), the tether's thread watches the parent."""
+    orphan = (
+        "import time; from nsa_diag.worker import tether; tether.die_with_parent = lambda: False; "
+        "tether.hold(); print('held', flush=True); time.sleep(60)"
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen([sys.executable, '-c', {orphan!r}], stdout=subprocess.PIPE, text=True); "
+        "child.stdout.readline(); print(child.pid, flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    child = 0
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        proc.kill()
+        proc.wait()
+        assert _gone_within([child], 5) == []
+    finally:
+        kill_all([proc.pid, child])
