@@ -263,14 +263,31 @@ def test_sigkill_of_nsa_diag_takes_the_worker_with_it(tmp_path: Path) -> None:
         kill_all([cli.pid, *family])
 
 
-def test_sigkill_of_nsa_diag_takes_torchrun_and_its_ranks_with_it(tmp_path: Path) -> None:
+def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
+    found = []
+    for pid in pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        found += [(pid, c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN]
+    return found
+
+
+def test_ddp_listens_on_loopback_only_and_dies_with_a_killed_nsa_diag(tmp_path: Path) -> None:
+    """torchrun's store (issue 15, defect 5) and gloo listen on 127.0.0.1, not on every interface; a
+    SIGKILL of nsa-diag takes torchrun's agent and both ranks with it, and their sockets."""
     cli = nsa_diag(*DDP_DEADLOCK, "--out", tmp_path)
     family: list[int] = []
     try:
         family = _family_when_hung(cli, tmp_path, 3)
+        listening = _listening(family)
+        assert listening, "torchrun's store should be listening"
+        assert {ip for _, ip, _ in listening} == {"127.0.0.1"}, listening
         cli.kill()
         cli.communicate()
         assert _gone_within(family, 5) == []
+        assert _listening(family) == []
     finally:
         kill_all([cli.pid, *family])
 
