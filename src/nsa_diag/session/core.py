@@ -265,12 +265,12 @@ class Session:
 
         plan, follow = self.plan, self.follow
         resumed = plan.resume_dir is not None
-        plan.begin(self)
-        if not resumed or plan.refresh_env:
-            artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
         started = time.time()
         interrupted = False
-        try:
+        try:  # from here on an interrupt ends in a summary marked interrupted, also while env.json is taken
+            plan.begin(self)
+            if not resumed or plan.refresh_env:
+                artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
             plan.execute(self)
         except KeyboardInterrupt:
             if not plan.catches_interrupt:
