@@ -62,9 +62,9 @@ def wait_for(what: Callable[[], object], timeout: float = WAIT_S) -> None:
 
 def hung_at_layer_1(out: Path) -> Callable[[], bool]:
     def hung() -> bool:
-        """the worker to hang at layer 1"""
+        """the worker (every rank) to enter the injected deadlock"""
         progress = [*out.glob("*/cases/*/progress.jsonl"), *out.glob("*/cases/*/ranks/*/progress.jsonl")]
-        return any('"layer": 1' in p.read_text(errors="replace") for p in progress)
+        return bool(progress) and all('"kind": "deadlock"' in p.read_text(errors="replace") for p in progress)
 
     return hung
 
@@ -213,12 +213,14 @@ def test_a_second_resume_of_a_folder_in_use_is_refused_and_changes_nothing(tmp_p
         first.wait()
         kill_all(family)
         third = nsa_diag("matrix", matrix, "--resume", run_dir)
-        wait_for(lambda: _lock_holder(run_dir) == third.pid)
         family += [third.pid]
+        assert third.stderr is not None
+        opening = third.stderr.readline()  # said once it holds the folder
+        assert opening.startswith("nsa-diag matrix lock: continuing"), opening
+        assert _lock_holder(run_dir) == third.pid
         third.send_signal(signal.SIGINT)
         code, _, err = finish(third)
         assert code == 130, err
-        assert "continuing" in err
         assert not (run_dir / ".nsa-diag.lock").exists()  # released at the end
     finally:
         kill_all([first.pid, *family])
