@@ -14,7 +14,7 @@ from typing import Annotated, NoReturn, TextIO
 
 import typer
 
-from nsa_diag import __version__
+from nsa_diag import __version__, interrupts
 from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.backend import backend
 from nsa_diag.commands.branch import branch
@@ -127,5 +127,7 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    """Console-script entry point (`nsa-diag`)."""
+    """The CLI's entry point (`nsa_diag.__main__`, which installs the signal handlers before importing
+    this module; installing them again here covers a caller that imports `main` directly)."""
+    interrupts.install()
     sys.exit(run_cli(argv))

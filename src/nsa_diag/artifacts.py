@@ -1,21 +1,27 @@
 """The only module that writes files: the run-folder layout and atomic writes (temporary file + rename).
 
     <out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]/
-      summary.json  summary.md  env.json
+      summary.json  summary.md  env.json  .nsa-diag.lock (while a process runs in it)
       cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
 
 A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
 
 No file records the value of a variable whose name says it is a secret (`is_secret_name`): env.json and
-replay.sh name it as withheld instead.
+replay.sh name it as withheld instead. A run folder has one writer at a time: the process that holds its
+lock (`lock_run_dir`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
 import json
 import os
 import shlex
 import shutil
+import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +40,7 @@ MIN_FREE_BYTES = 16 * 2**20
 SECRET_NAME_PARTS = ("token", "secret", "key", "password", "passwd", "credential", "auth")
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
+LOCK = ".nsa-diag.lock"  # run folder: flock-ed by the process that writes in it; says who that is
 
 # File names of a case folder (DESIGN.md "Artifacts").
 SPEC = "spec.json"
@@ -176,6 +183,76 @@ def _remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             return
+
+
+class FolderInUse(Exception):
+    """`lock_run_dir`: another process holds the folder (`holder` says which, in words)."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+class RunFolderLock:
+    """The lock of one run folder, held by this process until `release` (or until it dies: the kernel
+    drops a flock with its last descriptor, so a killed holder never blocks a later ``--resume``)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Remove the lock file, then drop the lock (in this order: whoever locks next locks a file that
+        is still on disk, see `lock_run_dir`)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self._fd)
+        self._fd = None
+
+
+def lock_run_dir(run_dir: Path) -> RunFolderLock:
+    """Take ``run_dir``'s lock (``.nsa-diag.lock``: an exclusive flock, and who holds it: pid, command,
+    since when, host). Raises `FolderInUse`, naming the holder, when another process has it; nothing in
+    the folder is changed then. The descriptor is not inherited by children (``os.open`` makes it
+    close-on-exec), so a worker that outlived us could not keep the folder locked."""
+    path = Path(run_dir) / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise FolderInUse(holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:  # the last holder may have removed the file between our open and our flock: lock the new one
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    holder = {
+        "pid": os.getpid(),
+        "command": shlex.join(["nsa-diag", *sys.argv[1:]]),
+        "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+    return RunFolderLock(path, fd)
+
+
+def _lock_holder(fd: int) -> str:
+    """Who holds the lock whose file is open as ``fd``, in words."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0))
+        return f"pid {holder['pid']} ({holder['command']}) on {holder['host']} since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it has not said which yet)"
 
 
 def case_dir(run_dir: Path, name: str) -> Path:

@@ -10,25 +10,24 @@ job; classify each unit (`nsa_diag.results.unit_result`), let the launcher combi
 ``result.json``.
 
 `run_case` returns a `CaseResult` in every outcome and raises only `Interrupted` (a KeyboardInterrupt)
-when nsa-diag itself gets SIGINT or SIGTERM, after the job's processes are gone and the case's
-``result.json`` (verdict error) is written. `InterruptGuard` holds those signals back while a job starts
-or stops, so an interrupt never leaves a job started but unknown, or half stopped.
+when nsa-diag itself gets SIGINT, SIGTERM or SIGHUP (`nsa_diag.interrupts`), after the job's processes
+are gone and the case's ``result.json`` (verdict error) is written. `InterruptGuard` holds those signals
+back while a job starts or stops, so an interrupt never leaves a job started but unknown, or half stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
-from nsa_diag import artifacts
+from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
+from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import Launcher, Unit, default_launcher
 from nsa_diag.results import case_files, error_result, unit_result
 from nsa_diag.spec import CaseResult, CaseSpec
@@ -39,39 +38,27 @@ ProgressCallback = Callable[[BeaconState | None, float], None]
 EVIDENCE_JOIN_S = 60.0  # per unit, when several are sampled at once: one wedged sampler must not hold all
 
 
-class Interrupted(KeyboardInterrupt):
-    """nsa-diag got SIGINT or SIGTERM while a case ran; the case's processes have been stopped."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signal_name = signal.Signals(signum).name
-
-
 class InterruptGuard:
-    """SIGINT/SIGTERM -> `Interrupted` while a case runs; held back inside `deferred` (starting the job,
-    stopping it), so an interrupt can never leave a job started but unknown, or half stopped."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    """SIGINT/SIGTERM/SIGHUP -> `Interrupted` while a case runs; held back inside `deferred` (starting the
+    job, stopping it), so an interrupt can never leave a job started but unknown, or half stopped. Every
+    signal is noted (`nsa_diag.interrupts.note`) first: one noted before the case, even one whose
+    KeyboardInterrupt some library swallowed, stops it before it starts."""
 
     def __init__(self) -> None:
-        self._previous: dict[int, Any] = {}
+        self._handlers = interrupts.handled_by(self._handle)
         self._depth = 0
         self._closing = False
-        self.pending: int | None = None
 
     def __enter__(self) -> InterruptGuard:
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        self._handlers.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+        self._handlers.__exit__(None, None, None)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        interrupts.note(signum)
         if self._depth or self._closing:
-            self.pending = self.pending or signum
             return
         raise Interrupted(signum)
 
@@ -82,9 +69,8 @@ class InterruptGuard:
             yield
         finally:
             self._depth -= 1
-        if self.pending is not None and not self._depth and not self._closing:
-            signum, self.pending = self.pending, None
-            raise Interrupted(signum)
+        if not self._depth and not self._closing:
+            interrupts.check()
 
     def close(self) -> None:
         """From now on signals are only noted: the cleanup after an interrupt runs to its end."""
@@ -179,7 +165,8 @@ def run_case(
     ``extra_env``: variables for this job only, not in ``replay.sh`` (``nsa-diag matrix --jobs`` gives
     each case its own GPU through ``CUDA_VISIBLE_DEVICES``). From a thread other than the main one no
     signal handler is installed; ``on_progress`` may raise `Interrupted` there to stop the case.
-    Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM, after stopping the job.
+    Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM/SIGHUP, after stopping the job (also
+    when one was noted before the case: it then never starts, and its result.json says so).
     """
     case_dir = Path(case_dir)
     case_dir.mkdir(parents=True, exist_ok=True)
@@ -188,6 +175,7 @@ def run_case(
     guard = InterruptGuard()
     with guard:
         try:
+            interrupts.check()  # noted before this case (e.g. while torch was imported): it never starts
             launcher.prepare(case_dir)
             artifacts.write_json(case_dir / artifacts.SPEC, spec)
             argv = launcher.command(case_dir)

@@ -26,7 +26,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: specs and results, option declarations, file names and atomic writes, errors
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
-     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.worker.beacon"),
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.worker.beacon",
+     "nsa_diag.interrupts"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)

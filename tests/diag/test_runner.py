@@ -1,8 +1,8 @@
 """The runner end to end with the real worker: verdicts, evidence files, and no process left behind.
 
 Each test runs real cases of the tiny model on the CPU (S=64, one step, stall 2 s) with real injected
-faults, real signals and real process groups; and nsa-diag itself is interrupted with SIGINT and SIGTERM
-in the middle of a hung case.
+faults, real signals and real process groups; and nsa-diag itself is interrupted with SIGINT, SIGTERM and
+SIGHUP (a closed terminal) in the middle of a hung case.
 """
 
 from __future__ import annotations
@@ -207,7 +207,9 @@ def _wait_for(predicate: object, timeout_s: float) -> None:
     raise AssertionError("timed out waiting")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+)
 def test_interrupting_nsa_diag_stops_the_worker_and_writes_the_result(tmp_path: Path, signum: int) -> None:
     argv = [sys.executable, "-m", "nsa_diag", "run", "--inject", "deadlock:layer=1", "--stall", "60"]
     argv += ["--seq-len", "64", "--device", "cpu", "--out", str(tmp_path)]

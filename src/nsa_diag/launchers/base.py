@@ -43,6 +43,7 @@ from nsa_diag import artifacts
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
+from nsa_diag.worker import tether
 
 # The package root above nsa_diag: children import the same nsa_diag as this process, installed or not.
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -74,9 +75,11 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
 
 
 def python_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """This process's environment with the spec's variables and ``extra_env``, unbuffered output, and
-    ``PYTHONPATH`` leading to this nsa_diag: the environment our Python children start with."""
+    """This process's environment with the spec's variables and ``extra_env``, unbuffered output, this
+    process's pid (the children die with it: `nsa_diag.worker.tether`), and ``PYTHONPATH`` leading to
+    this nsa_diag: the environment our Python children start with."""
     env = {**os.environ, **worker_env(spec), **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    env[tether.PARENT_ENV] = str(os.getpid())
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if SOURCE_ROOT not in paths:
         env["PYTHONPATH"] = os.pathsep.join([SOURCE_ROOT, *paths])

@@ -1,7 +1,8 @@
 """torchrun: one case on N ranks (`nsa-diag ddp`), each rank a unit with its own folder and beacon.
 
-``python -m torch.distributed.run ... -m nsa_diag.worker.ddp <case_dir>`` starts in a new session
-(rendezvous on 127.0.0.1 and a free port unless ``rdzv_endpoint`` is given); each rank works in
+``python -m nsa_diag.worker.agent ... -m nsa_diag.worker.ddp <case_dir>`` (torchrun, tied to nsa-diag's
+life, its store listening on the rendezvous address only) starts in a new session (rendezvous on
+127.0.0.1 and a free port unless ``rdzv_endpoint`` is given); each rank works in
 ``ranks/<r>/`` (see `nsa_diag.worker.ddp`) and torchrun starts each in a session of its own. The
 executor watches every local rank's beacon with the single worker's rules; at a stall this launcher first
 asks every rank's NCCL flight recorder for a dump through its debug pipe, the executor then takes every
@@ -80,10 +81,11 @@ def ddp_env(spec: CaseSpec, case_dir: Path) -> dict[str, str]:
 
 
 def torchrun_argv(spec: CaseSpec, case_dir: Path, port: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run`` starting ``nsa_diag.worker.ddp`` on every local rank."""
+    """torchrun (through `nsa_diag.worker.agent`: it dies with us, its store listens on the rendezvous
+    address only) starting ``nsa_diag.worker.ddp`` on every local rank."""
     ds = spec.ddp
     assert ds is not None
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(ds.nnodes),
+    argv = [sys.executable, "-m", "nsa_diag.worker.agent", "--nnodes", str(ds.nnodes),
             "--nproc-per-node", str(ds.nproc), "--max-restarts", "0"]  # fmt: skip
     if ds.rdzv_endpoint is None:
         argv += ["--master-addr", LOOPBACK, "--master-port", str(port or free_port())]

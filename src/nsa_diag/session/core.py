@@ -5,11 +5,13 @@ a list of cases, a sweep, a bisection; `nsa_diag.session.matrix`: a matrix). The
 in which order and how they are shown while they run, and what it adds to the summary; the session does
 the rest, the same way for every command:
 
-1. the run folder, created only now that every check has passed (or the one a plan resumes), and env.json;
-   an --out where they cannot be written (read-only, full) is a usage error, and no half folder stays;
+1. the run folder, created only now that every check has passed (or the one a plan resumes), its lock
+   (`nsa_diag.artifacts.lock_run_dir`: one process at a time; a second ``--resume`` of a folder in use is
+   refused with the holder's pid and command, exit 2), and env.json; an --out where they cannot be written
+   (read-only, full) is a usage error, and no half folder stays;
 2. the cases, each through `nsa_diag.executor.run_case` into ``cases/<name>/`` (`Session.run_case`), under
    the plan's live display on stderr;
-3. an interrupt (SIGINT, SIGTERM): the runner has stopped the running case's processes and written its
+3. an interrupt (SIGINT, SIGTERM, SIGHUP): the runner has stopped the running case's processes and written its
    result.json; the session says so, and the summary is marked interrupted (exit 130);
 4. the summary (`nsa_diag.summary.RunSummary`, built once), the plan's section, the follow-ups
    (--repeat, --minimize, --triage: `nsa_diag.session.followups`) and --junit;
@@ -24,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nsa_diag import artifacts, render
+from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import replay_argv
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
@@ -86,6 +88,10 @@ class Plan:
 
     def prepare(self, follow: FollowUps) -> None:
         """Called first, before the run folder exists (e.g. to expand --repeat)."""
+
+    def reopened(self, session: Session) -> None:
+        """On resume, once the session holds the folder's lock: read again what the folder says was done
+        (another process may have added to it since the command first looked)."""
 
     def specs(self) -> Sequence[CaseSpec]:
         """Every case the plan may run, in the summary's order (those without a result are ``not_run``)."""
@@ -224,27 +230,55 @@ class Session:
     # --- the run ----------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Run the plan into its run folder, report it, and return the exit code."""
+        """Run the plan into its run folder, holding the folder's lock throughout; report it, and return
+        the exit code."""
+        self.plan.prepare(self.follow)
+        interrupts.check()  # noted while the command started (e.g. importing torch): nothing is created
+        lock = self._open_run_dir()
+        try:
+            return self._run()
+        finally:
+            lock.release()
+
+    def _open_run_dir(self) -> artifacts.RunFolderLock:
+        """Create the run folder, or take the one the plan resumes, and its lock. A folder another process
+        holds is refused (`UsageError`, exit 2) before anything in it changes."""
+        plan = self.plan
+        if plan.resume_dir is None:
+            self._run_dir = artifacts.new_run_dir(plan.command, self.out, self.tag)
+            return artifacts.lock_run_dir(self._run_dir)
+        try:
+            lock = artifacts.lock_run_dir(plan.resume_dir)
+        except artifacts.FolderInUse as exc:
+            raise UsageError(
+                f"--resume {plan.resume_dir}: in use by {exc.holder}; wait for it to end, or stop it"
+            ) from None
+        self._run_dir = Path(plan.resume_dir)
+        try:
+            plan.reopened(self)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def _run(self) -> int:
         from nsa_diag.evidence.env import collect_env
 
         plan, follow = self.plan, self.follow
-        plan.prepare(follow)
         resumed = plan.resume_dir is not None
-        if plan.resume_dir is not None:
-            self._run_dir = Path(plan.resume_dir)
-        else:
-            self._run_dir = artifacts.new_run_dir(plan.command, self.out, self.tag)
-        try:
-            if not resumed or plan.refresh_env:
-                artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
-            plan.begin(self)
-        except OSError as exc:  # e.g. the disk filled up: said before the first case, no half run folder
-            if not resumed:
-                artifacts.remove_run_dir(self.run_dir)
-            raise UsageError(f"{self.run_dir}: cannot write the run's files: {exc.strerror or exc}") from None
         started = time.time()
         interrupted = False
-        try:
+        try:  # from here on an interrupt ends in a summary marked interrupted, also while env.json is taken
+            try:
+                if not resumed or plan.refresh_env:
+                    artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
+                plan.begin(self)
+            except OSError as exc:  # e.g. the disk filled up: said before the first case, no half run folder
+                if not resumed:
+                    artifacts.remove_run_dir(self.run_dir)
+                raise UsageError(
+                    f"{self.run_dir}: cannot write the run's files: {exc.strerror or exc}"
+                ) from None
             plan.execute(self)
         except KeyboardInterrupt:
             if not plan.catches_interrupt:

@@ -8,7 +8,7 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
   whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
 - Parallel: ``jobs`` threads each take the next case and run it through `Session.run_case` in its own
   worker process. Only the main thread handles signals (the executor installs its handlers only there): on
-  Ctrl-C or SIGTERM the main thread sets a flag that each running case's progress callback turns into
+  Ctrl-C, SIGTERM or SIGHUP the main thread sets a flag that each running case's progress callback turns into
   `executor.Interrupted`, so each case stops its worker and writes its result.json; no new case starts.
 - GPUs: with several visible GPUs every case that runs on CUDA gets one to itself through
   ``CUDA_VISIBLE_DEVICES`` (the executor's ``extra_env``) and waits for a free one; with a single GPU the
@@ -29,15 +29,15 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from nsa_diag import artifacts, render
+from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import Expectation, replay_argv
-from nsa_diag.executor import Interrupted
+from nsa_diag.interrupts import Interrupted
 from nsa_diag.matrix import Matrix, MatrixCase
 from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult
@@ -148,20 +148,6 @@ def _skipped_result(case: MatrixCase, case_dir: Path, reason: str) -> CaseResult
     return result
 
 
-@contextlib.contextmanager
-def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    """SIGINT and SIGTERM to `handler` (main thread only), restored afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-
 @dataclass
 class ParallelRun:
     """Runs cases `jobs` at a time; `run()` returns the results by name and whether it was interrupted."""
@@ -249,17 +235,18 @@ class ParallelRun:
         ]
 
         def interrupt(signum: int, frame: FrameType | None) -> None:
+            interrupts.note(signum)
             raise Interrupted(signum)
 
         def note(signum: int, frame: FrameType | None) -> None:
-            pass  # the running cases are being stopped; a second Ctrl-C must not cut that short
+            interrupts.note(signum)  # the running cases are being stopped: a second one must not cut that
 
         # The main thread waits on a counter, not in Thread.join(): a KeyboardInterrupt raised inside join()
         # can mark a thread that still runs as stopped (CPython <= 3.11, the bpo-45274 handling in
         # `_wait_for_tstate_lock`), and a later join() would then not wait for it.
         interrupted = False
         try:
-            with _signals(interrupt):
+            with interrupts.handled_by(interrupt):
                 for thread in threads:
                     with self._lock:
                         self._active += 1
@@ -276,7 +263,7 @@ class ParallelRun:
             self._signum = signal.Signals[getattr(exc, "signal_name", "SIGINT")]
         finally:
             self._cancel.set()
-            with _signals(note):
+            with interrupts.handled_by(note):
                 while self._active:
                     time.sleep(0.1)
                 for thread in threads:
@@ -419,6 +406,10 @@ class MatrixPlan(Plan):
 
     def expectations(self) -> Mapping[str, Expectation] | None:
         return expectations(self.plan)
+
+    def reopened(self, session: Session) -> None:
+        self.plan = make_plan(self.plan.cases, resume_dir=session.run_dir, cuda=self.cuda)
+        self._results = dict(self.plan.done)
 
     def begin(self, session: Session) -> None:
         plan, run_dir = self.plan, session.run_dir

@@ -271,6 +271,10 @@ class Bisection(Plan):
     def save(self, session: Session) -> None:
         artifacts.write_json(session.run_dir / STATE_FILE, self.state.model_dump(mode="json"))
 
+    def reopened(self, session: Session) -> None:
+        self.state = resumed_bisection(session.run_dir)
+        self.base = CaseSpec.model_validate(self.state.spec)
+
     def begin(self, session: Session) -> None:
         self.save(session)
         session.note(f"nsa-diag gc-bisect ({self.state.mode}) into {session.run_dir}", soft_wrap=True)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.spec import TRAIN_GROUP
-from nsa_diag.worker import inject
+from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.outcome import CaseFailed, Outcome
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress
 from nsa_diag.worker.train import Trainer, build_model, resolve_device
@@ -477,4 +477,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    tether.hold()  # dies with torchrun's agent, which dies with nsa-diag
+    agent.bind_stores()  # a rank 0 that serves a store of its own listens on MASTER_ADDR only
     sys.exit(main())
