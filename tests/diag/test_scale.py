@@ -256,3 +256,13 @@ def test_a_lean_reference_is_never_the_backend_under_test() -> None:
                              budget_bytes=1)  # fmt: skip
     assert chunked.backends["win"] == "reference"  # no other lean window backend: the dense one, not fitting
     assert not chunked.fits
+
+
+def test_a_reference_too_slow_for_the_case_is_lean_whatever_the_memory() -> None:
+    # m7c-125m's selection reference at S = 2048 loops ~1.6 million times per forward (3.5 min on an H200).
+    cfg = _forced("triton", "sel")
+    plan = plan_reference(cfg, seq_len=2048, batch=1, dtype="bf16", device="cuda", budget_bytes=None)
+    assert plan.lean
+    assert plan.backends["sel"] == "gather"
+    small = plan_reference(cfg, seq_len=256, batch=1, dtype="bf16", device="cuda", budget_bytes=None)
+    assert small.backends["sel"] == "reference"

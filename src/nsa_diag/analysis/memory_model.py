@@ -57,6 +57,11 @@ _KEPT_PER_SCORE = {"fp32": 8, "bf16": 6, "fp16": 6}
 # Bytes per score of one layer's largest branch while its backward runs (fitted; see the docstring).
 _BACKWARD_PER_SCORE = {"fp32": 16, "bf16": 16, "fp16": 16}
 _RANK_TRANSIENT_PER_SCORE = 8  # the no-grad ranking's scores and probabilities, fp32
+# The per-token reference backends under bf16/fp16 autocast: each query's einsum casts the key and value
+# rows it reads to half precision and keeps the copies, 2 x 2 bytes per key and head dimension (4.3-4.5
+# measured with saved_tensors_hooks on the CPU, D = 16 and 32), where fp32 keeps views (about the 8 bytes
+# of a masked score). m7c-125m's dense window reference in bf16 ran a 140 GiB H200 out of memory.
+_REFERENCE_HALF_PER_KEY_DIM = 4
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # per thread running matmuls, Hopper (CUBLAS_WORKSPACE_CONFIG's default)
 CUDA_MATMUL_THREADS = 2  # the main thread (forward) and the autograd engine's thread (backward)
 
@@ -142,7 +147,19 @@ def _branch_bytes(cfg: Any, branch: str, S: int, B: int, dtype: str) -> int:
     elif branch == "cmp":
         nc = max(0, (S - nsa.block_len) // nsa.block_stride + 1)
         kept += 2 * B * nc * HKV * nsa.block_len * D * a  # the unfolded key and value blocks
+    if getattr(nsa, f"{branch}_backend") == "reference" and dtype != "fp32":
+        kept += _REFERENCE_HALF_PER_KEY_DIM * D * B * S * H * _reference_keys(cfg, branch, S)
     return int(kv + kept)
+
+
+def _reference_keys(cfg: Any, branch: str, S: int) -> int:
+    """Keys each query head reads in the per-token reference of ``branch`` (at most; the last query)."""
+    nsa = cfg.nsa
+    if branch == "sel":
+        return min(S, nsa.n_sel * nsa.sel_block_len)
+    if branch == "win":
+        return min(S, nsa.window)
+    return max(0, (S - nsa.block_len) // nsa.block_stride + 1)
 
 
 def _backward_workspace(cfg: Any, per_branch: dict[str, int], S: int, B: int, dtype: str) -> int:
@@ -274,14 +291,32 @@ def plan_reference(
             total += estimate_check_memory(ref, seq_len=seq_len, batch=batch, dtype=dtype, device=device)
         return total
 
-    dense = dict.fromkeys(BRANCH_NAMES, "reference")
-    plan = ReferencePlan(dense, need(dense), budget_bytes, lean=False)
+    tested = {b: getattr(cfg.nsa, f"{b}_backend") for b in BRANCH_NAMES}
+
+    def leaner(branch: str) -> str:
+        return next((c for c in LEAN_REFERENCES[branch] if c != tested[branch]), "reference")
+
+    # Too many Python iterations: lean for that branch whatever the memory (the per-token loops of m7c-125m's
+    # selection at S = 2048 took 3.5 minutes of a 5-minute timeout on an H200).
+    slow = {b for b in cfg.nsa.branches if reference_loops(cfg, b, seq_len, batch) > REFERENCE_MAX_LOOPS}
+    dense = {b: leaner(b) if b in slow else "reference" for b in BRANCH_NAMES}
+    plan = ReferencePlan(dense, need(dense), budget_bytes, lean=bool(slow))
     if plan.fits:
         return plan
-    tested = {b: getattr(cfg.nsa, f"{b}_backend") for b in BRANCH_NAMES}
-    lean = dict(dense)
-    for branch in cfg.nsa.branches:
-        lean[branch] = next((c for c in LEAN_REFERENCES[branch] if c != tested[branch]), "reference")
+    lean = {b: leaner(b) if b in cfg.nsa.branches else dense[b] for b in BRANCH_NAMES}
     if lean == dense:
         return plan
     return ReferencePlan(lean, need(lean), budget_bytes, lean=True)
+
+
+# Python-level iterations of the per-token reference backends above which a lean backend checks the branch.
+REFERENCE_MAX_LOOPS = 1_000_000
+
+
+def reference_loops(cfg: Any, branch: str, seq_len: int, batch: int) -> int:
+    """Python-level iterations of one forward of ``branch``'s reference backend over all layers: a loop per
+    query token; selection also per KV head and candidate block (its block ranking)."""
+    per_layer = batch * seq_len
+    if branch == "sel":
+        per_layer *= cfg.kv_heads * max(1, seq_len // cfg.nsa.sel_block_len)
+    return per_layer * cfg.layers
