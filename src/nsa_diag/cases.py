@@ -497,16 +497,15 @@ def parse_kinds(text: str | None) -> tuple[str, ...]:
 
 
 def selftest_specs(
-    options: CaseOptions, kinds: Iterable[str], *, cuda: bool
+    options: CaseOptions, kinds: Iterable[str], *, cuda: bool, layers: int | None = None
 ) -> list[tuple[CaseSpec, Expectation]]:
     """One case per fault kind, injected in the backward of the last layer at step 1.
 
     `slow` sleeps `SLOW_SECONDS` per step in a case whose timeout is twice the stall and whose steps
     would take four times that timeout, so the watchdog must call it slow, not hung. Without CUDA,
-    `gpu-spin` is expected to come back `skipped`.
+    `gpu-spin` is expected to come back `skipped`. ``layers``: a ``--model``'s (its pre-flight's).
     """
-    cfg = model_config(options.preset.value, preset_overrides(options))
-    layer = cfg.layers - 1
+    layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
     expectations = {e.kind: e for e in SELFTEST_EXPECTATIONS}
     cases = []
     for kind in kinds:
@@ -657,11 +656,12 @@ def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, *
     return build_spec(options.replace(device=type(options.device)(device)), name=name, ddp=ddp_spec, **fields)
 
 
-def ddp_selftest_specs(options: CaseOptions, ddp: Mapping[str, Any]) -> list[tuple[CaseSpec, Expectation]]:
+def ddp_selftest_specs(
+    options: CaseOptions, ddp: Mapping[str, Any], *, layers: int | None = None
+) -> list[tuple[CaseSpec, Expectation]]:
     """`selftest --ddp`: skip-collective on rank 1 (hang, collective) and unused-param on every rank
-    (grad-missing), each on the ranks of ``ddp`` (at least 2)."""
-    cfg = model_config(options.preset.value, preset_overrides(options))
-    layer = cfg.layers - 1
+    (grad-missing), each on the ranks of ``ddp`` (at least 2); ``layers``: a ``--model``'s."""
+    layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
     ddp = {**ddp, "nproc": max(2, int(ddp.get("nproc", 2)))}
     cases = [
         ("skip-collective:rank=1,step=1", Expectation("skip-collective", "hang", "collective")),
