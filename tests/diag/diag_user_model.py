@@ -63,7 +63,7 @@ class ShapedLM(nn.Module):
 
     def __init__(self, output: str, vocab: str, layout: str, vocab_size: int = 300, layers: int = 2) -> None:
         super().__init__()
-        self.output, self.layout = output, layout
+        self.output, self.layout, self.vocab = output, layout, vocab
         if vocab == "attr":
             self.vocab_size = vocab_size
         elif vocab == "config":
@@ -80,8 +80,8 @@ class ShapedLM(nn.Module):
         self.blocks_ = [blocks]  # a plain list: not registered twice
         self.head = nn.Linear(16, vocab_size)
 
-    def get_output_embeddings(self) -> nn.Module:
-        return self.head
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None if self.vocab == "none" else self.head
 
     def forward(self, tokens: torch.Tensor) -> Any:
         x = self.embed(tokens)
