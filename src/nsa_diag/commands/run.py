@@ -33,6 +33,9 @@ def run(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = Fa
     `--repeat N` runs it N times (hang probability, time to hang, transient failures); `--minimize`
     shrinks a failing case to the smallest command that still fails; `--triage` classifies an oom.
 
+    `--model pkg.module:factory` trains your own model; its contract is in `--model`'s help below (and
+    the README): it is built once before the case, and an option it would not take is refused.
+
     Exit code 0 when the case passes, 1 when not, 2 for a bad option.
 
     Examples:
