@@ -62,9 +62,11 @@ def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
 
 def vocab_of(model: nn.Module) -> tuple[int, str]:
     """The vocabulary size of a user's model and where it came from; ContractError when none says it."""
+    tinylm_vocab = getattr(model, "cfg", None).vocab if is_self_checkpointing(model) else None  # type: ignore[union-attr]
     for where, value in (
         ("vocab_size", getattr(model, "vocab_size", None)),
         ("config.vocab_size", getattr(getattr(model, "config", None), "vocab_size", None)),
+        ("cfg.vocab", tinylm_vocab),  # an nsa_core.TinyLM (or subclass)
     ):
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value, where
