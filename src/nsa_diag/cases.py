@@ -33,6 +33,8 @@ from nsa_diag.options import (
     CHECK_OMITS,
     FROM_FIELD,
     GROUPS,
+    MODEL,
+    NSA,
     SESSION_OPTIONS,
     Branch,
     CmpBackend,
@@ -47,6 +49,7 @@ from nsa_diag.spec import (
     CaseSpec,
     DdpSpec,
     Injection,
+    ModelFacts,
     endpoint_problem,
 )
 
@@ -208,7 +211,11 @@ def build_spec(
     all_overrides = {**preset_overrides(options), **(overrides or {})}
     if options.model is None:
         all_overrides = with_device_backends(all_overrides, uses_cuda(options))
-    cfg = model_config(options.preset.value, all_overrides)
+    # A --model's checkpointed range is checked against its own layers, in its pre-flight
+    checked = (
+        all_overrides if options.model is None else {k: v for k, v in all_overrides.items() if k != "gc"}
+    )
+    cfg = model_config(options.preset.value, checked)
     values: dict[str, Any] = {}
     for field, opt in SPEC_OPTIONS.items():
         value = getattr(options, field)
@@ -230,7 +237,6 @@ def check_spec(spec: CaseSpec) -> None:
     """Combinations a `CaseSpec` allows but that could never run as meant; `UsageError` in one line."""
     if spec.seq_len < 2:
         raise UsageError(f"--seq-len {spec.seq_len}: the next-token loss needs at least 2 tokens")
-    cfg = spec.nsa_config()
     check_triton(spec)
     world = spec.ddp.world_size if spec.ddp is not None else 1  # issue 6: ranks of `nsa-diag ddp`
     for inj in spec.inject:
@@ -243,19 +249,26 @@ def check_spec(spec: CaseSpec) -> None:
             if spec.ddp is None:
                 raise UsageError(f"--inject {inj}: rank={inj.rank}, but this case runs one process (rank 0)")
             raise UsageError(f"--inject {inj}: rank={inj.rank}, but the ranks are 0..{world - 1}")
-        if spec.model is None and inj.layer >= cfg.layers:
+        if inj.step > spec.steps:
+            raise UsageError(f"--inject {inj}: step={inj.step} never comes with --steps {spec.steps}")
+        if spec.model is not None:  # its layers are known from its pre-flight (check_model_facts)
+            continue
+        cfg = spec.nsa_config()
+        if inj.layer >= cfg.layers:
             raise UsageError(
                 f"--inject {inj}: layer={inj.layer}, but the model's layers are 0..{cfg.layers - 1}"
             )
-        if inj.step > spec.steps:
-            raise UsageError(f"--inject {inj}: step={inj.step} never comes with --steps {spec.steps}")
-        if inj.phase == "recompute" and spec.model is None and inj.layer not in cfg.gc_layers:
+        if inj.phase == "recompute" and inj.layer not in cfg.gc_layers:
             raise UsageError(
                 f"--inject {inj}: phase=recompute fires only when layer {inj.layer} is checkpointed; "
                 f"add --gc all or --gc A:B covering it"
             )
-        if inj.kind == "unused-param" and spec.model is not None:
-            raise UsageError(f"--inject {inj}: unused-param detaches attn.kv_win of the built-in TinyLM only")
+    if spec.reference_check and spec.model is not None:
+        raise UsageError(
+            f"--reference-check (and nsa-diag backend) with --model {spec.model}: the check rebuilds "
+            "nsa_core's TinyLM with the reference backends, so your model would be compared with nothing; "
+            "run it without --model"
+        )
 
 
 def check_triton(spec: CaseSpec) -> None:
@@ -484,16 +497,15 @@ def parse_kinds(text: str | None) -> tuple[str, ...]:
 
 
 def selftest_specs(
-    options: CaseOptions, kinds: Iterable[str], *, cuda: bool
+    options: CaseOptions, kinds: Iterable[str], *, cuda: bool, layers: int | None = None
 ) -> list[tuple[CaseSpec, Expectation]]:
     """One case per fault kind, injected in the backward of the last layer at step 1.
 
     `slow` sleeps `SLOW_SECONDS` per step in a case whose timeout is twice the stall and whose steps
     would take four times that timeout, so the watchdog must call it slow, not hung. Without CUDA,
-    `gpu-spin` is expected to come back `skipped`.
+    `gpu-spin` is expected to come back `skipped`. ``layers``: a ``--model``'s (its pre-flight's).
     """
-    cfg = model_config(options.preset.value, preset_overrides(options))
-    layer = cfg.layers - 1
+    layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
     expectations = {e.kind: e for e in SELFTEST_EXPECTATIONS}
     cases = []
     for kind in kinds:
@@ -644,11 +656,12 @@ def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, *
     return build_spec(options.replace(device=type(options.device)(device)), name=name, ddp=ddp_spec, **fields)
 
 
-def ddp_selftest_specs(options: CaseOptions, ddp: Mapping[str, Any]) -> list[tuple[CaseSpec, Expectation]]:
+def ddp_selftest_specs(
+    options: CaseOptions, ddp: Mapping[str, Any], *, layers: int | None = None
+) -> list[tuple[CaseSpec, Expectation]]:
     """`selftest --ddp`: skip-collective on rank 1 (hang, collective) and unused-param on every rank
-    (grad-missing), each on the ranks of ``ddp`` (at least 2)."""
-    cfg = model_config(options.preset.value, preset_overrides(options))
-    layer = cfg.layers - 1
+    (grad-missing), each on the ranks of ``ddp`` (at least 2); ``layers``: a ``--model``'s."""
+    layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
     ddp = {**ddp, "nproc": max(2, int(ddp.get("nproc", 2)))}
     cases = [
         ("skip-collective:rank=1,step=1", Expectation("skip-collective", "hang", "collective")),
@@ -658,3 +671,78 @@ def ddp_selftest_specs(options: CaseOptions, ddp: Mapping[str, Any]) -> list[tup
         (build_ddp_spec(options.replace(inject=(inject,)), ddp, name=f"ddp-{e.kind}"), e)
         for inject, e in cases
     ]
+
+
+# --- a --model against what its pre-flight found (nsa_diag.launchers.preflight) -------------------------
+
+_OPTIONS_BY_KEY = {opt.override: opt for opt in MODEL_OPTIONS}
+_GC_KEYS = ("gc", "gc_reentrant")  # applied by nsa-diag to any model (nsa_diag.worker.contract)
+_NSA_KEYS = tuple(
+    CASE_OPTIONS[n].override for n in NSA.names if n not in _GC_KEYS
+)  # window, sel_backend, ...
+_SHAPE_KEYS = tuple(n for n in MODEL.names if n != "preset")  # layers, dim, heads, ...
+
+
+def _flags(spec: CaseSpec, keys: Iterable[str]) -> str:
+    return ", ".join(f"{_OPTIONS_BY_KEY[k].flag} {spec.overrides[k]}" for k in keys)
+
+
+def check_model_facts(spec: CaseSpec, facts: ModelFacts) -> None:
+    """Refuse, in one line, a ``--model`` that broke the contract and every option the model it builds would
+    not take: NSA options without nsa_core NSAAttention modules holding their values, model options the
+    factory never reads (or whose value the model does not have), a fault on a layer it lacks or a
+    recompute fault on a layer ``--gc`` does not cover, a correctness property its model cannot run."""
+    name = f"--model {spec.model}"
+    if facts.problem:
+        raise ConfigError(f"{name}: {facts.problem}")
+    if spec.check is not None and not facts.self_checkpointing:
+        raise UsageError(
+            f"verify --only {spec.check} with {name}: the property rebuilds the model from its nsa_core "
+            f"config, which needs an nsa_core.TinyLM (or subclass); {facts.type} is not one"
+        )
+    given = [key for key in spec.overrides if key not in _GC_KEYS]
+    nsa = [k for k in given if k in _NSA_KEYS]
+    if nsa and not facts.nsa_layers and not facts.self_checkpointing:
+        raise UsageError(
+            f"{_flags(spec, nsa)}: set nsa_core's NSA attention, and {name} ({facts.type}) holds no "
+            "NSAAttention module: they would change nothing; leave them out"
+        )
+    for key in given:
+        value, found = spec.overrides[key], facts.nsa_values.get(key)
+        if found is not None and found != [value]:
+            shown = ", ".join(map(str, found))
+            raise UsageError(
+                f"{_flags(spec, [key])}: {name} built {key}={shown} from the spec; build it from "
+                "spec.nsa_config() (or read spec.overrides) so that the option applies"
+            )
+        if found is None and key in _SHAPE_KEYS:
+            actual = {"layers": facts.layers, "vocab": facts.vocab}.get(key)
+            if actual is not None and actual != value:
+                raise UsageError(f"{_flags(spec, [key])}: {name} built a model with {key} {actual}")
+            if key not in facts.read_overrides:
+                raise UsageError(
+                    f"{_flags(spec, [key])}: {name}'s factory never reads it (spec.overrides[{key!r}] or "
+                    "spec.nsa_config()), so the model would run as built; leave it out"
+                )
+    gc = str(spec.overrides.get("gc", "none"))
+    try:
+        checkpointed = _gc_layers(gc, facts.layers)
+    except ValueError as exc:
+        raise UsageError(f"--gc {gc}: {name} has {facts.layers} layers: {_one_line(str(exc))}") from None
+    for inj in spec.inject:
+        if inj.layer >= facts.layers:
+            raise UsageError(
+                f"--inject {inj}: layer={inj.layer}, but {name}'s layers are 0..{facts.layers - 1} "
+                f"({facts.layers_attr})"
+            )
+        if inj.phase == "recompute" and inj.layer not in checkpointed:
+            raise UsageError(
+                f"--inject {inj}: phase=recompute fires only when layer {inj.layer} is checkpointed; "
+                f"add --gc all or --gc A:B covering it"
+            )
+
+
+def _gc_layers(gc: str, layers: int) -> range:
+    from nsa_core.config import parse_gc
+
+    return parse_gc(gc, layers)

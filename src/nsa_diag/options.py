@@ -254,7 +254,9 @@ NSA = Group(
 )  # fmt: skip
 TRAINING = Group("Training steps", ("seq_len", "batch", "steps", "dtype", "device", "seed", "lr"))
 WATCHDOG = Group("Watchdog", ("stall", "timeout"))
-FAULTS = Group("Faults and checks", ("inject", "model", "reference_check", "tolerance", "anomaly"))
+FAULTS = Group(
+    "Faults and checks", ("inject", "model", "layers_attr", "reference_check", "tolerance", "anomaly")
+)
 EVIDENCE = Group("Extra evidence", ("launch_blocking", "profile", "memory_snapshot", "alloc_conf"))
 FOLLOW_UPS = Group("Repeat, minimize, triage", ("repeat", "minimize", "triage"))
 OUTPUT = Group(_OUTPUT, ("out", "tag", "junit"))

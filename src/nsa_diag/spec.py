@@ -64,6 +64,15 @@ MAX_SEED = 2**32 - 1
 # A case's folder name; the follow-ups add suffixes (-r1000, minimize/ steps) within a file name's 255
 MAX_NAME_CHARS = 128
 MODEL_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+ATTR_PATH = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"
+# `--model`'s contract, in `run --help` and the README (`nsa_diag.worker.contract` holds the model to it)
+MODEL_HELP = (
+    "Your own model: factory(spec) -> nn.Module, mapping ids [B, S] to logits [B, S, V] returned as a "
+    "tensor, a tuple/list (first element) or an object's .logits (Hugging Face). V: model.vocab_size, "
+    "model.config.vocab_size or get_output_embeddings(). Layers: model.layers, model.model.layers, "
+    "transformer.h, encoder.layer or blocks (else --layers-attr). Model options reach it only through "
+    "the spec it reads; NSA options only through the nsa_core NSAAttention modules it holds."
+)
 
 
 class Injection(BaseModel):
@@ -246,10 +255,19 @@ class CaseSpec(BaseModel):
         Opt(
             "--model",
             str,
-            "Your own model: factory(spec) -> nn.Module mapping ids [B, S] to logits [B, S, V].",
+            MODEL_HELP,
             metavar="PKG.MODULE:FACTORY",
         ),
     ] = Field(None, description="user model factory 'pkg.module:factory', factory(spec) -> Module")
+    layers_attr: Annotated[
+        str | None,
+        Opt(
+            "--layers-attr",
+            str,
+            "With --model: the attribute holding the model's layers (an nn.ModuleList), e.g. decoder.layers.",
+            metavar="NAME",
+        ),
+    ] = Field(None, pattern=ATTR_PATH, description="--model: dotted attribute of the layer list")
     seq_len: Annotated[int, Opt("--seq-len", int, _SEQ_LEN_HELP, None, min=1, replay="always")] = Field(
         128, ge=1
     )
@@ -369,6 +387,8 @@ class CaseSpec(BaseModel):
             self.nsa_config()  # raises ValueError with the field and the fix
         elif not MODEL_REF.match(self.model):
             raise ValueError(f"model={self.model!r} must be 'pkg.module:factory' (a function's name)")
+        if self.layers_attr is not None and self.model is None:
+            raise ValueError("layers_attr: names the layers of a --model; the built-in model's are blocks")
         return self
 
     def nsa_config(self) -> Any:
@@ -383,9 +403,32 @@ class CaseSpec(BaseModel):
 
     def spec_hash(self) -> str:
         """Stable hash of what the case computes (the name excluded), to find finished cases again."""
-        # A single-process case hashes as before the ddp field existed (finished cases stay recognised).
-        data = self.model_dump(mode="json", exclude={"name"} | ({"ddp"} if self.ddp is None else set()))
+        # A single-process case hashes as before the ddp field existed (finished cases stay recognised);
+        # so does a case without layers_attr.
+        later = {field for field in ("ddp", "layers_attr") if getattr(self, field) is None}
+        data = self.model_dump(mode="json", exclude={"name"} | later)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class ModelFacts(BaseModel):
+    """What the pre-flight of a ``--model`` found by building it and running one forward
+    (`nsa_diag.worker.preflight`); the command refuses the options it cannot apply
+    (`nsa_diag.cases.check_model_facts`). ``problem``: the contract broken, in one line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    problem: str | None = None
+    type: str | None = None  # the model's class
+    layers_attr: str | None = None
+    layers: int = 0
+    vocab: int | None = None
+    vocab_from: str | None = None  # vocab_size | config.vocab_size | get_output_embeddings()
+    output: str | None = None  # tensor | tuple | list | .logits
+    self_checkpointing: bool = False  # an nsa_core.TinyLM: checkpoints its layers by its config's gc
+    nsa_layers: list[int] = Field(default_factory=list)  # layers holding nsa_core NSAAttention modules
+    nsa_values: dict[str, list[Any]] = Field(default_factory=dict)  # NSA field -> values in the model
+    read_overrides: list[str] = Field(default_factory=list)  # overrides the factory read from the spec
 
 
 class Where(BaseModel):

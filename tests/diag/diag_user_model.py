@@ -41,3 +41,121 @@ class UserLM(nn.Module):
 def build(spec: Any) -> nn.Module:
     """The factory: ``factory(spec) -> nn.Module``."""
     return UserLM(layers=int(spec.overrides.get("layers", 3)))
+
+
+# --- the shapes of the contract (`nsa-diag run --help`): outputs, vocabulary, layer layouts ----------------
+
+
+class Output:
+    """A Hugging Face-style output object: the logits in ``.logits``."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class Config:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+
+class ShapedLM(nn.Module):
+    """UserLM's computation with the output, vocabulary and layer list in another place."""
+
+    def __init__(self, output: str, vocab: str, layout: str, vocab_size: int = 300, layers: int = 2) -> None:
+        super().__init__()
+        self.output, self.layout, self.vocab = output, layout, vocab
+        if vocab == "attr":
+            self.vocab_size = vocab_size
+        elif vocab == "config":
+            self.config = Config(vocab_size)
+        self.embed = nn.Embedding(vocab_size, 16)
+        blocks = nn.ModuleList(MLPBlock(16) for _ in range(layers))
+        holder: nn.Module = self
+        *outer, last = layout.split(".")
+        for part in outer:
+            child = nn.Module()
+            holder.add_module(part, child)
+            holder = child
+        holder.add_module(last, blocks)
+        self.blocks_ = [blocks]  # a plain list: not registered twice
+        self.head = nn.Linear(16, vocab_size)
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        return None if self.vocab == "none" else self.head
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        x = self.embed(tokens)
+        for layer in self.blocks_[0]:
+            x = layer(x)
+        logits = self.head(x)
+        if self.output == "tuple":
+            return (logits, x)
+        if self.output == "list":
+            return [logits]
+        if self.output == "logits":
+            return Output(logits)
+        if self.output == "flat":  # a broken contract: [B * S, V]
+            return logits.flatten(0, 1)
+        return logits
+
+
+def shaped(spec: Any) -> nn.Module:
+    """``--model diag_user_model:shaped`` with ``SHAPE=output,vocab,layout`` in the environment."""
+    import os
+
+    output, vocab, layout = os.environ.get("SHAPE", "tensor,attr,layers").split(",")
+    return ShapedLM(output, vocab, layout)
+
+
+def raising(spec: Any) -> nn.Module:
+    raise RuntimeError("no checkpoint at /data/ckpt.pt")
+
+
+# --- the seeds' own model, as their team wrote it: an attention with a compression branch whose projection
+# never reaches the output (the grad-missing of their DDP runs), no nsa_core inside -------------------------
+
+
+class SeedAttention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.cmp_proj = nn.Linear(dim, dim)  # its output is computed and then dropped
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        _compressed = self.cmp_proj(x).detach()  # the bug: the branch's result is detached, then unused
+        att = torch.softmax(q @ k.transpose(-1, -2) / k.shape[-1] ** 0.5, dim=-1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, 0.0)
+        return self.out(att @ v)
+
+
+class SeedBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = SeedAttention(dim)
+        self.mlp = MLPBlock(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x + self.attn(self.norm(x)))
+
+
+class SeedLM(nn.Module):
+    def __init__(self, vocab_size: int = 96, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(SeedBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def seed_lm(spec: Any) -> nn.Module:
+    return SeedLM(layers=int(spec.overrides.get("layers", 3)))

@@ -110,7 +110,7 @@ ROUND_TRIPS = [
     pytest.param({}, id="defaults"),
     pytest.param(_GEOMETRY, id="geometry-branch-gc-inject"),
     pytest.param(_EVERY_OPTION, id="every-option"),
-    pytest.param({"model": "json:loads", "seq_len": 64}, id="user-model"),
+    pytest.param({"model": "diag_user_model:build", "layers_attr": "layers", "seq_len": 64}, id="user-model"),
 ]
 
 
@@ -129,6 +129,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
 def test_replay_line_builds_the_same_spec(
     values: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the --model's pre-flight
     spec = build_spec(_options(**_typed(values)), name="round-trip")
     argv = replay_argv(spec, tmp_path)
     again = _spec_of_command_line(argv[3:], monkeypatch)

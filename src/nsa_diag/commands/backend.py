@@ -70,6 +70,7 @@ def backend(
         nsa-diag backend --sel masked,gather --minimize --junit backend.xml
     """
     from nsa_diag.cases import backend_specs, check_options, parse_backend_list
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
@@ -80,6 +81,7 @@ def backend(
     }
     check_options(options)
     specs = backend_specs(options, {branch: names for branch, names in lists.items() if names})
+    check_user_model(specs)
     plan = CaseList("backend", specs)
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

@@ -29,11 +29,13 @@ def branch(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt =
         nsa-diag branch --repeat 5 --junit branch.xml
     """
     from nsa_diag.cases import branch_specs, check_options
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
     check_options(options)
     specs = branch_specs(options)
+    check_user_model(specs)  # a --model: --branch applies only through its NSAAttention modules
     plan = CaseList("branch", specs)
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

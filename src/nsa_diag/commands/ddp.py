@@ -110,6 +110,7 @@ def ddp(
         nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl
     """
     from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_options
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
@@ -128,6 +129,7 @@ def ddp(
         "rdzv_endpoint": rdzv_endpoint,
     }  # fmt: skip
     spec = build_ddp_spec(options, settings, name=options.name)
+    check_user_model([spec])
     plan = CaseList("ddp", [spec])
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

@@ -52,6 +52,7 @@ def gc_bisect(
         nsa-diag gc-bisect --layers 4 --gc all --inject nan:layer=1,phase=recompute --junit bisect.xml
     """
     from nsa_diag.cases import build_spec, check_options
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import Bisection, new_bisection, resumed_bisection
 
@@ -60,7 +61,9 @@ def gc_bisect(
         state = resumed_bisection(resume)
     else:
         check_options(options)
-        state = new_bisection(build_spec(options, name="start"), out=options.out, grads=grads)
+        spec = build_spec(options, name="start")
+        facts = check_user_model([spec])  # a --model: its own layer count is what gets bisected
+        state = new_bisection(spec, out=options.out, grads=grads, layers=facts.layers if facts else None)
     plan = Bisection(state, resume_dir=resume)
     session = Session(
         plan,

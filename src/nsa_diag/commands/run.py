@@ -33,6 +33,9 @@ def run(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = Fa
     `--repeat N` runs it N times (hang probability, time to hang, transient failures); `--minimize`
     shrinks a failing case to the smallest command that still fails; `--triage` classifies an oom.
 
+    `--model pkg.module:factory` trains your own model; its contract is in `--model`'s help below (and
+    the README): it is built once before the case, and an option it would not take is refused.
+
     Exit code 0 when the case passes, 1 when not, 2 for a bad option.
 
     Examples:
@@ -48,11 +51,13 @@ def run(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt = Fa
         nsa-diag run --preset m7c-125m --device cuda --seq-len 65536 --sel masked --triage
     """
     from nsa_diag.cases import build_spec, check_options
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
     check_options(options)
     spec = build_spec(options)  # named --name
+    check_user_model([spec])  # a --model: built once, its contract and the options it takes checked
     plan = CaseList("run", [spec])
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

@@ -111,6 +111,7 @@ def scale(
     """
     from nsa_diag.cases import check_options
     from nsa_diag.errors import UsageError
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import Sweep, build_series
 
@@ -121,6 +122,7 @@ def scale(
     check_options(options)
     follow = check_follow_ups(options)
     series = build_series(options, lens, layer_counts, per_branch=per_branch)
+    check_user_model([spec for one in series for _, spec in one.points])
     plan = Sweep(series, budget)
     session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
     raise typer.Exit(session.run())

@@ -14,7 +14,7 @@ SELFTEST_CUDA_STALL_S = 10.0  # CUDA start-up and first kernels can sit silent f
 SELFTEST_TIMEOUT_S = 60.0
 
 
-# The faults are the selftest's own, on the built-in model: --inject, --model and the checks are left out.
+# The faults are the selftest's own, on the built-in model or a --model: --inject and the checks are left out.
 @case_options(
     MODEL,
     NSA,
@@ -24,7 +24,7 @@ SELFTEST_TIMEOUT_S = 60.0
     EVIDENCE,
     FOLLOW_UPS,
     OUTPUT,
-    omit=("branch", "inject", "model", "reference_check", "tolerance"),
+    omit=("branch", "inject", "reference_check", "tolerance"),
     defaults={"stall": None, "timeout": SELFTEST_TIMEOUT_S},
 )
 def selftest(
@@ -52,7 +52,8 @@ def selftest(
 ) -> None:
     """Inject every fault kind, one case each, and check the verdict and hang kind nsa-diag gives it.
 
-    Faults fire in the backward of the last layer at step 1. Expected:
+    Faults fire in the backward of the last layer at step 1, in the built-in model or in your `--model`
+    (`unused-param` then detaches its last layer's first module with parameters). Expected:
 
     | fault | verdict | hang kind |
     |---|---|---|
@@ -85,13 +86,16 @@ def selftest(
         nsa-diag selftest --kinds deadlock,gil-hog --repeat 5 --junit selftest.xml
     """
     from nsa_diag.cases import (
+        build_spec,
         check_ddp_options,
+        check_model_facts,
         check_options,
         ddp_selftest_specs,
         parse_kinds,
         selftest_specs,
         uses_cuda,
     )
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
@@ -100,12 +104,18 @@ def selftest(
     if options.stall is None:
         options = options.replace(stall=SELFTEST_CUDA_STALL_S if cuda else SELFTEST_STALL_S)
     check_options(options)
+    # a --model: built once, its last layer gets the faults
+    facts = check_user_model([build_spec(options, name="preflight")]) if options.model else None
+    layers = facts.layers if facts is not None else None
     if ddp:  # issue 6: the ddp fault kinds on 2 ranks
         place = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None}
         backend = check_ddp_options(nproc=2, backend="auto", device=options.device.value, **place)
-        cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place})
+        cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place}, layers=layers)
     else:
-        cases = selftest_specs(options, chosen, cuda=cuda)
+        cases = selftest_specs(options, chosen, cuda=cuda, layers=layers)
+    for spec, _ in cases:
+        if facts is not None:
+            check_model_facts(spec, facts)
     plan = CaseList(
         "selftest", [spec for spec, _ in cases], {spec.name: expected for spec, expected in cases}
     )

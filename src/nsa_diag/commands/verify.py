@@ -107,12 +107,14 @@ def verify(
         nsa-diag verify --junit verify.xml
     """
     from nsa_diag.cases import check_options, uses_cuda
+    from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
     properties = parse_properties(only)
     check_options(options)
     specs = verify_specs(options, uses_cuda(options), properties)
+    check_user_model(specs)
     plan = CaseList("verify", specs)
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

@@ -209,20 +209,22 @@ def _trial_spec(base: CaseSpec, name: str, overrides: dict[str, Any], **fields: 
     return CaseSpec.model_validate(data)
 
 
-def new_bisection(spec: CaseSpec, *, out: Path, grads: bool) -> BisectState:
-    """The state of a new bisection of `spec` (``--grads``: the per-layer gradient comparison)."""
+def new_bisection(spec: CaseSpec, *, out: Path, grads: bool, layers: int | None = None) -> BisectState:
+    """The state of a new bisection of `spec` (``--grads``: the per-layer gradient comparison); ``layers``:
+    the layer count of a ``--model`` (its pre-flight's), else the spec's config's."""
+    from nsa_core.config import parse_gc
     from nsa_diag.errors import UsageError
 
-    cfg = spec.nsa_config()
-    gc_layers = cfg.gc_layers
+    layers = spec.nsa_config().layers if layers is None else layers
+    gc_layers = parse_gc(str(spec.overrides.get("gc", "none")), layers)
     if not grads and not len(gc_layers):
         raise UsageError("gc-bisect needs checkpointing to bisect: add --gc all or --gc A:B")
-    start = (gc_layers.start, gc_layers.stop) if len(gc_layers) else (0, cfg.layers)
+    start = (gc_layers.start, gc_layers.stop) if len(gc_layers) else (0, layers)
     return BisectState(
         mode="grads" if grads else "range",
         spec=spec.model_dump(mode="json"),
         out=str(Path(out).resolve()),
-        layers=cfg.layers,
+        layers=layers,
         start=start,
     )
 

@@ -41,9 +41,10 @@ from typing import TYPE_CHECKING, Any
 from nsa_diag import artifacts
 from nsa_diag.spec import TRAIN_GROUP
 from nsa_diag.worker import agent, inject, tether
+from nsa_diag.worker.contract import build_model
 from nsa_diag.worker.outcome import CaseFailed, Outcome
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress
-from nsa_diag.worker.train import Trainer, build_model, resolve_device
+from nsa_diag.worker.train import Trainer, resolve_device
 
 if TYPE_CHECKING:
     import torch
@@ -216,7 +217,7 @@ class DdpTrainer(Trainer):
         progress.event("setup", detail="model built")
         self._preflight()
         progress.event("setup", detail="preflight done")
-        attach_progress(loaded.model, progress)
+        attach_progress(loaded.model, progress, spec.layers_attr)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
         kwargs: dict[str, Any] = {
             "find_unused_parameters": ds.find_unused,
@@ -308,6 +309,21 @@ class DdpTrainer(Trainer):
         missing = [n for n in expected if n not in self.arrived]
         self.report["grad_arrival"][str(self.progress.step)] = {"arrived": len(expected) - len(missing),
                                                                "missing": missing}  # fmt: skip
+
+    def _missing_grads(self, step: int, missing: list[str]) -> None:
+        """find_unused_parameters or static_graph declare parameters without a gradient tolerated: the run
+        goes on (DDP itself now decides, and its errors are explained), with a warning naming them."""
+        ds = self.ddp_spec
+        if not (ds.find_unused or ds.static_graph):
+            super()._missing_grads(step, missing)
+            return
+        declared = "find_unused_parameters=True" if ds.find_unused else "static_graph=True"
+        if not any(w.startswith("unused-parameters") for w in self.warnings):
+            self.warnings.append(
+                f"unused-parameters: {len(missing)} parameter(s) got no gradient at step {step} "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}), tolerated by {declared}"
+            )
+        self.report.setdefault("tolerated_missing", {})[str(step)] = missing
 
     def _step(self, step: int) -> None:
         super()._step(step)

@@ -21,7 +21,9 @@ the GIL. Their function names say what they do, so stack samples read plainly (`
     segfault      reads address 0                                SIGSEGV (faulthandler dump in stacks.txt)
     abort         os.abort()                                     SIGABRT
     exit          os._exit(17)                                   exit code 17, no worker_result.json
-    unused-param  detaches attn.kv_win's output                  status grad-missing, kv_win.weight
+    unused-param  detaches attn.kv_win's output (a --model       status grad-missing, kv_win.weight
+                  without NSA: its layer's first module with
+                  parameters)
     gil-hog       blocking read() through ctypes.PyDLL           hangs, heartbeat stopped
     gpu-spin      torch.cuda._sleep + synchronize (CUDA only)    hangs in the kernel; CPU: status skipped
     skip-collective  ddp only: rank R skips the step's loss        the other ranks wait in it: hang,
@@ -236,12 +238,11 @@ def attach(
         block = blocks[inj.layer]
         name = f"{prefix}.{inj.layer}" if prefix else str(inj.layer)
         if inj.kind == "unused-param":
-            attns = nsa_attentions(block)
-            if not attns:
-                raise ValueError(f"--inject {inj}: {name} has no NSAAttention whose kv_win could go unused")
-            rel, attn = attns[0]
-            fault = Fault(inj, progress, device, f"{name}.{rel}.kv_win" if rel else f"{name}.kv_win")
-            fault.handle = attn.kv_win.register_forward_hook(fault.output_hook)
+            rel, target = _unused_param_target(block)
+            if target is None:
+                raise ValueError(f"--inject {inj}: {name} has no module with parameters that could go unused")
+            fault = Fault(inj, progress, device, f"{name}.{rel}" if rel else name)
+            fault.handle = target.register_forward_hook(fault.output_hook)
         else:
             fault = Fault(inj, progress, device, name)
             if inj.phase == "backward":
@@ -250,3 +251,16 @@ def attach(
                 fault.handle = block.register_forward_pre_hook(fault.forward_pre_hook)
         faults.append(fault)
     return faults
+
+
+def _unused_param_target(block: nn.Module) -> tuple[str, nn.Module | None]:
+    """What ``unused-param`` detaches in ``block``: its first NSAAttention's ``kv_win``, or in a model
+    without one the first module with parameters of its own (its name relative to the block)."""
+    attns = nsa_attentions(block)
+    if attns:
+        rel, attn = attns[0]
+        return (f"{rel}.kv_win" if rel else "kv_win"), attn.kv_win
+    for rel, module in block.named_modules():
+        if rel and any(True for _ in module.parameters(recurse=False)):
+            return rel, module
+    return "", None

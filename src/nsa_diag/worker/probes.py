@@ -116,15 +116,42 @@ class Progress:
         self._stream.write(json.dumps(record, default=str) + "\n")
 
 
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The model's layers: the first `nn.ModuleList` in ``named_modules()`` (layer i is its i-th child)."""
+# Where models keep their layers, tried in this order (``--layers-attr NAME`` names another): Llama-style
+# and nsa-diag's own test models, Hugging Face decoders (LlamaForCausalLM), GPT-2, BERT encoders, TinyLM.
+LAYER_LAYOUTS = ("layers", "model.layers", "transformer.h", "encoder.layer", "blocks")
+
+
+def _attribute(model: nn.Module, path: str) -> Any:
+    found: Any = model
+    for part in path.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            return None
+    return found
+
+
+def find_blocks(model: nn.Module, layers_attr: str | None = None) -> tuple[str, nn.ModuleList]:
+    """The model's layers: the `nn.ModuleList` (or `nn.Sequential`) at ``layers_attr``, or at the first of
+    `LAYER_LAYOUTS` the model has; layer i is its i-th child. ValueError saying what was tried."""
     from torch import nn
 
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList):
-            return name, module
+    tried = (layers_attr,) if layers_attr else LAYER_LAYOUTS
+    for path in tried:
+        found = _attribute(model, path)
+        if isinstance(found, nn.ModuleList | nn.Sequential) and len(found):
+            return path, found  # type: ignore[return-value]
+        if layers_attr and found is not None:
+            raise ValueError(
+                f"--layers-attr {layers_attr}: {type(model).__name__}.{layers_attr} is a "
+                f"{type(found).__name__}, not a non-empty nn.ModuleList of layers"
+            )
+    if layers_attr:
+        raise ValueError(
+            f"--layers-attr {layers_attr}: {type(model).__name__} has no attribute {layers_attr}"
+        )
     raise ValueError(
-        f"{type(model).__name__} has no nn.ModuleList of layers: nsa-diag reports progress per layer"
+        f"{type(model).__name__} keeps its layers in none of {', '.join(LAYER_LAYOUTS)} (an nn.ModuleList): "
+        "name the list with --layers-attr NAME (nsa-diag reports progress and injects faults per layer)"
     )
 
 
@@ -135,14 +162,16 @@ def nsa_attentions(block: nn.Module) -> list[tuple[str, Any]]:
     return [(name, m) for name, m in block.named_modules() if isinstance(m, NSAAttention)]
 
 
-def attach_progress(model: nn.Module, progress: Progress) -> list[RemovableHandle]:
+def attach_progress(
+    model: nn.Module, progress: Progress, layers_attr: str | None = None
+) -> list[RemovableHandle]:
     """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
 
     Branch forward begins at the forward pre-hook of ``attn.kv_<branch>`` and ends at the forward hook of
     ``attn.branch_out[branch]``; branch backward begins at the backward pre-hook of ``branch_out[branch]``
     and ends at the backward hook of ``kv_<branch>``. Only branches the layer computes are hooked.
     """
-    prefix, blocks = find_blocks(model)
+    prefix, blocks = find_blocks(model, layers_attr)
     handles: list[RemovableHandle] = []
     for layer, block in enumerate(blocks):
         name = f"{prefix}.{layer}" if prefix else str(layer)

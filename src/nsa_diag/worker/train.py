@@ -9,11 +9,8 @@ a hook on every module to find where the values first went non-finite.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
-import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -24,13 +21,13 @@ from nsa_diag import artifacts
 from nsa_diag.spec import CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
+from nsa_diag.worker.contract import build_model, check_logits, logits_of
 from nsa_diag.worker.outcome import CaseFailed, LoadedModel, Outcome, exception_info, worker_report
 from nsa_diag.worker.probes import (
     MemoryRecorder,
     NonfiniteLocator,
     Progress,
     attach_progress,
-    find_blocks,
     finite_or_none,
     grad_norm,
     missing_grads,
@@ -55,58 +52,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
-def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
-    """``"pkg.module:factory"`` -> the factory; CaseFailed("error") saying what could not be imported.
-
-    The worker starts with the working directory off ``sys.path`` (``-P``); a ``--model`` module is the
-    user's own code, imported from there as they expect, so it is put first on the path for this alone.
-    """
-    module_name, _, attr = ref.partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise CaseFailed(
-            "error", f"model {ref}: cannot import {module_name}: {type(exc).__name__}: {exc}"
-        ) from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise CaseFailed("error", f"model {ref}: {module_name} has no callable {attr!r}")
-    return factory
-
-
-def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
-    """The built-in `nsa_core.TinyLM` of the spec's config, or the user's ``factory(spec)``."""
-    import torch
-    from torch import nn
-
-    torch.manual_seed(spec.seed)
-    if spec.model is None:
-        import nsa_core
-
-        cfg = spec.nsa_config()
-        model: nn.Module = nsa_core.TinyLM(cfg)
-        vocab, idle = cfg.vocab, model.idle_parameter_names()
-    else:
-        cfg = None
-        model = load_factory(spec.model)(spec)
-        if not isinstance(model, nn.Module):
-            raise CaseFailed("error", f"model {spec.model} returned {type(model).__name__}, not an nn.Module")
-        vocab = getattr(model, "vocab_size", None) or spec.nsa_config().vocab
-        idle_names = getattr(model, "idle_parameter_names", None)
-        idle = list(idle_names()) if callable(idle_names) else []
-    prefix, blocks = find_blocks(model)
-    return LoadedModel(model.to(device), prefix, blocks, vocab, idle, cfg)
-
-
 def is_oom(exc: BaseException) -> bool:
     import torch
 
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in OOM_MESSAGES)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def _first_line(text: str) -> str:
@@ -119,6 +74,7 @@ class Trainer:
     def __init__(self, spec: CaseSpec, case_dir: Path, progress: Progress, memory: MemoryRecorder) -> None:
         self.spec, self.case_dir, self.progress, self.memory = spec, Path(case_dir), progress, memory
         self.notes: list[str] = []
+        self.warnings: list[str] = []  # a pass that holds with these said (its reason names them)
         self.phase_s: dict[str, Any] = {
             "setup": None,
             "forward": [],
@@ -199,7 +155,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.loaded = loaded = build_model(spec, self.device)
         self.progress.event("setup", detail="model built")
-        attach_progress(loaded.model, self.progress)
+        attach_progress(loaded.model, self.progress, spec.layers_attr)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
         self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.dtype == "fp16" else None
@@ -240,12 +196,7 @@ class Trainer:
 
         missing = missing_grads(model, self.loaded.idle)
         if missing:
-            raise CaseFailed(
-                "grad-missing",
-                f"{len(missing)} parameter(s) got no gradient at step {step}: {', '.join(missing[:3])}"
-                + (" ..." if len(missing) > 3 else ""),
-                missing_grads=missing,
-            )
+            self._missing_grads(step, missing)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         norm = grad_norm(model.parameters())
@@ -301,8 +252,18 @@ class Trainer:
         import torch.nn.functional as F
 
         with self._autocast():
-            logits = model(tokens[:, :-1])
+            logits = logits_of(model(tokens[:, :-1]))
+        assert self.loaded is not None
+        check_logits(logits, tokens.shape[0], tokens.shape[1] - 1, self.loaded.vocab)
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+    def _missing_grads(self, step: int, missing: list[str]) -> None:
+        """Parameters without a gradient after backward: grad-missing (a DDP rank may tolerate them)."""
+        raise CaseFailed(
+            "grad-missing",
+            f"{len(missing)} parameter(s) got no gradient at step {step}: {_names(missing)}",
+            missing_grads=missing,
+        )
 
     def _backward(self, loss: torch.Tensor, *, scaled: bool) -> None:
         self.progress.in_backward = True  # block forwards from here on are checkpoint recomputes
@@ -543,7 +504,7 @@ class Trainer:
         text += f", final loss {loss:.4f}" if loss is not None else ""
         if self.parity is not None and self.parity.get("checked") is False:
             text += f"; reference check NOT run: {self.parity['why']}"
-        return text
+        return text + "".join(f"; warning {warning}" for warning in self.warnings)
 
     def _finish(self, outcome: Outcome) -> WorkerReport:
         spec = self.spec
