@@ -84,10 +84,10 @@ def test_options_a_model_cannot_take_are_refused(args: list[str], message: str, 
     assert not list(tmp_path.iterdir()), "refused before any run folder"
 
 
-def test_recompute_fault_fires_in_a_checkpointed_user_layer() -> None:
+def test_recompute_fault_fires_in_a_checkpointed_user_layer(tmp_path: Path) -> None:
     code, summary, stderr = run_cli_json(
         "run", "--model", "diag_user_model:build", "--gc", "0:1", "--inject", "nan:layer=0,phase=recompute",
-        "--seq-len", "16", "--device", "cpu",
+        "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path),
     )  # fmt: skip
     (case,) = summary["cases"]
     assert (code, case["verdict"]) == (1, "nonfinite"), stderr
@@ -102,10 +102,10 @@ def test_recompute_fault_fires_in_a_checkpointed_user_layer() -> None:
         pytest.param(["--gc-reentrant", "--find-unused"], "error", "marked ready twice", id="reentrant"),
     ],
 )
-def test_seed_model_under_ddp_with_gc(flags: list[str], verdict: str, said: str) -> None:
+def test_seed_model_under_ddp_with_gc(tmp_path: Path, flags: list[str], verdict: str, said: str) -> None:
     code, summary, stderr = run_cli_json(
         "ddp", "--model", "diag_user_model:seed_lm", "--gc", "all", *flags, "--seq-len", "16", "--steps", "2",
-        "--device", "cpu", "--backend", "gloo", "--stall", "60",
+        "--device", "cpu", "--backend", "gloo", "--stall", "60", "--out", str(tmp_path),
     )  # fmt: skip
     (case,) = summary["cases"]
     assert case["verdict"] == verdict, (case["reason"], stderr)
@@ -127,6 +127,6 @@ def transformers_on_path() -> None:
 @pytest.mark.parametrize(
     "command", [["run", "--gc", "all", "--steps", "2"], ["selftest"], ["ddp", "--backend", "gloo"]], ids=str
 )
-def test_hugging_face_gpt2(command: list[str]) -> None:
-    code, summary, stderr = run_cli_json(*command, *HF, timeout=400)
+def test_hugging_face_gpt2(tmp_path: Path, command: list[str]) -> None:
+    code, summary, stderr = run_cli_json(*command, *HF, "--out", str(tmp_path), timeout=400)
     assert code == 0, (stderr, [c["reason"] for c in summary.get("cases", [])])
