@@ -7,7 +7,8 @@
 #   make bench   the backend benchmarks (benchmarks/backends.py)
 #   make gpu-smoke  the gpu-smoke matrix + selftest (+ selftest --ddp with 2 GPUs) on this machine's GPUs, a
 #                short table at the end; run folders under nsa-diag-runs/gpu-smoke-<time> (exit 2 without GPU)
-#   make matrix-<name>  nsa-diag matrix matrices/<name>.yaml, a target per file: matrix-cpu-smoke (tiny
+#   make matrix-<name>  nsa-diag matrix <name>, a target per shipped matrix (src/nsa_diag/matrices/<name>.yaml,
+#                `nsa-diag matrix --list`): matrix-cpu-smoke (tiny
 #                CPU cases, about a minute), matrix-gpu-smoke, matrix-backward, matrix-scaling,
 #                matrix-production; options through MATRIX_ARGS, e.g.
 #                make matrix-backward MATRIX_ARGS='--jobs 4 --junit backward.xml'
@@ -30,7 +31,8 @@ MATRIX_ARGS ?=
 # The nsa-diag the matrix-<name> targets run. Where Python already has torch and the toolkit's
 # dependencies (a GPU machine), NSA_DIAG='python3 -m nsa_diag' with PYTHONPATH=src runs them without a venv.
 NSA_DIAG ?= $(VENV)/bin/nsa-diag
-MATRIX_TARGETS := $(patsubst matrices/%.yaml,matrix-%,$(wildcard matrices/*.yaml))
+MATRICES := src/nsa_diag/matrices
+MATRIX_TARGETS := $(patsubst $(MATRICES)/%.yaml,matrix-%,$(wildcard $(MATRICES)/*.yaml))
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -67,5 +69,5 @@ gpu-smoke: $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
 
 # A static pattern rule: make applies no implicit (plain pattern) rule to a phony target.
 .PHONY: $(MATRIX_TARGETS)
-$(MATRIX_TARGETS): matrix-%: matrices/%.yaml $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
-	$(NSA_DIAG) matrix $< $(MATRIX_ARGS)
+$(MATRIX_TARGETS): matrix-%: $(MATRICES)/%.yaml $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
+	$(NSA_DIAG) matrix $* $(MATRIX_ARGS)
