@@ -190,12 +190,16 @@ def is_secret_name(name: str) -> bool:
     return any(part in lowered for part in SECRET_NAME_PARTS)
 
 
-def write_replay(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Path:
-    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set; a secret's value is left out
-    and its name listed for the user to set."""
+def write_replay(
+    path: Path, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Path:
+    """An executable ``replay.sh`` that runs ``argv`` again in ``cwd`` with ``env`` set, from any directory;
+    every word is shell-quoted, a secret's value is left out and its name listed for the user to set."""
     env = env or {}
     withheld = sorted(name for name in env if is_secret_name(name))
     lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
+    if cwd is not None:  # a --model module is imported from the directory the case ran in
+        lines.append(f"cd {shlex.quote(str(Path(cwd).resolve()))}")
     if withheld:
         lines.append(f"# Withheld (secret values are never written; set them yourself): {' '.join(withheld)}")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in withheld]

@@ -29,7 +29,7 @@ from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.evidence.env import collect_env
-from nsa_diag.launchers import Launcher, Unit, default_launcher
+from nsa_diag.launchers import Launcher, Unit, default_launcher, pinned_env
 from nsa_diag.results import case_files, error_result, unit_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, gather_hang_evidence, watch
@@ -176,9 +176,10 @@ def run_case(
     ``launcher``: how the job starts and what it has (a fresh one per case); None picks
     `nsa_diag.launchers.default_launcher` (torchrun when ``spec.ddp`` is set, else our worker).
     ``replay_argv`` is the command line ``replay.sh`` runs (default: the launcher's own command).
-    ``extra_env``: variables for this job only, not in ``replay.sh`` (``nsa-diag matrix --jobs`` gives
-    each case its own GPU through ``CUDA_VISIBLE_DEVICES``). From a thread other than the main one no
-    signal handler is installed; ``on_progress`` may raise `Interrupted` there to stop the case.
+    ``extra_env``: variables for this job (``nsa-diag matrix --jobs`` gives each case its own GPU through
+    ``CUDA_VISIBLE_DEVICES``); ``replay.sh`` keeps only those of `REPLAY_PINNED`, the device among them.
+    From a thread other than the main one no signal handler is installed; ``on_progress`` may raise
+    `Interrupted` there to stop the case.
     Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM, after stopping the job.
     """
     case_dir = Path(case_dir)
@@ -192,8 +193,9 @@ def run_case(
             artifacts.write_json(case_dir / artifacts.SPEC, spec)
             argv = launcher.command(case_dir)
             replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
-            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, launcher.replay_env(case_dir))
             env = launcher.child_env(case_dir, extra_env)
+            replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
+            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
             with guard.deferred():
                 launcher.start(case_dir, argv, env)
             result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)

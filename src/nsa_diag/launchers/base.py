@@ -3,7 +3,7 @@
 The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatever hosts it:
 
 1. ``prepare`` the case folder, write ``spec.json`` and ``replay.sh`` (`command`, `replay_argv`,
-   `replay_env`);
+   `replay_env`, and of `child_env` the `REPLAY_PINNED` variables; it runs in this working directory);
 2. `start` the job: `command` with `child_env`, stdin closed, stdout/stderr appended to the case's logs,
    in a session of its own (its own process group) so that it can be stopped as a whole;
 3. watch its `units` (`nsa_diag.watchdog.watch`): each unit is a process the watchdog judges, with its
@@ -71,6 +71,16 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
     if spec.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     return env
+
+
+# What replay.sh keeps of the environment the job ran with, beyond the launcher's `replay_env`: the import
+# path (a --model module's package, nsa_diag from a checkout) and the GPUs it saw (a matrix job's own).
+REPLAY_PINNED = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+
+
+def pinned_env(child_env: Mapping[str, str]) -> dict[str, str]:
+    """The `REPLAY_PINNED` variables of a job's environment, as the job had them."""
+    return {name: child_env[name] for name in REPLAY_PINNED if name in child_env}
 
 
 def python_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
