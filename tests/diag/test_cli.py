@@ -57,6 +57,24 @@ def test_help_does_not_import_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_shell_completion_is_on_and_completes_commands_and_shipped_matrices() -> None:
+    assert "--install-completion" in run_nsa_diag("--help").stdout
+    script = run_nsa_diag("--show-completion", "bash")
+    assert script.returncode == 0, script.stderr
+    assert "_NSA_DIAG_COMPLETE" in script.stdout
+
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        env = {"_NSA_DIAG_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+        done = run_nsa_diag(env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert complete("nsa-diag mat") == ["matrix"]
+    assert "--device" in complete("nsa-diag run --dev")
+    assert complete("nsa-diag matrix cpu") == ["cpu-smoke"]
+
+
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("nsa-diag")
     if not script.exists():

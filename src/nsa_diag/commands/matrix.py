@@ -14,6 +14,13 @@ _RUN = "Running"
 _OUTPUT = "Output"
 
 
+def _complete_name(incomplete: str) -> list[str]:
+    """Shell completion of NAME: the shipped matrices whose name starts so."""
+    from nsa_diag.matrices import shipped_paths
+
+    return [name for name in shipped_paths() if name.startswith(incomplete)]
+
+
 def matrix(
     file: Annotated[
         str | None,
@@ -21,6 +28,7 @@ def matrix(
             metavar="NAME|FILE",
             help="A shipped matrix by name (`--list`), e.g. cpu-smoke, or a matrix file (YAML).",
             show_default=False,
+            autocompletion=_complete_name,
         ),
     ] = None,
     list_shipped: Annotated[
