@@ -80,6 +80,8 @@ BAD_INPUTS = [
     pytest.param(
         ["run", "--sel", "triton", "--device", "cpu"], "--sel triton: the Triton kernels need", id="triton"
     ),
+    pytest.param(["run", "--memory-snapshot", "--device", "cpu"], "--memory-snapshot: ", id="snapshot-cpu"),
+    pytest.param(["ddp", "--memory-snapshot", "--device", "cpu"], "--memory-snapshot: ", id="snapshot-ddp"),
 ]
 
 

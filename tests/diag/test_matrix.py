@@ -476,6 +476,20 @@ def test_dry_run_lists_the_cases_and_creates_nothing(
     assert "gc-all" not in table
 
 
+def test_a_memory_snapshot_on_the_cpu_is_named_on_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path, "defaults: {device: cpu}\ncases: [{name: snap, memory_snapshot: true}, {name: b}]\n"
+    )
+    assert run_cli(["matrix", str(path), "--dry-run"]) == 0
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note == (
+        "nsa-diag: note: case snap: memory_snapshot needs CUDA; it runs on the CPU and writes no "
+        "memory_snapshot.pickle"
+    )
+
+
 def test_only_selects_by_tag_or_name() -> None:
     m = load_matrix(MATRICES / "cpu-smoke.yaml")
     assert [c.name for c in m.select(["fault"])] == ["deadlock", "nan"]

@@ -130,7 +130,7 @@ def matrix(
     import sys
 
     from nsa_diag import artifacts
-    from nsa_diag.cases import check_output
+    from nsa_diag.cases import check_output, runs_on_cuda
     from nsa_diag.errors import EXIT_USAGE, UsageError
     from nsa_diag.matrices import resolve
     from nsa_diag.matrix import MatrixFileError, load_matrix
@@ -169,6 +169,13 @@ def matrix(
                 file=sys.stderr,
             )
     selected = loaded.select([part.strip() for part in (only or "").split(",") if part.strip()])
+    for case in selected:  # a matrix keeps such a case (its other evidence stands); the console says so
+        if case.spec.memory_snapshot and not runs_on_cuda(case.spec.device):
+            print(
+                f"nsa-diag: note: case {case.name}: memory_snapshot needs CUDA; it runs on the CPU "
+                "and writes no memory_snapshot.pickle",
+                file=sys.stderr,
+            )
     cuda, gpus = environment_gpus(jobs, selected)
     plan = make_plan(selected, resume_dir=resume, cuda=cuda)
     if dry_run:
