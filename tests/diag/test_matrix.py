@@ -25,6 +25,7 @@ from nsa_diag import artifacts
 from nsa_diag.app import run_cli
 from nsa_diag.cases import cuda_available
 from nsa_diag.errors import EXIT_ABORTED, EXIT_USAGE, UsageError
+from nsa_diag.junit import junit_xml
 from nsa_diag.matrix import (
     AXIS_KEYS,
     MODEL_KEYS,
@@ -567,14 +568,21 @@ def test_junit_judges_by_the_expectation() -> None:
         "gpu": Expectation("gpu", "skipped"),
     }
     judged = {r.name: r for r in junit_results(results, expected)}
-    assert judged["hang"].verdict == "pass"
-    assert judged["hang"].reason.startswith("as expected (hang)")
+    assert judged["hang"] == results[0]  # met: kept as it ended; JUnit says what was expected
     assert judged["missed"].verdict == "error"
     assert judged["missed"].reason.startswith("expected hang, got pass")
     assert judged["crash"].verdict == "crash"
     assert judged["crash"].reason.startswith("expected hang, got crash")
     assert judged["gpu"].verdict == "skipped"
     assert judged["plain"].verdict == "pass"
+    ok = {"hang": True, "missed": False, "crash": False, "gpu": True}  # RunSummary.judged
+    text = {name: exp.describe() for name, exp in expected.items()}
+    suite = ET.fromstring(junit_xml("matrix.m", list(judged.values()), ok=ok, expected=text))
+    cases = {case.attrib["name"]: case for case in suite.iter("testcase")}
+    assert cases["hang"].find("failure") is None
+    assert (cases["hang"].findtext("system-out") or "").startswith("expected hang; got:\nverdict: hang\n")
+    assert cases["missed"].find("failure").attrib["message"].startswith("expected hang, got pass")  # type: ignore[union-attr]
+    assert cases["gpu"].find("skipped") is not None
 
 
 # --- real runs ----------------------------------------------------------------------------------------------
@@ -629,6 +637,8 @@ def test_cpu_smoke_passes_two_at_a_time_with_junit(tmp_path: Path) -> None:
     assert suite is not None
     assert suite.get("name") == "matrix.cpu-smoke"
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("9", "0", "0")
+    deadlock = next(case for case in suite.iter("testcase") if case.get("name") == "deadlock")
+    assert (deadlock.findtext("system-out") or "").startswith("expected hang / python-deadlock; got:\n")
     assert "2 cases at a time" in stderr
     assert "all ok" in stdout
 
