@@ -18,7 +18,7 @@ import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -57,6 +57,9 @@ MEMORY_SNAPSHOT = "memory_snapshot.pickle"
 DUMP_REQUEST = "dump.request"  # the runner asks the worker's heartbeat thread for memory evidence at a hang
 DUMP_DONE = "dump.done"  # ... and the worker says it has written it
 STACK_REQUEST = "stack.request"  # ... and for a stack sample (its number) the SIGUSR1 handler left empty
+# Files only a running case uses (in each unit's folder), removed when the case ends: the beacon is read
+# only while the job runs, the requests and their answer are the runner talking to the heartbeat thread.
+INTERNAL_FILES = (BEACON, DUMP_REQUEST, DUMP_DONE, STACK_REQUEST)
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -176,6 +179,16 @@ def _remove_empty(folders: list[Path]) -> None:
             folder.rmdir()
         except OSError:
             return
+
+
+def remove_files(paths: Iterable[Path]) -> None:
+    """Remove each file that exists (a case's internal files once it has ended); a failure is ignored:
+    a file left behind costs less than a case without its result."""
+    for path in paths:
+        try:
+            Path(path).unlink(missing_ok=True)
+        except OSError:
+            continue
 
 
 def case_dir(run_dir: Path, name: str) -> Path:

@@ -91,7 +91,13 @@ class InterruptGuard:
         self._closing = True
 
 
-def _finish(case_dir: Path, result: CaseResult) -> CaseResult:
+def _finish(case_dir: Path, result: CaseResult, launcher: Launcher) -> CaseResult:
+    """Remove the job's internal files, then write result.json with the files the case leaves."""
+    try:
+        internal = launcher.internal_files(case_dir)
+    except Exception:  # a launcher's bug must not cost the case its result.json
+        internal = []
+    artifacts.remove_files(internal)
     artifacts.write_json(case_dir / artifacts.RESULT, result)  # result.json lists itself
     result = result.model_copy(update={"files": case_files(case_dir)})
     artifacts.write_json(case_dir / artifacts.RESULT, result)
@@ -205,7 +211,7 @@ def run_case(
             sampled = launcher.sample_on_interrupt(case_dir)
             stop = launcher.stop()
             result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
-            _finish(case_dir, result)
+            _finish(case_dir, result, launcher)
             raise
         except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
             guard.close()
@@ -217,7 +223,7 @@ def run_case(
                 {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
             )
         with guard.deferred():  # an interrupt now comes after the result is on disk
-            return _finish(case_dir, result)
+            return _finish(case_dir, result, launcher)
 
 
 def run_cases(

@@ -14,7 +14,9 @@ The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatev
 5. `stop` everything the job started, and report what it took;
 6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
    record and stop report), and `combine` makes them the case's result (a worker: its one unit's result;
-   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`).
+   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`);
+7. `internal_files` (beacons, dump requests, debug pipes) are removed before ``result.json`` lists the
+   case's files.
 
 A launcher object runs one case: it keeps what it learns of the job (the process, the ranks' pids).
 
@@ -169,6 +171,11 @@ class Launcher(ABC):
     def stop(self) -> dict[str, Any]:
         """Stop every process of the job (also those it started in sessions of their own); what it took,
         with ``exit_code`` and any ``survivors``. ``{"started": False}`` when nothing was started."""
+
+    def internal_files(self, case_dir: Path) -> list[Path]:
+        """The files only the running job uses, removed when the case ends (after its result is built):
+        by default `artifacts.INTERNAL_FILES` in each unit's folder."""
+        return [unit.folder / name for unit in self.units(case_dir) for name in artifacts.INTERNAL_FILES]
 
     def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:  # noqa: B027 (a hook)
         """Evidence the job left as it stopped, added to ``notes``."""
