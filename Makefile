@@ -5,6 +5,9 @@
 #   make test    the test suite, then the Triton kernels once more on the CPU (TRITON_INTERPRET=1)
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
+#   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
+#                venv reuses .venv's dependencies) and run nsa-diag branch, matrix --list, matrix cpu-smoke
+#                and a replay.sh from other directories (scripts/wheel_check.sh, about 30 s)
 #   make gpu-smoke  the gpu-smoke matrix + selftest (+ selftest --ddp with 2 GPUs) on this machine's GPUs, a
 #                short table at the end; run folders under nsa-diag-runs/gpu-smoke-<time> (exit 2 without GPU)
 #   make matrix-<name>  nsa-diag matrix <name>, a target per shipped matrix (src/nsa_diag/matrices/<name>.yaml,
@@ -37,7 +40,7 @@ MATRIX_TARGETS := $(patsubst $(MATRICES)/%.yaml,matrix-%,$(wildcard $(MATRICES)/
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench gpu-smoke
+.PHONY: install demo test lint bench gpu-smoke wheel-check
 
 install: $(STAMP)
 
@@ -61,6 +64,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/backends.py
+
+# nsa-diag as a pip user gets it: the wheel in a fresh venv outside the repository, run from elsewhere.
+wheel-check: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/wheel_check.sh
 
 # The gpu-smoke matrix and selftest (plus selftest --ddp with 2+ GPUs) on this machine's GPUs, a short
 # table at the end (scripts/gpu_smoke.sh). Exit 2 on a machine without a GPU.
