@@ -5,9 +5,13 @@
 #   make test    the test suite, then the Triton kernels once more on the CPU (TRITON_INTERPRET=1)
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
+#   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
+#                venv reuses .venv's dependencies) and run nsa-diag branch, matrix --list, matrix cpu-smoke
+#                and a replay.sh from other directories (scripts/wheel_check.sh, about 30 s)
 #   make gpu-smoke  the gpu-smoke matrix + selftest (+ selftest --ddp with 2 GPUs) on this machine's GPUs, a
 #                short table at the end; run folders under nsa-diag-runs/gpu-smoke-<time> (exit 2 without GPU)
-#   make matrix-<name>  nsa-diag matrix matrices/<name>.yaml, a target per file: matrix-cpu-smoke (tiny
+#   make matrix-<name>  nsa-diag matrix <name>, a target per shipped matrix (src/nsa_diag/matrices/<name>.yaml,
+#                `nsa-diag matrix --list`): matrix-cpu-smoke (tiny
 #                CPU cases, about a minute), matrix-gpu-smoke, matrix-backward, matrix-scaling,
 #                matrix-production; options through MATRIX_ARGS, e.g.
 #                make matrix-backward MATRIX_ARGS='--jobs 4 --junit backward.xml'
@@ -30,12 +34,13 @@ MATRIX_ARGS ?=
 # The nsa-diag the matrix-<name> targets run. Where Python already has torch and the toolkit's
 # dependencies (a GPU machine), NSA_DIAG='python3 -m nsa_diag' with PYTHONPATH=src runs them without a venv.
 NSA_DIAG ?= $(VENV)/bin/nsa-diag
-MATRIX_TARGETS := $(patsubst matrices/%.yaml,matrix-%,$(wildcard matrices/*.yaml))
+MATRICES := src/nsa_diag/matrices
+MATRIX_TARGETS := $(patsubst $(MATRICES)/%.yaml,matrix-%,$(wildcard $(MATRICES)/*.yaml))
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench gpu-smoke
+.PHONY: install demo test lint bench gpu-smoke wheel-check
 
 install: $(STAMP)
 
@@ -60,6 +65,10 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/backends.py
 
+# nsa-diag as a pip user gets it: the wheel in a fresh venv outside the repository, run from elsewhere.
+wheel-check: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/wheel_check.sh
+
 # The gpu-smoke matrix and selftest (plus selftest --ddp with 2+ GPUs) on this machine's GPUs, a short
 # table at the end (scripts/gpu_smoke.sh). Exit 2 on a machine without a GPU.
 gpu-smoke: $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
@@ -67,5 +76,5 @@ gpu-smoke: $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
 
 # A static pattern rule: make applies no implicit (plain pattern) rule to a phony target.
 .PHONY: $(MATRIX_TARGETS)
-$(MATRIX_TARGETS): matrix-%: matrices/%.yaml $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
-	$(NSA_DIAG) matrix $< $(MATRIX_ARGS)
+$(MATRIX_TARGETS): matrix-%: $(MATRICES)/%.yaml $(if $(filter $(VENV)/bin/nsa-diag,$(NSA_DIAG)),$(STAMP))
+	$(NSA_DIAG) matrix $* $(MATRIX_ARGS)

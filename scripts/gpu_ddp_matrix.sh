@@ -32,7 +32,7 @@ step ddp-unused 60 "${diag[@]}" ddp "${nccl[@]}" --find-unused --inject unused-p
 step ddp-skip 75 "${diag[@]}" ddp "${nccl[@]}" --inject skip-collective:rank=1 --stall 10 --tag skip
 (cd "$runs" && ls -R ./*-ddp-skip/cases/*/ranks 2>/dev/null | head -30)
 step verify-m7c 75 "${diag[@]}" verify --preset m7c-125m --device cuda --dtype bf16 --only backends --out "$runs"
-step matrix 140 "${diag[@]}" matrix matrices/backward.yaml --jobs 4 --out "$runs" --tag backward --junit "$out/backward.xml"
+step matrix 140 "${diag[@]}" matrix backward --jobs 4 --out "$runs" --tag backward --junit "$out/backward.xml"
 mdir=$(ls -d "$runs"/*-matrix-backward 2>/dev/null | tail -n 1)
 [[ -n $mdir ]] && step report 45 "${diag[@]}" report "$mdir"
 [[ ${SKIP_TRITON:-} ]] || step triton-tests 120 python3 -m pytest -q -p no:cacheprovider -x tests/core/triton

@@ -17,7 +17,7 @@
 #          6:12, `gc-bisect --grads`, `verify --only gc`, the seeds' CPU runs (2 layers, S=512), `selftest`
 #          of the hang kinds whose stacks the seeds never got
 #   part5  long sequences and the seeds' plan as a matrix (seeds 000, 001, 002): `scale` to S=64k with the
-#          Triton backends at 5 and 12 layers, `matrix matrices/backward.yaml`
+#          Triton backends at 5 and 12 layers, `matrix backward`
 #   ddp    DDP, only with 2 GPUs (seeds 003, 004): one step on NCCL with the bucket trace, the same with
 #          TORCH_DISTRIBUTED_DEBUG=DETAIL, gloo, each branch alone, static graph, find-unused, both, a
 #          parameter without gradient, 6 production steps
@@ -281,9 +281,9 @@ part5() {  # long sequences with Triton, the seeds' plan as a matrix: about 7 mi
   # (every branch O(S)), 5 and 12 layers, bf16; a point that runs out of memory ends its series as oom
   ds seed000-seq-scaling-triton-64k 330 scale "${scale_m7c[@]}" "${triton[@]}" --layers 5,12 \
     --seq-lens 2048,4096,8192,16384,32768,65536 --dtype bf16 --steps 2
-  # 001 phase 1 ("16 configurations ... 100% PASS") and 002's whole plan: matrices/backward.yaml, 32 cases
+  # 001 phase 1 ("16 configurations ... 100% PASS") and 002's whole plan: the backward matrix, 32 cases
   # (last: it gets what is left of the part; an interrupted matrix continues with --resume RUN_DIR)
-  ds seed001-backward-matrix 280 matrix matrices/backward.yaml --jobs 4
+  ds seed001-backward-matrix 280 matrix backward --jobs 4
 }
 
 ddp() {  # DDP on the 2 GPUs: 11 cases, about 4-5 minutes

@@ -32,7 +32,7 @@ step() {  # step NAME COMMAND...: run it (the run folder lands under $out), reme
   fi
   rows+=("$(printf '%-14s rc=%-3s %5ss  %s' "$name" "$rc" "$((SECONDS - start))" "$counts")")
 }
-step matrix "${diag[@]}" matrix matrices/gpu-smoke.yaml --jobs "$gpus"
+step matrix "${diag[@]}" matrix gpu-smoke --jobs "$gpus"
 step selftest "${diag[@]}" selftest --device cuda
 if ((gpus >= 2)); then
   step selftest-ddp "${diag[@]}" selftest --ddp --device cuda

@@ -49,15 +49,16 @@ Exit codes: 0 every case passed, 1 some case did not, 2 usage or configuration e
 Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
 `nsa-diag run --inject deadlock:layer=1 --stall 5`. `scale` fits memory and time growth, `verify` checks
 the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure, `ddp` runs the
-case on several ranks through torchrun. `matrix FILE` runs a matrix of cases (`matrices/*.yaml`),
-`report DIR` writes a run folder up as `report.md` with plots, `compare A B` diffs two run folders.
+case on several ranks through torchrun. `matrix NAME` runs a shipped matrix of cases (`matrix --list`;
+or a file of yours), `report DIR` writes a run folder up as `report.md` with plots, `compare A B` diffs
+two run folders.
 """
 
 app = typer.Typer(
     name="nsa-diag",
     help=HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode="markdown",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},

@@ -24,7 +24,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,6 +64,9 @@ MEMORY_SNAPSHOT = "memory_snapshot.pickle"
 DUMP_REQUEST = "dump.request"  # the runner asks the worker's heartbeat thread for memory evidence at a hang
 DUMP_DONE = "dump.done"  # ... and the worker says it has written it
 STACK_REQUEST = "stack.request"  # ... and for a stack sample (its number) the SIGUSR1 handler left empty
+# Files only a running case uses (in each unit's folder), removed when the case ends: the beacon is read
+# only while the job runs, the requests and their answer are the runner talking to the heartbeat thread.
+INTERNAL_FILES = (BEACON, DUMP_REQUEST, DUMP_DONE, STACK_REQUEST)
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
@@ -255,6 +258,16 @@ def _lock_holder(fd: int) -> str:
         return "another process (it has not said which yet)"
 
 
+def remove_files(paths: Iterable[Path]) -> None:
+    """Remove each file that exists (a case's internal files once it has ended); a failure is ignored:
+    a file left behind costs less than a case without its result."""
+    for path in paths:
+        try:
+            Path(path).unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
 def case_dir(run_dir: Path, name: str) -> Path:
     path = Path(run_dir) / "cases" / name
     path.mkdir(parents=True, exist_ok=True)
@@ -267,12 +280,16 @@ def is_secret_name(name: str) -> bool:
     return any(part in lowered for part in SECRET_NAME_PARTS)
 
 
-def write_replay(path: Path, argv: list[str], env: dict[str, str] | None = None) -> Path:
-    """An executable ``replay.sh`` that runs ``argv`` again with ``env`` set; a secret's value is left out
-    and its name listed for the user to set."""
+def write_replay(
+    path: Path, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Path:
+    """An executable ``replay.sh`` that runs ``argv`` again in ``cwd`` with ``env`` set, from any directory;
+    every word is shell-quoted, a secret's value is left out and its name listed for the user to set."""
     env = env or {}
     withheld = sorted(name for name in env if is_secret_name(name))
     lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
+    if cwd is not None:  # a --model module is imported from the directory the case ran in
+        lines.append(f"cd {shlex.quote(str(Path(cwd).resolve()))}")
     if withheld:
         lines.append(f"# Withheld (secret values are never written; set them yourself): {' '.join(withheld)}")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in withheld]

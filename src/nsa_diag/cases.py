@@ -313,6 +313,11 @@ def check_options(options: CaseOptions) -> None:
     check_output(options.out, options.tag)
     if options.device.value == "cuda" and not cuda_available():
         raise UsageError("--device cuda: torch sees no CUDA device here; use --device cpu or auto")
+    if options.memory_snapshot and not uses_cuda(options):
+        raise UsageError(
+            "--memory-snapshot: the snapshot is of the CUDA allocator, and this case runs on the CPU "
+            f"(--device {options.device.value}); leave the option out, or run on a GPU"
+        )
     if options.model is not None:
         check_model_factory(options.model)
 

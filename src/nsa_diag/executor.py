@@ -28,7 +28,7 @@ from types import FrameType
 from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.interrupts import Interrupted
-from nsa_diag.launchers import Launcher, Unit, default_launcher
+from nsa_diag.launchers import Launcher, Unit, default_launcher, pinned_env
 from nsa_diag.results import case_files, error_result, unit_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, gather_hang_evidence, watch
@@ -77,7 +77,13 @@ class InterruptGuard:
         self._closing = True
 
 
-def _finish(case_dir: Path, result: CaseResult) -> CaseResult:
+def _finish(case_dir: Path, result: CaseResult, launcher: Launcher) -> CaseResult:
+    """Remove the job's internal files, then write result.json with the files the case leaves."""
+    try:
+        internal = launcher.internal_files(case_dir)
+    except Exception:  # a launcher's bug must not cost the case its result.json
+        internal = []
+    artifacts.remove_files(internal)
     artifacts.write_json(case_dir / artifacts.RESULT, result)  # result.json lists itself
     result = result.model_copy(update={"files": case_files(case_dir)})
     artifacts.write_json(case_dir / artifacts.RESULT, result)
@@ -162,9 +168,10 @@ def run_case(
     ``launcher``: how the job starts and what it has (a fresh one per case); None picks
     `nsa_diag.launchers.default_launcher` (torchrun when ``spec.ddp`` is set, else our worker).
     ``replay_argv`` is the command line ``replay.sh`` runs (default: the launcher's own command).
-    ``extra_env``: variables for this job only, not in ``replay.sh`` (``nsa-diag matrix --jobs`` gives
-    each case its own GPU through ``CUDA_VISIBLE_DEVICES``). From a thread other than the main one no
-    signal handler is installed; ``on_progress`` may raise `Interrupted` there to stop the case.
+    ``extra_env``: variables for this job (``nsa-diag matrix --jobs`` gives each case its own GPU through
+    ``CUDA_VISIBLE_DEVICES``); ``replay.sh`` keeps only those of `REPLAY_PINNED`, the device among them.
+    From a thread other than the main one no signal handler is installed; ``on_progress`` may raise
+    `Interrupted` there to stop the case.
     Raises `Interrupted` (a KeyboardInterrupt) on SIGINT/SIGTERM/SIGHUP, after stopping the job (also
     when one was noted before the case: it then never starts, and its result.json says so).
     """
@@ -180,8 +187,9 @@ def run_case(
             artifacts.write_json(case_dir / artifacts.SPEC, spec)
             argv = launcher.command(case_dir)
             replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
-            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, launcher.replay_env(case_dir))
             env = launcher.child_env(case_dir, extra_env)
+            replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
+            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
             with guard.deferred():
                 launcher.start(case_dir, argv, env)
             result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)
@@ -191,7 +199,7 @@ def run_case(
             sampled = launcher.sample_on_interrupt(case_dir)
             stop = launcher.stop()
             result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
-            _finish(case_dir, result)
+            _finish(case_dir, result, launcher)
             raise
         except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
             guard.close()
@@ -203,7 +211,7 @@ def run_case(
                 {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
             )
         with guard.deferred():  # an interrupt now comes after the result is on disk
-            return _finish(case_dir, result)
+            return _finish(case_dir, result, launcher)
 
 
 def run_cases(

@@ -9,8 +9,9 @@ One ``<testsuite>`` named after the command (or matrix), one ``<testcase>`` per 
   a hang, and the result's exit code or signal.
 
 Where a case is judged against an expectation (`selftest`'s injected faults, a matrix case's ``expect``),
-`ok` maps its name to the judgement: an expected failure is then a passing test case that says what was
-expected in ``<system-out>``, and a missed expectation a ``<failure type="unexpected-...">``.
+`ok` maps its name to the judgement and `expected` to what was expected ("hang / python-deadlock"): an
+expected failure is then a passing test case whose ``<system-out>`` says what was expected and what the case
+ended as, and a missed expectation a ``<failure type="unexpected-...">``.
 
 `junit_xml` only builds the text; `write_junit` writes it through `artifacts.write_text` (atomic).
 """
@@ -74,13 +75,15 @@ def junit_xml(
     *,
     elapsed_s: float | None = None,
     ok: Mapping[str, bool] | None = None,
+    expected: Mapping[str, str] | None = None,
 ) -> str:
     """The JUnit XML text of `results` as the test suite `suite`.
 
     `elapsed_s` is the wall time of the whole run; None: the sum of the cases' times. `ok`: by case name,
-    whether a case met its expectation, for cases judged against one (default: ok means verdict pass).
+    whether a case met its expectation, for cases judged against one (default: ok means verdict pass);
+    `expected`: by case name, what it was expected to end as.
     """
-    ok = ok or {}
+    ok, expected = ok or {}, expected or {}
     outcomes = {r.name: _outcome(r, ok) for r in results}
     failures = sum(1 for o in outcomes.values() if o in ("failure", "unexpected"))
     skipped = sum(1 for o in outcomes.values() if o == "skipped")
@@ -106,7 +109,8 @@ def junit_xml(
         outcome = outcomes[result.name]
         if outcome == "ok":
             if result.verdict != "pass":  # an expected failure
-                ET.SubElement(case, "system-out").text = _clean(f"expected and got:\n{_failure_body(result)}")
+                said = f"expected {expected.get(result.name, result.verdict)}; got"
+                ET.SubElement(case, "system-out").text = _clean(f"{said}:\n{_failure_body(result)}")
             continue
         if outcome == "skipped":
             ET.SubElement(case, "skipped", message=_clean(result.reason))
@@ -125,8 +129,10 @@ def write_junit(
     *,
     elapsed_s: float | None = None,
     ok: Mapping[str, bool] | None = None,
+    expected: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `junit_xml(suite, results, ...)` to `path` (atomically; parent folders are created)."""
     from nsa_diag import artifacts
 
-    return artifacts.write_text(Path(path), junit_xml(suite, results, elapsed_s=elapsed_s, ok=ok))
+    text = junit_xml(suite, results, elapsed_s=elapsed_s, ok=ok, expected=expected)
+    return artifacts.write_text(Path(path), text)

@@ -1,6 +1,7 @@
 """Matrix files: YAML lists of cases for `nsa-diag matrix`, validated and expanded into `CaseSpec`s.
 
-A matrix file (``matrices/*.yaml``; JSON schema in ``matrices/schema.json``, ``nsa-diag schema matrix``):
+A matrix file (the shipped ones: ``nsa_diag/matrices/*.yaml``; JSON schema in
+``nsa_diag/matrices/schema.json``, ``nsa-diag schema matrix``):
 
     name: cpu-smoke                 # default: the file's stem
     defaults: {preset: tiny, seq_len: 32, batch: 1, device: cpu, stall: 10}
@@ -212,7 +213,7 @@ class MatrixFile(BaseModel):
 
 
 def matrix_json_schema() -> dict[str, Any]:
-    """The JSON schema of matrix files (``matrices/schema.json``)."""
+    """The JSON schema of matrix files (``nsa_diag/matrices/schema.json``)."""
     schema = MatrixFile.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
 

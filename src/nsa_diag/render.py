@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nsa_diag.evidence.env import ENV_VAR_PREFIXES
+from nsa_diag.evidence.env import ENV_VAR_NAMES, ENV_VAR_PREFIXES
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -30,6 +30,7 @@ SUMMARY_MD = "summary.md"
 _SECTION_TITLES = {
     "python": "Python",
     "platform": "Platform",
+    "system": "OS, libc, compiler, CPU",
     "cpu_memory": "CPU and memory",
     "torch": "torch",
     "triton": "Triton",
@@ -102,7 +103,7 @@ def render_env(snapshot: Mapping[str, Any], console: Console | None = None) -> N
     console.print(facts)
 
     env_vars = snapshot["env_vars"]
-    prefixes = ", ".join(f"{prefix}*" for prefix in ENV_VAR_PREFIXES)
+    prefixes = ", ".join([f"{prefix}*" for prefix in ENV_VAR_PREFIXES] + list(ENV_VAR_NAMES))
     variables = Table(
         title="environment variables",
         title_justify="left",

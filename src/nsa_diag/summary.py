@@ -62,6 +62,9 @@ class ExpectedVerdict(_JsonRecord):
     verdict: str
     hang_kind: str | None = None
 
+    def describe(self) -> str:
+        return self.verdict + (f" / {self.hang_kind}" if self.hang_kind else "")
+
 
 class CaseEntry(_JsonRecord):
     """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
@@ -227,6 +230,10 @@ class RunSummary(_JsonRecord):
     def judged(self) -> dict[str, bool]:
         """Whether each case with an expectation ended as expected (what JUnit reports for it)."""
         return {case.name: case.ok for case in self.cases if case.expected is not None}
+
+    def expected_text(self) -> dict[str, str]:
+        """What each case with an expectation was expected to end as ("hang / python-deadlock")."""
+        return {case.name: case.expected.describe() for case in self.cases if case.expected is not None}
 
 
 def peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:

@@ -19,7 +19,7 @@ from diag_cli import cli_env
 
 from nsa_diag.app import report_error, run_cli
 from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, ConfigError, UsageError, describe_error
-from nsa_diag.evidence.env import ENV_VAR_PREFIXES, select_env_vars
+from nsa_diag.evidence.env import is_recorded_name, select_env_vars
 
 CLI_TIMEOUT_S = 120
 
@@ -57,6 +57,24 @@ def test_help_does_not_import_torch() -> None:
     assert done.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_shell_completion_is_on_and_completes_commands_and_shipped_matrices() -> None:
+    assert "--install-completion" in run_nsa_diag("--help").stdout
+    script = run_nsa_diag("--show-completion", "bash")
+    assert script.returncode == 0, script.stderr
+    assert "_NSA_DIAG_COMPLETE" in script.stdout
+
+    def complete(words: str) -> list[str]:
+        cword = str(len(words.split()) - (0 if words.endswith(" ") else 1))
+        env = {"_NSA_DIAG_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+        done = run_nsa_diag(env=env)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert complete("nsa-diag mat") == ["matrix"]
+    assert "--device" in complete("nsa-diag run --dev")
+    assert complete("nsa-diag matrix cpu") == ["cpu-smoke"]
+
+
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).with_name("nsa-diag")
     if not script.exists():
@@ -79,16 +97,37 @@ def test_env_json_is_valid_and_names_torch() -> None:
     assert snapshot["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     nvml = snapshot["nvml"]
     assert nvml["available"] or nvml["why"]  # either the facts or the reason they are missing
+    system = snapshot["system"]  # collect_env's OS, libc, compiler and CPU facts
+    assert set(system) == {"os", "libc", "gcc", "cpu_model", "python_build", "python_compiler"}
+    assert system["os"]
+    assert system["gcc"]  # the version, or why there is none
+    if sys.platform == "linux":
+        assert system["libc"]
+
+
+def test_the_system_facts_are_cheap() -> None:
+    # torch.utils.collect_env.get_env_info() runs pip, lscpu, gcc, cmake and nvidia-smi: the facts are
+    # read directly instead (one `gcc --version`)
+    from nsa_diag.evidence.env import _system
+
+    start = time.perf_counter()
+    _system()
+    assert time.perf_counter() - start < 1.0
 
 
 def test_env_records_only_the_listed_variables() -> None:
     secrets = {"SECRET_TOKEN": "hunter2-secret", "AWS_SECRET_ACCESS_KEY": "aws-secret-value"}
-    done = run_nsa_diag("env", "--json", env={"NSA_FOO": "bar", "TORCH_SHOW_CPP_STACKTRACES": "1", **secrets})
+    listed = {"NSA_FOO": "bar", "TORCH_SHOW_CPP_STACKTRACES": "1", "OMP_NUM_THREADS": "4", "RANK": "1"}
+    listed |= {"MASTER_ADDR": "10.0.0.1", "SLURM_JOB_ID": "77", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    withheld = {"SLURM_AUTH_TOKEN": "slurm-secret"}  # a recorded prefix: its name only
+    done = run_nsa_diag("env", "--json", env={**listed, "HOME_MADE": "x", **secrets, **withheld})
     assert done.returncode == 0, done.stderr
+    assert "slurm-secret" not in done.stdout
+    assert "SLURM_AUTH_TOKEN" in json.loads(done.stdout)["env_vars_withheld"]
     env_vars = json.loads(done.stdout)["env_vars"]
-    assert env_vars["NSA_FOO"] == "bar"
-    assert env_vars["TORCH_SHOW_CPP_STACKTRACES"] == "1"
-    assert all(name.startswith(ENV_VAR_PREFIXES) for name in env_vars)
+    assert listed.items() <= env_vars.items()
+    assert "HOME_MADE" not in env_vars
+    assert all(is_recorded_name(name) for name in env_vars)
     for name, value in secrets.items():
         assert name not in done.stdout
         assert value not in done.stdout
@@ -213,12 +252,22 @@ def test_select_env_vars_matches_prefixes_exactly() -> None:
         "nsa_lower": "1",  # names are case-sensitive
         "MY_NSA_THING": "1",  # a prefix, not a substring
         "HF_TOKEN": "secret",
+        "OMP_NUM_THREADS": "8",  # named exactly
+        "LOCAL_RANK": "0",
+        "MASTER_PORT": "29500",
+        "MY_RANK": "3",  # a name, not a suffix
+        "SLURM_PROCID": "2",
+        "SLURM_JOB_KEY": "k",  # a secret's name under a recorded prefix
     }
     assert select_env_vars(environ) == {
         "CUDA_VISIBLE_DEVICES": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_PORT": "29500",
         "NCCL_DEBUG": "INFO",
         "NSA_SEQ": "1",
+        "OMP_NUM_THREADS": "8",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "SLURM_PROCID": "2",
         "TORCH_LOGS": "+dynamo",
         "TRITON_INTERPRET": "1",
     }

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +80,8 @@ BAD_INPUTS = [
     pytest.param(
         ["run", "--sel", "triton", "--device", "cpu"], "--sel triton: the Triton kernels need", id="triton"
     ),
+    pytest.param(["run", "--memory-snapshot", "--device", "cpu"], "--memory-snapshot: ", id="snapshot-cpu"),
+    pytest.param(["ddp", "--memory-snapshot", "--device", "cpu"], "--memory-snapshot: ", id="snapshot-ddp"),
 ]
 
 
@@ -607,6 +611,42 @@ def test_branch_runs_four_passing_cases_and_replay_reproduces_one(tmp_path: Path
     (replay_dir,) = (path for path in out.iterdir() if path != run_dir)
     replayed = CaseSpec.model_validate_json((replay_dir / "cases/sel/spec.json").read_text())
     assert replayed.spec_hash() == original.spec_hash()
+
+
+def test_replay_of_a_model_case_runs_from_any_directory(tmp_path: Path) -> None:
+    # The user's project: a --model module in the working directory, paths with spaces; replay.sh is run
+    # from elsewhere with neither that directory nor src on PYTHONPATH, and no GPU pinning of its own.
+    project = tmp_path / "my project"
+    project.mkdir()
+    shutil.copy(Path(__file__).with_name("diag_user_model.py"), project / "my_models.py")
+    out = tmp_path / "runs dir"
+    done = run_nsa_diag(
+        "run", "--model", "my_models:build", "--steps", "1", "--device", "cpu", "--out", str(out),
+        cwd=project, env={"CUDA_VISIBLE_DEVICES": "7"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = _only_run_dir(out)
+    replay = run_dir / "cases/case/replay.sh"
+    lines = replay.read_text().splitlines()
+    assert f"cd {shlex.quote(str(project.resolve()))}" in lines
+    assert any(line.startswith("export PYTHONPATH=") and str(SRC) in line for line in lines)
+    assert "export CUDA_VISIBLE_DEVICES=7" in lines
+    assert "export PYTHONSAFEPATH=1" in lines
+    assert shlex.quote(str(out.resolve())) in lines[-1]
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")}
+    again = subprocess.run(
+        [str(replay)], capture_output=True, text=True, cwd=elsewhere, env=env, timeout=CLI_TIMEOUT_S,
+        stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    (replay_dir,) = (path for path in out.iterdir() if path != run_dir)
+    original = CaseSpec.model_validate_json((run_dir / "cases/case/spec.json").read_text())
+    replayed = CaseSpec.model_validate_json((replay_dir / "cases/case/spec.json").read_text())
+    assert replayed.spec_hash() == original.spec_hash()
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_run_reports_a_deadlock_as_a_hang_with_where(tmp_path: Path) -> None:

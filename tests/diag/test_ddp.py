@@ -19,7 +19,7 @@ from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, DdpSpec, Injection
 from nsa_diag.worker.ddp import explain_ddp_error, preflight_verdict
 
-RANK_FILES = ("progress.jsonl", "stdout.log", "stderr.log", "stacks.txt", "worker_result.json", "beacon.bin")
+RANK_FILES = ("progress.jsonl", "stdout.log", "stderr.log", "stacks.txt", "worker_result.json")
 
 
 def _spec(name: str, *inject: str, stall: float = 30.0, **ddp: object) -> CaseSpec:
@@ -64,6 +64,7 @@ def test_pass_on_two_gloo_ranks_through_the_cli(tmp_path: Path, capsys: pytest.C
     for rank in ("0", "1"):
         for name in RANK_FILES:
             assert (case_dir / "ranks" / rank / name).exists(), f"ranks/{rank}/{name}"
+        assert not (case_dir / "ranks" / rank / "beacon.bin").exists()  # internal: gone when the case ends
     replay = (case_dir / "replay.sh").read_text()
     assert " ddp " in replay
     assert "--nproc 2" in replay

@@ -24,9 +24,10 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Lowest first; a module belongs to the layer of the longest prefix that names it or a package above it.
 # A new module is placed here, or the test says so.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # the vocabulary: specs and results, option declarations, file names and atomic writes, errors
+    # the vocabulary: specs and results, option declarations, file names and atomic writes, errors, the
+    # shipped matrices
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
-     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.worker.beacon",
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
      "nsa_diag.interrupts"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),

@@ -25,6 +25,7 @@ from nsa_diag import artifacts
 from nsa_diag.app import run_cli
 from nsa_diag.cases import cuda_available
 from nsa_diag.errors import EXIT_ABORTED, EXIT_USAGE, UsageError
+from nsa_diag.junit import junit_xml
 from nsa_diag.matrix import (
     AXIS_KEYS,
     MODEL_KEYS,
@@ -42,7 +43,7 @@ from nsa_diag.session.matrix import (
 from nsa_diag.spec import CaseResult, CaseSpec
 
 ROOT = Path(__file__).resolve().parents[2]
-MATRICES = ROOT / "matrices"
+MATRICES = ROOT / "src/nsa_diag/matrices"
 SRC = ROOT / "src"
 CLI_TIMEOUT_S = 300
 
@@ -379,7 +380,9 @@ def test_every_shipped_matrix_loads_and_the_schema_file_is_current() -> None:
     cfg = production.cases[0].spec.nsa_config()
     assert (cfg.layers, cfg.dim, production.cases[0].spec.seq_len) == (12, 768, 2048)
     on_disk = json.loads((MATRICES / "schema.json").read_text())
-    assert on_disk == matrix_json_schema(), "regenerate: nsa-diag schema matrix > matrices/schema.json"
+    assert on_disk == matrix_json_schema(), (
+        "regenerate: nsa-diag schema matrix > src/nsa_diag/matrices/schema.json"
+    )
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
@@ -393,7 +396,7 @@ def test_every_matrix_file_has_a_make_target() -> None:
             check=False,
         )
         assert done.returncode == 0, done.stderr
-        assert f"nsa-diag matrix matrices/{path.name} --jobs 2" in done.stdout
+        assert f"nsa-diag matrix {path.stem} --jobs 2" in done.stdout
 
 
 def test_help_has_examples_and_loads_no_torch() -> None:
@@ -407,8 +410,52 @@ def test_help_has_examples_and_loads_no_torch() -> None:
         check=False,
     )
     assert "Examples" in done.stdout
-    assert "nsa-diag matrix matrices/cpu-smoke.yaml" in done.stdout
+    assert "nsa-diag matrix cpu-smoke" in done.stdout
     assert done.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_shipped_matrix_runs_by_name_and_a_path_still_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no matrices/ folder here: the name finds the package's file
+    for given in ("cpu-smoke", "cpu-smoke.yaml", "matrices/cpu-smoke.yaml", str(MATRICES / "cpu-smoke.yaml")):
+        assert run_cli(["matrix", given, "--dry-run", "--json"]) == 0, given
+        assert json.loads(capsys.readouterr().out)["name"] == "cpu-smoke"
+    own = write(tmp_path, "defaults: {device: cpu}\ncases: [{name: a}]\n", name="cpu-smoke.yaml")
+    assert run_cli(["matrix", own.name, "--dry-run", "--json"]) == 0  # a file that exists comes first
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)["cases"]] == ["a"]
+
+
+def test_list_names_and_describes_each_shipped_matrix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(["matrix", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(p.stem for p in MATRICES.glob("*.yaml"))
+    smoke = next(line for line in lines if line.startswith("cpu-smoke "))
+    assert "two injected faults" in smoke
+    assert run_cli(["matrix", "--list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {m["name"] for m in listed} >= {"cpu-smoke", "gpu-smoke", "backward"}
+    assert all(m["description"] and "\n" not in m["description"] for m in listed)
+
+
+def test_an_unknown_matrix_name_is_one_line_naming_the_shipped_ones(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "nsa_diag", "matrix", "cpu-smoek", "--out", str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        cwd=tmp_path,
+        check=False,
+        timeout=CLI_TIMEOUT_S,
+    )
+    assert done.returncode == EXIT_USAGE
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("nsa-diag: matrix cpu-smoek: no such file, and no shipped matrix of that name")
+    assert "cpu-smoke" in line
+    assert "backward" in line
+    assert not (tmp_path / "runs").exists()
+    assert run_cli(["matrix"]) == EXIT_USAGE
+    assert run_cli(["matrix", "--list", "cpu-smoke"]) == EXIT_USAGE
 
 
 def test_dry_run_lists_the_cases_and_creates_nothing(
@@ -428,6 +475,20 @@ def test_dry_run_lists_the_cases_and_creates_nothing(
     assert "deadlock" in table
     assert "nan" in table
     assert "gc-all" not in table
+
+
+def test_a_memory_snapshot_on_the_cpu_is_named_on_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path, "defaults: {device: cpu}\ncases: [{name: snap, memory_snapshot: true}, {name: b}]\n"
+    )
+    assert run_cli(["matrix", str(path), "--dry-run"]) == 0
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note == (
+        "nsa-diag: note: case snap: memory_snapshot needs CUDA; it runs on the CPU and writes no "
+        "memory_snapshot.pickle"
+    )
 
 
 def test_only_selects_by_tag_or_name() -> None:
@@ -507,14 +568,21 @@ def test_junit_judges_by_the_expectation() -> None:
         "gpu": Expectation("gpu", "skipped"),
     }
     judged = {r.name: r for r in junit_results(results, expected)}
-    assert judged["hang"].verdict == "pass"
-    assert judged["hang"].reason.startswith("as expected (hang)")
+    assert judged["hang"] == results[0]  # met: kept as it ended; JUnit says what was expected
     assert judged["missed"].verdict == "error"
     assert judged["missed"].reason.startswith("expected hang, got pass")
     assert judged["crash"].verdict == "crash"
     assert judged["crash"].reason.startswith("expected hang, got crash")
     assert judged["gpu"].verdict == "skipped"
     assert judged["plain"].verdict == "pass"
+    ok = {"hang": True, "missed": False, "crash": False, "gpu": True}  # RunSummary.judged
+    text = {name: exp.describe() for name, exp in expected.items()}
+    suite = ET.fromstring(junit_xml("matrix.m", list(judged.values()), ok=ok, expected=text))
+    cases = {case.attrib["name"]: case for case in suite.iter("testcase")}
+    assert cases["hang"].find("failure") is None
+    assert (cases["hang"].findtext("system-out") or "").startswith("expected hang; got:\nverdict: hang\n")
+    assert cases["missed"].find("failure").attrib["message"].startswith("expected hang, got pass")  # type: ignore[union-attr]
+    assert cases["gpu"].find("skipped") is not None
 
 
 # --- real runs ----------------------------------------------------------------------------------------------
@@ -569,6 +637,8 @@ def test_cpu_smoke_passes_two_at_a_time_with_junit(tmp_path: Path) -> None:
     assert suite is not None
     assert suite.get("name") == "matrix.cpu-smoke"
     assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("9", "0", "0")
+    deadlock = next(case for case in suite.iter("testcase") if case.get("name") == "deadlock")
+    assert (deadlock.findtext("system-out") or "").startswith("expected hang / python-deadlock; got:\n")
     assert "2 cases at a time" in stderr
     assert "all ok" in stdout
 

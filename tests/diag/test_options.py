@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from nsa_diag import cases
 from nsa_diag.app import run_cli
 from nsa_diag.cases import CASE_OPTIONS, SPEC_OPTIONS, CaseOptions, build_spec, replay_argv
 from nsa_diag.options import GROUPS, SESSION_OPTIONS, NotAnOption, Opt
@@ -102,7 +103,7 @@ _EVERY_OPTION = {
     "mlp_hidden": 256, "block_len": 16, "block_stride": 8, "sel_block_len": 32, "n_sel": 4,
     "n_init": 0, "n_local": 1, "prefill": "sequential", "cmp": "reference", "win": "masked",
     "batch": 3, "seed": 7, "lr": 0.01, "timeout": 50.0, "tolerance": 1e-3, "reference_check": True,
-    "anomaly": True, "launch_blocking": True, "profile": True, "memory_snapshot": True,
+    "anomaly": True, "launch_blocking": True, "profile": True,
     "alloc_conf": "expandable_segments:True", "steps": 2,
     "inject": ("nan:layer=1", "slow:seconds=0.5,step=2"),
 }  # fmt: skip
@@ -111,6 +112,8 @@ ROUND_TRIPS = [
     pytest.param(_GEOMETRY, id="geometry-branch-gc-inject"),
     pytest.param(_EVERY_OPTION, id="every-option"),
     pytest.param({"model": "diag_user_model:build", "layers_attr": "layers", "seq_len": 64}, id="user-model"),
+    # refused on the CPU: the test pretends a GPU is there
+    pytest.param({"device": "cuda", "memory_snapshot": True}, id="cuda-memory-snapshot"),
 ]
 
 
@@ -130,6 +133,7 @@ def test_replay_line_builds_the_same_spec(
     values: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the --model's pre-flight
+    monkeypatch.setattr(cases, "cuda_available", lambda: True)
     spec = build_spec(_options(**_typed(values)), name="round-trip")
     argv = replay_argv(spec, tmp_path)
     again = _spec_of_command_line(argv[3:], monkeypatch)

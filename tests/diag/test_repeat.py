@@ -169,12 +169,15 @@ def test_junit_xml_with_expectations() -> None:
         CaseResult(name="gpu-spin", spec_hash="h", verdict="skipped", reason="gpu-spin needs CUDA"),
     ]
     ok = {"nan": True, "deadlock": False, "gpu-spin": True}  # selftest: the deadlock went undetected
-    suite = ET.fromstring(junit_xml("selftest", results, ok=ok)).find("testsuite")
+    expected = {"nan": "nonfinite", "deadlock": "hang / python-deadlock", "gpu-spin": "skipped"}
+    suite = ET.fromstring(junit_xml("selftest", results, ok=ok, expected=expected)).find("testsuite")
     assert suite is not None
     assert (suite.attrib["failures"], suite.attrib["skipped"]) == ("1", "1")
     cases = {case.attrib["name"]: case for case in suite.iter("testcase")}
     assert cases["nan"].find("failure") is None
-    assert "expected and got" in (cases["nan"].findtext("system-out") or "")
+    assert (cases["nan"].findtext("system-out") or "").startswith(
+        "expected nonfinite; got:\nverdict: nonfinite"
+    )
     missed = cases["deadlock"].find("failure")
     assert missed is not None
     assert missed.attrib["type"] == "unexpected-pass"

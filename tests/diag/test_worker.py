@@ -38,6 +38,7 @@ CASES: dict[str, dict[str, Any]] = {
     "deadlock": dict(inject=["deadlock:layer=1,phase=backward"]),
     "gil-hog": dict(inject=["gil-hog:layer=0,phase=recompute"], overrides=dict(gc="0:1")),
     "pass-gc": dict(steps=2, overrides=dict(gc="all")),
+    "profile": dict(steps=2, profile=True, overrides=dict(gc="0:1")),
     "nan-forward": dict(inject=["nan:layer=1,phase=forward"]),
     "nan-backward": dict(inject=["nan:layer=1,phase=backward"]),
     "nan-recompute": dict(inject=["nan:layer=1,phase=recompute"], overrides=dict(gc="all")),
@@ -352,6 +353,26 @@ def test_forced_branch_leaves_idle_parameters_without_grad_missing(cases: dict[s
     assert {e["branch"] for e in case.progress()} == {None, "sel"}
 
 
+def _trace_ranges(path: Path) -> set[str]:
+    """The names of the user ranges (`record_function`) in a Chrome trace."""
+    events = json.loads(path.read_text())["traceEvents"]
+    return {e["name"] for e in events if e.get("cat") == "user_annotation"}
+
+
+def test_profile_trace_has_step_phase_layer_and_branch_ranges(cases: dict[str, Case]) -> None:
+    case = cases["profile"]
+    result = case.result()
+    assert result["status"] == "ok", result["reason"]
+    ranges = _trace_ranges(case.path / artifacts.TRACE)
+    expected = {"step 1", "step 2", "forward", "backward", "optimizer"}
+    expected |= {"layer 0 forward", "layer 0 recompute", "layer 0 backward", "layer 1 backward"}
+    expected |= {
+        f"layer 1 {branch} {phase}" for branch in ("cmp", "sel", "win") for phase in ("forward", "backward")
+    }
+    assert expected <= ranges, sorted(ranges)
+    assert "layer 1 recompute" not in ranges  # --gc 0:1 checkpoints layer 0 alone
+
+
 def test_user_model_factory(cases: dict[str, Case]) -> None:
     case = cases["user-model"]
     result = case.result()
@@ -466,7 +487,7 @@ def test_cuda_bf16_profile_and_memory_snapshot(cuda_cases: dict[str, Case]) -> N
     assert result["status"] == "ok", result["reason"]
     assert result["device"].startswith("cuda")
     assert result["metrics"]["peak_memory"]["cuda_max_allocated_bytes"] > 0
-    assert (case.path / artifacts.TRACE).stat().st_size > 0
+    assert {"step 2", "backward", "layer 1 sel backward"} <= _trace_ranges(case.path / artifacts.TRACE)
     assert (case.path / artifacts.MEMORY_SNAPSHOT).stat().st_size > 0
     timeline = (case.path / artifacts.MEMORY_TIMELINE).exists()
     assert timeline or any(artifacts.MEMORY_TIMELINE in n for n in result["metrics"].get("notes", []))

@@ -38,6 +38,7 @@ def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
     cpu = env.get("cpu_memory") or {}
     python = env.get("python") or {}
     platform = env.get("platform") or {}
+    system = env.get("system") or {}
     triton = env.get("triton") or {}
     torch_gpus = [f"{d.get('name')} (sm {d.get('capability')})" for d in torch.get("devices") or []]
     nvml_gpus = [str(g.get("name")) for g in nvml.get("gpus") or []]
@@ -48,6 +49,10 @@ def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
         "python executable": python.get("executable"),
         "platform": platform.get("platform"),
         "host": platform.get("hostname"),
+        "OS": system.get("os"),
+        "libc": system.get("libc"),
+        "gcc": system.get("gcc"),
+        "CPU model": system.get("cpu_model"),
         "CPUs usable": cpu.get("cpu_count_usable"),
         "memory": f"{memory / 2**30:.1f} GiB" if isinstance(memory, int) else None,
         "torch": torch.get("version") or torch.get("why"),

@@ -1,4 +1,5 @@
-"""`nsa-diag matrix FILE`: every case of a matrix file, resumable, several at a time."""
+"""`nsa-diag matrix NAME|FILE`: every case of a matrix (shipped or a file), resumable, several at a time;
+`--list` the shipped ones."""
 
 from __future__ import annotations
 
@@ -13,11 +14,27 @@ _RUN = "Running"
 _OUTPUT = "Output"
 
 
+def _complete_name(incomplete: str) -> list[str]:
+    """Shell completion of NAME: the shipped matrices whose name starts so."""
+    from nsa_diag.matrices import shipped_paths
+
+    return [name for name in shipped_paths() if name.startswith(incomplete)]
+
+
 def matrix(
     file: Annotated[
-        Path,
-        typer.Argument(help="The matrix file (YAML), e.g. matrices/cpu-smoke.yaml.", show_default=False),
-    ],
+        str | None,
+        typer.Argument(
+            metavar="NAME|FILE",
+            help="A shipped matrix by name (`--list`), e.g. cpu-smoke, or a matrix file (YAML).",
+            show_default=False,
+            autocompletion=_complete_name,
+        ),
+    ] = None,
+    list_shipped: Annotated[
+        bool,
+        typer.Option("--list", help="List the shipped matrices (name and description) and exit."),
+    ] = False,
     resume: Annotated[
         Path | None,
         typer.Option(
@@ -79,9 +96,11 @@ def matrix(
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Run every case of a matrix file, each in its own worker under the watchdog, into one run folder.
+    """Run every case of a matrix, each in its own worker under the watchdog, into one run folder.
 
-    A matrix file (YAML; schema: `nsa-diag schema matrix`, `matrices/schema.json`) has `defaults`,
+    NAME is a matrix shipped with nsa-diag (`--list`: cpu-smoke, gpu-smoke, backward, scaling,
+    production); FILE a matrix file of your own. A matrix file (YAML; schema: `nsa-diag schema matrix`)
+    has `defaults`,
     `axes` (key -> values: every combination over the defaults is a case) and `cases` (entries on top of
     the defaults, each optionally with its own `axes`). Keys are case fields (preset, seq_len, batch,
     steps, dtype, device, stall, timeout, inject, alloc_conf, reference_check, check, ...) and model
@@ -100,21 +119,31 @@ def matrix(
 
     Examples:
 
-        nsa-diag matrix matrices/cpu-smoke.yaml
-        nsa-diag matrix matrices/backward.yaml --dry-run
-        nsa-diag matrix matrices/backward.yaml --only branch,sel-backend --jobs 2 --junit backward.xml
-        nsa-diag matrix matrices/backward.yaml --resume nsa-diag-runs/20250825-164210-matrix-backward
+        nsa-diag matrix --list
+        nsa-diag matrix cpu-smoke
+        nsa-diag matrix backward --dry-run
+        nsa-diag matrix backward --only branch,sel-backend --jobs 2 --junit backward.xml
+        nsa-diag matrix backward --resume nsa-diag-runs/20250825-164210-matrix-backward
+        nsa-diag matrix my-matrix.yaml
         make matrix-gpu-smoke
     """
     import sys
 
     from nsa_diag import artifacts
-    from nsa_diag.cases import check_output
+    from nsa_diag.cases import check_output, runs_on_cuda
     from nsa_diag.errors import EXIT_USAGE, UsageError
+    from nsa_diag.matrices import resolve
     from nsa_diag.matrix import MatrixFileError, load_matrix
     from nsa_diag.session import FollowUps, Session
     from nsa_diag.session.matrix import MatrixPlan, environment_gpus, make_plan, render_plan
 
+    if list_shipped:
+        if file is not None:
+            raise UsageError("--list lists the shipped matrices; give it no NAME or FILE")
+        _print_shipped(json_output)
+        raise typer.Exit(0)
+    if file is None:
+        raise UsageError("give a shipped matrix's NAME (nsa-diag matrix --list) or a matrix FILE")
     if resume is not None and (out is not None or tag is not None):
         raise UsageError("--resume continues in RUN_DIR; --out and --tag do not apply to it")
     if resume is not None and not (resume / "matrix.json").is_file():
@@ -123,7 +152,7 @@ def matrix(
     if junit is not None and junit.is_dir():
         raise UsageError(f"--junit {junit}: is a folder; give a file name")
     try:
-        loaded = load_matrix(file)
+        loaded = load_matrix(resolve(file))
     except MatrixFileError as exc:
         print(f"nsa-diag: invalid matrix file {exc.path} ({len(exc.problems)} problem(s)):", file=sys.stderr)
         for line in exc.problems:
@@ -140,6 +169,13 @@ def matrix(
                 file=sys.stderr,
             )
     selected = loaded.select([part.strip() for part in (only or "").split(",") if part.strip()])
+    for case in selected:  # a matrix keeps such a case (its other evidence stands); the console says so
+        if case.spec.memory_snapshot and not runs_on_cuda(case.spec.device):
+            print(
+                f"nsa-diag: note: case {case.name}: memory_snapshot needs CUDA; it runs on the CPU "
+                "and writes no memory_snapshot.pickle",
+                file=sys.stderr,
+            )
     cuda, gpus = environment_gpus(jobs, selected)
     plan = make_plan(selected, resume_dir=resume, cuda=cuda)
     if dry_run:
@@ -156,3 +192,18 @@ def matrix(
         follow=FollowUps(junit=junit),
     )
     raise typer.Exit(session.run())
+
+
+def _print_shipped(json_output: bool) -> None:
+    """The shipped matrices to stdout: one line each (name, description), or a JSON list."""
+    import json
+
+    from nsa_diag.matrices import shipped
+
+    found = shipped()
+    if json_output:
+        print(json.dumps([{"name": m.name, "description": m.description} for m in found], indent=2))
+        return
+    width = max(len(m.name) for m in found)
+    for m in found:
+        print(f"{m.name:<{width}}  {m.description}")

@@ -21,7 +21,7 @@ def schema(
         SchemaName,
         typer.Argument(
             help="spec: a case, as in spec.json; result: result.json; matrix: a matrix file "
-            "(matrices/schema.json)."
+            "(src/nsa_diag/matrices/schema.json)."
         ),
     ] = SchemaName.spec,
     debug: DebugOpt = False,
@@ -34,7 +34,7 @@ def schema(
 
         nsa-diag schema
         nsa-diag schema result > result.schema.json
-        nsa-diag schema matrix > matrices/schema.json
+        nsa-diag schema matrix > src/nsa_diag/matrices/schema.json
     """
     from nsa_diag.render import print_json
     from nsa_diag.spec import CaseResult, CaseSpec

@@ -3,10 +3,16 @@
 It is what `nsa-diag env` prints and what every run folder records as `env.json`. Each probe records the
 fact or, where the fact cannot be had (no CUDA, no NVML, not a git checkout), why not, and never raises.
 
-Environment variables: only those whose names start with one of `ENV_VAR_PREFIXES` are recorded, and no
-other variable; of those, one whose name says it holds a secret (`artifacts.is_secret_name`: token,
+Environment variables: only those whose names start with one of `ENV_VAR_PREFIXES` or are one of
+`ENV_VAR_NAMES` (threads, the distributed rendezvous, cuBLAS determinism) are recorded, and no other
+variable; of those, one whose name says it holds a secret (`artifacts.is_secret_name`: token,
 secret, key, password, credential, auth) is listed by name in ``env_vars_withheld``, its value never
 recorded, so that tokens and passwords never reach an artifact.
+
+The ``system`` section holds the OS, C library, compiler and CPU facts that `torch.utils.collect_env`
+reports, read directly: its ``get_env_info()`` runs pip, lscpu, gcc, cmake and nvidia-smi in subprocesses
+(0.6 s on an idle 2-core CPU machine, seconds with a large pip environment), where these take
+milliseconds (one ``gcc --version``).
 """
 
 from __future__ import annotations
@@ -25,24 +31,34 @@ from typing import Any
 from nsa_diag import __version__
 from nsa_diag.artifacts import is_secret_name
 
-ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_")
+ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_", "SLURM_")
+# What a distributed or slow job is debugged by: thread counts, torchrun's rendezvous and ranks, cuBLAS's
+# deterministic workspace.
+ENV_VAR_NAMES = (
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE", "CUBLAS_WORKSPACE_CONFIG",
+)  # fmt: skip
 
 _GIT_TIMEOUT_S = 5.0
+_GCC_TIMEOUT_S = 5.0
+
+
+def is_recorded_name(name: str) -> bool:
+    """Whether env.json records the variable `name` (its value, or its name alone for a secret)."""
+    return name.startswith(ENV_VAR_PREFIXES) or name in ENV_VAR_NAMES
 
 
 def select_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of `environ` whose names start with one of `ENV_VAR_PREFIXES`, sorted by name, less
-    those whose names say they hold a secret (`withheld_env_vars`)."""
+    """The variables of `environ` that `is_recorded_name` names, sorted by name, less those whose names say
+    they hold a secret (`withheld_env_vars`)."""
     return {
-        name: environ[name]
-        for name in sorted(environ)
-        if name.startswith(ENV_VAR_PREFIXES) and not is_secret_name(name)
+        name: environ[name] for name in sorted(environ) if is_recorded_name(name) and not is_secret_name(name)
     }
 
 
 def withheld_env_vars(environ: Mapping[str, str]) -> list[str]:
     """The names `select_env_vars` leaves out for holding a secret (NSA_TOKEN, TORCH_SECRET, ...), sorted."""
-    return sorted(name for name in environ if name.startswith(ENV_VAR_PREFIXES) and is_secret_name(name))
+    return sorted(name for name in environ if is_recorded_name(name) and is_secret_name(name))
 
 
 def _python() -> dict[str, Any]:
@@ -61,6 +77,51 @@ def _platform() -> dict[str, Any]:
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
     }
+
+
+def _system() -> dict[str, Any]:
+    """OS, C library, compiler, CPU model and Python build: collect_env's facts without its subprocesses."""
+    try:
+        os_name: str | None = platform.freedesktop_os_release().get("PRETTY_NAME")
+    except OSError:  # not Linux, or no os-release
+        os_name = None
+    libc, libc_version = platform.libc_ver()
+    build, built = platform.python_build()
+    return {
+        "os": os_name or f"{platform.system()} {platform.release()}",
+        "libc": f"{libc}-{libc_version}" if libc else None,
+        "gcc": _gcc_version(),
+        "cpu_model": _cpu_model(),
+        "python_build": f"{build}, {built}",
+        "python_compiler": platform.python_compiler(),
+    }
+
+
+def _gcc_version() -> str:
+    """The first line of ``gcc --version`` (Triton compiles its launchers with the system C compiler)."""
+    try:
+        done = subprocess.run(
+            ["gcc", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=_GCC_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            check=True,
+        )
+    except FileNotFoundError:
+        return "gcc is not installed"
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        return f"gcc --version failed: {type(exc).__name__}"
+    return (done.stdout.splitlines() or ["?"])[0]
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model"):  # x86; arm64 kernels say Model
+                return value.strip()
+    return platform.processor() or None
 
 
 def _cpu_and_memory() -> dict[str, Any]:
@@ -236,6 +297,7 @@ def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = Non
         "collected_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": _probe(_python),
         "platform": _probe(_platform),
+        "system": _probe(_system),
         "cpu_memory": _probe(_cpu_and_memory),
         "torch": _probe(_torch),
         "triton": _probe(_triton),

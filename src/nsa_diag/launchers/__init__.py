@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from nsa_diag.launchers.base import Launcher, Unit
+from nsa_diag.launchers.base import Launcher, Unit, pinned_env
 from nsa_diag.launchers.torchrun import TorchrunLauncher
 from nsa_diag.launchers.worker import WorkerLauncher
 from nsa_diag.spec import CaseSpec
@@ -16,4 +16,4 @@ def default_launcher(spec: CaseSpec) -> Launcher:
     return TorchrunLauncher(spec) if spec.ddp is not None else WorkerLauncher(spec)
 
 
-__all__ = ["Launcher", "TorchrunLauncher", "Unit", "WorkerLauncher", "default_launcher"]
+__all__ = ["Launcher", "TorchrunLauncher", "Unit", "WorkerLauncher", "default_launcher", "pinned_env"]

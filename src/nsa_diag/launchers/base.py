@@ -3,7 +3,7 @@
 The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatever hosts it:
 
 1. ``prepare`` the case folder, write ``spec.json`` and ``replay.sh`` (`command`, `replay_argv`,
-   `replay_env`);
+   `replay_env`, and of `child_env` the `REPLAY_PINNED` variables; it runs in this working directory);
 2. `start` the job: `command` with `child_env`, stdin closed, stdout/stderr appended to the case's logs,
    in a session of its own (its own process group) so that it can be stopped as a whole;
 3. watch its `units` (`nsa_diag.watchdog.watch`): each unit is a process the watchdog judges, with its
@@ -14,7 +14,9 @@ The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatev
 5. `stop` everything the job started, and report what it took;
 6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
    record and stop report), and `combine` makes them the case's result (a worker: its one unit's result;
-   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`).
+   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`);
+7. `internal_files` (beacons, dump requests, debug pipes) are removed before ``result.json`` lists the
+   case's files.
 
 A launcher object runs one case: it keeps what it learns of the job (the process, the ranks' pids).
 
@@ -72,6 +74,16 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
     if spec.launch_blocking:
         env["CUDA_LAUNCH_BLOCKING"] = "1"
     return env
+
+
+# What replay.sh keeps of the environment the job ran with, beyond the launcher's `replay_env`: the import
+# path (a --model module's package, nsa_diag from a checkout) and the GPUs it saw (a matrix job's own).
+REPLAY_PINNED = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+
+
+def pinned_env(child_env: Mapping[str, str]) -> dict[str, str]:
+    """The `REPLAY_PINNED` variables of a job's environment, as the job had them."""
+    return {name: child_env[name] for name in REPLAY_PINNED if name in child_env}
 
 
 def python_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -162,6 +174,11 @@ class Launcher(ABC):
     def stop(self) -> dict[str, Any]:
         """Stop every process of the job (also those it started in sessions of their own); what it took,
         with ``exit_code`` and any ``survivors``. ``{"started": False}`` when nothing was started."""
+
+    def internal_files(self, case_dir: Path) -> list[Path]:
+        """The files only the running job uses, removed when the case ends (after its result is built):
+        by default `artifacts.INTERNAL_FILES` in each unit's folder."""
+        return [unit.folder / name for unit in self.units(case_dir) for name in artifacts.INTERNAL_FILES]
 
     def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:  # noqa: B027 (a hook)
         """Evidence the job left as it stopped, added to ``notes``."""

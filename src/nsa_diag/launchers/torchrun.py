@@ -270,6 +270,11 @@ class TorchrunLauncher(Launcher):
     def notes(self) -> dict[str, Any]:
         return {"torchrun": self.argv}
 
+    def internal_files(self, case_dir: Path) -> list[Path]:
+        # and the NCCL debug pipes (FIFOs) each rank's process group made for flight-recorder requests
+        pipes = [Path(case_dir) / RANKS_DIR / f"{PIPE_PREFIX}{r}.pipe" for r in local_ranks(self.spec)]
+        return super().internal_files(case_dir) + pipes
+
     def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
         return {"flight_recorder": flight_recorder_dump(case_dir, self.spec, self.pids)}
 

@@ -329,6 +329,7 @@ class Session:
             plan.junit_results(results),
             elapsed_s=summary.elapsed_s,
             ok=plan.junit_ok(summary),
+            expected=summary.expected_text(),
         )
         if plan.records_junit:
             summary.junit = str(self.follow.junit)

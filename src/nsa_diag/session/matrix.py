@@ -351,17 +351,13 @@ class MatrixProgress(render.LiveDisplay):
 def junit_results(
     results: Sequence[CaseResult], expected: Mapping[str, Expectation] | None
 ) -> list[CaseResult]:
-    """The results as JUnit should judge them: a case that ended as its `expect` said passes (an injected
-    hang that was detected is a test that passed); one that did not is a failure, also when it passed."""
+    """The results as JUnit should judge them, with the summary's judgement (`RunSummary.judged`): a case
+    that ended as its `expect` said is kept as it ended (JUnit passes it and says what was expected); one
+    that did not is a failure whose message names what was expected, also when it passed."""
     out = []
     for result in results:
         exp = (expected or {}).get(result.name)
-        if exp is None or exp.verdict == "pass":
-            out.append(result)
-        elif exp.met_by(result.verdict, result.hang_kind):
-            if result.verdict != "skipped":
-                reason = f"as expected ({exp.describe()}): {result.reason}"
-                result = result.model_copy(update={"verdict": "pass", "reason": reason})
+        if exp is None or exp.verdict == "pass" or exp.met_by(result.verdict, result.hang_kind):
             out.append(result)
         else:
             got = result.verdict + (f" / {result.hang_kind}" if result.hang_kind else "")
@@ -472,9 +468,6 @@ class MatrixPlan(Plan):
 
     def junit_results(self, results: Sequence[CaseResult]) -> Sequence[CaseResult]:
         return junit_results(results, self.expectations())
-
-    def junit_ok(self, summary: RunSummary) -> Mapping[str, bool] | None:
-        return None
 
     def render(self, session: Session, summary: RunSummary) -> None:
         render.render_summary(summary)

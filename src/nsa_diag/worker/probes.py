@@ -228,6 +228,48 @@ def _branch_hooks(attn: Any, branch: str, layer: int, base: str, progress: Progr
     ]
 
 
+# --------------------------------------------------------------------------------------- profiler ranges
+
+
+def attach_profiler_ranges(blocks: Iterable[nn.Module], progress: Progress) -> list[RemovableHandle]:
+    """``torch.profiler.record_function`` ranges per layer and per NSA branch, for ``--profile`` only:
+    ``layer 1 forward``, ``layer 1 backward``, ``layer 1 recompute``, ``layer 1 sel forward``, ... so that a
+    trace viewer (Perfetto) shows where each aten op ran. A range opens in a pre-hook and closes in the
+    matching hook, at the same places as the progress events (`attach_progress`)."""
+    handles: list[RemovableHandle] = []
+    for layer, block in enumerate(blocks):
+        handles += _range_hooks(block, block, f"layer {layer}", progress)
+        for _, attn in nsa_attentions(block):
+            for branch in attn.nsa.branches:
+                kv, tap = getattr(attn, f"kv_{branch}"), attn.branch_out[branch]
+                handles += _range_hooks(kv, tap, f"layer {layer} {branch}", progress)
+    return handles
+
+
+def _range_hooks(first: nn.Module, last: nn.Module, label: str, progress: Progress) -> list[RemovableHandle]:
+    """A range from ``first``'s forward pre-hook to ``last``'s forward hook, and from ``last``'s backward
+    pre-hook to ``first``'s backward hook; a stack per direction, as a recompute nests inside backward."""
+    from torch.profiler import record_function
+
+    forward: list[record_function] = []
+    backward: list[record_function] = []
+
+    def open_range(stack: list[record_function], phase: str) -> None:
+        stack.append(record_function(f"{label} {phase}"))
+        stack[-1].__enter__()
+
+    def close_range(stack: list[record_function]) -> None:
+        if stack:  # a hook of a module whose range opened before the profiler started closes nothing
+            stack.pop().__exit__(None, None, None)
+
+    return [
+        first.register_forward_pre_hook(lambda m, args: open_range(forward, progress.forward_phase)),
+        last.register_forward_hook(lambda m, args, out: close_range(forward)),
+        last.register_full_backward_pre_hook(lambda m, g: open_range(backward, progress.backward_phase)),
+        first.register_full_backward_hook(lambda m, gi, go: close_range(backward)),
+    ]
+
+
 # ----------------------------------------------------------------------------------------------- memory
 
 

@@ -27,6 +27,7 @@ from nsa_diag.worker.probes import (
     MemoryRecorder,
     NonfiniteLocator,
     Progress,
+    attach_profiler_ranges,
     attach_progress,
     finite_or_none,
     grad_norm,
@@ -107,7 +108,8 @@ class Trainer:
             else:
                 with self._profiled():
                     for step in range(1, self.spec.steps + 1):
-                        self._step(step)
+                        with self._range(f"step {step}"):
+                            self._step(step)
                 outcome.reason = self._ok_reason()
         except CaseFailed as failed:
             outcome = Outcome.failed(failed)
@@ -156,6 +158,8 @@ class Trainer:
         self.loaded = loaded = build_model(spec, self.device)
         self.progress.event("setup", detail="model built")
         attach_progress(loaded.model, self.progress, spec.layers_attr)
+        if spec.profile:
+            attach_profiler_ranges(loaded.blocks, self.progress)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
         self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.dtype == "fp16" else None
@@ -176,8 +180,9 @@ class Trainer:
 
         progress.event("forward", "begin")
         t = time.perf_counter()
-        loss = self._loss(model, tokens)
-        loss_value = float(loss.detach())  # syncs the device
+        with self._range("forward"):
+            loss = self._loss(model, tokens)
+            loss_value = float(loss.detach())  # syncs the device
         self.phase_s["forward"].append(time.perf_counter() - t)
         progress.event("forward", "end", loss=finite_or_none(loss_value))
         if step == 1:
@@ -187,8 +192,9 @@ class Trainer:
 
         progress.event("backward", "begin")
         t = time.perf_counter()
-        self._backward(loss, scaled=True)
-        self._sync()
+        with self._range("backward"):
+            self._backward(loss, scaled=True)
+            self._sync()
         self.phase_s["backward"].append(time.perf_counter() - t)
         progress.event("backward", "end")
         if step == 1:
@@ -210,12 +216,13 @@ class Trainer:
 
         progress.event("optimizer", "begin")
         t = time.perf_counter()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self._sync()
+        with self._range("optimizer"):
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self._sync()
         self.phase_s["optimizer"].append(time.perf_counter() - t)
         progress.event("optimizer", "end")
 
@@ -486,6 +493,14 @@ class Trainer:
             if cuda:
                 device = f"cuda:{torch.cuda.current_device()}"
                 self._export(artifacts.MEMORY_TIMELINE, lambda p: prof.export_memory_timeline(str(p), device))
+
+    def _range(self, name: str) -> contextlib.AbstractContextManager[Any]:
+        """A ``record_function`` range in the ``--profile`` trace (step, phase); nothing without it."""
+        if not self.spec.profile:
+            return contextlib.nullcontext()
+        from torch.profiler import record_function
+
+        return record_function(name)
 
     def _export(self, name: str, writer: Callable[[Path], object]) -> None:
         # an "export" phase: a profiler trace of a big model takes longer than a step (12 s after 1 s steps
