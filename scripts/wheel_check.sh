@@ -30,7 +30,8 @@ mkdir -p "$work/tree"
 cp -R pyproject.toml README.md src "$work/tree/"
 step build "$python" -m pip wheel --no-deps --no-build-isolation --no-index -q -w "$work/dist" "$work/tree"
 wheel=$(ls "$work"/dist/nsa_diag-*.whl)
-"$python" -m zipfile -l "$wheel" | grep -q 'nsa_diag/matrices/cpu-smoke.yaml' || fail "the wheel has no matrices"
+listing=$("$python" -m zipfile -l "$wheel")  # not piped into grep -q: its early exit broke the pipe
+grep -q 'nsa_diag/matrices/cpu-smoke.yaml' <<< "$listing" || fail "the wheel has no matrices"
 
 venv=$work/venv
 step venv "$python" -m venv --without-pip "$venv"
@@ -49,7 +50,8 @@ where=$("$venv/bin/python" -c 'import nsa_diag; print(nsa_diag.__file__)')
 case "$where" in "$site"/*) ;; *) fail "nsa_diag imported from $where, not the installed wheel" ;; esac
 step branch "$nsa_diag" branch --device cpu --out runs
 step matrix-list "$nsa_diag" matrix --list
-"$nsa_diag" matrix --list | grep -q '^cpu-smoke ' || fail "matrix --list does not name cpu-smoke"
+listed=$("$nsa_diag" matrix --list)
+grep -q '^cpu-smoke ' <<< "$listed" || fail "matrix --list does not name cpu-smoke"
 step matrix "$nsa_diag" matrix cpu-smoke --only cmp,nan --out runs
 replay=$(ls "$work"/user/runs/*-branch/cases/sel/replay.sh)
 cd "$work/other"

@@ -601,12 +601,20 @@ def _estimate_cell(point: dict[str, Any]) -> str:
     return _pct(point.get("estimate_rel_err"))
 
 
+def _seconds_cell(point: dict[str, Any], key: str) -> str:
+    """A phase's median time; `*` marks a host-bound point (the note under the table says what it is)."""
+    value = point.get(key)
+    if value is None:
+        return "-"
+    return f"{value:.3f} s" + ("*" if point.get("host_bound") else "")
+
+
 def render_scale(report: dict[str, Any]) -> None:
     """The sweep as a table on stdout, then one line per fit, the culprits and the predicted limits."""
     from rich.table import Table
 
     from nsa_diag.analysis.scaling import GrowthFit, describe_fit
-    from nsa_diag.analysis.sweep import fit_points_note
+    from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
 
     console = stdout_console()
     for a in report["series"]:
@@ -622,14 +630,14 @@ def render_scale(report: dict[str, Any]) -> None:
                 format_bytes(p.get("peak_memory_bytes")),
                 format_bytes(est.get("total")),
                 _estimate_cell(p),
-                "-" if p.get("forward_s") is None else f"{p['forward_s']:.3f} s",
-                "-" if p.get("backward_s") is None else f"{p['backward_s']:.3f} s",
+                _seconds_cell(p, "forward_s"),
+                _seconds_cell(p, "backward_s"),
                 "-" if tokens is None else f"{tokens:,.0f}",
             )
         console.print(table)
-        note = fit_points_note(a)
-        if note:
-            console.print(f"  {note}", markup=False, highlight=False)
+        for note in (fit_points_note(a), host_bound_note(a)):
+            if note:
+                console.print(f"  {note}", markup=False, highlight=False)
         for what in ("memory", "time"):
             fit = a[f"{what}_fit"]
             gfit = None

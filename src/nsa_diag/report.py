@@ -17,7 +17,7 @@ from typing import Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
-from nsa_diag.analysis.sweep import fit_points_note
+from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
 from nsa_diag.runfolder import (
     NO_RESULT,
     NOT_RUN,
@@ -86,6 +86,9 @@ def _series_markdown(series: Mapping[str, Any]) -> list[str]:
         lines.append(f"- {note}")
     if memory_fit:
         lines.append(f"- fixed part {render.format_bytes(int(memory_fit['fixed']))}")
+    bound = host_bound_note(series)
+    if bound:
+        lines.append(f"- {bound}")
     lines.append(f"- {_fit_line('time', series.get('time_fit'), x)}")
     limit = series.get("memory_limit")
     if limit:

@@ -193,7 +193,8 @@ def test_write_junit_creates_folders(tmp_path: Path) -> None:
 # --- real runs -------------------------------------------------------------------------------------------
 
 FLAKY_MODEL = '''
-"""A user model whose second build hangs in the forward of its layer 1 (a lock taken twice)."""
+"""A user model whose third build hangs in the forward of its layer 1 (a lock taken twice): nsa-diag's
+pre-flight builds it once, then each of the three runs."""
 import threading
 from pathlib import Path
 
@@ -235,7 +236,7 @@ class FlakyLM(nn.Module):
 def build(spec):
     n = int(COUNT.read_text()) + 1 if COUNT.exists() else 1
     COUNT.write_text(str(n))
-    return FlakyLM(hang=n == 2)
+    return FlakyLM(hang=n == 3)
 '''
 
 

@@ -266,3 +266,56 @@ def test_a_reference_too_slow_for_the_case_is_lean_whatever_the_memory() -> None
     assert plan.backends["sel"] == "gather"
     small = plan_reference(cfg, seq_len=256, batch=1, dtype="bf16", device="cuda", budget_bytes=None)
     assert small.backends["sel"] == "reference"
+
+
+# --- host-bound points on the GPU (issue 15 #13) --------------------------------------------------------
+
+
+def _point(x: int, fwd: list[float], bwd: list[float], issue: tuple[list[float], list[float]] | None) -> Any:
+    """A point as `point_record` makes it from a worker's result with these phase times."""
+    from nsa_diag.analysis.sweep import point_record
+    from nsa_diag.spec import CaseResult, CaseSpec
+
+    metrics: dict[str, Any] = {
+        "phase_s": {"forward": fwd, "backward": bwd},
+        "tokens_per_s": 1.0,
+        "peak_memory": {"cuda_max_allocated_bytes": 1000 * x},
+    }
+    if issue is not None:
+        metrics["phase_issue_s"] = {"forward": issue[0], "backward": issue[1]}
+    spec = CaseSpec(name=f"S{x}", seq_len=x, device="cpu")
+    result = CaseResult(
+        name=spec.name,
+        spec_hash=spec.spec_hash(),
+        verdict="pass",
+        reason="ok",
+        device="cuda:0",
+        metrics=metrics,
+    )
+    return point_record(x, spec, result)
+
+
+def test_phase_times_are_the_median_of_the_steps_after_the_warm_up() -> None:
+    p = _point(64, [9.0, 0.2, 0.4, 0.3], [9.0, 0.5, 0.5, 0.7], None)
+    assert (p["forward_s"], p["backward_s"], p["timed_steps"]) == (0.3, 0.5, 3)
+    assert p["host_bound"] is None  # the CPU: no issue times
+
+
+def test_host_bound_points_are_left_out_of_the_time_fit() -> None:
+    from nsa_diag.analysis.sweep import fit_points, host_bound_note
+
+    # 4096 and 8192: the host took all of the phase to issue it (the GPU waited): flat, not the model's.
+    points = [
+        _point(4096, [1, 0.05, 0.05], [1, 0.07, 0.07], ([1, 0.05, 0.05], [1, 0.069, 0.069])),
+        _point(8192, [1, 0.05, 0.05], [1, 0.08, 0.08], ([1, 0.049, 0.049], [1, 0.079, 0.079])),
+        _point(16384, [1, 0.10, 0.10], [1, 0.20, 0.20], ([1, 0.05, 0.05], [1, 0.07, 0.07])),
+        _point(32768, [1, 0.20, 0.20], [1, 0.40, 0.40], ([1, 0.05, 0.05], [1, 0.07, 0.07])),
+    ]
+    assert [p["host_bound"] for p in points] == [True, True, False, False]
+    series = fit_points(points, "seq_len", lambda device: None)
+    assert series["time_fit_points"] == [16384, 32768]
+    assert series["host_bound_points"] == [4096, 8192]
+    assert series["time_fit"]["exponent"] == pytest.approx(1.0)
+    note = host_bound_note(series)
+    assert note is not None
+    assert "host-bound [4096, 8192]" in note

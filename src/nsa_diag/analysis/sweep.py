@@ -8,6 +8,7 @@ running the points is `nsa_diag.session.plans.Sweep`'s, drawing them `nsa_diag.r
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +42,26 @@ def _peak_bytes(result: CaseResult) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _phase(result: CaseResult, phase: str) -> float | None:
-    """The phase's time in the last step (step 1 carries one-off warm-up when there are several)."""
-    values = (result.metrics.get("phase_s") or {}).get(phase)
-    if isinstance(values, list) and values:
-        return float(values[-1])
-    return None
+# On CUDA, a point whose forward and backward the host took at least this fraction of their time to issue
+# is host-bound: the GPU waited for Python and kernel launches, and the time is the host's, not the
+# model's (m7c-125m in bf16 on an H200: forward 0.053 s at S = 4096 and 0.103 s at 32768, tokens/s rising
+# fourfold with S; the plain fit read that as time ~ S^0.3).
+HOST_BOUND_FRACTION = 0.9
+
+
+def _timed(values: Any) -> list[float]:
+    """The timed steps' values: all but step 1 (one-off warm-up: Triton compiles, cuDNN and the allocator
+    settle) when there are several."""
+    if not isinstance(values, list) or not values:
+        return []
+    timed = values[1:] if len(values) > 1 else values
+    return [float(v) for v in timed if isinstance(v, int | float)]
+
+
+def _phase(result: CaseResult, phase: str, key: str = "phase_s") -> float | None:
+    """The median of the phase's time over the timed steps."""
+    timed = _timed((result.metrics.get(key) or {}).get(phase))
+    return statistics.median(timed) if timed else None
 
 
 def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str, Any]:
@@ -68,6 +83,10 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         return record
     peak, kind = _peak_bytes(result)
     fwd, bwd = _phase(result, "forward"), _phase(result, "backward")
+    issue = [_phase(result, phase, "phase_issue_s") for phase in ("forward", "backward")]
+    host_bound = None
+    if fwd is not None and bwd is not None and None not in issue and fwd + bwd > 0:
+        host_bound = sum(v for v in issue if v is not None) >= HOST_BOUND_FRACTION * (fwd + bwd)
     record.update(
         verdict=result.verdict,
         reason=result.reason,
@@ -77,6 +96,9 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         forward_s=fwd,
         backward_s=bwd,
         step_s=(fwd + bwd) if fwd is not None and bwd is not None else None,
+        timed_steps=len(_timed((result.metrics.get("phase_s") or {}).get("forward"))),
+        issue_s=(issue[0] + issue[1]) if None not in issue else None,  # type: ignore[operator]
+        host_bound=host_bound,
         tokens_per_s=result.metrics.get("tokens_per_s"),
     )
     return record
@@ -143,11 +165,8 @@ def fit_points(
     memory_fit = fit_growth(
         [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
     )
-    time_fit = fit_growth(
-        [p["x"] for p in passed if p.get("step_s")],
-        [p["step_s"] for p in passed if p.get("step_s")],
-        with_fixed=False,
-    )
+    timed = [p for p in passed if p.get("step_s") and not p.get("host_bound")]
+    time_fit = fit_growth([p["x"] for p in timed], [p["step_s"] for p in timed], with_fixed=False)
     on_cuda = any((p.get("device") or "").startswith("cuda") for p in passed)
     _add_estimator_errors(points, memory_fit, on_cuda)
     errors = [abs(p["estimate_rel_err"]) for p in points if "estimate_rel_err" in p]
@@ -169,6 +188,8 @@ def fit_points(
         "memory_fit": memory_fit.to_json() if memory_fit else None,
         "memory_fit_points": [p["x"] for p in growing],
         "time_fit": time_fit.to_json() if time_fit else None,
+        "time_fit_points": [p["x"] for p in timed],
+        "host_bound_points": [p["x"] for p in passed if p.get("host_bound")],
         "memory_quadratic": bool(memory_fit and memory_fit.quadratic),
         "time_quadratic": bool(time_fit and time_fit.quadratic),
         "estimate_max_abs_rel_err": max(errors) if errors else None,
@@ -206,6 +227,18 @@ def quadratic_culprits(analyses: list[dict[str, Any]]) -> list[str]:
                     f"exponent {fit['exponent']:.2f}"
                 )
     return lines
+
+
+def host_bound_note(series: dict[str, Any]) -> str | None:
+    """Which points the time fit left out as host-bound; None when none was."""
+    bound = series.get("host_bound_points") or []
+    if not bound:
+        return None
+    return (
+        f"time fit over {series.get('time_fit_points') or []}: {len(bound)} point(s) left out, host-bound "
+        f"{bound} (the host took >= {HOST_BOUND_FRACTION:.0%} of forward + backward to issue the work: the "
+        "GPU waited for Python and kernel launches, so their time is not the model's)"
+    )
 
 
 def fit_points_note(series: dict[str, Any]) -> str | None:

@@ -55,7 +55,7 @@ def parse_budget(text: str | None) -> tuple[int, str] | None:
     FOLLOW_UPS,
     OUTPUT,
     omit=("layers", "seq_len", "repeat"),
-    defaults={"batch": 1},
+    defaults={"batch": 1, "steps": 4},
 )
 def scale(
     options: CaseOptions,
@@ -89,9 +89,13 @@ def scale(
     and fit how peak memory and step time grow.
 
     Per point: peak memory (CUDA max allocated, or the worker's peak RSS on the CPU), forward and
-    backward time of the last step, tokens/s, verdict, and the analytical memory estimate with its
-    relative error. Per series: the exponent k of memory above the fixed part (memory ≈ F + c·x^k) and of
-    time, with a 95% interval; k > 1.3 is flagged quadratic. With `--per-branch` each branch runs alone
+    backward time (the median of the steps after the first, a warm-up; `--steps` defaults to 4 here),
+    tokens/s, verdict, and the analytical memory estimate with its relative error. On CUDA a point whose
+    host took 90% or more of forward + backward to issue the work is host-bound (marked `*`: the GPU
+    waited for Python and kernel launches) and left out of the time fit.
+
+    Per series: the exponent k of memory above the fixed part (memory ≈ F + c·x^k) and of time, with a
+    95% interval; k > 1.3 is flagged quadratic. With `--per-branch` each branch runs alone
     too and the branch and backend behind a quadratic exponent are named. From the memory fit, the S at
     which the device (or `--memory-budget`) runs out. A point that does not pass (oom, hang, ...) ends
     its series: larger points are not run. Writes scale.json and scale.png next to the usual summary.

@@ -83,6 +83,10 @@ class Trainer:
             "optimizer": [],
             "check": [],
         }
+        # On CUDA, the seconds the host took to issue each phase's work before the sync that ends it: a
+        # phase it takes about as long to issue as to finish is host-bound (the GPU waited for Python and
+        # kernel launches; nsa-diag scale leaves such points out of its time fit).
+        self.phase_issue_s: dict[str, list[float]] = {"forward": [], "backward": []}
         self.step_s: list[float] = []
         self.losses: list[float | None] = []
         self.grad_norms: list[float | None] = []
@@ -182,8 +186,10 @@ class Trainer:
         t = time.perf_counter()
         with self._range("forward"):
             loss = self._loss(model, tokens)
+            issued = time.perf_counter()
             loss_value = float(loss.detach())  # syncs the device
         self.phase_s["forward"].append(time.perf_counter() - t)
+        self._issued("forward", issued - t)
         progress.event("forward", "end", loss=finite_or_none(loss_value))
         if step == 1:
             self.memory.record("after_forward")
@@ -194,8 +200,10 @@ class Trainer:
         t = time.perf_counter()
         with self._range("backward"):
             self._backward(loss, scaled=True)
+            issued = time.perf_counter()
             self._sync()
         self.phase_s["backward"].append(time.perf_counter() - t)
+        self._issued("backward", issued - t)
         progress.event("backward", "end")
         if step == 1:
             self.memory.record("after_backward")
@@ -281,6 +289,10 @@ class Trainer:
                 loss.backward()
         finally:
             self.progress.in_backward = False
+
+    def _issued(self, phase: str, seconds: float) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            self.phase_issue_s[phase].append(seconds)
 
     def _sync(self) -> None:
         import torch
@@ -531,6 +543,7 @@ class Trainer:
         tokens = spec.batch * spec.seq_len * len(timed)
         metrics: dict[str, Any] = {
             "phase_s": self.phase_s,
+            **({"phase_issue_s": self.phase_issue_s} if self.phase_issue_s["forward"] else {}),
             "step_s": self.step_s,
             "tokens_per_s": tokens / sum(timed) if timed and sum(timed) > 0 else None,
             "tokens_per_s_steps": "2.." if len(self.step_s) > 1 else "1",
