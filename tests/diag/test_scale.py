@@ -234,8 +234,11 @@ def test_the_reference_is_dense_where_it_fits_and_lean_where_not() -> None:
     unlimited = plan_reference(cfg, **size, budget_bytes=None)
     assert (unlimited.fits, unlimited.lean) == (True, False)
     assert set(unlimited.backends.values()) == {"reference"}
+    assert unlimited.margin == 2  # the per-token reference must fit twice over
+    assert unlimited.fallback is not None  # tried if the dense one runs out of memory anyway
+    assert unlimited.fallback.backends["win"] == "chunked"
     # Below the dense need: the window branch is checked by chunked (linear in S), which does fit.
-    lean = plan_reference(cfg, **size, budget_bytes=unlimited.need_bytes - 1)
+    lean = plan_reference(cfg, **size, budget_bytes=2 * unlimited.need_bytes - 1)
     assert lean.lean
     assert lean.backends["win"] == "chunked"
     assert lean.need_bytes < unlimited.need_bytes / 2

@@ -258,6 +258,12 @@ def estimate_check_memory(
     return est.params + est.grads + est.activations + est.logits + est.transient + est.workspace
 
 
+# The per-token reference's memory is modelled loosely (thousands of small saved tensors, rounded and
+# cached by the allocator): it must fit twice over. On an H200, m7c-125m's dense window reference in bf16,
+# estimated at 103 GiB, ran out of memory beyond 110 GiB free.
+REFERENCE_MARGIN = 2.0
+
+
 @dataclass(frozen=True)
 class ReferencePlan:
     """The backends a parity check's reference runs, and whether that fits the memory there is."""
@@ -266,23 +272,27 @@ class ReferencePlan:
     need_bytes: int  # estimated peak of the reference pass(es)
     budget_bytes: int | None  # what may be used (None: not known, not limited)
     lean: bool  # some branch checked by a lean backend instead of the dense reference
+    margin: float = 1.0  # need x margin must fit (REFERENCE_MARGIN where a branch runs the reference)
+    fallback: ReferencePlan | None = None  # the lean plan to try if this one runs out of memory anyway
 
     @property
     def fits(self) -> bool:
-        return self.budget_bytes is None or self.need_bytes <= self.budget_bytes
+        return self.budget_bytes is None or self.need_bytes * self.margin <= self.budget_bytes
 
     def describe(self) -> str:
         names = ", ".join(f"{branch} {backend}" for branch, backend in self.backends.items())
         budget = "" if self.budget_bytes is None else f" of {self.budget_bytes / 2**30:.1f} GiB free"
-        return f"reference backends {names}; about {self.need_bytes / 2**30:.1f} GiB{budget}"
+        margin = f" (x{self.margin:g} margin)" if self.margin != 1 else ""
+        return f"reference backends {names}; about {self.need_bytes / 2**30:.1f} GiB{margin}{budget}"
 
 
 def plan_reference(
     cfg: Any, *, seq_len: int, batch: int, dtype: str, device: str, budget_bytes: int | None
 ) -> ReferencePlan:
     """The reference of a parity check of `cfg`'s backends: the dense reference backends where they fit
-    ``budget_bytes``, else per computed branch the first lean backend that is not the one under test.
-    The reference runs in fp32 and, in bf16/fp16, once more under autocast: both are counted."""
+    ``budget_bytes`` (with `REFERENCE_MARGIN`), else per computed branch the first lean backend that is not
+    the one under test; a dense plan carries that lean one as its ``fallback``. The reference runs in fp32
+    and, in bf16/fp16, once more under autocast: both are counted."""
 
     def need(backends: dict[str, str]) -> int:
         ref = replace(cfg, nsa=replace(cfg.nsa, **{f"{b}_backend": v for b, v in backends.items()}))
@@ -290,6 +300,11 @@ def plan_reference(
         if dtype != "fp32":
             total += estimate_check_memory(ref, seq_len=seq_len, batch=batch, dtype=dtype, device=device)
         return total
+
+    def plan_of(backends: dict[str, str], lean: bool, fallback: ReferencePlan | None = None) -> ReferencePlan:
+        dense_branches = any(backends[b] == "reference" for b in cfg.nsa.branches)
+        margin = REFERENCE_MARGIN if dense_branches else 1.0
+        return ReferencePlan(backends, need(backends), budget_bytes, lean, margin, fallback)
 
     tested = {b: getattr(cfg.nsa, f"{b}_backend") for b in BRANCH_NAMES}
 
@@ -300,13 +315,12 @@ def plan_reference(
     # selection at S = 2048 took 3.5 minutes of a 5-minute timeout on an H200).
     slow = {b for b in cfg.nsa.branches if reference_loops(cfg, b, seq_len, batch) > REFERENCE_MAX_LOOPS}
     dense = {b: leaner(b) if b in slow else "reference" for b in BRANCH_NAMES}
-    plan = ReferencePlan(dense, need(dense), budget_bytes, lean=bool(slow))
-    if plan.fits:
-        return plan
     lean = {b: leaner(b) if b in cfg.nsa.branches else dense[b] for b in BRANCH_NAMES}
-    if lean == dense:
+    lean_plan = plan_of(lean, lean=True) if lean != dense else None
+    plan = plan_of(dense, lean=bool(slow), fallback=lean_plan)
+    if plan.fits or lean_plan is None:
         return plan
-    return ReferencePlan(lean, need(lean), budget_bytes, lean=True)
+    return lean_plan
 
 
 # Python-level iterations of the per-token reference backends above which a lean backend checks the branch.

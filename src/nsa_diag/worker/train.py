@@ -355,7 +355,7 @@ class Trainer:
         ``parity`` and the notes; the case's verdict stays that of its training steps.
         """
         import nsa_core
-        from nsa_diag.analysis.memory_model import plan_reference
+        from nsa_diag.analysis.memory_model import ReferencePlan, plan_reference
 
         assert self.loaded is not None
         assert self.device is not None
@@ -372,39 +372,53 @@ class Trainer:
             self._check_not_run(f"the reference would not fit: {plan.describe()}")
             return
         progress.event("check", "begin", check="reference", backends=plan.backends)
-        nsa = replace(cfg.nsa, **{f"{branch}_backend": name for branch, name in plan.backends.items()})
         low_precision = self.spec.dtype != "fp32"
 
-        def reference(autocast: bool) -> tuple[nn.Module, float]:
-            ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
-            ref.load_state_dict(model.state_dict())
-            handles = attach_progress(ref, progress)
-            progress.phase_override = "check"
+        def reference_of(backends: dict[str, str]) -> Callable[[bool], tuple[nn.Module, float]]:
+            nsa = replace(cfg.nsa, **{f"{branch}_backend": name for branch, name in backends.items()})
+
+            def reference(autocast: bool) -> tuple[nn.Module, float]:
+                ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
+                ref.load_state_dict(model.state_dict())
+                handles = attach_progress(ref, progress)
+                progress.phase_override = "check"
+                try:
+                    if autocast:
+                        ref_loss = self._loss(ref, tokens)
+                    else:
+                        import torch.nn.functional as F
+
+                        logits = ref(tokens[:, :-1]).float()
+                        ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                    ref_loss.backward()
+                finally:
+                    progress.phase_override = None
+                    for handle in handles:
+                        handle.remove()
+                return ref, float(ref_loss.detach())
+
+            return reference
+
+        tried: list[str] = []
+        candidate: ReferencePlan | None = plan
+        while candidate is not None:
             try:
-                if autocast:
-                    ref_loss = self._loss(ref, tokens)
-                else:
-                    import torch.nn.functional as F
-
-                    logits = ref(tokens[:, :-1]).float()
-                    ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-                ref_loss.backward()
-            finally:
-                progress.phase_override = None
-                for handle in handles:
-                    handle.remove()
-            return ref, float(ref_loss.detach())
-
-        try:
-            parity, bounds = self._parity(reference, model, loss_value, low_precision)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            self._release_memory()
-            self._check_not_run(
-                f"the reference ran out of memory ({plan.describe()}): {_first_line(str(exc))}"
-            )
+                parity, bounds = self._parity(
+                    reference_of(candidate.backends), model, loss_value, low_precision
+                )
+                plan = candidate
+                break
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._release_memory()
+                tried.append(f"{candidate.describe()}: {_first_line(str(exc))}")
+                candidate = candidate.fallback if candidate.fallback and candidate.fallback.fits else None
+        else:
+            self._check_not_run("the reference ran out of memory (" + "; then ".join(tried) + ")")
             return
+        if tried:
+            parity["reference_out_of_memory"] = tried
         loss_bound, grad_bound = bounds
         parity["reference_backends"] = plan.backends
         if plan.lean:
