@@ -2,7 +2,8 @@
 #
 #   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
 #                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
-#   make test    the test suite, then the Triton kernels once more on the CPU (TRITON_INTERPRET=1)
+#   make test    the test suite but the tests marked slow, then the Triton kernels once more on the CPU
+#                (TRITON_INTERPRET=1); make test-slow runs the slow ones (CI runs both)
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
 #   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
@@ -40,7 +41,7 @@ MATRIX_TARGETS := $(patsubst $(MATRICES)/%.yaml,matrix-%,$(wildcard $(MATRICES)/
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench gpu-smoke wheel-check
+.PHONY: install demo test test-slow lint bench gpu-smoke wheel-check
 
 install: $(STAMP)
 
@@ -55,8 +56,14 @@ demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) tests/core/triton $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m "not slow" tests/core/triton $(PYTEST_ARGS)
+
+# The tests marked slow (long end-to-end runs: the cpu-smoke matrix, gc-bisect, minimize, a Hugging Face
+# model, the installed wheel...). CI runs them after `make test`: every test runs in CI.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m slow $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m slow tests/core/triton $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

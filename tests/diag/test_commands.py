@@ -253,6 +253,7 @@ def test_cuda_cases_run_triton_where_no_backend_is_named(monkeypatch: pytest.Mon
     assert "sel-triton" not in cpu_names
 
 
+@pytest.mark.slow
 def test_triton_backends_run_in_the_interpreter_on_the_cpu(tmp_path: Path) -> None:
     """`--sel/--cmp/--win triton` end to end in Triton's CPU interpreter, checked against the reference."""
     pytest.importorskip("triton")
@@ -583,6 +584,7 @@ def test_run_passes_end_to_end(tmp_path: Path) -> None:
     assert "[1/1] case: pass" in done.stderr  # the progress lines (stderr is not a terminal here)
 
 
+@pytest.mark.slow
 def test_branch_runs_four_passing_cases_and_replay_reproduces_one(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     done = run_nsa_diag("branch", "--device", "cpu", "--out", str(out), "--tag", "demo")

@@ -37,6 +37,7 @@ def test_smallest_range(layers: int, culprit: set[int], expected: tuple[int, int
         assert len(tried) <= 2 * (layers - 1).bit_length()  # O(log L)
 
 
+@pytest.mark.slow
 def test_gc_bisect_names_the_layer_and_resumes(tmp_path: Path) -> None:
     args = ("gc-bisect", "--layers", "4", "--gc", "all", "--inject", "deadlock:layer=2,phase=recompute")
     code, summary, err = nsa_diag(*args, "--stall", "2", "--out", str(tmp_path))
@@ -65,6 +66,7 @@ def test_gc_bisect_says_when_it_fails_without_checkpointing(tmp_path: Path) -> N
     assert [t["gc"] for t in summary["bisect"]["trials"]] == ["all", "none"]
 
 
+@pytest.mark.slow
 def test_gc_bisect_grads_names_wrong_recompute_layers(tmp_path: Path) -> None:
     args = ("gc-bisect", "--grads", "--layers", "3", "--model", "diag_planted:wrong_recompute_lm")
     code, summary, _ = nsa_diag(*args, "--out", str(tmp_path))

@@ -595,6 +595,7 @@ def _intervals(run_dir: Path) -> list[tuple[float, float]]:
     return spans
 
 
+@pytest.mark.slow
 def test_cpu_smoke_passes_two_at_a_time_with_junit(tmp_path: Path) -> None:
     out, junit = tmp_path / "runs", tmp_path / "reports" / "smoke.xml"
     code, stdout, stderr = finish(
@@ -643,6 +644,7 @@ def test_cpu_smoke_passes_two_at_a_time_with_junit(tmp_path: Path) -> None:
     assert "all ok" in stdout
 
 
+@pytest.mark.slow
 def test_an_interrupted_matrix_resumes_without_rerunning_finished_cases(tmp_path: Path) -> None:
     path = write(
         tmp_path,

@@ -262,6 +262,7 @@ def test_triage_case_cuda_path_with_reruns(tmp_path: Path) -> None:
 # --- real runs --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_minimize_an_injected_crash_prints_a_smaller_command_that_still_fails(tmp_path: Path) -> None:
     proc = nsa_diag(
         "run", "--layers", "3", "--seq-len", "16", "--batch", "2", "--inject", "exit:layer=1",

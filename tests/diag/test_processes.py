@@ -93,7 +93,10 @@ def kill_all(pids: list[int]) -> None:
 # --- a signal that arrives while nsa-diag starts is never lost (issue 15, defect 12) ---------------------
 
 
-@pytest.mark.parametrize("delay", [0.2, 0.4, 0.6, 0.8, 1.0, 1.4, 2.0])
+@pytest.mark.parametrize(
+    "delay",
+    [0.2, 0.6, 1.4] + [pytest.param(d, marks=pytest.mark.slow) for d in (0.4, 0.8, 1.0, 2.0)],
+)
 def test_sigint_early_in_the_start_always_interrupts(tmp_path: Path, delay: float) -> None:
     """A Ctrl-C while Typer, pydantic or torch load (``import torch`` swallows a KeyboardInterrupt raised
     while it initialises NumPy) ends nsa-diag with 130, no case run to its end."""
@@ -133,6 +136,7 @@ def test_an_interrupt_swallowed_while_loading_still_stops_nsa_diag(tmp_path: Pat
 # --- SIGHUP: a closed terminal is an interrupt (issue 15, defect 3) -------------------------------------
 
 
+@pytest.mark.slow
 def test_sighup_under_ddp_stops_torchrun_and_its_ranks_and_writes_the_result(tmp_path: Path) -> None:
     cli = nsa_diag(*DDP_DEADLOCK, "--out", tmp_path)
     try:

@@ -240,6 +240,7 @@ def build(spec):
 '''
 
 
+@pytest.mark.slow
 def test_repeat_reports_a_transient_hang(tmp_path: Path) -> None:
     (tmp_path / "flaky_model.py").write_text(textwrap.dedent(FLAKY_MODEL))
     junit = tmp_path / "ci" / "junit.xml"

@@ -140,6 +140,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_scale_sweep_end_to_end(tmp_path: Path) -> None:
     proc = run_nsa_diag(
         "scale", "--seq-lens", "64,128,256", "--sel", "masked", "--branch", "sel",

@@ -94,6 +94,7 @@ def test_recompute_fault_fires_in_a_checkpointed_user_layer(tmp_path: Path) -> N
     assert "(recompute) of layers.0" in case["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags,verdict,said",
     [
@@ -123,6 +124,7 @@ def transformers_on_path() -> None:
     pytest.importorskip("transformers")  # the children run this interpreter, with its packages
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("transformers_on_path")
 @pytest.mark.parametrize(
     "command", [["run", "--gc", "all", "--steps", "2"], ["selftest"], ["ddp", "--backend", "gloo"]], ids=str

@@ -48,6 +48,7 @@ def test_parse_properties() -> None:
         parse_properties("gc,nope")
 
 
+@pytest.mark.slow
 def test_verify_passes_on_tiny(tmp_path: Path) -> None:
     code, summary, err = nsa_diag("verify", "--out", str(tmp_path))
     assert code == 0, err

@@ -337,6 +337,7 @@ def test_auto_calls_a_deadlock_after_step_1_a_hang_within_the_computed_limit(tmp
     assert on_disk["stall_limit_reason"] == result.stall_limit_reason
 
 
+@pytest.mark.slow
 def test_auto_lets_a_slow_step_run_and_calls_it_slow(tmp_path: Path) -> None:
     # Every step sleeps 4 s in layer 0's backward: the first step measures it, so the limit rises above
     # the floor and the 4 s gaps of later steps are progress, not a hang.
