@@ -332,7 +332,7 @@ def test_auto_calls_a_deadlock_after_step_1_a_hang_within_the_computed_limit(tmp
     assert result.stall_limit_s == pytest.approx(max(AUTO_FLOOR_S, AUTO_FACTOR * first), abs=0.02)
     idle = _IDLE.search(result.reason)
     assert idle, result.reason
-    assert result.stall_limit_s <= float(idle.group(1)) < result.stall_limit_s + 3.0
+    assert result.stall_limit_s - 0.05 <= float(idle.group(1)) < result.stall_limit_s + 3.0  # reason: 0.1 s
     on_disk = artifacts.read_json(tmp_path / "c" / artifacts.RESULT)
     assert on_disk["stall_limit_reason"] == result.stall_limit_reason
 
