@@ -28,8 +28,9 @@ TORCH_SPEC ?= torch==2.13.0
 LINT_PATHS ?= $(wildcard src tests benchmarks)
 PYTEST_ARGS ?=
 # pytest-xdist processes. Most tests wait on subprocesses (a worker importing torch, a watchdog's stall
-# limit, torchrun), so 3 keep a 2-core machine busy; tests sharing an expensive fixture are grouped
-# (xdist_group, --dist loadgroup). PYTEST_JOBS=0 runs in one process.
+# limit, torchrun), so 3 keep a 2-core machine busy; a file's tests run in one process (--dist loadfile),
+# so a module or session fixture (the case workers, the report's run folders) is made once.
+# PYTEST_JOBS=0 runs in one process.
 PYTEST_JOBS ?= 3
 MATRIX_ARGS ?=
 # The nsa-diag the matrix-<name> targets run. Where Python already has torch and the toolkit's
@@ -56,13 +57,13 @@ demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m "not slow" tests/core/triton $(PYTEST_ARGS)
 
 # The tests marked slow (long end-to-end runs: the cpu-smoke matrix, gc-bisect, minimize, a Hugging Face
 # model, the installed wheel...). CI runs them after `make test`: every test runs in CI.
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m slow $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m slow tests/core/triton $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -28,9 +28,6 @@ from nsa_diag.errors import UsageError
 from nsa_diag.report import build_report
 from nsa_diag.runfolder import CaseRecord, RunFolder, load_run, verdict_grids
 
-# pytest-xdist: these tests share one xdist process, so the session fixture makes the run folders once.
-pytestmark = pytest.mark.xdist_group("report-runs")
-
 TINY = ["--layers", "2", "--batch", "1", "--device", "cpu"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

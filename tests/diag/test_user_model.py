@@ -84,6 +84,7 @@ def test_options_a_model_cannot_take_are_refused(args: list[str], message: str, 
     assert not list(tmp_path.iterdir()), "refused before any run folder"
 
 
+@pytest.mark.slow
 def test_recompute_fault_fires_in_a_checkpointed_user_layer(tmp_path: Path) -> None:
     code, summary, stderr = run_cli_json(
         "run", "--model", "diag_user_model:build", "--gc", "0:1", "--inject", "nan:layer=0,phase=recompute",

@@ -316,6 +316,7 @@ def _first_step_from_progress(case_dir: Path) -> float:
     return step_end - setup_end
 
 
+@pytest.mark.slow
 def test_auto_calls_a_deadlock_after_step_1_a_hang_within_the_computed_limit(tmp_path: Path) -> None:
     case = CaseSpec(
         name="auto-deadlock", seq_len=64, steps=2, device="cpu", timeout=120.0,

@@ -24,9 +24,6 @@ from nsa_diag import artifacts
 from nsa_diag.spec import CaseSpec, Injection
 from nsa_diag.worker.beacon import BeaconState, read_beacon
 
-# pytest-xdist: these tests share one xdist process, so the module fixture starts the case workers once.
-pytestmark = pytest.mark.xdist_group("worker-cases")
-
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
