@@ -7,6 +7,7 @@ inside their functions, so `nsa-diag --help` never loads it.
 
 from __future__ import annotations
 
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from nsa_diag.commands.scale import scale
 from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
 from nsa_diag.commands.verify import verify
-from nsa_diag.errors import EXIT_INTERNAL, describe_error
+from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
 HELP = """\
@@ -123,6 +124,11 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
     try:
         result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
     except Exception as exc:
+        signum = interrupts.received()
+        if signum is not None:  # an interrupt broke something mid-way (e.g. an import it cut short)
+            name = signal.Signals(signum).name
+            print(f"nsa-diag: interrupted by {name} ({type(exc).__name__}: {exc})", file=sys.stderr)
+            return EXIT_ABORTED
         return report_error(exc, debug=_wants_debug(args))
     return result if isinstance(result, int) else 0
 

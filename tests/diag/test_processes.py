@@ -344,3 +344,28 @@ def test_without_a_parent_death_signal_the_parent_watch_ends_an_orphan() -> None
         assert _gone_within([child], 5) == []
     finally:
         kill_all([proc.pid, child])
+
+
+def test_an_error_an_interrupt_caused_is_the_interrupt_not_an_internal_error() -> None:
+    """A Ctrl-C that cuts an import short leaves a half-loaded extension ("cannot load module more than
+    once per process" at the next import): nsa-diag says it was interrupted, exit 130, not exit 3."""
+    script = textwrap.dedent(
+        """
+        import signal
+        from nsa_diag import app, interrupts
+        interrupts.note(signal.SIGINT)
+
+        def boom() -> None:
+            raise ImportError("cannot load module more than once per process")
+
+        app.app.command("boom")(boom)
+        raise SystemExit(app.run_cli(["boom"]))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=cli_env(), timeout=60, check=False
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip() == (
+        "nsa-diag: interrupted by SIGINT (ImportError: cannot load module more than once per process)"
+    )
