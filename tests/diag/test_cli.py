@@ -309,6 +309,7 @@ def test_the_worker_does_not_import_from_the_working_directory(command: list[str
     assert not (tmp_path / "pydantic.ran").exists()
 
 
+@pytest.mark.slow
 def test_a_model_module_runs_only_once_the_command_is_accepted(tmp_path: Path) -> None:
     (tmp_path / "user_model.py").write_text(MARKING_MODULE.format(rest="from diag_user_model import build"))
     ran = tmp_path / "user_model.ran"

@@ -615,6 +615,7 @@ def test_branch_runs_four_passing_cases_and_replay_reproduces_one(tmp_path: Path
     assert replayed.spec_hash() == original.spec_hash()
 
 
+@pytest.mark.slow
 def test_replay_of_a_model_case_runs_from_any_directory(tmp_path: Path) -> None:
     # The user's project: a --model module in the working directory, paths with spaces; replay.sh is run
     # from elsewhere with neither that directory nor src on PYTHONPATH, and no GPU pinning of its own.
