@@ -667,6 +667,7 @@ def test_run_reports_a_deadlock_as_a_hang_with_where(tmp_path: Path) -> None:
     assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock")
 
 
+@pytest.mark.slow
 def test_selftest_subset_is_all_correct(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     done = run_nsa_diag(

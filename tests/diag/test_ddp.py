@@ -85,6 +85,7 @@ def test_unused_param_is_grad_missing_naming_parameter_and_ranks(tmp_path: Path)
     assert not _left_behind(tmp_path / "unused")
 
 
+@pytest.mark.slow
 def test_unused_param_on_one_rank_names_that_rank(tmp_path: Path) -> None:
     result = run_case(_spec("unused1", "unused-param:layer=1,rank=1", stall=5.0), tmp_path / "unused1")
     assert result.ddp is not None
@@ -111,6 +112,7 @@ def test_skip_collective_is_a_collective_hang_with_rank_1_the_minority(tmp_path:
     assert not _left_behind(case_dir)
 
 
+@pytest.mark.slow
 def test_reentrant_checkpointing_with_find_unused_is_explained(tmp_path: Path) -> None:
     spec = _spec("reentrant", find_unused=True).with_overrides(gc="all", gc_reentrant=True)
     result = run_case(spec, tmp_path / "reentrant")

@@ -159,6 +159,7 @@ def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(tmp_
     assert_no_process_left(case_dir)
 
 
+@pytest.mark.slow
 def test_slow_is_told_from_a_hang_with_rate_and_eta(tmp_path: Path) -> None:
     case_dir = tmp_path / "slow"
     # the timeout covers start-up too (a CUDA build of torch imports slowly): leave room for some steps

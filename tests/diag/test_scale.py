@@ -163,6 +163,7 @@ def test_scale_sweep_end_to_end(tmp_path: Path) -> None:
         assert (run_dir / name).is_file(), name
 
 
+@pytest.mark.slow
 def test_a_failing_point_ends_its_series(tmp_path: Path) -> None:
     proc = run_nsa_diag(
         "scale", "--seq-lens", "64,128", "--layers", "2", "--inject", "oom:layer=1",

@@ -155,6 +155,7 @@ def _check_hang(case: Case, kind: str, where: dict[str, Any], *, heartbeat: bool
     _kill(case.proc)
 
 
+@pytest.mark.slow
 def test_busy_loop_keeps_the_heartbeat_and_the_beacon_at_layer_1_forward(cases: dict[str, Case]) -> None:
     where = dict(phase="forward", step=1, layer=1, event="begin", module="blocks.1")
     _check_hang(cases["busy"], "busy", where, heartbeat=True, frame="_busy_python_loop")
