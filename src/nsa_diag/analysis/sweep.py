@@ -83,10 +83,10 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         return record
     peak, kind = _peak_bytes(result)
     fwd, bwd = _phase(result, "forward"), _phase(result, "backward")
-    issue = [_phase(result, phase, "phase_issue_s") for phase in ("forward", "backward")]
-    host_bound = None
-    if fwd is not None and bwd is not None and None not in issue and fwd + bwd > 0:
-        host_bound = sum(v for v in issue if v is not None) >= HOST_BOUND_FRACTION * (fwd + bwd)
+    step = fwd + bwd if fwd is not None and bwd is not None else None
+    issued = [_phase(result, phase, "phase_issue_s") for phase in ("forward", "backward")]
+    issue = sum(v for v in issued if v is not None) if None not in issued else None
+    host_bound = issue >= HOST_BOUND_FRACTION * step if issue is not None and step else None
     record.update(
         verdict=result.verdict,
         reason=result.reason,
@@ -95,9 +95,9 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         peak_memory_kind=kind,
         forward_s=fwd,
         backward_s=bwd,
-        step_s=(fwd + bwd) if fwd is not None and bwd is not None else None,
+        step_s=step,
         timed_steps=len(_timed((result.metrics.get("phase_s") or {}).get("forward"))),
-        issue_s=(issue[0] + issue[1]) if None not in issue else None,  # type: ignore[operator]
+        issue_s=issue,
         host_bound=host_bound,
         tokens_per_s=result.metrics.get("tokens_per_s"),
     )

@@ -359,8 +359,8 @@ class Trainer:
 
         assert self.loaded is not None
         assert self.device is not None
-        if self.loaded.cfg is None:
-            self.notes.append("reference_check: needs the built-in NSA model (not --model)")
+        if self.loaded.cfg is None:  # refused before the case runs (`check_model_facts`); a safeguard
+            self._check_not_run("the check rebuilds the built-in NSA model, not a --model")
             return
         progress, model = self.progress, self.loaded.model
         cfg = self.loaded.cfg
