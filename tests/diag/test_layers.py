@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # shipped matrices
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
-     "nsa_diag.interrupts"),
+     "nsa_diag.interrupts", "nsa_diag.probe"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)

@@ -9,7 +9,8 @@ The contract for a user's model (also in ``nsa-diag run --help`` and the README)
   or as an object's ``.logits`` (Hugging Face ``CausalLMOutput``);
 - the vocabulary V is ``model.vocab_size``, ``model.config.vocab_size`` or the output embedding's size
   (``get_output_embeddings()``), in that order;
-- the layers are the ``nn.ModuleList`` at ``--layers-attr NAME`` or at one of `probes.LAYER_LAYOUTS`.
+- the layers are the ``nn.ModuleList`` at ``--layers-attr NAME`` or at one of
+  `nsa_diag.probe.hooks.LAYER_LAYOUTS`.
 
 A model that breaks it fails with `ContractError` naming what is wrong, before any training step.
 `checkpoint_layers` is nsa-diag's own ``--gc`` for a model that is not a TinyLM (which checkpoints itself).
