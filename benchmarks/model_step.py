@@ -11,6 +11,11 @@ Each length runs ``--tokens`` tokens a step (batch = tokens / S, at least 1), 3 
 median of ``--steps`` timed steps (CUDA events); peak is ``max_memory_allocated`` over the timed steps.
 
     python benchmarks/model_step.py --seq-lens 2048 16384
+    python benchmarks/model_step.py --graphs  # the model's forward and backward in CUDA graphs, both models
+
+``--graphs`` captures each model's forward and backward in CUDA graphs (`torch.cuda.make_graphed_callables`
+on the model, token ids as its input); the loss and AdamW stay eager. Both models are measured the same
+way, so the ratio compares like with like; at short lengths both are bound by the host without graphs.
 """
 
 from __future__ import annotations
@@ -68,15 +73,17 @@ def build(kind: str, dtype: torch.dtype) -> nn.Module:
     return model.to(device="cuda", dtype=dtype)
 
 
-def measure(kind: str, S: int, B: int, steps: int, dtype: torch.dtype) -> dict:
+def measure(kind: str, S: int, B: int, steps: int, dtype: torch.dtype, graphs: bool = False) -> dict:
     torch.manual_seed(0)
     model = build(kind, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     vocab = model.cfg.vocab
     tokens = torch.randint(0, vocab, (B, S + 1), device="cuda")
+    inputs = tokens[:, :-1].contiguous()
+    forward = torch.cuda.make_graphed_callables(model, (inputs,)) if graphs else model
 
     def step() -> None:
-        logits = model(tokens[:, :-1])
+        logits = forward(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         opt.step()
@@ -120,6 +127,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch = tokens / S)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    parser.add_argument("--graphs", action="store_true", help="forward and backward in CUDA graphs")
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -132,6 +140,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.date.today().isoformat(),
+        "graphs": args.graphs,
     }
     print(", ".join(f"{k} {v}" for k, v in header.items()))
     print(f"{'S':>6} {'B':>3}  {'model':<5} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9}  NSA vs dense")
@@ -140,7 +149,7 @@ def main() -> None:
         B = max(1, args.tokens // S)
         pair = {}
         for kind in ("dense", "nsa"):
-            pair[kind] = measure(kind, S, B, args.steps, dtype)
+            pair[kind] = measure(kind, S, B, args.steps, dtype, args.graphs)
             torch.cuda.empty_cache()  # the model and optimizer of `measure` are gone
         for kind, r in pair.items():
             if "error" in r:

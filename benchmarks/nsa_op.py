@@ -16,6 +16,13 @@ sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
     python benchmarks/nsa_op.py --seq-lens 8192 65536 --breakdown  # plus each branch's own time
     python benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 2048 16384  # m7c-125m, G=6
     python benchmarks/nsa_op.py --inputs smooth --composed  # locality; and the branch functions composed
+    python benchmarks/nsa_op.py --graphs --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 2048 16384
+
+``--graphs`` also times forward+backward captured in CUDA graphs (`torch.cuda.make_graphed_callables`, one
+graph for the forward and one for the backward), ours and cuDNN's, and checks that the graphed op's
+output and gradients equal the eager ones bit for bit. At short lengths the eager op is bound by the host
+(Python and autograd issue about 120 kernels per forward+backward, the phi compressor and the glue
+included); a captured graph replays them without the host.
 
 The op is `triton_nsa_attention` (one autograd function); ``--composed`` also times the three branch
 functions and `triton_gated_sum` composed by autograd, in the same run.
@@ -32,6 +39,7 @@ blocks), and the distinct blocks a tile of 64 queries reads, per KV group.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import math
@@ -212,6 +220,52 @@ def measure(fn: Callable[..., torch.Tensor], xs: list[torch.Tensor], params: lis
     return result
 
 
+class _QKV(torch.nn.Module):
+    """An SDPA backend as a module of ``q, k, v`` (make_graphed_callables takes modules or callables whose
+    every tensor argument is used)."""
+
+    def __init__(self, backend: SDPBackend) -> None:
+        super().__init__()
+        self.attend = sdpa(backend)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.attend(q, k, v, None)
+
+
+def _grads(module: torch.nn.Module, xs: list[torch.Tensor], do: torch.Tensor) -> list[torch.Tensor]:
+    """Output and the gradients of the inputs and the module's parameters after one forward+backward."""
+    params = list(module.parameters())
+    for x in [*xs, *params]:
+        x.grad = None
+    out = module(*xs)
+    out.backward(do)
+    return [out.detach().clone(), *(x.grad.clone() for x in [*xs, *params])]
+
+
+def measure_graphed(module: torch.nn.Module, xs: list[torch.Tensor]) -> dict:
+    """Forward+backward of a copy of ``module`` captured in CUDA graphs: median ms, and whether its output and
+    gradients equal the eager module's bit for bit (same inputs, same ``do``)."""
+    do = torch.randn_like(module(*xs))
+    graphed_module = copy.deepcopy(module)
+    try:
+        graphed = torch.cuda.make_graphed_callables(graphed_module, tuple(xs))
+        eager, replayed = _grads(module, xs, do), _grads(graphed, xs, do)
+        params = list(graphed_module.parameters())
+
+        def fwd_bwd() -> None:
+            graphed(*xs).backward(do)
+
+        ms = do_bench(fwd_bwd, grad_to_none=[*xs, *params], warmup=25, rep=100, return_mode="median")
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "OOM"}
+    finally:
+        for x in xs:
+            x.grad = None
+        torch.cuda.empty_cache()
+    same = all(torch.equal(a, b) for a, b in zip(eager, replayed, strict=True))
+    return {"fwd_bwd_ms": ms, "bitwise_equal": same}
+
+
 def branch_breakdown(op: NSAOp, xs: list[torch.Tensor]) -> dict:
     """Each branch alone (forward / forward+backward ms): where the op's time goes."""
     q, k, v, _ = xs
@@ -271,6 +325,7 @@ def main() -> None:
     add_geometry_arguments(parser)
     parser.add_argument("--breakdown", action="store_true", help="also time each branch alone")
     parser.add_argument("--composed", action="store_true", help="also time the branch functions composed")
+    parser.add_argument("--graphs", action="store_true", help="also time ours and cuDNN in CUDA graphs")
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -299,6 +354,10 @@ def main() -> None:
             row["sdpa_cudnn"] = measure(sdpa(SDPBackend.CUDNN_ATTENTION), xs, [])
         if args.breakdown:
             row["branches"] = branch_breakdown(op, xs)
+        if args.graphs:
+            row["nsa_graphed"] = measure_graphed(op, xs)
+            if seq_len <= args.baseline_max:
+                row["sdpa_cudnn_graphed"] = measure_graphed(_QKV(SDPBackend.CUDNN_ATTENTION), xs[:3])
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
         del xs
@@ -348,6 +407,19 @@ def main() -> None:
                 f"| {row['T'] // 1024}k | "
                 + " | ".join(fmt(b[n]) for n in ("cmp", "cmp+select", "sel", "win"))
                 + " |"
+            )
+    if args.graphs:
+        print("\nforward+backward ms, eager and in CUDA graphs (graphed = eager bit for bit: yes/no)\n")
+        print("| T | cuDNN eager | cuDNN graphed | NSA eager | NSA graphed | NSA graphed = eager |")
+        print("|---|---|---|---|---|---|")
+        for row in rows:
+            cells = [row.get("sdpa_cudnn"), row.get("sdpa_cudnn_graphed"), row["nsa"], row["nsa_graphed"]]
+            ms = ["-" if c is None else c.get("error") or f"{c['fwd_bwd_ms']:.2f}" for c in cells]
+            same = row["nsa_graphed"].get("bitwise_equal")
+            print(
+                f"| {row['T'] // 1024}k | "
+                + " | ".join(ms)
+                + f" | {'-' if same is None else 'yes' if same else 'no'} |"
             )
     if args.json:
         with open(args.json, "w") as f:
