@@ -17,6 +17,7 @@ import typer
 
 from nsa_diag import __version__, interrupts
 from nsa_diag._cli_utils import DebugOpt
+from nsa_diag.commands.attach import attach
 from nsa_diag.commands.backend import backend
 from nsa_diag.commands.branch import branch
 from nsa_diag.commands.compare import compare
@@ -95,6 +96,7 @@ app.command("matrix")(matrix)
 app.command("report")(report)
 app.command("compare")(compare)
 app.command("env")(env)
+app.command("attach")(attach)
 app.command("schema")(schema)
 
 
