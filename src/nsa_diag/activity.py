@@ -225,7 +225,6 @@ def judge_tree(tree: TreeObservation) -> TreeActivity:
         return TreeActivity("progressing", None, f"progressing: {text}{also}", movers[0].pid, acts)
     python = [a for a in live if a.python]
     focus = _focus(with_beacon or python or live)
-    since = f", no progress event for {focus.stalled_for_s:.1f} s" if focus.stalled_for_s is not None else ""
     at = f" at {focus.location}" if focus.location else ""
-    reason = f"not progressing while watched: {focus.label()}{at}{since}: {focus.why}"
+    reason = f"not progressing while watched: {focus.label()}{at}: {focus.why}"
     return TreeActivity("stalled", focus.kind, reason, focus.pid, acts)

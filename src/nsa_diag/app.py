@@ -53,7 +53,8 @@ Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
 the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure, `ddp` runs the
 case on several ranks through torchrun. `matrix NAME` runs a shipped matrix of cases (`matrix --list`;
 or a file of yours), `report DIR` writes a run folder up as `report.md` with plots, `compare A B` diffs
-two run folders.
+two run folders. `attach PID` says what a job of yours that is already running is doing, without
+stopping it.
 """
 
 app = typer.Typer(

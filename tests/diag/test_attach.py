@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import run_cli
+from diag_cli import cli_env, run_cli
 
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
@@ -223,7 +224,6 @@ def test_probe_files_read_through_the_contract(tmp_path: Path) -> None:
 def test_signal_plan_of_this_process_follows_the_kernel() -> None:
     """pytest's own process: Python, no SIGUSR1 handler unless one is registered; the plan follows."""
     import faulthandler
-    import signal
 
     assert process_info(os.getpid(), send_signal=True).signalled is False  # type: ignore[union-attr]
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -279,6 +279,54 @@ def test_another_users_process_is_refused() -> None:
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_help_has_examples_and_does_not_import_torch() -> None:
+    code = (
+        "import sys; from nsa_diag.app import run_cli; "
+        "code = run_cli(['attach', '--help']); print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "COLUMNS": "200", "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+    )  # fmt: skip
+    assert "Examples" in done.stdout
+    assert "nsa-diag attach 12345" in done.stdout
+    assert "--no-signal" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "0 False"
+
+
+@pytest.mark.slow
+def test_ctrl_c_of_attach_is_exit_130_with_a_result_and_the_job_untouched(
+    start_job: Any, tmp_path: Path
+) -> None:
+    job = start_job("attach_sleep")
+    err_path = tmp_path / "attach.err"
+    with open(err_path, "w") as err:
+        attach_proc = subprocess.Popen(
+            [sys.executable, "-m", "nsa_diag", "attach", str(job.pid), "--out", str(tmp_path / "runs"),
+             "--samples", "20"],
+            stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
+            env=cli_env(),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "watching PID" not in err_path.read_text():
+            assert attach_proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        attach_proc.send_signal(signal.SIGINT)
+        assert attach_proc.wait(timeout=30) == 130, err_path.read_text()
+    finally:
+        if attach_proc.poll() is None:
+            attach_proc.kill()
+            attach_proc.wait()
+    result = json.loads(next((tmp_path / "runs").iterdir()).joinpath("result.json").read_text())
+    assert result["state"] == "interrupted"
+    assert "interrupted by SIGINT" in err_path.read_text()
+    code, stdout, stderr = job.finish()
+    assert (code, stdout, stderr) == (0, "ready\nchild done\nchild exited with 0\n", "")
 
 
 def test_job_spinning_in_a_cuda_kernel_is_cuda_kernel(start_job: Any, tmp_path: Path) -> None:

@@ -182,40 +182,48 @@ def render_attach(record: dict[str, Any], run_dir: Path, console: Console | None
     console.print(f"evidence: {escape(str(run_dir))}")
 
 
+def _interrupted(req: AttachRequest, run_dir: Path, exc: KeyboardInterrupt) -> int:
+    """result.json of an attach that nsa-diag's own interrupt cut short (nothing of the job was touched
+    but the SIGUSR1 dumps already asked for)."""
+    name = getattr(exc, "signal_name", "SIGINT")
+    artifacts.write_json(
+        run_dir / artifacts.RESULT,
+        {
+            "command": "attach", "pid": req.pid, "state": "interrupted", "hang_kind": None,
+            "reason": f"interrupted by {name} while the evidence was taken; PID {req.pid} was left running",
+        },
+    )  # fmt: skip
+    render.stderr_console().print(f"nsa-diag: interrupted by {name}; PID {req.pid} was left as it was")
+    return EXIT_ABORTED
+
+
 def run_attach(req: AttachRequest, *, json_output: bool = False) -> int:
-    """Check, observe, judge and write; the exit code (0 progressing, 1 stalled or gone, 130 interrupted)."""
+    """Check, observe, judge and write; the exit code (0 progressing, 1 stalled or gone, 130 interrupted).
+    Everything is checked before the run folder exists; once it does, result.json is always written."""
     from nsa_diag.evidence.env import collect_env
 
     req.check()
     interrupts.check()
     run_dir = artifacts.new_run_dir("attach", req.out, req.tag)
     lock = artifacts.lock_run_dir(run_dir)
-    err = render.stderr_console()
     try:
         try:
             artifacts.write_json(run_dir / artifacts.ENV, collect_env())
         except OSError as exc:
             artifacts.remove_run_dir(run_dir)
             raise UsageError(f"{run_dir}: cannot write the run's files: {exc.strerror or exc}") from None
-        err.print(f"nsa-diag attach: watching PID {req.pid} for {req.interval_s * (req.samples - 1):g} s")
-        try:
-            tree = observe_tree(
-                req.pid, run_dir, samples=req.samples, interval_s=req.interval_s,
-                children=req.children, send_signal=req.send_signal,
-            )  # fmt: skip
-        except KeyboardInterrupt as exc:
-            name = getattr(exc, "signal_name", "SIGINT")
-            artifacts.write_json(
-                run_dir / artifacts.RESULT,
-                {"command": "attach", "pid": req.pid, "state": "interrupted", "hang_kind": None,
-                 "reason": f"interrupted by {name} while the evidence was taken; nothing was stopped"},
-            )  # fmt: skip
-            err.print(f"nsa-diag: interrupted by {name}; PID {req.pid} was left as it was")
-            return EXIT_ABORTED
+        watched = req.interval_s * (req.samples - 1)
+        render.stderr_console().print(f"nsa-diag attach: watching PID {req.pid} for {watched:g} s")
+        tree = observe_tree(
+            req.pid, run_dir, samples=req.samples, interval_s=req.interval_s,
+            children=req.children, send_signal=req.send_signal,
+        )  # fmt: skip
         act = judge_tree(tree)
         record = result_record(req, tree, act, run_dir)
         artifacts.write_json(run_dir / artifacts.RESULT, record)
         artifacts.write_text(run_dir / SUMMARY_MD, summary_markdown(record))
+    except KeyboardInterrupt as exc:
+        return _interrupted(req, run_dir, exc)
     finally:
         lock.release()
     if json_output:
