@@ -22,7 +22,7 @@ main thread's /proc state and wait channel, the beacon's heartbeat and GPU utili
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from nsa_diag.classify import DEADLOCK_CPU_MAX, Evidence, hang_kind
@@ -35,6 +35,10 @@ from nsa_diag.worker.beacon import BeaconState
 State = Literal["progressing", "stalled", "gone"]
 # Kinds that are waits: CPU spent in them (a spinning sync, a polling collective) is not progress.
 WAITING_KINDS = ("collective", "cuda-kernel", "python-deadlock")
+# Runnable (on a CPU or waiting for one) at least this much of the time: it wants to work, even where a
+# loaded machine gives it less than DEADLOCK_CPU_MAX of a core (seen: a busy loop at 12% CPU, load 16 on 2
+# cores). A blocked wait is runnable ~0% of the time.
+RUNNABLE_BUSY_MIN = 50.0
 # Which stalled process explains the tree, first match first: a rank in a collective, a GPU wait, a held
 # GIL, a lock, a busy loop, then anything else.
 KIND_ORDER: tuple[HangKind | None, ...] = (
@@ -54,6 +58,7 @@ class ProcessActivity:
     location: str | None  # "rank 1, step 5, backward, layers.7" from the beacon
     rank: int | None
     cpu_percent: float | None
+    runnable_percent: float | None  # of the main thread: on a CPU or waiting for one
     gpu_percent: float | None
     stalled_for_s: float | None  # since the beacon's last progress event
     python: bool
@@ -66,7 +71,8 @@ class ProcessActivity:
         return {
             "pid": self.pid, "state": self.state, "kind": self.kind, "why": self.why,
             "progress": self.progress, "location": self.location, "rank": self.rank,
-            "cpu_percent": self.cpu_percent, "gpu_percent": self.gpu_percent,
+            "cpu_percent": self.cpu_percent, "runnable_percent": self.runnable_percent,
+            "gpu_percent": self.gpu_percent,
             "stalled_for_s": self.stalled_for_s,
         }  # fmt: skip
 
@@ -127,6 +133,13 @@ def _kind(ob: ProcessObservation, cpu: float | None, heartbeat: bool | None) -> 
         source_lines=stacks.source_lines(threads),
     )
     kind, why = hang_kind(ev)
+    runnable = ob.runnable_percent()
+    if kind == "unknown" and cpu is not None and runnable is not None and runnable >= RUNNABLE_BUSY_MIN:
+        # A busy loop that a loaded machine gives little CPU: judged by how much it wanted to run.
+        starved, starved_why = hang_kind(replace(ev, cpu_percent=runnable))
+        if starved == "python-busy":
+            loaded = f"CPU {cpu:.0f}% (runnable {runnable:.0f}% of the time: the machine is loaded)"
+            kind, why = starved, starved_why.replace(f"CPU {runnable:.0f}%", loaded)
     if not samples:
         why += f"; {waits} (no stack: no SIGUSR1 handler and no py-spy dump)"
     return kind, why
@@ -164,10 +177,21 @@ def _progress_text(act: ProcessActivity) -> str:
             steps = f", step {p['step_from']} -> {p['step_to']} ({p.get('steps_per_s', 0):.3g} steps/s)"
         at = f", at {act.location}" if act.location else ""
         return f"{act.label()}: {p['events_per_s']:.3g} progress events/s{steps}{at}"
-    return (
-        f"{act.label()}: CPU {act.cpu_percent:.0f}% of a core (no beacon: useful work and a busy loop "
-        f"look alike; its stacks: {act.kind or 'none'}, {act.why})"
+    runnable = (
+        f", runnable {act.runnable_percent:.0f}% of the time" if act.runnable_percent is not None else ""
     )
+    return (
+        f"{act.label()}: CPU {act.cpu_percent or 0:.0f}% of a core{runnable} (no beacon: useful work and a "
+        f"busy loop look alike; its stacks: {act.kind or 'none'}, {act.why})"
+    )
+
+
+def _rank(ob: ProcessObservation) -> int | None:
+    """The process's rank: its probe's, else the RANK variable torchrun gives each worker."""
+    if ob.info.probe is not None and ob.info.probe.rank is not None:
+        return ob.info.probe.rank
+    value = ob.info.env_vars.get("RANK", "")
+    return int(value) if value.isdigit() else None
 
 
 def judge_process(ob: ProcessObservation, leaf: bool = True) -> ProcessActivity:
@@ -178,7 +202,8 @@ def judge_process(ob: ProcessObservation, leaf: bool = True) -> ProcessActivity:
     probe = ob.info.probe
     common = {
         "pid": ob.pid, "location": location(probe, beacons[-1] if beacons else None),
-        "rank": probe.rank if probe else None, "cpu_percent": cpu, "gpu_percent": _gpu_percent(ob),
+        "rank": _rank(ob), "cpu_percent": cpu, "runnable_percent": ob.runnable_percent(),
+        "gpu_percent": _gpu_percent(ob),
         "python": ob.info.python, "leaf": leaf,
     }  # fmt: skip
     if ob.gone:
@@ -192,9 +217,15 @@ def judge_process(ob: ProcessObservation, leaf: bool = True) -> ProcessActivity:
         if state == "stalled" and stalled_for is not None:
             why = f"no progress event for {stalled_for:.1f} s; {why}"
     else:
-        busy = cpu is not None and cpu >= DEADLOCK_CPU_MAX and kind not in WAITING_KINDS
+        runnable = ob.runnable_percent()
+        wants_cpu = (cpu or 0.0) >= DEADLOCK_CPU_MAX or (runnable or 0.0) >= RUNNABLE_BUSY_MIN
+        busy = wants_cpu and kind not in WAITING_KINDS
         state = "progressing" if busy and ob.info.python else "stalled"
-        progress = {"by": "cpu" if state == "progressing" else None, "cpu_percent": cpu}
+        progress = {
+            "by": "cpu" if state == "progressing" else None,
+            "cpu_percent": cpu,
+            "runnable_percent": runnable,
+        }
         stalled_for = None
     return ProcessActivity(
         state=state, kind=kind, why=why, progress=progress,
@@ -227,4 +258,7 @@ def judge_tree(tree: TreeObservation) -> TreeActivity:
     focus = _focus(with_beacon or python or live)
     at = f" at {focus.location}" if focus.location else ""
     reason = f"not progressing while watched: {focus.label()}{at}: {focus.why}"
+    elsewhere = [a for a in live if a.rank is not None and a is not focus and a.kind != focus.kind]
+    if elsewhere:  # the ranks that are not where the focus rank is: the minority, or the cause
+        reason += "; " + "; ".join(f"{a.label()}: {a.kind}, {a.why}" for a in elsewhere)
     return TreeActivity("stalled", focus.kind, reason, focus.pid, acts)

@@ -21,11 +21,19 @@ from typing import Any
 import pytest
 from diag_cli import cli_env, run_cli
 
+from nsa_diag.activity import judge_process, judge_tree
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import probefiles
-from nsa_diag.evidence.live import check_target, process_info
-from nsa_diag.worker.beacon import BeaconWriter
+from nsa_diag.evidence.live import (
+    ProcessInfo,
+    ProcessObservation,
+    Sample,
+    TreeObservation,
+    check_target,
+    process_info,
+)
+from nsa_diag.worker.beacon import BeaconState, BeaconWriter
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 READY_TIMEOUT_S = 30.0
@@ -120,7 +128,7 @@ def test_busy_job_is_progressing_and_finishes_unchanged(start_job: Any, tmp_path
     assert (record["state"], record["hang_kind"]) == ("progressing", None), record["reason"]
     me = by_pid(record, job.pid)
     assert me["progress"]["by"] == "cpu"
-    assert me["cpu_percent"] >= 20
+    assert me["cpu_percent"] >= 20 or me["runnable_percent"] >= 50, me
     assert me["kind"] == "python-busy", me["why"]
     code, stdout, _ = job.finish()
     assert (code, stdout) == (0, "ready\ndone\n")
@@ -139,7 +147,8 @@ def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path
         assert p["signals_sent"] == 0
         assert p["sigusr1"].startswith("not signalled: no SIGUSR1 handler")
         assert p["stack_samples"] == 0
-        assert "no stack" in p["why"]
+        if not record["pyspy_installed"]:
+            assert "no stack" in p["why"]
     assert "py-spy" in by_pid(record, job.pid)["pyspy"].get("advice", "") or record["pyspy_installed"]
     code, stdout, stderr = job.finish()
     assert (code, stdout, stderr) == (0, "ready\nchild done\nchild exited with 0\n", "")
@@ -235,6 +244,92 @@ def test_signal_plan_of_this_process_follows_the_kernel() -> None:
         assert process_info(os.getpid(), send_signal=False).signalled is False  # type: ignore[union-attr]
     finally:
         faulthandler.unregister(signal.SIGUSR1)
+
+
+# --- the judgement alone, on recorded evidence ---------------------------------------------------------
+
+
+def _observation(
+    pid: int, cpu_s: tuple[float, float], dumps: list[str], beacons: tuple[Any, Any] = (None, None),
+    rank: str | None = None,
+) -> ProcessObservation:  # fmt: skip
+    info = ProcessInfo(
+        pid=pid, ppid=1, cmdline=("python", "train.py"), python=True, started=0.0,
+        env_vars={"RANK": rank} if rank is not None else {}, env_vars_withheld=(), probe=None,
+        probe_note="", sigusr1_caught=True, signal_plan="", signalled=True,
+    )  # fmt: skip
+    samples = [
+        Sample(
+            at=float(n),
+            wall=1000.0 + n,
+            beacon=beacons[n],
+            proc={
+                "pid": pid,
+                "utime_s": cpu,
+                "stime_s": 0.0,
+                "threads": [{"tid": pid, "state": "R", "wchan": None}],
+            },
+        )
+        for n, cpu in enumerate(cpu_s)
+    ]
+    return ProcessObservation(info, samples=samples, dumps=dumps)
+
+
+def _dump(frames: list[tuple[str, int, str]]) -> str:
+    lines = [f'  File "{file}", line {line} in {func}' for file, line, func in frames]
+    return "Current thread 0x00007f0000000001 (most recent call first):\n" + "\n".join(lines) + "\n"
+
+
+SYNC = _dump(
+    [("/x/site-packages/torch/cuda/__init__.py", 1080, "synchronize"), ("/x/train.py", 30, "<module>")]
+)
+ALL_REDUCE = _dump(
+    [
+        ("/x/site-packages/torch/distributed/distributed_c10d.py", 3252, "all_reduce"),
+        ("/x/train.py", 9, "<module>"),
+    ]
+)
+SLEEP = _dump([("/usr/lib/python3.11/threading.py", 320, "wait"), ("/x/train.py", 12, "<module>")])
+
+
+def test_cpu_spent_waiting_for_the_gpu_is_not_progress() -> None:
+    """A process spinning at 100% CPU inside torch.cuda.synchronize() (CUDA's default spin-wait) is
+    stalled in cuda-kernel, not progressing: CPU spent in a wait is not work."""
+    act = judge_process(_observation(7, (10.0, 11.0), [SYNC, SYNC]))
+    assert (act.state, act.kind, act.cpu_percent) == ("stalled", "cuda-kernel", 100.0)
+    spin = _dump([("/x/train.py", 40, "<module>")])
+    busy = judge_process(_observation(8, (10.0, 11.0), [spin, spin]))
+    assert (busy.state, busy.progress["by"]) == ("progressing", "cpu")
+
+
+def test_beacon_decides_and_a_stopped_heartbeat_is_gil_held() -> None:
+    """With a beacon, CPU does not count: no new progress event is stalled (with the time since the last
+    one), and a heartbeat that did not tick either means a held GIL."""
+
+    def beacon(seq: int, heartbeat: int) -> BeaconState:
+        return BeaconState(seq, 900.0, 5, 7, "backward", None, "begin", 7, heartbeat, 990.0, "layers.7")
+
+    act = judge_process(_observation(7, (10.0, 11.0), [SLEEP, SLEEP], (beacon(40, 900), beacon(40, 900))))
+    assert (act.state, act.kind) == ("stalled", "gil-held")
+    assert act.stalled_for_s == 101.0
+    assert "no progress event for 101.0 s" in act.why
+    moving = judge_process(_observation(7, (10.0, 10.0), [], (beacon(40, 900), beacon(52, 910))))
+    assert (moving.state, moving.progress["events_per_s"]) == ("progressing", 12.0)
+    assert moving.location == "step 5, backward, layers.7"
+
+
+def test_tree_names_the_rank_in_a_collective_and_the_rank_elsewhere() -> None:
+    tree = TreeObservation(
+        root=1, started=0.0, duration_s=1.0, gpu_snapshot={}, gpu_usage={}, pyspy_installed=False, ptrace={},
+        processes=[
+            _observation(10, (1.0, 1.0), [ALL_REDUCE, ALL_REDUCE], rank="0"),
+            _observation(11, (1.0, 1.0), [SLEEP, SLEEP], rank="1"),
+        ],
+    )  # fmt: skip
+    act = judge_tree(tree)
+    assert (act.state, act.hang_kind, act.focus_pid) == ("stalled", "collective", 10)
+    assert "pid 10 (rank 0)" in act.reason
+    assert "pid 11 (rank 1): python-deadlock" in act.reason
 
 
 def test_bad_pids_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -303,6 +303,7 @@ class Sample:
     wall: float  # time.time()
     proc: dict[str, Any]
     beacon: BeaconState | None
+    sched: tuple[int, int] | None = None  # main thread's ns on a CPU and ns waiting for one (schedstat)
 
 
 @dataclass
@@ -332,6 +333,15 @@ class ProcessObservation:
         first, last = live[0], live[-1]
         cpu = [s.proc["utime_s"] + s.proc["stime_s"] for s in (first, last)]
         return procfs.cpu_percent(cpu[0], cpu[1], last.at - first.at)
+
+    def runnable_percent(self) -> float | None:
+        """How much of the time the main thread was on a CPU or waiting for one (100: it always wanted
+        to run). Unlike CPU%, a busy loop on a loaded machine still scores high, and a blocked wait 0."""
+        live = [s for s in self.samples if s.sched is not None and not s.proc.get("gone")]
+        if len(live) < 2 or live[-1].at <= live[0].at:
+            return None
+        (run0, wait0), (run1, wait1) = live[0].sched, live[-1].sched  # type: ignore[misc]
+        return round(100.0 * ((run1 - run0) + (wait1 - wait0)) / 1e9 / (live[-1].at - live[0].at), 1)
 
     def main_thread(self) -> dict[str, Any] | None:
         live = [s for s in self.samples if not s.proc.get("gone")]
@@ -389,12 +399,24 @@ def pyspy_advice(pid: int, note: dict[str, Any], ptrace: dict[str, Any]) -> str 
     return None
 
 
+def _schedstat(pid: int) -> tuple[int, int] | None:
+    """``/proc/<pid>/schedstat`` of the main thread: (ns on a CPU, ns waiting on a run queue)."""
+    try:
+        run, wait, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
 def _round(observations: list[ProcessObservation]) -> None:
     for ob in observations:
         if ob.samples and ob.samples[-1].proc.get("gone"):
             continue
         beacon = read_probe_beacon(ob.info.probe) if ob.info.probe else None
-        ob.samples.append(Sample(time.monotonic(), time.time(), procfs.process_snapshot(ob.pid), beacon))
+        sched = _schedstat(ob.pid)
+        ob.samples.append(
+            Sample(time.monotonic(), time.time(), procfs.process_snapshot(ob.pid), beacon, sched)
+        )
 
 
 def _dumps(observations: list[ProcessObservation]) -> None:

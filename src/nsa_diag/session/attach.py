@@ -122,12 +122,20 @@ def _short(cmdline: list[str], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def _stacks_cell(p: dict[str, Any]) -> str:
+    """Where the process's stacks came from: faulthandler dumps, py-spy, or none."""
+    parts = [f"{p['stack_samples']} dump(s)"] if p["stack_samples"] else []
+    if p.get("pyspy", {}).get("taken"):
+        parts.append("py-spy")
+    return " + ".join(parts) or "none"
+
+
 def _advice(record: dict[str, Any]) -> list[str]:
     """The notes a user acts on: why there is no stack, what to run for one (once each)."""
     notes: list[str] = []
     for p in record["processes"]:
         advice = p.get("pyspy", {}).get("advice")
-        if advice and advice not in notes and not p["stack_samples"]:
+        if advice and advice not in notes and _stacks_cell(p) == "none":
             notes.append(advice)
     return notes
 
@@ -149,7 +157,7 @@ def summary_markdown(record: dict[str, Any]) -> str:
         cells = [
             p["pid"], p["rank"] if p["rank"] is not None else "", _short(p["cmdline"]).replace("|", "\\|"),
             p["state"], p["kind"] or "", p["cpu_percent"] if p["cpu_percent"] is not None else "?",
-            p["location"] or "", p["stack_samples"], p["sigusr1"],
+            p["location"] or "", _stacks_cell(p), p["sigusr1"],
         ]  # fmt: skip
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", *(f"- {note}" for note in _advice(record))]
@@ -173,7 +181,7 @@ def render_attach(record: dict[str, Any], run_dir: Path, console: Console | None
             str(p["pid"]), "" if p["rank"] is None else str(p["rank"]), escape(_short(p["cmdline"], 48)),
             p["state"], p["kind"] or "-", "?" if p["cpu_percent"] is None else f"{p['cpu_percent']:.0f}",
             "-" if p["gpu_percent"] is None else f"{p['gpu_percent']:.0f}", escape(p["location"] or "-"),
-            str(p["stack_samples"]),
+            _stacks_cell(p),
         )  # fmt: skip
     console.print(table)
     for note in _advice(record):
