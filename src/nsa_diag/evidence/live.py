@@ -383,9 +383,15 @@ def pyspy_advice(pid: int, note: dict[str, Any], ptrace: dict[str, Any]) -> str 
     if note.get("taken"):
         return None
     if shutil.which("py-spy") is None:
+        scope = ptrace.get("ptrace_scope")
+        then = (
+            f"; with kernel.yama.ptrace_scope={scope} it will need `sudo py-spy dump --pid {pid}`"
+            if scope and not ptrace.get("root")
+            else ""
+        )
         return (
             "py-spy is not installed: `pip install py-spy` adds the stack of every Python process "
-            "(native frames too), handler or not"
+            f"(native frames too), handler or not{then}"
         )
     why = str(note.get("why", ""))
     if "ermission" in why or "not permitted" in why or "ptrace" in why:
