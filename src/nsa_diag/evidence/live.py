@@ -324,7 +324,9 @@ class ProcessObservation:
 
     @property
     def gone(self) -> bool:
-        return not self.samples or bool(self.samples[-1].proc.get("gone"))
+        """It exited: no /proc entry left, or a zombie its parent has not reaped yet."""
+        last = self.samples[-1].proc if self.samples else {"gone": True}
+        return bool(last.get("gone")) or last.get("state") == "Z"
 
     def cpu_percent(self) -> float | None:
         live = [s for s in self.samples if not s.proc.get("gone")]
@@ -416,7 +418,7 @@ def _schedstat(pid: int) -> tuple[int, int] | None:
 
 def _round(observations: list[ProcessObservation]) -> None:
     for ob in observations:
-        if ob.samples and ob.samples[-1].proc.get("gone"):
+        if ob.samples and ob.gone:
             continue
         beacon = read_probe_beacon(ob.info.probe) if ob.info.probe else None
         sched = _schedstat(ob.pid)
