@@ -17,6 +17,7 @@ import typer
 
 from nsa_diag import __version__, interrupts
 from nsa_diag._cli_utils import DebugOpt
+from nsa_diag.commands.attach import attach
 from nsa_diag.commands.backend import backend
 from nsa_diag.commands.branch import branch
 from nsa_diag.commands.compare import compare
@@ -52,7 +53,8 @@ Start with `nsa-diag branch` (four cases on the tiny CPU default, seconds) or
 the correctness properties, `gc-bisect` finds the checkpointed layer range behind a failure, `ddp` runs the
 case on several ranks through torchrun. `matrix NAME` runs a shipped matrix of cases (`matrix --list`;
 or a file of yours), `report DIR` writes a run folder up as `report.md` with plots, `compare A B` diffs
-two run folders.
+two run folders. `attach PID` says what a job of yours that is already running is doing, without
+stopping it.
 """
 
 app = typer.Typer(
@@ -95,6 +97,7 @@ app.command("matrix")(matrix)
 app.command("report")(report)
 app.command("compare")(compare)
 app.command("env")(env)
+app.command("attach")(attach)
 app.command("schema")(schema)
 
 

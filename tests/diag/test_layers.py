@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)
-    ("nsa_diag.watchdog", "nsa_diag.classify", "nsa_diag.results", "nsa_diag.worker"),
+    ("nsa_diag.watchdog", "nsa_diag.classify", "nsa_diag.results", "nsa_diag.worker", "nsa_diag.activity"),
     ("nsa_diag.launchers",),
     ("nsa_diag.executor",),
     # presentation: tables, reports, plots, JUnit, run folders read back

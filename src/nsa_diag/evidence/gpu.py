@@ -13,6 +13,7 @@ import contextlib
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -148,3 +149,56 @@ def worker_utilization(snapshot: dict[str, Any], pids: Iterable[int]) -> float |
     mine = [g for g in gpus if any(p.get("pid") in ours for p in g.get("processes", ()))]
     values = [float(g["utilization_gpu_percent"]) for g in (mine or gpus)]
     return max(values) if values else None
+
+
+PROCESS_UTIL_WINDOW_S = 5.0  # NVML keeps per-process utilisation samples; the last few seconds are asked
+
+
+def _process_usage(pids: frozenset[int]) -> dict[str, Any]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        found: dict[int, list[dict[str, Any]]] = {}
+        since = int((time.time() - PROCESS_UTIL_WINDOW_S) * 1e6)  # NVML samples are stamped in microseconds
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            rows: dict[int, dict[str, Any]] = {}
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid in pids:
+                    rows[p.pid] = {"gpu": index, "used_memory_bytes": p.usedGpuMemory}
+            try:
+                samples = pynvml.nvmlDeviceGetProcessUtilization(handle, since)
+            except pynvml.NVMLError:  # NotFound: no sample in the window; NotSupported on some boards
+                samples = []
+            for s in samples:
+                if s.pid in pids:
+                    row = rows.setdefault(s.pid, {"gpu": index, "used_memory_bytes": None})
+                    row["sm_util_percent"] = max(row.get("sm_util_percent", 0), s.smUtil)
+                    row["mem_util_percent"] = max(row.get("mem_util_percent", 0), s.memUtil)
+            for pid, row in rows.items():
+                found.setdefault(pid, []).append(row)
+        return {"available": True, "processes": {str(pid): rows for pid, rows in sorted(found.items())}}
+    finally:
+        with contextlib.suppress(pynvml.NVMLError):
+            pynvml.nvmlShutdown()
+
+
+def process_usage(pids: Iterable[int], timeout_s: float = NVML_TIMEOUT_S) -> dict[str, Any]:
+    """GPU memory and utilisation of each of ``pids`` that uses a GPU (NVML): ``{"available": True,
+    "processes": {"<pid>": [{"gpu", "used_memory_bytes", "sm_util_percent", "mem_util_percent"}]}}``, or
+    ``{"available": False, "why": ...}``. Utilisation is the highest of NVML's samples of the last
+    `PROCESS_UTIL_WINDOW_S` seconds; a board without per-process samples gives memory only. In a container
+    NVML may list host pids, which match none of ``pids``: the per-GPU snapshot (`nvml_snapshot`) still
+    says how busy each GPU is."""
+    wanted = frozenset(pids)
+    try:
+        import pynvml  # noqa: F401
+    except ImportError as exc:
+        return {"available": False, "why": f"pynvml (nvidia-ml-py) cannot be imported: {exc}"}
+    try:
+        return _with_timeout(lambda: _process_usage(wanted), timeout_s)
+    except TimeoutError as exc:
+        return {"available": False, "why": f"NVML did not answer: {exc}"}
+    except Exception as exc:  # evidence gathering never fails
+        return {"available": False, "why": f"NVML query failed: {type(exc).__name__}: {exc}"}
