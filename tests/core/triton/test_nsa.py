@@ -177,6 +177,37 @@ def test_fused_backward_is_deterministic(dtype: torch.dtype, device: str) -> Non
         assert torch.equal(a, b), f"{name} differs between two runs"
 
 
+@pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
+def test_fused_op_replays_in_a_cuda_graph(dtype: torch.dtype, device: str) -> None:
+    """The op issues no host synchronisation and allocates nothing whose size depends on the data, so its
+    forward and backward can be captured in CUDA graphs (`torch.cuda.make_graphed_callables`: what
+    removes the host from a short sequence's step); a replay gives the eager output and gradients bit
+    for bit, also on new inputs copied into the graph's."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device (the interpreter runs kernels on the CPU)")
+    case = CASES[-2 if SIZES.real else 0].values[0]
+
+    class Op(torch.nn.Module):
+        def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+            return _fused(case, list(xs))[0]
+
+    def inputs(seed: int) -> list[torch.Tensor]:
+        *xs, do = _inputs(case, device)
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        xs = [x + 0.1 * torch.randn(x.shape, generator=gen, dtype=x.dtype).to(device) for x in xs]
+        return [*xs, do]
+
+    graphed = torch.cuda.make_graphed_callables(
+        Op(), tuple(x.to(dtype).requires_grad_(True) for x in inputs(0)[:-1])
+    )
+    for seed in (1, 2):
+        xs = inputs(seed)
+        eager, _ = _run(lambda ins: (Op()(*ins), None), xs, dtype)
+        replayed, _ = _run(lambda ins: (graphed(*ins), None), xs, dtype)
+        for name, a, b in zip(NAMES, eager, replayed, strict=True):
+            assert torch.equal(a, b), f"{name}: the CUDA graph's replay differs from the eager op"
+
+
 def test_fused_op_rejects_bad_arguments(device: str) -> None:
     case = Case(B=1, T=24, HKV=1, G=2, D=16)
     q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate, _ = _inputs(case, device)
