@@ -5,7 +5,8 @@ Each property compares two computations of the same model (same state_dict, same
 - ``backends``: every selection, compression and window backend against the reference backends: the logits
   and every parameter's gradient of the next-token loss (above `REFERENCE_BUDGET` token-layers, e.g.
   m7c-125m, against the masked backends: the naive reference would take minutes; smaller presets check
-  masked against the reference);
+  masked against the reference); a ``--model`` through copies of it whose NSAAttention modules run each
+  backend (`nsa_diag.worker.nsa_variant`); the other properties rebuild an nsa_core.TinyLM from its config;
 - ``causality``: changing the tokens at positions >= t changes no logit before t (several t);
 - ``prefill``: batched prefill == sequential prefill == prefill of a prefix then one decode step per token;
 - ``gc``: gradient checkpointing (all layers and a middle range, reentrant and not; or only the case's own
@@ -106,7 +107,8 @@ class Checker:
     # -------------------------------------------------------------------------------- building blocks
 
     def variant(self, exact: bool = False, **changes: Any) -> nn.Module:
-        """The model's class with config `changes` (ModelConfig or NSAConfig fields) and the same weights."""
+        """The model's class with config `changes` (ModelConfig or NSAConfig fields) and the same weights; for
+        a ``--model``, a copy whose NSA modules take the NSAConfig `changes` (the others do not apply)."""
         nsa_fields = {f.name for f in dataclasses.fields(self.cfg.nsa)}
         dtype = self.exact_dtype if exact else self.test_dtype
         if not self.rebuilds:  # a --model: only its NSA modules change
