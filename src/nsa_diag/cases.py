@@ -263,12 +263,6 @@ def check_spec(spec: CaseSpec) -> None:
                 f"--inject {inj}: phase=recompute fires only when layer {inj.layer} is checkpointed; "
                 f"add --gc all or --gc A:B covering it"
             )
-    if spec.reference_check and spec.model is not None:
-        raise UsageError(
-            f"--reference-check (and nsa-diag backend) with --model {spec.model}: the check rebuilds "
-            "nsa_core's TinyLM with the reference backends, so your model would be compared with nothing; "
-            "run it without --model"
-        )
 
 
 def check_triton(spec: CaseSpec) -> None:
@@ -694,20 +688,33 @@ def _flags(spec: CaseSpec, keys: Iterable[str]) -> str:
 
 def check_model_facts(spec: CaseSpec, facts: ModelFacts) -> None:
     """Refuse, in one line, a ``--model`` that broke the contract and every option the model it builds would
-    not take: NSA options without nsa_core NSAAttention modules holding their values, model options the
-    factory never reads (or whose value the model does not have), a fault on a layer it lacks or a
-    recompute fault on a layer ``--gc`` does not cover, a correctness property its model cannot run."""
+    not take: NSA options, backend parity (``--reference-check``, ``verify --only backends``) without
+    nsa_core NSAAttention modules holding their values, model options the factory never reads (or whose
+    value the model does not have), a fault on a layer it lacks or a recompute fault on a layer ``--gc``
+    does not cover, a correctness property that rebuilds an nsa_core.TinyLM from its config."""
     name = f"--model {spec.model}"
     if facts.problem:
         raise ConfigError(f"{name}: {facts.problem}")
-    if spec.check is not None and not facts.self_checkpointing:
+    holds_nsa = bool(facts.nsa_layers) or facts.self_checkpointing
+    if spec.check == "backends" and not holds_nsa:
+        raise UsageError(
+            f"verify --only backends with {name}: the property compares the model's nsa_core NSAAttention "
+            f"modules on each backend, and {facts.type} holds none: there is nothing to check"
+        )
+    if spec.check is not None and spec.check != "backends" and not facts.self_checkpointing:
         raise UsageError(
             f"verify --only {spec.check} with {name}: the property rebuilds the model from its nsa_core "
             f"config, which needs an nsa_core.TinyLM (or subclass); {facts.type} is not one"
         )
+    if spec.reference_check and not holds_nsa:
+        raise UsageError(
+            f"--reference-check (and nsa-diag backend) with {name}: the check runs the model's nsa_core "
+            f"NSAAttention modules on the reference backends, and {facts.type} holds none: there is "
+            "nothing to compare"
+        )
     given = [key for key in spec.overrides if key not in _GC_KEYS]
     nsa = [k for k in given if k in _NSA_KEYS]
-    if nsa and not facts.nsa_layers and not facts.self_checkpointing:
+    if nsa and not holds_nsa:
         raise UsageError(
             f"{_flags(spec, nsa)}: set nsa_core's NSA attention, and {name} ({facts.type}) holds no "
             "NSAAttention module: they would change nothing; leave them out"

@@ -71,7 +71,8 @@ MODEL_HELP = (
     "tensor, a tuple/list (first element) or an object's .logits (Hugging Face). V: model.vocab_size, "
     "model.config.vocab_size or get_output_embeddings(). Layers: model.layers, model.model.layers, "
     "transformer.h, encoder.layer or blocks (else --layers-attr). Model options reach it only through "
-    "the spec it reads; NSA options only through the nsa_core NSAAttention modules it holds."
+    "the spec it reads; NSA options, backend and --reference-check only through the nsa_core "
+    "NSAAttention modules it holds."
 )
 
 

@@ -1,4 +1,5 @@
-"""A user model for the worker tests (``--model diag_user_model:build``): no NSA inside, its own layer list.
+"""User models for the worker tests (``--model diag_user_model:build``: no NSA inside, its own layer list;
+``nsa_lm``: nsa_core's NSAAttention inside the user's own blocks).
 
 Not a test module: the worker imports it from a subprocess with ``tests/diag`` on PYTHONPATH.
 """
@@ -159,3 +160,65 @@ class SeedLM(nn.Module):
 
 def seed_lm(spec: Any) -> nn.Module:
     return SeedLM(layers=int(spec.overrides.get("layers", 3)))
+
+
+# --- a user's model with nsa_core's attention inside the user's own layer classes: backend parity applies
+# through its NSAAttention modules (built from spec.nsa_config(), so the NSA options reach them) ------------
+
+
+class NSABlock(nn.Module):
+    """The user's pre-norm block around nsa_core's attention."""
+
+    def __init__(self, cfg: Any) -> None:
+        from nsa_core import NSAAttention
+
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.dim), nn.LayerNorm(cfg.dim)
+        self.attn = NSAAttention(cfg)
+        self.ff = nn.Sequential(nn.Linear(cfg.dim, 2 * cfg.dim), nn.GELU(), nn.Linear(2 * cfg.dim, cfg.dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.ff(self.norm2(x))
+
+
+class NSAUserLM(nn.Module):
+    """Token ids -> a ``(logits, hidden)`` tuple; the layers in ``self.layers``."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.vocab_size = cfg.vocab
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim)
+        self.layers = nn.ModuleList(NSABlock(cfg) for _ in range(cfg.layers))
+        self.head = nn.Linear(cfg.dim, cfg.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x), x
+
+
+class OffSelection(nn.Module):
+    """A planted backend bug: the selection branch's output [B, T, HQ, D] is 1% too large unless the
+    reference backend computed it (read from the attention that owns this tap)."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.owner = [attn]  # a plain list: not registered as a child (the attention owns this tap)
+
+    def forward(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.owner[0].nsa.sel_backend == "reference" else out * 1.01
+
+
+def nsa_lm(spec: Any) -> nn.Module:
+    """``--model diag_user_model:nsa_lm``: the NSA options apply through ``spec.nsa_config()``."""
+    return NSAUserLM(spec.nsa_config())
+
+
+def nsa_lm_off_selection(spec: Any) -> nn.Module:
+    """``nsa_lm`` whose every selection backend but the reference is 1% off (`OffSelection`)."""
+    model = NSAUserLM(spec.nsa_config())
+    for layer in model.layers:
+        layer.attn.branch_out["sel"] = OffSelection(layer.attn)
+    return model

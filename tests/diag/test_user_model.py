@@ -56,8 +56,12 @@ REFUSED = [
     pytest.param(["run", "--window", "64"], "holds no NSAAttention", id="nsa-geometry"),
     pytest.param(["run", "--sel", "masked"], "holds no NSAAttention", id="nsa-backend"),
     pytest.param(["branch"], "--branch cmp: set nsa_core's NSA attention", id="branch"),
-    pytest.param(["backend"], "--reference-check (and nsa-diag backend)", id="backend"),
-    pytest.param(["verify", "--only", "backends"], "needs an nsa_core.TinyLM", id="verify-backends"),
+    pytest.param(["backend"], "and UserLM holds none: there is nothing to compare", id="backend"),
+    pytest.param(["run", "--reference-check"], "--reference-check (and nsa-diag backend)", id="reference"),
+    pytest.param(
+        ["verify", "--only", "backends"], "UserLM holds none: there is nothing to check", id="verify-backends"
+    ),
+    pytest.param(["verify", "--only", "causality"], "needs an nsa_core.TinyLM", id="verify-causality"),
     pytest.param(["run", "--dim", "48"], "never reads it", id="model-option-unread"),
     pytest.param(["run", "--vocab", "100"], "built a model with vocab 64", id="model-option-differs"),
     pytest.param(["run", "--inject", "nan:layer=3"], "layers are 0..2 (layers)", id="inject-layer"),
@@ -113,6 +117,99 @@ def test_seed_model_under_ddp_with_gc(tmp_path: Path, flags: list[str], verdict:
     assert case["verdict"] == verdict, (case["reason"], stderr)
     assert said in case["reason"]
     assert (verdict == "pass") == (case["steps_done"] == 2)
+
+
+# --- a user model holding nsa_core NSAAttention modules: branch, backend parity and verify apply to them ---
+
+NSA_LM = ["--model", "diag_user_model:nsa_lm", "--seq-len", "32", "--device", "cpu"]
+OFF_SEL = ["--model", "diag_user_model:nsa_lm_off_selection", "--seq-len", "32", "--device", "cpu"]
+
+
+def test_nsa_variant_copies_the_model_with_other_backends() -> None:
+    import torch
+    from diag_user_model import nsa_lm
+
+    from nsa_diag.worker.nsa_variant import nsa_config, nsa_idle_parameters, with_nsa
+    from nsa_diag.worker.probes import attach_progress
+
+    class Events:  # a progress sink that keeps the events (nsa_diag.probe.hooks.ProgressSink)
+        forward_phase, backward_phase = "forward", "backward"
+
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def event(self, phase: str, event: str | None = None, **where: object) -> int:
+            self.seen.append(f"{phase} {event}")
+            return len(self.seen)
+
+    events = Events()
+    model = nsa_lm(CaseSpec(overrides={"force_branch": "win"}))
+    attach_progress(model, events)
+    model(torch.randint(0, 256, (1, 8)))[0].sum().backward()
+    seen = len(events.seen)
+    ref = with_nsa(model, sel_backend="reference", win_backend="reference")
+    assert {m.nsa.win_backend for m in ref.modules() if hasattr(m, "nsa")} == {"reference"}
+    assert {m.cfg.nsa.sel_backend for m in ref.modules() if hasattr(m, "nsa")} == {"reference"}
+    assert model.layers[0].attn.nsa.win_backend != "reference", "the model itself is left as it is"
+    assert all(p.grad is None for p in ref.parameters())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in ref.modules()), "our hooks stay behind"
+    assert any(m._forward_hooks for m in model.modules())
+    for (name, p), (ref_name, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert name == ref_name
+        assert torch.equal(p, r)
+        assert p.data_ptr() != r.data_ptr()
+    ref(torch.randint(0, 256, (1, 8)))[0].sum().backward()
+    assert len(events.seen) == seen, "the copy reports nothing through the model's hooks"
+    assert all(p.grad is not None for n, p in ref.named_parameters() if n not in nsa_idle_parameters(ref))
+    assert nsa_config(model).layers == len(model.layers)
+    assert "layers.1.attn.kv_sel.weight" in nsa_idle_parameters(model)  # force_branch win: sel untrained
+
+
+def test_backend_parity_through_the_nsa_modules_of_a_user_model(tmp_path: Path) -> None:
+    # the planted bug is in selection only: sel-masked must mismatch, win-chunked (sel not computed) pass
+    code, summary, stderr = run_cli_json(
+        "backend", *OFF_SEL, "--sel", "masked", "--win", "chunked", "--out", str(tmp_path)
+    )
+    cases = {case["name"]: case for case in summary["cases"]}
+    assert code == 1, stderr
+    sel, win = cases["sel-masked"], cases["win-chunked"]
+    assert sel["verdict"] == "mismatch", sel["reason"]
+    assert "differs from the reference backends" in sel["reason"]
+    assert sel["parity"]["grad_rel_err_max"] > sel["parity"]["grad_bound"] == 1e-4
+    assert ".attn." in sel["parity"]["worst_param"]
+    assert win["verdict"] == "pass", win["reason"]
+    assert win["parity"]["reference_backends"] == {"sel": "reference", "cmp": "reference", "win": "reference"}
+    assert 0 <= win["parity"]["grad_rel_err_max"] <= win["parity"]["grad_bound"]
+
+
+@pytest.mark.slow
+def test_backend_every_backend_of_a_user_model_passes(tmp_path: Path) -> None:
+    code, summary, stderr = run_cli_json("backend", *NSA_LM, "--out", str(tmp_path), timeout=400)
+    assert code == 0, (stderr, [c["reason"] for c in summary.get("cases", [])])
+    assert len(summary["cases"]) >= 5
+    assert all(case["parity"]["grad_rel_err_max"] <= 1e-4 for case in summary["cases"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model,code,verdict", [(NSA_LM, 0, "pass"), (OFF_SEL, 1, "mismatch")], ids=["nsa_lm", "off-selection"]
+)
+def test_verify_backends_on_a_user_model(tmp_path: Path, model: list[str], code: int, verdict: str) -> None:
+    got, summary, stderr = run_cli_json("verify", "--only", "backends", *model, "--out", str(tmp_path))
+    (case,) = summary["cases"]
+    assert (got, case["verdict"]) == (code, verdict), (case["reason"], stderr)
+    assert "sel=masked" in case["parity"]["errors"]
+    if verdict == "mismatch":
+        assert "at sel=" in case["reason"]
+
+
+@pytest.mark.slow
+def test_branch_on_a_user_model_computes_each_branch(tmp_path: Path) -> None:
+    code, summary, stderr = run_cli_json("branch", *NSA_LM, "--out", str(tmp_path))
+    assert code == 0, (stderr, [c["reason"] for c in summary.get("cases", [])])
+    losses = {case["name"]: case["reason"] for case in summary["cases"]}
+    assert list(losses) == ["cmp", "sel", "win", "all"]
+    assert len(set(losses.values())) == 4, "each branch alone computes another loss"
 
 
 # --- a Hugging Face causal LM (the hf extra) -------------------------------------------------------------

@@ -49,7 +49,7 @@ CASES: dict[str, dict[str, Any]] = {
     "mismatch": dict(batch=1, seq_len=16, reference_check=True, tolerance=1e-15),
     "parity-bf16": dict(batch=1, dtype="bf16", reference_check=True, overrides=dict(sel_backend="gather")),
     "forced-sel": dict(overrides=dict(force_branch="sel")),
-    "user-model": dict(steps=2, model="diag_user_model:build"),
+    "user-model": dict(steps=2, model="diag_user_model:build", reference_check=True),
     "bad-factory": dict(model="diag_user_model_missing:build"),
     "gpu-spin": dict(inject=["gpu-spin"]),
 }
@@ -377,7 +377,10 @@ def test_user_model_factory(cases: dict[str, Case]) -> None:
     assert result["status"] == "ok", result["reason"]
     assert result["steps_done"] == 2
     assert result["metrics"]["params"] > 0
-    layers = {e["module"] for e in case.progress() if e["layer"] is not None}
+    # no NSAAttention inside: the command refuses --reference-check; the worker's safeguard says not run
+    assert result["parity"] == {"checked": False, "why": "UserLM holds no nsa_core NSAAttention module"}
+    assert "reference check NOT run" in result["reason"]
+    layers = {e["module"] for e in case.progress() if e.get("layer") is not None}
     assert layers == {"layers.0", "layers.1", "layers.2"}
 
 

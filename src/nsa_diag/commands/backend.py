@@ -57,7 +57,9 @@ def backend(
     Each case reports the relative error of the loss and the largest relative error of a gradient
     (||g - g_ref|| / ||g_ref||) and the worst parameter; beyond `--tolerance` (by dtype: fp32 1e-4,
     fp16 1e-2, bf16 5e-2) the verdict is **mismatch**. With no list, every backend but the reference
-    runs for every branch; with some lists, only those. Cases are named `<branch>-<backend>`.
+    runs for every branch; with some lists, only those. Cases are named `<branch>-<backend>`. A
+    `--model` is compared with a copy of itself whose nsa_core NSAAttention modules run the reference
+    backends (a model holding none is refused).
 
     Exit code 0 when every case passes, 1 when not, 2 for a bad option.
 
@@ -68,6 +70,7 @@ def backend(
         nsa-diag backend --win masked,chunked --seq-len 256 --window 64
         nsa-diag backend --preset m7c-125m --seq-len 2048 --dtype bf16 --device cuda --json
         nsa-diag backend --sel masked,gather --minimize --junit backend.xml
+        nsa-diag backend --model mypkg.models:build --sel masked --seq-len 256
     """
     from nsa_diag.cases import backend_specs, check_options, parse_backend_list
     from nsa_diag.launchers.preflight import check_user_model

@@ -83,7 +83,8 @@ def verify(
     """Check the correctness properties of the model, one case (an isolated worker) per property:
 
     - **backends**: every selection, compression and window backend against the reference backends:
-      the logits and every parameter's gradient, same weights and batch;
+      the logits and every parameter's gradient, same weights and batch (a `--model`: copies of it whose
+      nsa_core NSAAttention modules run each backend; the other properties need an nsa_core.TinyLM);
     - **causality**: changing the tokens from position t on changes no logit before t (several t);
     - **prefill**: batched prefill, sequential prefill, and prefill + one decode step per token agree;
     - **gc**: gradient checkpointing of all layers and of a middle range, reentrant and not, gives the
@@ -103,6 +104,7 @@ def verify(
         nsa-diag verify
         nsa-diag verify --preset m7c-125m
         nsa-diag verify --only causality,prefill --model mypkg.models:build
+        nsa-diag verify --only backends --model mypkg.models:build_with_nsa
         nsa-diag verify --preset m7c-125m --device cuda --json
         nsa-diag verify --junit verify.xml
     """

@@ -5,7 +5,8 @@ Each property compares two computations of the same model (same state_dict, same
 - ``backends``: every selection, compression and window backend against the reference backends: the logits
   and every parameter's gradient of the next-token loss (above `REFERENCE_BUDGET` token-layers, e.g.
   m7c-125m, against the masked backends: the naive reference would take minutes; smaller presets check
-  masked against the reference);
+  masked against the reference); a ``--model`` through copies of it whose NSAAttention modules run each
+  backend (`nsa_diag.worker.nsa_variant`); the other properties rebuild an nsa_core.TinyLM from its config;
 - ``causality``: changing the tokens at positions >= t changes no logit before t (several t);
 - ``prefill``: batched prefill == sequential prefill == prefill of a prefix then one decode step per token;
 - ``gc``: gradient checkpointing (all layers and a middle range, reentrant and not; or only the case's own
@@ -26,6 +27,8 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag.worker.contract import logits_of
+from nsa_diag.worker.nsa_variant import nsa_config, with_nsa
 from nsa_diag.worker.outcome import CaseFailed, TrainingRun
 from nsa_diag.worker.probes import attach_progress, finite_or_none
 
@@ -74,11 +77,18 @@ class Checker:
         self.trainer, self.progress, self.device = trainer, trainer.progress, trainer.device
         self.base, self.prefix = loaded.model, loaded.prefix
         self.cfg = getattr(self.base, "cfg", None)
-        if self.cfg is None or not hasattr(self.base, "decode"):
+        # An nsa_core.TinyLM is rebuilt from its config per variant; a --model's `backends` is checked on
+        # copies of it whose NSA modules run each backend (its own --gc wrapping kept).
+        self.rebuilds = self.cfg is not None and hasattr(self.base, "decode")
+        if not self.rebuilds:
+            self.cfg = nsa_config(self.base) if trainer.spec.check == "backends" else None
+        if self.cfg is None:
             raise CaseFailed(
                 "error",
-                f"check {trainer.spec.check}: needs an nsa_core.TinyLM (or subclass) built from a config",
-            )
+                f"check {trainer.spec.check}: needs an nsa_core.TinyLM (or subclass) built from a config"
+                + (" or, for backends, a model holding nsa_core NSAAttention modules"
+                   if trainer.spec.check == "backends" else ""),
+            )  # fmt: skip
         self.state = {k: v.detach().cpu() for k, v in self.base.state_dict().items()}
         self.tokens = trainer.batch(1)  # [B, S + 1], as the first training step would see
         self.cpu = self.device.type == "cpu"
@@ -97,19 +107,24 @@ class Checker:
     # -------------------------------------------------------------------------------- building blocks
 
     def variant(self, exact: bool = False, **changes: Any) -> nn.Module:
-        """The model's class with config `changes` (ModelConfig or NSAConfig fields) and the same weights."""
+        """The model's class with config `changes` (ModelConfig or NSAConfig fields) and the same weights; for
+        a ``--model``, a copy whose NSA modules take the NSAConfig `changes` (the others do not apply)."""
         nsa_fields = {f.name for f in dataclasses.fields(self.cfg.nsa)}
+        dtype = self.exact_dtype if exact else self.test_dtype
+        if not self.rebuilds:  # a --model: only its NSA modules change
+            variant = with_nsa(self.base, **{k: v for k, v in changes.items() if k in nsa_fields})
+            return variant.to(self.device, dtype)
         nsa = dataclasses.replace(self.cfg.nsa, **{k: v for k, v in changes.items() if k in nsa_fields})
         model_changes = {k: v for k, v in changes.items() if k not in nsa_fields}
         cfg = dataclasses.replace(self.cfg, nsa=nsa, **model_changes)
         model = type(self.base)(cfg)
         model.load_state_dict(self.state)
-        return model.to(self.device, self.exact_dtype if exact else self.test_dtype)
+        return model.to(self.device, dtype)
 
     @contextlib.contextmanager
     def watched(self, model: nn.Module, what: str) -> Iterator[None]:
         """Progress events of `model`'s blocks while it runs (the watchdog sees the check advance)."""
-        handles = attach_progress(model, self.progress)
+        handles = attach_progress(model, self.progress, self.trainer.spec.layers_attr)
         self.progress.event("check", "begin", check=self.trainer.spec.check, variant=what)
         self.progress.phase_override = "check"
         try:
@@ -136,7 +151,7 @@ class Checker:
         inputs, targets = self.tokens[:, :-1], self.tokens[:, 1:]
         with self.watched(model, what):
             with torch.set_grad_enabled(backward), self.autocast(exact):
-                logits = model(inputs)
+                logits = logits_of(model(inputs))
             if backward:
                 loss = F.cross_entropy(logits.to(self.exact_dtype).flatten(0, 1), targets.flatten())
                 self.progress.in_backward = True
@@ -173,7 +188,7 @@ class Checker:
         inputs = self.tokens[:, :-1]
         size = inputs.shape[0] * inputs.shape[1] * self.cfg.layers
         against = REFERENCE if size <= REFERENCE_BUDGET else MASKED
-        if against is MASKED:  # big model: checkpoint every layer (gather's float64 activations: 20+ GB)
+        if against is MASKED and self.rebuilds:  # big: checkpoint every layer (gather's float64: 20+ GB)
             against = {**MASKED, "gc": "all", "gc_reentrant": False}
         truth = self.run("reference" if against is REFERENCE else "masked", exact=True, **against)
         baseline = None
@@ -217,8 +232,8 @@ class Checker:
             "reference"
             if against is REFERENCE
             else (
-                "masked, gc all (the naive reference loops over tokens in Python: over "
-                f"{REFERENCE_BUDGET} token-layers "
+                f"masked{', gc all' if self.rebuilds else ''} (the naive reference loops over tokens in "
+                f"Python: over {REFERENCE_BUDGET} token-layers "
                 "it would take minutes, so it is checked against masked on smaller presets)"
             )
         )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag.spec import CaseSpec
+from nsa_diag.worker.nsa_variant import nsa_idle_parameters
 from nsa_diag.worker.outcome import CaseFailed, LoadedModel
 from nsa_diag.worker.probes import find_blocks, nsa_attentions
 
@@ -165,7 +166,8 @@ def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
         raise ContractError(f"model {spec.model} returned {type(model).__name__}, not an nn.Module")
     vocab, _ = vocab_of(model)
     idle_names = getattr(model, "idle_parameter_names", None)
-    idle = list(idle_names()) if callable(idle_names) else []
+    own = list(idle_names()) if callable(idle_names) else []
+    idle = list(dict.fromkeys(own + nsa_idle_parameters(model)))  # force_branch leaves these untrained
     try:
         prefix, blocks = find_blocks(model, spec.layers_attr)
     except ValueError as exc:

@@ -22,6 +22,7 @@ from nsa_diag.spec import CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
 from nsa_diag.worker.contract import build_model, check_logits, logits_of
+from nsa_diag.worker.nsa_variant import nsa_config, with_nsa
 from nsa_diag.worker.outcome import CaseFailed, LoadedModel, Outcome, exception_info, worker_report
 from nsa_diag.worker.probes import (
     MemoryRecorder,
@@ -353,17 +354,21 @@ class Trainer:
         the free memory, else lean ones (sel gather, win chunked, cmp masked) that are not the backend under
         test. A check that cannot run (no backend fits, or the reference runs out of memory) says so in
         ``parity`` and the notes; the case's verdict stays that of its training steps.
+
+        A ``--model`` is compared with a copy of itself whose nsa_core NSAAttention modules run the reference
+        backends (`nsa_diag.worker.nsa_variant`), sized by its first NSA module's config.
         """
         import nsa_core
         from nsa_diag.analysis.memory_model import ReferencePlan, plan_reference
 
         assert self.loaded is not None
         assert self.device is not None
-        if self.loaded.cfg is None:  # refused before the case runs (`check_model_facts`); a safeguard
-            self._check_not_run("the check rebuilds the built-in NSA model, not a --model")
-            return
         progress, model = self.progress, self.loaded.model
-        cfg = self.loaded.cfg
+        built = self.loaded.cfg  # None for a --model
+        cfg = built if built is not None else nsa_config(model)
+        if cfg is None:  # refused before the case runs (`check_model_facts`); a safeguard
+            self._check_not_run(f"{type(model).__name__} holds no nsa_core NSAAttention module")
+            return
         plan = plan_reference(
             cfg, seq_len=self.spec.seq_len, batch=self.spec.batch, dtype=self.spec.dtype,
             device=str(self.device), budget_bytes=self._free_memory_bytes(),
@@ -378,9 +383,12 @@ class Trainer:
             nsa = replace(cfg.nsa, **{f"{branch}_backend": name for branch, name in backends.items()})
 
             def reference(autocast: bool) -> tuple[nn.Module, float]:
-                ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
-                ref.load_state_dict(model.state_dict())
-                handles = attach_progress(ref, progress)
+                if built is not None:
+                    ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
+                    ref.load_state_dict(model.state_dict())
+                else:  # a --model: a copy of it whose NSA modules run the reference backends
+                    ref = with_nsa(model, **{f"{b}_backend": name for b, name in backends.items()})
+                handles = attach_progress(ref, progress, self.spec.layers_attr)
                 progress.phase_override = "check"
                 try:
                     if autocast:
@@ -388,7 +396,7 @@ class Trainer:
                     else:
                         import torch.nn.functional as F
 
-                        logits = ref(tokens[:, :-1]).float()
+                        logits = logits_of(ref(tokens[:, :-1])).float()
                         ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
                     ref_loss.backward()
                 finally:
