@@ -29,6 +29,7 @@ from nsa_diag.options import (
     Device,
     Dtype,
     Group,
+    JobExecutor,
     Opt,
     Prefill,
     Preset,
@@ -43,6 +44,7 @@ __all__ = [
     "DebugOpt",
     "Device",
     "Dtype",
+    "JobExecutor",
     "JsonOpt",
     "Prefill",
     "Preset",
@@ -61,6 +63,48 @@ JsonOpt = Annotated[
 DebugOpt = Annotated[
     bool,
     typer.Option("--debug", help="On an error, show the full traceback, not only the one-line message."),
+]
+
+# Where jobs run, and the Slurm settings of `--executor slurm` (`nsa_diag.launchers.slurm.SlurmSettings`:
+# `settings_from_options` turns these into one; a matrix file's `slurm:` section gives the same fields).
+_CLUSTER = "Cluster (--executor slurm)"
+ExecutorOpt = Annotated[
+    JobExecutor,
+    typer.Option(
+        "--executor",
+        rich_help_panel=_CLUSTER,
+        help="local: here, --jobs at a time. slurm: each case a Slurm job through submitit "
+        "(pip install 'nsa-diag[slurm]'), its folder in the run folder, which must be on a filesystem the "
+        "nodes share.",
+    ),
+]
+PartitionOpt = Annotated[
+    str | None, typer.Option("--partition", rich_help_panel=_CLUSTER, help="Slurm partition (sbatch -p).")
+]
+AccountOpt = Annotated[
+    str | None, typer.Option("--account", rich_help_panel=_CLUSTER, help="Slurm account (sbatch -A).")
+]
+GpusPerNodeOpt = Annotated[
+    int | None,
+    typer.Option("--gpus-per-node", min=0, rich_help_panel=_CLUSTER, help="GPUs each job asks for."),
+]
+TimeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--time",
+        metavar="LIMIT",
+        rich_help_panel=_CLUSTER,
+        help="Time limit of each job: MINUTES, HH:MM:SS or D-HH:MM:SS [default: the case's timeout + 5 min].",
+    ),
+]
+SlurmOptOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--slurm-opt",
+        metavar="KEY=VALUE",
+        rich_help_panel=_CLUSTER,
+        help="Any other sbatch option, repeatable: --slurm-opt qos=high --slurm-opt constraint=h100.",
+    ),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])

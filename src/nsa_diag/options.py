@@ -95,6 +95,14 @@ class Prefill(str, Enum):
     sequential = "sequential"
 
 
+class JobExecutor(str, Enum):
+    """Where the cases' jobs run: here (threads, each case in its own worker), or as Slurm jobs through
+    submitit (`nsa_diag.launchers.slurm`)."""
+
+    local = "local"
+    slurm = "slurm"
+
+
 class FaultKind(str, Enum):
     """What `--inject KIND` can inject (`nsa_diag.worker.inject`)."""
 
