@@ -65,7 +65,7 @@ DebugOpt = Annotated[
     typer.Option("--debug", help="On an error, show the full traceback, not only the one-line message."),
 ]
 
-# Where jobs run, and the Slurm settings of `--executor slurm` (`nsa_diag.launchers.slurm.SlurmSettings`:
+# Where jobs run, and the Slurm settings of `--executor slurm` (`nsa_diag.slurm.SlurmSettings`:
 # `settings_from_options` turns these into one; a matrix file's `slurm:` section gives the same fields).
 _CLUSTER = "Cluster (--executor slurm)"
 ExecutorOpt = Annotated[

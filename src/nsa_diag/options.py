@@ -97,7 +97,7 @@ class Prefill(str, Enum):
 
 class JobExecutor(str, Enum):
     """Where the cases' jobs run: here (threads, each case in its own worker), or as Slurm jobs through
-    submitit (`nsa_diag.launchers.slurm`)."""
+    submitit (`nsa_diag.slurm`)."""
 
     local = "local"
     slurm = "slurm"

@@ -17,7 +17,8 @@ states. This module only
   ``--slurm-opt`` or ``--time``, no Slurm on this machine.
 
 submitit is an optional dependency (``pip install 'nsa-diag[slurm]'``) imported only here, and only when
-a command asks for ``--executor slurm``.
+a command asks for ``--executor slurm``. The module sits with the vocabulary (pydantic and the errors only)
+because a matrix file's ``slurm:`` section is a `SlurmSettings` (`nsa_diag.matrix`).
 """
 
 from __future__ import annotations
@@ -200,13 +201,12 @@ def make_executor(
     cluster: Cluster = "slurm",
     minutes: int,
     name: str = "nsa-diag",
-    parallel: int | None = None,
 ) -> Any:
     """A `submitit.AutoExecutor` for jobs of at most ``minutes``, its files in ``folder``.
 
     ``cluster="local"`` runs each job as a local process (submitit's `LocalExecutor`) through the same
-    calls; the Slurm-only settings are then ignored. ``parallel`` caps the jobs of an array that run at
-    once (sbatch ``--array=...%N``). `UsageError` when there is no Slurm here or sbatch refuses a setting.
+    calls; the Slurm-only settings are then ignored. Several jobs submitted in ``executor.batch()`` become
+    one Slurm array. `UsageError` when there is no Slurm here or sbatch refuses a setting.
     """
     submitit = require_submitit()
     try:
@@ -217,8 +217,6 @@ def make_executor(
     if settings.gpus_per_node is not None:
         params["gpus_per_node"] = settings.gpus_per_node
     slurm: dict[str, Any] = {"partition": settings.partition, "account": settings.account}
-    if parallel is not None:
-        slurm["array_parallelism"] = parallel
     if settings.options:
         slurm["additional_parameters"] = dict(settings.options)
     params.update({f"slurm_{k}": v for k, v in slurm.items() if v is not None})
