@@ -34,6 +34,7 @@ from nsa_diag.options import (
     Prefill,
     Preset,
     SelBackend,
+    SubmititCluster,
     WinBackend,
 )
 
@@ -49,6 +50,7 @@ __all__ = [
     "Prefill",
     "Preset",
     "SelBackend",
+    "SubmititCluster",
     "WinBackend",
     "case_options",
 ]
@@ -95,6 +97,16 @@ TimeOpt = Annotated[
         metavar="LIMIT",
         rich_help_panel=_CLUSTER,
         help="Time limit of each job: MINUTES, HH:MM:SS or D-HH:MM:SS [default: the case's timeout + 5 min].",
+    ),
+]
+SubmititClusterOpt = Annotated[
+    SubmititCluster | None,
+    typer.Option(
+        "--submitit-cluster",
+        rich_help_panel=_CLUSTER,
+        help="slurm (default), or local: submitit's local executor runs each job as a process on this "
+        "machine through the same submission path, to try a file and its slurm: section without a cluster.",
+        show_default=False,
     ),
 ]
 SlurmOptOpt = Annotated[

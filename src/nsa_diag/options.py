@@ -103,6 +103,14 @@ class JobExecutor(str, Enum):
     slurm = "slurm"
 
 
+class SubmititCluster(str, Enum):
+    """Which submitit executor `--executor slurm` submits through: Slurm, or submitit's local executor (a
+    process per job on this machine, through the same submission path)."""
+
+    slurm = "slurm"
+    local = "local"
+
+
 class FaultKind(str, Enum):
     """What `--inject KIND` can inject (`nsa_diag.worker.inject`)."""
 

@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)
     ("nsa_diag.watchdog", "nsa_diag.classify", "nsa_diag.results", "nsa_diag.worker"),
     ("nsa_diag.launchers",),
-    ("nsa_diag.executor",),
+    ("nsa_diag.executor", "nsa_diag.node"),
     # presentation: tables, reports, plots, JUnit, run folders read back
     ("nsa_diag.render", "nsa_diag.plots", "nsa_diag.junit", "nsa_diag.runfolder", "nsa_diag.report"),
     ("nsa_diag.session",),
