@@ -368,12 +368,13 @@ def test_an_interrupt_cancels_every_job_and_resume_submits_only_the_unfinished(t
 def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, how: str) -> None:
     """As Slurm ends a job (a node lost, scancel): the job's process is killed (the case never writes
     its result), or cancelled the way `job.cancel()` does it (SIGINT to the job's controller)."""
-    path = write(tmp_path, SLOW_THREE.replace("- name: a\n", ""))
+    path = write(tmp_path, SLOW_THREE)
     out = tmp_path / "runs"
     cli = start_cli("matrix", path, *LOCAL, "--out", out, "--only", "b")
     seen: set[int] = set()
     deadline = time.monotonic() + CLI_TIMEOUT_S
     while time.monotonic() < deadline and not list(out.glob("*/cases/b/progress.jsonl")):
+        assert cli.poll() is None, cli.communicate()
         time.sleep(0.2)
     family_of(cli.pid, seen)
     (controller,) = psutil.Process(cli.pid).children()  # the local job: its id is this pid
