@@ -368,10 +368,11 @@ def test_an_interrupt_cancels_every_job_and_resume_submits_only_the_unfinished(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigkill-job", "cancel-job"])
+@pytest.mark.parametrize("how", ["sigkill-job", "cancel-job", "usr2-warning"])
 def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, how: str) -> None:
-    """As Slurm ends a job (a node lost, scancel): the job's process is killed (the case never writes
-    its result), or cancelled the way `job.cancel()` does it (SIGINT to the job's controller)."""
+    """As Slurm ends a job (a node lost, scancel, the time limit near): the job's process is killed (the
+    case never writes its result), cancelled the way `job.cancel()` does it (SIGINT to the job's
+    controller), or sent the SIGUSR2 that submitit asks Slurm for before the time limit."""
     path = write(tmp_path, SLOW_THREE)
     out = tmp_path / "runs"
     cli = start_cli("matrix", path, *LOCAL, "--out", out, "--only", "b")
@@ -382,9 +383,11 @@ def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, h
         time.sleep(0.2)
     family_of(cli.pid, seen)
     (controller,) = psutil.Process(cli.pid).children()  # the local job: its id is this pid
+    (task,) = controller.children()  # python -m submitit.core._submit: runs run_case_job
     if how == "sigkill-job":
-        (task,) = controller.children()  # python -m submitit.core._submit: runs run_case_job
         task.send_signal(signal.SIGKILL)
+    elif how == "usr2-warning":
+        task.send_signal(signal.SIGUSR2)
     else:
         controller.send_signal(signal.SIGINT)
     stdout, stderr = cli.communicate(timeout=CLI_TIMEOUT_S)
@@ -400,6 +403,9 @@ def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, h
     assert result["reason"].startswith(f"local submitit job {controller.pid} ended {job['state']}")
     if how == "sigkill-job":
         assert "before its case wrote a result" in result["reason"] or "killed by" in result["reason"]
+    elif how == "usr2-warning":  # the case was stopped on its node, with its evidence, before the limit
+        assert "on its node: stopped on Slurm's warning signal (SIGUSR2)" in result["reason"]
+        assert result["evidence"]["interrupted_by"] == "SIGUSR2"
     else:
         assert "on its node: interrupted by SIGINT" in result["reason"]
     assert {"spec.json", "result.json"} <= set(result["files"])
