@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from nsa_diag.slurm import (
     SlurmSettings,
     is_active,
     job_end,
+    make_executor,
     parse_slurm_opt,
     settings_from_options,
     time_limit_minutes,
@@ -173,6 +175,30 @@ def test_active_states_and_the_local_executors() -> None:
     assert all(is_active(s) for s in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"))
     end = job_end("INTERRUPTED", job_id="123", cluster="local", exit_signal="SIGKILL")
     assert end.reason == "local submitit job 123 ended INTERRUPTED: the job's process was killed by SIGKILL"
+
+
+def test_the_settings_become_these_sbatch_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit writes the sbatch script from our settings (its SlurmExecutor only looks for `srun` on
+    PATH when it is made: an executable that is never run stands in for it; nothing is submitted)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    settings = SlurmSettings(partition="a", options={"qos": "low"}).merged(
+        settings_from_options(
+            partition="gpu", account="proj", gpus_per_node=1, time="00:30:00", slurm_opts=["qos=high"]
+        )
+    )
+    executor = make_executor(
+        settings, tmp_path / "slurm", minutes=settings.job_minutes(300), name="nsa-diag-m"
+    )
+    script = executor._executor._make_submission_file_text("python -m x", "uid")  # submitit's own text
+    lines = set(script.splitlines())
+    for line in ("--partition=gpu", "--account=proj", "--gpus-per-node=1", "--time=30", "--qos=high",
+                 "--job-name=nsa-diag-m", "--nodes=1"):  # fmt: skip
+        assert f"#SBATCH {line}" in lines
+    assert f"#SBATCH --output={tmp_path}/slurm/%j_0_log.out" in lines
 
 
 def test_a_matrix_files_slurm_section_is_checked_with_the_file(tmp_path: Path) -> None:
