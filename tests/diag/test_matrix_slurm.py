@@ -6,9 +6,10 @@ cancellation); each job is a real process on this machine that runs the case und
 run folder. What only a cluster has (sbatch, sacct, Slurm's own states) is covered by the pure tests of
 `nsa_diag.slurm` here, not by a run.
 
-Default set: the settings and the state table (no process), bad input (exit 2, one line), and one matrix
-of a passing, a hanging and a crashing case. Slow: the same file run locally and compared, an interrupted
-run (every job cancelled, every case a result, no process left) resumed, and jobs killed from outside.
+Default set: the settings, the sbatch lines and the state table (no process), bad input (exit 2, one
+line), one matrix of a passing, a hanging and a crashing case, and a job killed from outside. Slow: the
+same file run locally and compared, an interrupted run (every job cancelled, every case a result, no
+process left) resumed, and jobs cancelled or warned from outside.
 """
 
 from __future__ import annotations
@@ -393,8 +394,14 @@ def test_an_interrupt_cancels_every_job_and_resume_submits_only_the_unfinished(t
     assert summary_of(run_dir)["matrix"]["not_rerun"] == ["a"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("how", ["sigkill-job", "cancel-job", "usr2-warning"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "sigkill-job",  # the short sibling in the default set: a job gone without a word
+        pytest.param("cancel-job", marks=pytest.mark.slow),
+        pytest.param("usr2-warning", marks=pytest.mark.slow),
+    ],
+)
 def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, how: str) -> None:
     """As Slurm ends a job (a node lost, scancel, the time limit near): the job's process is killed (the
     case never writes its result), cancelled the way `job.cancel()` does it (SIGINT to the job's
