@@ -28,13 +28,13 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
-from nsa_diag.analysis.ranks import SEVERITY, cross_rank_diff, rank_exit_codes
+from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
-from nsa_diag.probe.runtime import NONFINITE_JSON, PROBE_JSON
+from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
 from nsa_diag.spec import CaseResult, CaseSpec, WorkerException, WorkerReport
-from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate, steps_done
+from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 
 __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]
 
@@ -238,7 +238,9 @@ def location(result: CaseResult, rank: int | None) -> str:
     """``"rank 1, step 5, backward, layers.7"``: where a unit was, as far as its probe could know."""
     parts = [f"rank {rank}"] if rank is not None else []
     w = result.where
-    if w is not None:
+    if w is not None and w.phase == "step" and w.event == "end" and w.step is not None:
+        parts.append(f"step {w.step + 1}, before any hooked block (step {w.step}'s optimizer step done)")
+    elif w is not None:
         if w.step is not None:
             parts.append(f"step {w.step}")
         if w.phase:
@@ -352,7 +354,8 @@ def combine(
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
-    update: dict[str, Any] = {"steps_done": steps, "evidence": {**evidence, "location": where}}
+    evidence["location"] = where
+    update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
         update.update(rate=rate, reason=_slow_reason(rate, spec.timeout, where))
@@ -389,6 +392,8 @@ def _rank_hang(
     threads = {r: _focus(folders[r]) for r in ranks if r in folders}
     diff = cross_rank_diff(threads, {})
     evidence["stack_diff"] = diff
+    if not diff.get("minority_ranks"):
+        _collective_minority(diff, folders, ranks)
     minority = diff.get("minority_ranks") or []
     evidence["minority_ranks"] = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
@@ -409,5 +414,22 @@ def _rank_hang(
     return kind, reason
 
 
-def worst(results: Mapping[int, CaseResult]) -> int:
-    return min(results, key=lambda k: SEVERITY.index(results[k].verdict))
+def _collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
+    """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
+    probe's counts at the hang, ``at_hang.json``) are the minority: the others wait for them."""
+    at_hang = {}
+    for r in ranks:
+        with contextlib.suppress(OSError, ValueError):
+            at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)
+    waits = {r: a["waiting"] for r, a in at_hang.items() if a.get("waiting")}
+    if not waits:
+        return
+    op, n = max(((w["op"], w["n"]) for w in waits.values()), key=lambda t: t[1])
+    behind = sorted(r for r, a in at_hang.items() if (a.get("collectives") or {}).get(op, 0) < n)
+    if behind and len(behind) < len(at_hang):
+        majority = sorted(r for r in at_hang if r not in behind)
+        diff["minority_ranks"], diff["majority_ranks"] = behind, majority
+        diff["basis"] = (
+            f"collective counts: rank(s) {', '.join(map(str, majority))} wait in {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, behind))} never entered"
+        )

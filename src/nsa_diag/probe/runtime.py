@@ -50,6 +50,15 @@ STACKS = "stacks.txt"
 DUMP_REQUEST = "dump.request"
 DUMP_DONE = "dump.done"
 STACK_REQUEST = "stack.request"
+AT_HANG_JSON = "at_hang.json"  # the heartbeat thread's answer to dump.request: memory, collectives
+# torch.distributed's collectives the probe counts (per op) and marks while a call is under way: at a hang
+# the ranks' counts tell which rank never entered the collective the others wait in (gloo has no flight
+# recorder). One Python call around a call that costs milliseconds; nothing else changes.
+COLLECTIVES = (
+    "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "send", "recv", "broadcast_object_list",
+)  # fmt: skip
 HEARTBEAT_S = 0.1
 
 _probe: Probe | None = None
@@ -88,6 +97,8 @@ class Sink:
         self.explicit = False
         self.optimizer: int | None = None  # id() of the optimizer whose steps count
         self.lock = threading.Lock()
+        self.collectives: dict[str, int] = {}  # op -> calls entered
+        self.waiting: dict[str, Any] | None = None  # the collective under way: {"op", "n"}
 
     @property
     def forward_phase(self) -> str:
@@ -225,7 +236,9 @@ class Probe:
             if not answered and request.exists():
                 answered = True
                 try:
-                    _write_json(done.with_suffix(".json"), memory_now())
+                    at_hang = {"memory": memory_now(), "step": self.sink.step}
+                    at_hang.update(collectives=dict(self.sink.collectives), waiting=self.sink.waiting)
+                    _write_json(self.folder / AT_HANG_JSON, at_hang)
                     done.write_text("ok\n")
                 except Exception as exc:  # evidence is best effort; say what failed
                     done.write_text(f"failed: {type(exc).__name__}: {exc}\n")
@@ -331,12 +344,46 @@ def install_torch_hooks(torch: Any) -> None:
         if _probe is not None:
             _probe.sink.optimizer_end(opt)
 
+    _wrap_collectives(torch)
     optim.register_optimizer_step_pre_hook(step_begin)
     optim.register_optimizer_step_post_hook(step_end)
     finder = _ModelFinder()
     finder.handle = nn_module.register_module_forward_pre_hook(finder)
     if _probe is not None:
         _probe.note("torch", True)
+
+
+def _wrap_collectives(torch: Any) -> None:
+    """Count the job's calls of torch.distributed's collectives (`COLLECTIVES`) per op."""
+    import functools
+    import warnings
+
+    warnings.filterwarnings(  # our full backward hooks' own warning, not the job's
+        "ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs"
+    )
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            sink = _probe.sink if _probe is not None else None
+            if sink is None:
+                return fn(*args, **kwargs)
+            n = sink.collectives[name] = sink.collectives.get(name, 0) + 1
+            sink.waiting = {"op": name, "n": n}
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sink.waiting = None
+
+        return collective
+
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if callable(fn):
+            setattr(dist, name, wrap(name, fn))
 
 
 class _ModelFinder:
