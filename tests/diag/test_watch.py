@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from diag_cli import cli_env, run_cli
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -35,7 +34,9 @@ def _case(out: Path) -> Path:
     return run / "cases" / "watch"
 
 
-def _watch(tmp_path: Path, *options: str, job: list[str], env: dict[str, str] | None = None, timeout: float = 240):
+def _watch(
+    tmp_path: Path, *options: str, job: list[str], env: dict[str, str] | None = None, timeout: float = 240
+):
     out = tmp_path / "runs"
     proc = run_cli("watch", "--out", out, *options, "--", *job, cwd=JOBS, env=env, timeout=timeout)
     return proc, out
@@ -59,27 +60,35 @@ def _alive(pid: int) -> bool:
 def test_plain_loop_passes(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, job=[PY, "plain_loop.py"])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "step 5 loss" in proc.stdout and "training done" in proc.stdout  # streamed to the terminal
+    assert "step 5 loss" in proc.stdout
+    assert "training done" in proc.stdout  # streamed to the terminal
     result = _result(out)
     assert result["verdict"] == "pass"
     case = _case(out)
     assert "training done" in (case / "stdout.log").read_text()
     spec = json.loads((case / "spec.json").read_text())
-    assert spec["command"]["argv"] == [PY, "plain_loop.py"] and spec["command"]["cwd"] == str(JOBS)
+    assert spec["command"]["argv"] == [PY, "plain_loop.py"]
+    assert spec["command"]["cwd"] == str(JOBS)
     (pid,) = _job_pids(case)
     probe = json.loads((case / "procs" / f"pid-{pid}" / "probe.json").read_text())
-    assert probe["torch"] is True and probe["sigusr1"] == "probe" and probe["model"]["blocks"] == "layers"
+    assert probe["torch"] is True
+    assert probe["sigusr1"] == "probe"
+    assert probe["model"]["blocks"] == "layers"
     replay = (case / "replay.sh").read_text()
-    assert f"cd {JOBS}" in replay and "watch" in replay and "plain_loop.py" in replay
+    assert f"cd {JOBS}" in replay
+    assert "watch" in replay
+    assert "plain_loop.py" in replay
 
 
 def test_deadlock_in_backward_is_a_python_deadlock_at_step_3(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "deadlock_backward.py"])
     assert proc.returncode == 1, proc.stderr[-2000:]
     result = _result(out)
-    assert result["verdict"] == "hang" and result["hang_kind"] == "python-deadlock", result["reason"]
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
     assert result["evidence"]["location"] == "step 3, backward, layers.1"
-    assert "deadlock_backward.py" in result["reason"] and "stats_lock" in result["reason"]
+    assert "deadlock_backward.py" in result["reason"]
+    assert "stats_lock" in result["reason"]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
@@ -98,19 +107,22 @@ def test_raise_is_an_error_with_the_exception(tmp_path: Path) -> None:
         pytest.param([], "no command after --", id="no-command"),
         pytest.param(["--", "no-such-command-nsa"], "command not found", id="missing-command"),
         pytest.param(["--keep-alive", "--timeout", "soon", "--", "true"], "--timeout", id="timeout-nonsense"),
-        pytest.param(["--keep-alive", "--timeout", "-5", "--", "true"], "--timeout -5", id="timeout-negative"),
+        pytest.param(
+            ["--keep-alive", "--timeout", "-5", "--", "true"], "--timeout -5", id="timeout-negative"
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
     proc = run_cli("watch", "--out", tmp_path / "runs", *args, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert says in lines[0], proc.stderr
     assert not (tmp_path / "runs").exists()
 
 
 def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
-    """SIGINT to nsa-diag: exit 130, and the job's processes, one of them in a session of its own, are gone."""
+    """SIGINT to nsa-diag: exit 130; the job's processes, one in a session of its own, are gone."""
     out = tmp_path / "runs"
     job = (
         "import subprocess, sys, time; "
@@ -126,8 +138,12 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
         pids: list[int] = []
         while time.monotonic() < deadline and len(pids) < 2:
             time.sleep(0.5)
-            runs = [p for p in out.glob("*/cases/watch/procs")]
-            pids = [int(p.name[4:]) for p in runs[0].glob("pid-*") if (p / "probe.json").exists()] if runs else []
+            runs = list(out.glob("*/cases/watch/procs"))
+            pids = (
+                [int(p.name[4:]) for p in runs[0].glob("pid-*") if (p / "probe.json").exists()]
+                if runs
+                else []
+            )
         assert len(pids) == 2, "the job and its child never started under the probe"
         nsa.send_signal(signal.SIGINT)
         _, err = nsa.communicate(timeout=60)
@@ -137,7 +153,8 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
     assert nsa.returncode == 130, err[-2000:]
     time.sleep(0.5)
     assert not [p for p in pids if _alive(p)]
-    assert _result(out)["verdict"] == "error" and "interrupted" in _result(out)["reason"]
+    assert _result(out)["verdict"] == "error"
+    assert "interrupted" in _result(out)["reason"]
 
 
 # --- slow: one job each -------------------------------------------------------------------------------
@@ -145,11 +162,14 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
-    proc, out = _watch(tmp_path, "--stall", "5", "--timeout", "6", "--total-steps", "60", job=[PY, "slow_steps.py"])
+    proc, out = _watch(
+        tmp_path, "--stall", "5", "--timeout", "6", "--total-steps", "60", job=[PY, "slow_steps.py"]
+    )
     assert proc.returncode == 1
     result = _result(out)
     assert result["verdict"] == "slow", result["reason"]
-    assert result["rate"]["steps_total"] == 60 and result["rate"]["eta_s"] > 0
+    assert result["rate"]["steps_total"] == 60
+    assert result["rate"]["eta_s"] > 0
     assert "ETA" in result["reason"]
 
 
@@ -157,7 +177,8 @@ def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
 def test_segfault_is_a_crash(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, job=[PY, "segfault.py"])
     result = _result(out)
-    assert result["verdict"] == "crash" and result["signal"] == "SIGSEGV", result["reason"]
+    assert result["verdict"] == "crash", result["reason"]
+    assert result["signal"] == "SIGSEGV", result["reason"]
     assert "segfault.py" in result["reason"]  # faulthandler's fatal traceback, into the probe's stacks.txt
 
 
@@ -167,7 +188,8 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
            "ddp_skip_allreduce.py"]  # fmt: skip
     proc, out = _watch(tmp_path, "--stall", "3", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
     result = _result(out)
-    assert result["verdict"] == "hang" and result["hang_kind"] == "collective", result["reason"]
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective", result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
     case = _case(out)
     assert sorted(p.name for p in (case / "ranks").iterdir()) == ["0", "1"]
@@ -179,7 +201,8 @@ def test_dataloader_worker_that_blocks_is_named(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "dataloader_block.py"])
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
-    assert "DataLoader worker" in result["reason"] and "dataloader_block.py" in result["reason"]
+    assert "DataLoader worker" in result["reason"]
+    assert "dataloader_block.py" in result["reason"]
     assert result["evidence"]["waits_on"]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
@@ -210,7 +233,8 @@ def test_job_without_torch_is_judged_by_its_exit_status(tmp_path: Path, code: in
     proc, out = _watch(tmp_path, job=[PY, "no_torch.py", str(code)])
     assert "most common: ('the', 3)" in proc.stdout
     result = _result(out)
-    assert result["verdict"] == verdict and result["exit_code"] == code, result["reason"]
+    assert result["verdict"] == verdict, result["reason"]
+    assert result["exit_code"] == code, result["reason"]
 
 
 # --- GPU ----------------------------------------------------------------------------------------------
@@ -228,7 +252,8 @@ def _cuda_devices() -> int:
 def test_gpu_kernel_spin_is_a_cuda_kernel_hang(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "gpu_spin.py"])
     result = _result(out)
-    assert result["verdict"] == "hang" and result["hang_kind"] == "cuda-kernel", result["reason"]
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "cuda-kernel", result["reason"]
 
 
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA devices")
@@ -237,5 +262,6 @@ def test_nccl_rank_skipping_an_all_reduce_is_a_collective_hang(tmp_path: Path) -
            "ddp_skip_allreduce.py", "--nccl"]  # fmt: skip
     proc, out = _watch(tmp_path, "--stall", "5", job=job)
     result = _result(out)
-    assert result["verdict"] == "hang" and result["hang_kind"] == "collective", result["reason"]
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective", result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]

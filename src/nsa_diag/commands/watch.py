@@ -17,7 +17,10 @@ def watch(
     options: CaseOptions,
     command: Annotated[
         list[str] | None,
-        typer.Argument(help="The command to run, after --: python train.py ..., torchrun ..., ./run.sh.", show_default=False),
+        typer.Argument(
+            help="The command to run, after --: python train.py ..., torchrun ..., ./run.sh.",
+            show_default=False,
+        ),
     ] = None,
     keep_alive: Annotated[
         bool,
@@ -33,7 +36,7 @@ def watch(
             "--total-steps",
             min=1,
             metavar="N",
-            help="Steps the job will run, for a slow job's ETA (or the job calls nsa_diag.probe.total_steps).",
+            help="Steps the job will run, for a slow job's ETA (or it calls nsa_diag.probe.total_steps).",
             rich_help_panel=_JOB,
         ),
     ] = None,

@@ -105,8 +105,8 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]
     nonfinite = _nonfinite(case_dir, infos)
     if nonfinite is not None:
         reason = (
-            f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} (pid {nonfinite['pid']}, "
-            f"told to nsa_diag.probe.loss); the job exited with code {code}"
+            f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} "
+            f"(pid {nonfinite['pid']}, told to nsa_diag.probe.loss); the job exited with code {code}"
         )
         return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
     if code == 0:
@@ -294,7 +294,8 @@ def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> dict[str, Any
         rate.pop(key, None)
     rate["steps_total"] = None
     rate["eta"] = (
-        "unknown: the job's total steps are unknown (nsa-diag watch --total-steps N, or nsa_diag.probe.total_steps(n))"
+        "unknown: the job's total steps are unknown "
+        "(nsa-diag watch --total-steps N, or nsa_diag.probe.total_steps(n))"
     )
     return rate
 
@@ -306,8 +307,8 @@ def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str) -> str:
     )
     if rate.get("eta_s") is not None:
         return (
-            text
-            + f"; ETA {rate['eta_s']:g} s more ({rate.get('steps_total')} steps, ~{rate.get('estimated_total_s'):g} s in all)"
+            text + f"; ETA {rate['eta_s']:g} s more ({rate.get('steps_total')} steps, "
+            f"~{rate.get('estimated_total_s'):g} s in all)"
         )
     return text + "; ETA unknown (total steps unknown)"
 
@@ -347,7 +348,7 @@ def combine(
         base = per_unit[source]
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
         if base.signal == "SIGKILL" and not stop.get("sigkill"):
-            reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer is the usual sender (dmesg says)"
+            reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         return base.model_copy(update={"reason": reason, "steps_done": steps, "evidence": evidence})
 
     key = decider if decider is not None else root

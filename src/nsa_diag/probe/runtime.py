@@ -26,6 +26,7 @@ the job computes. Every failure of the probe is kept to the probe (recorded in `
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import importlib.abc
 import importlib.machinery
@@ -190,10 +191,8 @@ class Probe:
     # --- files --------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             _write_json(self.folder / PROBE_JSON, self.info)
-        except OSError:
-            pass
 
     def note(self, key: str, value: Any) -> None:
         self.info[key] = value
@@ -359,7 +358,8 @@ def _wrap_collectives(torch: Any) -> None:
     import warnings
 
     warnings.filterwarnings(  # our full backward hooks' own warning, not the job's
-        "ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs"
+        "ignore",
+        message="Full backward hook is firing when gradients are computed with respect to module outputs",
     )
     dist = getattr(torch, "distributed", None)
     if dist is None or not dist.is_available():

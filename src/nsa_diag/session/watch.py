@@ -84,7 +84,9 @@ class WatchPlan(CaseList):
 
     def begin(self, session: Session) -> None:
         assert self.spec.command is not None
-        session.note(f"nsa-diag watch: {' '.join(self.spec.command.argv)} -> {session.case_dir(self.spec.name)}")
+        session.note(
+            f"nsa-diag watch: {' '.join(self.spec.command.argv)} -> {session.case_dir(self.spec.name)}"
+        )
 
     def execute(self, session: Session) -> None:
         echo = sys.stderr.buffer if self.json_output else None
