@@ -536,18 +536,26 @@ def gather_hang_evidence(
     )
     ev.notes["memory_at_hang"] = _request_memory_dump(case_dir, proc, ev.heartbeat_before)
     stacks_path = case_dir / artifacts.STACKS
-    sampling = may_signal is None and catches_sigusr1(pid) is not False
-    if may_signal is not None:
-        ev.notes["stack_samples"] = f"not taken: {may_signal}"
-    elif not sampling:
-        ev.notes["stack_samples"] = "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
+    if may_signal is None:
+        sampling = catches_sigusr1(pid) is not False
+        if not sampling:
+            ev.notes["stack_samples_why"] = (
+                "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
+            )
+    else:  # no signal; a probe's heartbeat thread, when it runs, dumps the stacks from Python instead
+        sampling = ev.heartbeat_before is True
+        how = "taken by the probe's heartbeat thread" if sampling else "not taken"
+        ev.notes["stack_samples_why"] = f"no SIGUSR1 ({may_signal}): {how}"
 
+    signal_ok = may_signal is None
     t0 = time.monotonic()
     cpu0 = procfs.cpu_seconds(pid)
     beat0 = _heartbeat(case_dir)
     writers = []  # who wrote each stack sample
     if sampling:
-        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before))
+        writers.append(
+            stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before, signal_ok=signal_ok)
+        )
     snapshot = (
         gpu.nvml_snapshot()
         if spec.device != "cpu"
@@ -559,7 +567,9 @@ def gather_hang_evidence(
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:
-        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before))
+        writers.append(
+            stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before, signal_ok=signal_ok)
+        )
         if "heartbeat thread" in writers:
             ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)

@@ -222,6 +222,8 @@ def test_own_sigusr1_handler_is_never_signalled(tmp_path: Path) -> None:
     result = _result(out)
     assert "got SIGUSR1" not in proc.stdout
     assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]  # stacks from the heartbeat thread
+    assert "own_sigusr1.py" in result["reason"]
     (pid,) = _job_pids(_case(out))
     probe = json.loads((_case(out) / "procs" / f"pid-{pid}" / "probe.json").read_text())
     assert probe["sigusr1"] == "user"

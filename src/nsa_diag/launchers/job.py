@@ -338,7 +338,7 @@ def combine(
         }
         for key, res in per_unit.items()
     }  # fmt: skip
-    evidence = {"outcome": outcome, "stop": stop, **notes, "processes": processes}
+    evidence: dict[str, Any] = {"stop": stop, **notes, "processes": processes}
     steps = max((r.steps_done for r in per_unit.values()), default=0)
     if outcome == "exited":
         source = root
@@ -349,13 +349,14 @@ def combine(
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
         if base.signal == "SIGKILL" and not stop.get("sigkill"):
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
-        return base.model_copy(update={"reason": reason, "steps_done": steps, "evidence": evidence})
+        update = {"reason": reason, "steps_done": steps, "evidence": {**base.evidence, **evidence}}
+        return base.model_copy(update=update)
 
     key = decider if decider is not None else root
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
-    evidence["location"] = where
+    evidence = {**base.evidence, **evidence, "location": where}
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
