@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from diag_cli import cli_env, run_cli
 
+from nsa_diag.launchers import job
+
 JOBS = Path(__file__).resolve().parent / "jobs"
 PY = sys.executable
 
@@ -52,6 +54,56 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# --- pure parts: the probe's import cost, the job's traceback, the ranks' counts ---------------------
+
+
+def test_probe_api_is_a_no_op_outside_watch_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; import nsa_diag.probe as probe; "
+        "probe.total_steps(3); probe.step(1); probe.phase('eval'); probe.loss(float('nan')); "
+        "heavy = [m for m in ('torch', 'typer', 'rich', 'pydantic') if m in sys.modules]; "
+        "print(probe.active(), heavy)"
+    )
+    env = {k: v for k, v in cli_env().items() if k != "NSA_DIAG_PROBE_DIR"}
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.strip() == "False []", proc.stderr
+
+
+def test_last_traceback_skips_torchrun_summary() -> None:
+    stderr = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/x/train.py", line 12, in <module>',
+        "[rank1]:     step()",
+        "[rank1]: RuntimeError: shapes do not match",
+        "Traceback (most recent call last):",
+        '  File "/v/bin/torchrun", line 8, in <module>',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])  # fmt: skip
+    exc = job.last_traceback(stderr)
+    assert exc is not None
+    assert (exc.type, exc.message) == ("RuntimeError", "shapes do not match")
+
+
+def test_collective_counts_name_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
+    folders = {r: tmp_path / str(r) for r in (0, 1)}
+    at_hang = {
+        0: {"collectives": {"all_reduce": 12}, "waiting": None},
+        1: {"collectives": {"all_reduce": 8, "barrier": 1}, "waiting": {"op": "barrier", "n": 1}},
+    }
+    for r, data in at_hang.items():
+        folders[r].mkdir()
+        (folders[r] / "at_hang.json").write_text(json.dumps(data))
+    diff: dict[str, Any] = {}
+    job._collective_minority(diff, folders, {0: 100, 1: 101})
+    assert diff["minority_ranks"] == [1]  # NCCL: rank 0 called all_reduce 12 times, rank 1 only 8
+    for r, data in {0: {"all_reduce": 9}, 1: {"all_reduce": 8, "barrier": 1}}.items():
+        waits = {"op": "all_reduce", "n": 9} if r == 0 else {"op": "barrier", "n": 1}
+        (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": waits}))
+    diff = {}
+    job._collective_minority(diff, folders, {0: 100, 1: 101})
+    assert diff["minority_ranks"] == [1]  # gloo: rank 0 waits in all_reduce #9, which rank 1 never entered
 
 
 # --- default set --------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "uni
 
 STDERR_READ_BYTES = 256 * 1024
 _TRACEBACK = "Traceback (most recent call last):"
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:")
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]: ?")
 _LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
 
 
@@ -423,15 +423,24 @@ def _collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], rank
     for r in ranks:
         with contextlib.suppress(OSError, ValueError):
             at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)
-    waits = {r: a["waiting"] for r, a in at_hang.items() if a.get("waiting")}
-    if not waits:
+    counts = {r: a.get("collectives") or {} for r, a in at_hang.items()}
+    waiting = {w["op"]: w["n"] for a in at_hang.values() if (w := a.get("waiting"))}
+    ops = {op for c in counts.values() for op in c}
+    if not ops:
         return
-    op, n = max(((w["op"], w["n"]) for w in waits.values()), key=lambda t: t[1])
-    behind = sorted(r for r, a in at_hang.items() if (a.get("collectives") or {}).get(op, 0) < n)
-    if behind and len(behind) < len(at_hang):
-        majority = sorted(r for r in at_hang if r not in behind)
+    top = {op: max(c.get(op, 0) for c in counts.values()) for op in ops}
+    gap = {op: top[op] - min(c.get(op, 0) for c in counts.values()) for op in ops}
+    # The op most unevenly called; on a tie, the one a rank waits in (gloo blocks inside the call; NCCL
+    # returns at once and waits at a device sync), then the most called.
+    op = max(ops, key=lambda o: (gap[o], waiting.get(o, 0), top[o]))
+    if gap[op] == 0:
+        return
+    n, how = top[op], "wait in" if op in waiting else "called"
+    behind = sorted(r for r, c in counts.items() if c.get(op, 0) < n)
+    if behind and len(behind) < len(counts):
+        majority = sorted(r for r in counts if r not in behind)
         diff["minority_ranks"], diff["majority_ranks"] = behind, majority
         diff["basis"] = (
-            f"collective counts: rank(s) {', '.join(map(str, majority))} wait in {op} #{n}, which rank(s) "
-            f"{', '.join(map(str, behind))} never entered"
+            f"collective counts: rank(s) {', '.join(map(str, majority))} {how} {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, behind))} never reached"
         )
