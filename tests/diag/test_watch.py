@@ -96,13 +96,13 @@ def test_collective_counts_name_the_rank_that_never_reached_the_collective(tmp_p
         folders[r].mkdir()
         (folders[r] / "at_hang.json").write_text(json.dumps(data))
     diff: dict[str, Any] = {}
-    job._collective_minority(diff, folders, {0: 100, 1: 101})
+    job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # NCCL: rank 0 called all_reduce 12 times, rank 1 only 8
     for r, data in {0: {"all_reduce": 9}, 1: {"all_reduce": 8, "barrier": 1}}.items():
         waits = {"op": "all_reduce", "n": 9} if r == 0 else {"op": "barrier", "n": 1}
         (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": waits}))
     diff = {}
-    job._collective_minority(diff, folders, {0: 100, 1: 101})
+    job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # gloo: rank 0 waits in all_reduce #9, which rank 1 never entered
 
 

@@ -360,7 +360,10 @@ def combine(
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
-        update.update(rate=rate, reason=_slow_reason(rate, spec.timeout, where))
+        reason = _slow_reason(rate, spec.timeout, where)
+        if stop.get("kept_alive"):
+            reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
+        update.update(rate=rate, reason=reason)
         return base.model_copy(update=update)
     reason, kind = base.reason, base.hang_kind
     if len(ranks) > 1:
@@ -377,6 +380,8 @@ def combine(
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
         evidence["waits_on"] = waited
     where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {where}"
+    if stop.get("kept_alive"):
+        reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
     update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
     return base.model_copy(update=update)
 
@@ -395,7 +400,7 @@ def _rank_hang(
     diff = cross_rank_diff(threads, {})
     evidence["stack_diff"] = diff
     if not diff.get("minority_ranks"):
-        _collective_minority(diff, folders, ranks)
+        collective_minority(diff, folders, ranks)
     minority = diff.get("minority_ranks") or []
     evidence["minority_ranks"] = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
@@ -416,7 +421,7 @@ def _rank_hang(
     return kind, reason
 
 
-def _collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
+def collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
     probe's counts at the hang, ``at_hang.json``) are the minority: the others wait for them."""
     at_hang = {}
