@@ -1,8 +1,9 @@
 """`nsa-diag watch -- CMD` on real jobs: scripts in tests/diag/jobs/ written as users write them (nothing of
 nsa_diag imported), run by nsa-diag in a subprocess as a user would, each judged from its run folder.
 
-The default set keeps one pass, one hang (deadlock in backward), one error, bad input and Ctrl-C; the
-other jobs are marked slow (each takes 15-40 s on a loaded 2-core machine: torch imports, stall limits).
+The default set keeps one pass, one hang (deadlock in backward), bad input, Ctrl-C and the pure parts
+(the probe's import cost, traceback parsing, collective counts); the other jobs are marked slow (each
+10-40 s on a loaded 2-core machine: nsa-diag's and the job's torch imports, the stall limits).
 GPU jobs (a CUDA kernel that spins, a 2-GPU NCCL job that skips a collective) skip without CUDA.
 """
 
@@ -144,6 +145,7 @@ def test_deadlock_in_backward_is_a_python_deadlock_at_step_3(tmp_path: Path) -> 
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow
 def test_raise_is_an_error_with_the_exception(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, job=[PY, "raises.py"])
     assert proc.returncode == 1
