@@ -228,6 +228,16 @@ def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_nonfinite_loss_told_to_the_probe_is_nonfinite(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "nonfinite_loss.py"])
+    assert "done" in proc.stdout  # the job ran to its end, unchanged
+    result = _result(out)
+    assert result["verdict"] == "nonfinite", result["reason"]
+    assert result["nonfinite"]["step"] == 3
+    assert result["nonfinite"]["value"] == "nan"
+
+
+@pytest.mark.slow
 def test_segfault_is_a_crash(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, job=[PY, "segfault.py"])
     result = _result(out)
