@@ -578,6 +578,9 @@ def gather_hang_evidence(
     ev.notes["heartbeat_ticks_between_samples"] = None if beat0 is None or beat1 is None else beat1 - beat0
 
     main = next((p for p in proc_json.get("processes", ()) if p.get("pid") == pid), None)
+    if main is None and proc_json.get("available"):  # not a session leader (a job's child process)
+        main = procfs.process_snapshot(pid)
+        proc_json["processes"] = [*proc_json["processes"], main]
     thread = procfs.main_thread(main) if main else None
     if thread is not None:
         ev.main_wchan, ev.main_state = thread["wchan"], thread["state"]

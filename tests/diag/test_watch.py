@@ -303,6 +303,22 @@ def test_job_without_torch_is_judged_by_its_exit_status(tmp_path: Path, code: in
     assert result["exit_code"] == code, result["reason"]
 
 
+@pytest.mark.slow
+def test_shell_script_starting_python_is_judged_by_its_exit_and_its_python_child(tmp_path: Path) -> None:
+    """The command itself is not Python (no probe: never signalled, never stalled); its Python child is."""
+    proc, out = _watch(tmp_path, "--stall", "3", job=["bash", "-c", f"{PY} deadlock_backward.py; echo after"])
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
+    assert result["evidence"]["location"] == "step 3, backward, layers.1"
+    root = result["evidence"]["root_pid"]
+    assert result["reason"].startswith("pid ")
+    assert not result["reason"].startswith(f"pid {root} ")  # the Python child decided, not bash
+    stacks = _case(out) / "procs" / f"pid-{root}" / "stacks.txt"
+    assert not stacks.exists()  # bash has no probe: never sent SIGUSR1, no sample asked of it
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 
 
