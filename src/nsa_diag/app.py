@@ -31,6 +31,7 @@ from nsa_diag.commands.scale import scale
 from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
 from nsa_diag.commands.verify import verify
+from nsa_diag.commands.watch import watch
 from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
@@ -97,6 +98,7 @@ app.command("matrix")(matrix)
 app.command("report")(report)
 app.command("compare")(compare)
 app.command("env")(env)
+app.command("watch", context_settings={"allow_interspersed_args": False})(watch)
 app.command("attach")(attach)
 app.command("schema")(schema)
 

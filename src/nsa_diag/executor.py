@@ -31,7 +31,14 @@ from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import Launcher, Unit, default_launcher, pinned_env
 from nsa_diag.results import case_files, error_result, unit_result
 from nsa_diag.spec import CaseResult, CaseSpec
-from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, gather_hang_evidence, watch
+from nsa_diag.watchdog import (
+    BeaconSource,
+    HangEvidence,
+    ProcessHandle,
+    WatchResult,
+    gather_hang_evidence,
+    watch,
+)
 from nsa_diag.worker.beacon import BeaconState
 
 ProgressCallback = Callable[[BeaconState | None, float], None]
@@ -104,7 +111,7 @@ def gather_evidence(
 
     def one(key: int) -> None:
         unit, w = by_key[key]
-        out[key] = gather_hang_evidence(targets[key], unit.folder, spec, w.last_state)
+        out[key] = gather_hang_evidence(targets[key], unit.folder, spec, w.last_state, unit.no_signal)
 
     if len(units) == 1:
         for key in targets:
@@ -129,8 +136,14 @@ def _watch_and_judge(
 ) -> CaseResult:
     """From a started job to the case's result: watch, evidence, stop, classify, combine."""
     assert launcher.proc is not None
-    units = launcher.units(case_dir)
-    watched = watch(launcher.proc, [u.beacon for u in units], spec, started, on_progress)
+    if launcher.units_appear:  # a user's job: its processes come and go; asked again at every poll
+        beacons: BeaconSource = lambda: [u.beacon for u in launcher.units(case_dir)]  # noqa: E731
+    else:
+        beacons = [u.beacon for u in launcher.units(case_dir)]
+    watched = watch(
+        launcher.proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear
+    )
+    units = launcher.units(case_dir)[: len(watched.units)]
     launcher.after_watch(case_dir)
     notes = launcher.notes()
     hangs: dict[int, HangEvidence] = {}

@@ -164,6 +164,27 @@ class DdpSpec(BaseModel):
         return self
 
 
+class CommandSpec(BaseModel):
+    """A user's own command under `nsa-diag watch` (`nsa_diag.launchers.command`): what runs, where, with
+    which environment, and what watch does after the evidence of a stall."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: tuple[str, ...] = Field(min_length=1, description="the command and its arguments, as given")
+    cwd: str = Field(description="the directory it runs in (where nsa-diag watch was started)")
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="the job's environment as env.json records it (NSA_, TORCH_, NCCL_, CUDA_, ... names; "
+        "secret values withheld); the job gets the whole environment",
+    )
+    keep_alive: bool = Field(
+        False, description="after a stall's or timeout's evidence, leave the job running"
+    )
+    total_steps: int | None = Field(
+        None, ge=1, description="steps the job will run, for a slow job's ETA (the job may say it itself)"
+    )
+
+
 def _inject_help() -> str:
     """`--inject`'s help, listing the kinds, phases and key defaults from `FaultKind` and `Injection`."""
     fields = Injection.model_fields
@@ -360,6 +381,11 @@ class CaseSpec(BaseModel):
         Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
     )
 
+    # Issue 17: set, the case is a user's own command (nsa-diag watch; nsa_diag.launchers.command).
+    command: Annotated[CommandSpec | None, NotAnOption("nsa-diag watch: the command after --")] = Field(
+        None, description="nsa-diag watch: the user's command, its directory and environment"
+    )
+
     @property
     def parity_tolerance(self) -> float:
         """Relative-error limit of `reference_check`: given, or by dtype (fp32 1e-4, fp16 1e-2, bf16 5e-2)."""
@@ -406,7 +432,7 @@ class CaseSpec(BaseModel):
         """Stable hash of what the case computes (the name excluded), to find finished cases again."""
         # A single-process case hashes as before the ddp field existed (finished cases stay recognised);
         # so does a case without layers_attr.
-        later = {field for field in ("ddp", "layers_attr") if getattr(self, field) is None}
+        later = {field for field in ("ddp", "layers_attr", "command") if getattr(self, field) is None}
         data = self.model_dump(mode="json", exclude={"name"} | later)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

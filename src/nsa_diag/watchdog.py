@@ -330,6 +330,22 @@ def _judge(decision: Decision, has_beacon: bool, spec: CaseSpec) -> Decision:
     return replace(decision, status="timeout" if decision.elapsed_s > spec.timeout else "running")
 
 
+def reports_progress(beacon: Path | None, history: Sequence[Observation], optional: bool) -> bool:
+    """Whether a unit is judged by its progress: it has a beacon, and with ``optional`` beacons (a user's
+    job, `nsa_diag.launchers.command`) that beacon has recorded a progress event beyond its start. A
+    probed process that never reports one (torchrun's agent, a DataLoader worker, a tokenizer) is judged
+    by the timeout alone, like a process without the probe."""
+    if beacon is None:
+        return False
+    if not optional:
+        return True
+    state = _last_state(history)
+    return state is not None and state.seq > 1
+
+
+BeaconSource = Sequence[Path | None] | Callable[[], Sequence[Path | None]]
+
+
 def _longest_gap(longest: float | None, before: BeaconState | None, now: BeaconState | None) -> float | None:
     """``longest`` updated with the gap from the event ``before`` to a new one ``now`` (after setup)."""
     if before is None or now is None or now.seq <= before.seq or in_setup(before):
@@ -340,22 +356,31 @@ def _longest_gap(longest: float | None, before: BeaconState | None, now: BeaconS
 
 def watch(
     proc: ProcessHandle,
-    beacons: Sequence[Path | None],
+    beacons: BeaconSource,
     spec: CaseSpec,
     started: float,
     on_progress: Callable[[BeaconState | None, float], None] | None = None,
     poll_s: float = POLL_S,
+    optional_beacons: bool = False,
 ) -> Watched:
     """Poll the job (``proc``) and every unit's beacon until the job exits, a unit stalls or the timeout
     passes. A single worker is one unit; torchrun's local ranks are one each. Every unit is judged by
     `decide`; the first unit to stall (the longest idle) decides, else the first past the timeout.
-    ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds since ``started``."""
-    histories = [[Observation(started, None)] for _ in beacons]
-    gaps: list[float | None] = [None for _ in beacons]
+    ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds since ``started``.
+
+    ``beacons`` may be a function, asked at every poll, for a job whose processes appear over time (a
+    user's command: torchrun starts its ranks later, a DataLoader forks workers): its list only grows, and
+    `Watched.units` follows its last answer. ``optional_beacons``: see `reports_progress`."""
+    histories: list[list[Observation]] = []
+    gaps: list[float | None] = []
     while True:
         code = proc.poll()
         now = time.time()
-        for i, beacon in enumerate(beacons):
+        current = list(beacons() if callable(beacons) else beacons)
+        histories += [[Observation(started, None)] for _ in current[len(histories) :]]
+        gaps += [None for _ in current[len(gaps) :]]
+        beacons_now = current
+        for i, beacon in enumerate(beacons_now):
             state = read_beacon(beacon) if beacon is not None else None
             gaps[i] = _longest_gap(gaps[i], _last_state(histories[i]), state)
             histories[i] = compact([*histories[i], Observation(now, state)])
@@ -367,12 +392,14 @@ def watch(
             units = [WatchResult("exited", h, None, code, g) for h, g in zip(histories, gaps, strict=True)]
             return Watched("exited", units, None)
         decisions = [
-            _judge(decide(h, now, spec), beacon is not None, spec)
-            for h, beacon in zip(histories, beacons, strict=True)
+            _judge(decide(h, now, spec), reports_progress(beacon, h, optional_beacons), spec)
+            for h, beacon in zip(histories, beacons_now, strict=True)
         ]
         # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
         stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]
         timed_out = [i for i, d in enumerate(decisions) if d.status == "timeout"]
+        if not decisions and now - started > spec.timeout:  # no unit (yet): the job's own time limit
+            return Watched("timeout", [], None)
         if stalled or timed_out:
             status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
             first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
@@ -492,25 +519,43 @@ def _heartbeat(case_dir: Path) -> int | None:
 
 
 def gather_hang_evidence(
-    proc: ProcessHandle, case_dir: Path, spec: CaseSpec, last: BeaconState | None
+    proc: ProcessHandle,
+    case_dir: Path,
+    spec: CaseSpec,
+    last: BeaconState | None,
+    may_signal: str | None = None,
 ) -> HangEvidence:
-    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy."""
+    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy.
+
+    ``may_signal``: None when the process's SIGUSR1 is faulthandler's (our worker, a probed process);
+    else why no SIGUSR1 may be sent (a process of a user's job with its own handler, or no probe):
+    its stacks then come from py-spy alone."""
     pid = proc.pid
     ev = HangEvidence(
         heartbeat_before=heartbeat_alive(read_beacon(case_dir / artifacts.BEACON) or last, time.time())
     )
     ev.notes["memory_at_hang"] = _request_memory_dump(case_dir, proc, ev.heartbeat_before)
     stacks_path = case_dir / artifacts.STACKS
-    sampling = catches_sigusr1(pid) is not False
-    if not sampling:
-        ev.notes["stack_samples"] = "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
+    if may_signal is None:
+        sampling = catches_sigusr1(pid) is not False
+        if not sampling:
+            ev.notes["stack_samples_why"] = (
+                "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
+            )
+    else:  # no signal; a probe's heartbeat thread, when it runs, dumps the stacks from Python instead
+        sampling = ev.heartbeat_before is True
+        how = "taken by the probe's heartbeat thread" if sampling else "not taken"
+        ev.notes["stack_samples_why"] = f"no SIGUSR1 ({may_signal}): {how}"
 
+    signal_ok = may_signal is None
     t0 = time.monotonic()
     cpu0 = procfs.cpu_seconds(pid)
     beat0 = _heartbeat(case_dir)
     writers = []  # who wrote each stack sample
     if sampling:
-        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before))
+        writers.append(
+            stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before, signal_ok=signal_ok)
+        )
     snapshot = (
         gpu.nvml_snapshot()
         if spec.device != "cpu"
@@ -522,7 +567,9 @@ def gather_hang_evidence(
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:
-        writers.append(stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before))
+        writers.append(
+            stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before, signal_ok=signal_ok)
+        )
         if "heartbeat thread" in writers:
             ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
@@ -531,6 +578,9 @@ def gather_hang_evidence(
     ev.notes["heartbeat_ticks_between_samples"] = None if beat0 is None or beat1 is None else beat1 - beat0
 
     main = next((p for p in proc_json.get("processes", ()) if p.get("pid") == pid), None)
+    if main is None and proc_json.get("available"):  # not a session leader (a job's child process)
+        main = procfs.process_snapshot(pid)
+        proc_json["processes"] = [*proc_json["processes"], main]
     thread = procfs.main_thread(main) if main else None
     if thread is not None:
         ev.main_wchan, ev.main_state = thread["wchan"], thread["state"]

@@ -246,8 +246,8 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
 
 
-def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> int | None:
-    """Write the header of sample ``number`` into ``stacks.txt`` and SIGUSR1 ``pid``.
+def request_sample(pid: int, stacks_path: Path, number: int, note: str = "", send: bool = True) -> int | None:
+    """Write the header of sample ``number`` into ``stacks.txt`` and SIGUSR1 ``pid`` (unless not ``send``).
 
     Returns the file's size once the header is written (for `wait_for_dump`), None if ``pid`` is gone.
     """
@@ -255,24 +255,32 @@ def request_sample(pid: int, stacks_path: Path, number: int, note: str = "") -> 
     artifacts.append_text(stacks_path, f"{SAMPLE_HEADER} {number} at {_now()}{suffix}\n")
     header_end = stacks_path.stat().st_size
     try:
-        os.kill(pid, signal.SIGUSR1)
+        os.kill(pid, signal.SIGUSR1 if send else 0)
     except ProcessLookupError:
         return None
     return header_end
 
 
 def take_sample(
-    pid: int, case_dir: Path, stacks_path: Path, number: int, heartbeat: bool | None, note: str = ""
+    pid: int,
+    case_dir: Path,
+    stacks_path: Path,
+    number: int,
+    heartbeat: bool | None,
+    note: str = "",
+    signal_ok: bool = True,
 ) -> str | None:
     """Stack sample ``number``: SIGUSR1 to faulthandler, and where its handler writes nothing in time while
     the heartbeat thread is alive, the heartbeat thread's dump (``stack.request``). Returns who wrote it
-    ("signal", "heartbeat thread"), or None when nothing was written or ``pid`` is gone."""
-    header_end = request_sample(pid, stacks_path, number, note)
+    ("signal", "heartbeat thread"), or None when nothing was written or ``pid`` is gone. Not
+    ``signal_ok`` (a process with a SIGUSR1 handler of its own): the heartbeat thread's dump only."""
+    header_end = request_sample(pid, stacks_path, number, note, send=signal_ok)
     if header_end is None:
         return None
-    wait_for_dump(stacks_path, header_end)
-    if _size(stacks_path) > header_end:
-        return "signal"
+    if signal_ok:
+        wait_for_dump(stacks_path, header_end)
+        if _size(stacks_path) > header_end:
+            return "signal"
     if heartbeat is False:  # a held GIL: the heartbeat thread cannot run either
         return None
     artifacts.write_text(Path(case_dir) / artifacts.STACK_REQUEST, f"{number}\n")

@@ -59,6 +59,8 @@ class Unit:
     key: int
     folder: Path
     beacon: Path | None
+    # Why no SIGUSR1 may be sent to this process for stack samples (its own handler, no probe); None: may.
+    no_signal: str | None = None
 
 
 def worker_env(spec: CaseSpec) -> dict[str, str]:
@@ -105,6 +107,10 @@ class Launcher(ABC):
     """
 
     label = "case"
+    # True: the job's processes appear while it runs (a user's command); `units` is asked at every poll,
+    # its list only grows, and a unit's beacon counts once it records progress
+    # (`nsa_diag.watchdog.reports_progress`).
+    units_appear = False
 
     def __init__(self, spec: CaseSpec) -> None:
         self.spec = spec

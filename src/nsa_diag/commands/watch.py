@@ -1,0 +1,75 @@
+"""`nsa-diag watch -- CMD`: a user's own command (a script, a torchrun job) under the watchdog."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
+from nsa_diag.options import CASE_NAME, OUTPUT, WATCHDOG
+
+_JOB = "Your job"
+
+
+@case_options(WATCHDOG, OUTPUT, CASE_NAME, omit=("junit",), defaults={"name": "watch"})
+def watch(
+    options: CaseOptions,
+    command: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="The command to run, after --: python train.py ..., torchrun ..., ./run.sh.",
+            show_default=False,
+        ),
+    ] = None,
+    keep_alive: Annotated[
+        bool,
+        typer.Option(
+            "--keep-alive",
+            help="After a hang's or a timeout's evidence, leave the job running (it is never stopped).",
+            rich_help_panel=_JOB,
+        ),
+    ] = False,
+    total_steps: Annotated[
+        int | None,
+        typer.Option(
+            "--total-steps",
+            min=1,
+            metavar="N",
+            help="Steps the job will run, for a slow job's ETA (or it calls nsa_diag.probe.total_steps).",
+            rich_help_panel=_JOB,
+        ),
+    ] = None,
+    json_output: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Run your own command under the watchdog: hang or slow, where, why, with evidence; no code change.
+
+    The command runs in its own process group, in this directory, with your environment. Every Python
+    process of it (torchrun's ranks and DataLoader workers included) gets a light probe at start-up: a
+    heartbeat and progress beacon, faulthandler on SIGUSR1, and once torch is imported hooks on the
+    model's blocks and the optimizer step, so progress reads "rank 1, step 5, backward, layers.7".
+    No progress for the stall limit is a **hang** (`--stall auto`: from the first optimizer step, as for
+    cases); progress past `--timeout` is **slow**, with its rate and ETA. Before anything is stopped,
+    evidence from every process: two stack samples, py-spy when installed, /proc, GPU, the NCCL flight
+    recorder, the ranks' minority. Then the job is stopped (SIGTERM, grace, SIGKILL) unless
+    `--keep-alive`. A job that exits gets pass, error (its last traceback), crash, oom or nonfinite.
+    Its output streams here and into `<out>/<time>-watch/cases/<name>/` with `replay.sh`.
+
+    Exit code 0 when the job passes, 1 when not, 2 for a bad option or command, 130 on Ctrl-C (the job
+    is stopped).
+
+    Examples:
+
+        nsa-diag watch -- python train.py --lr 3e-4
+        nsa-diag watch --stall 60 --timeout 3600 -- torchrun --nproc-per-node 2 train.py
+        nsa-diag watch --stall 30 --keep-alive -- ./run_training.sh
+        nsa-diag watch --timeout 600 --total-steps 1000 --json -- python train.py
+    """
+    from nsa_diag.session import Session
+    from nsa_diag.session.watch import WatchPlan, build_watch_spec
+
+    spec = build_watch_spec(options, command or [], keep_alive=keep_alive, total_steps=total_steps)
+    plan = WatchPlan(spec, out=options.out, tag=options.tag, json_output=json_output)
+    session = Session(plan, out=options.out, tag=options.tag, json_output=json_output)
+    raise typer.Exit(session.run())

@@ -1,0 +1,412 @@
+"""A user's own command (`nsa-diag watch -- CMD`): its processes, found as they appear, are the units.
+
+The command runs in a session of its own in the directory ``watch`` was started from, with the user's
+whole environment plus the probe (`nsa_diag.probe`: ``NSA_DIAG_PROBE_DIR=<case>/procs`` and the probe's
+``sitecustomize`` first on ``PYTHONPATH``) and the NCCL flight recorder switched on (unless the user set
+its variables). Its stdout and stderr go to the case's ``stdout.log``/``stderr.log``, which nsa-diag
+follows to the terminal (`Tee`): a job left running by ``--keep-alive`` keeps writing there, no pipe breaks.
+
+Units, re-read at every poll (``units_appear``): the command's own process first (``procs/pid-<pid>/``,
+probed or not), then every probed process in the order it appeared. A torchrun rank (``RANK`` set, not
+forked from a process of the same rank) is keyed by its rank and gets ``ranks/<r>/rank.json`` pointing at
+its folder; any other process by its pid. A unit counts as reporting progress once its beacon records an
+event beyond its start (`nsa_diag.watchdog.reports_progress`); until then, and for a process without the
+probe (not Python), only ``--timeout`` applies. SIGUSR1 goes only to processes whose ``probe.json`` says
+``sigusr1: probe``.
+
+At a stall or timeout, before anything stops: the flight recorder's dump of every rank (NCCL), then the
+watchdog's evidence of every live unit, and ``tree.json``: /proc of every process of the job (probed or
+not, DataLoader workers and torchrun's ranks in sessions of their own included: psutil's descendants,
+followed while the job ran). Then every one of them is stopped (SIGTERM, grace, SIGKILL), unless
+``--keep-alive``. The verdict (`nsa_diag.launchers.job`): from the command's exit status and its last
+traceback when it exited; at a stall the unit that stalled, the ranks' minority, the process waited on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from nsa_diag import artifacts
+from nsa_diag.evidence import procfs
+from nsa_diag.evidence.env import select_env_vars
+from nsa_diag.launchers import job
+from nsa_diag.launchers.base import SOURCE_ROOT, Launcher, Unit
+from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
+from nsa_diag.probe import PROBE_DIR_ENV, SITE_DIR
+from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec
+from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
+
+PROCS_DIR = "procs"
+RANKS_DIR = "ranks"
+RANK_JSON = "rank.json"
+TREE_JSON = "tree.json"
+TEE_POLL_S = 0.05
+
+
+def probe_env(case_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    """What nsa-diag adds to the job's environment: the probe, and the NCCL flight recorder (each variable
+    only where the user has not set it)."""
+    procs = Path(case_dir).resolve() / PROCS_DIR
+    paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
+    env = {PROBE_DIR_ENV: str(procs), "PYTHONPATH": os.pathsep.join([SITE_DIR, *paths, SOURCE_ROOT])}
+    recorder = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(procs / FR_PREFIX),
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(procs / PIPE_PREFIX),
+    }
+    env.update({k: v for k, v in recorder.items() if k not in environ})
+    return env
+
+
+def recorded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The job's environment as spec.json records it: env.json's names, secret values withheld."""
+    return select_env_vars(environ)
+
+
+class Tee:
+    """Follows a log file the job appends to and copies what it writes to one of our streams."""
+
+    def __init__(self, path: Path, stream: Any) -> None:
+        self.path, self.stream = path, stream
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name=f"nsa-diag-tee-{path.name}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with open(self.path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            while True:
+                chunk = f.read(65536)
+                if chunk:
+                    with contextlib.suppress(OSError, ValueError):
+                        self.stream.write(chunk)
+                        self.stream.flush()
+                    continue
+                if self.stopped:
+                    return
+                time.sleep(TEE_POLL_S)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.thread.join(timeout=2.0)
+
+
+class Proc:
+    """One process of the job that nsa-diag saw: its pid, psutil handle (for a safe kill: same start time)
+    and, when probed, its folder and ``probe.json``."""
+
+    def __init__(self, pid: int, handle: psutil.Process | None, folder: Path | None) -> None:
+        self.pid, self.handle, self.folder = pid, handle, folder
+        self.info: dict[str, Any] = {}
+
+    def read_info(self) -> dict[str, Any]:
+        if self.folder is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.info = artifacts.read_json(self.folder / job.PROBE_JSON)
+        return self.info
+
+    def alive(self) -> bool:
+        if self.handle is None:
+            return False
+        try:
+            return self.handle.is_running() and self.handle.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+
+class CommandLauncher(Launcher):
+    """``spec.command`` in its directory, every process of it watched (module docstring)."""
+
+    label = "watched command"
+    units_appear = True
+
+    def __init__(self, spec: CaseSpec, replay: Sequence[str] | None = None, echo_stdout: Any = None) -> None:
+        super().__init__(spec)
+        assert spec.command is not None
+        self.cmd: CommandSpec = spec.command
+        self.replay = list(replay or [])
+        self.echo_stdout = echo_stdout  # where the job's stdout is shown (stderr under --json)
+        self.procs: dict[int, Proc] = {}  # by pid, in the order seen; probed ones have a folder
+        self.order: list[int] = []  # probed pids in the order they appeared (the units after the root)
+        self.keys: dict[int, int] = {}  # pid -> unit key (rank, or pid)
+        self.tees: list[Tee] = []
+        self.evidence_taken = False
+        self.force_stop = False
+        self.stop_report: dict[str, Any] | None = None
+        self.rates: dict[int, dict[str, Any]] = {}  # unit key -> progress rate (past the timeout)
+        self.folders: dict[int, Path] = {}
+
+    # --- starting ------------------------------------------------------------------------------------
+
+    def prepare(self, case_dir: Path) -> None:
+        (case_dir / PROCS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def command(self, case_dir: Path) -> list[str]:
+        return list(self.cmd.argv)
+
+    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
+        return self.replay or list(argv)
+
+    def replay_env(self, case_dir: Path) -> dict[str, str]:
+        return {}
+
+    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
+        env = {**os.environ, **(extra_env or {})}
+        return {**env, **probe_env(case_dir, env)}
+
+    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        import subprocess
+
+        for name in (artifacts.STDOUT, artifacts.STDERR):
+            artifacts.open_append(case_dir / name, binary=True).close()
+        out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout.buffer
+        self.tees = [
+            Tee(case_dir / artifacts.STDOUT, out_stream),
+            Tee(case_dir / artifacts.STDERR, sys.stderr.buffer),
+        ]
+        with (
+            artifacts.open_append(case_dir / artifacts.STDOUT, binary=True) as out,
+            artifacts.open_append(case_dir / artifacts.STDERR, binary=True) as err,
+        ):
+            self.proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=dict(env),
+                cwd=self.cmd.cwd,
+                start_new_session=True,
+            )
+        self._see(self.proc.pid, None)
+        return self.proc
+
+    # --- the processes -------------------------------------------------------------------------------
+
+    def _see(self, pid: int, folder: Path | None) -> Proc:
+        proc = self.procs.get(pid)
+        if proc is None:
+            try:
+                handle: psutil.Process | None = psutil.Process(pid)
+            except psutil.Error:
+                handle = None
+            proc = self.procs[pid] = Proc(pid, handle, folder)
+        elif folder is not None and proc.folder is None:
+            proc.folder = folder
+        return proc
+
+    def _scan(self, case_dir: Path) -> None:
+        """New probed processes (their probe.json written) and every live descendant of the command."""
+        assert self.proc is not None
+        for folder in sorted((case_dir / PROCS_DIR).glob("pid-*"), key=lambda p: p.stat().st_mtime):
+            pid = int(folder.name.removeprefix("pid-"))
+            if pid in self.keys or not (folder / job.PROBE_JSON).exists():
+                continue
+            proc = self._see(pid, folder)
+            self._key(case_dir, proc, proc.read_info())
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                if child.pid not in self.procs:
+                    self.procs[child.pid] = Proc(child.pid, child, None)
+
+    def _key(self, case_dir: Path, proc: Proc, info: Mapping[str, Any]) -> None:
+        assert self.proc is not None
+        rank, parent = info.get("rank"), self.procs.get(info.get("ppid", -1))
+        same_rank_parent = parent is not None and parent.info.get("rank") == rank
+        taken = set(self.keys.values())
+        if proc.pid == self.proc.pid:
+            return  # the root unit is always first, keyed by its pid
+        if isinstance(rank, int) and not same_rank_parent and rank not in taken:
+            self.keys[proc.pid] = rank
+            rank_folder = case_dir / RANKS_DIR / str(rank)
+            artifacts.write_json(
+                rank_folder / RANK_JSON,
+                {"rank": rank, "pid": proc.pid, "folder": f"{PROCS_DIR}/{proc.folder.name}"},  # type: ignore[union-attr]
+            )
+        else:
+            self.keys[proc.pid] = proc.pid
+        self.order.append(proc.pid)
+
+    def _root_folder(self, case_dir: Path) -> Path:
+        assert self.proc is not None
+        return case_dir / PROCS_DIR / f"pid-{self.proc.pid}"
+
+    def units(self, case_dir: Path) -> list[Unit]:
+        assert self.proc is not None
+        self._scan(case_dir)
+        root = self._root_folder(case_dir)
+        self._see(self.proc.pid, root).read_info()
+        found = [
+            Unit(self.proc.pid, root, root / artifacts.BEACON, job.no_signal(self.procs[self.proc.pid].info))
+        ]
+        for pid in self.order:
+            proc = self.procs[pid]
+            assert proc.folder is not None
+            found.append(
+                Unit(
+                    self.keys[pid],
+                    proc.folder,
+                    proc.folder / artifacts.BEACON,
+                    job.no_signal(proc.read_info()),
+                )
+            )
+        return found
+
+    def pid_of(self, key: int) -> int:
+        assert self.proc is not None
+        if key == self.proc.pid:
+            return key
+        return next(pid for pid, k in self.keys.items() if k == key)
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of the job's rank processes."""
+        return {k: pid for pid, k in self.keys.items() if k != pid}
+
+    # --- evidence ------------------------------------------------------------------------------------
+
+    def notes(self) -> dict[str, Any]:
+        assert self.proc is not None
+        return {"command": list(self.cmd.argv), "cwd": self.cmd.cwd, "root_pid": self.proc.pid}
+
+    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+        self.evidence_taken = True
+        self._scan(case_dir)
+        tree = {
+            str(pid): {**procfs.process_snapshot(pid), "probe": proc.read_info() or None}
+            for pid, proc in self.procs.items()
+            if proc.alive()
+        }
+        artifacts.write_json(case_dir / TREE_JSON, tree)
+        notes: dict[str, Any] = {"processes_alive": sorted(int(p) for p in tree)}
+        if self.ranks():
+            notes["flight_recorder"] = self._flight_recorder(case_dir)
+        return notes
+
+    def _flight_recorder(self, case_dir: Path) -> dict[str, Any]:
+        """Ask every rank's NCCL flight recorder for a dump through its debug pipe (NCCL jobs only)."""
+        procs = case_dir / PROCS_DIR
+        asked = {}
+        for rank in self.ranks():
+            try:
+                fd = os.open(procs / f"{PIPE_PREFIX}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK)
+                os.write(fd, b"1\n")
+                os.close(fd)
+                asked[str(rank)] = "asked through the debug pipe"
+            except OSError as exc:
+                asked[str(rank)] = f"no debug pipe ({exc.strerror}): not an NCCL process group"
+        if any(v.startswith("asked") for v in asked.values()):
+            deadline = time.monotonic() + FR_WAIT_S
+            while time.monotonic() < deadline and not all(
+                (procs / f"{FR_PREFIX}{r}").exists() for r in self.ranks()
+            ):
+                time.sleep(0.1)
+            time.sleep(0.3)  # a dump being written
+        return {"asked": asked, "files": self._collect_flight_recorder(case_dir)}
+
+    def _collect_flight_recorder(self, case_dir: Path) -> dict[str, str]:
+        found = {}
+        for rank in self.ranks():
+            src = case_dir / PROCS_DIR / f"{FR_PREFIX}{rank}"
+            if src.exists():
+                dest = case_dir / RANKS_DIR / str(rank) / FR_FILE
+                artifacts.write_bytes(dest, src.read_bytes())
+                src.unlink(missing_ok=True)
+                found[str(rank)] = f"{RANKS_DIR}/{rank}/{FR_FILE}"
+        return found
+
+    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
+        targets: dict[int, ProcessHandle] = {}
+        for unit in units:
+            pid = self.pid_of(unit.key)
+            if self.procs[pid].alive():
+                targets[unit.key] = RankProcess(pid)
+        return targets
+
+    # --- stopping ------------------------------------------------------------------------------------
+
+    def stop(self) -> dict[str, Any]:
+        if self.proc is None:
+            return {"started": False}
+        if self.cmd.keep_alive and self.evidence_taken and not self.force_stop:
+            alive = sorted(pid for pid, p in self.procs.items() if p.alive())
+            report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
+        else:
+            report = job.stop_tree(self.proc, [p.handle for p in self.procs.values() if p.handle], GRACE_S)
+        for tee in self.tees:
+            tee.close()
+        self.stop_report = report
+        return report
+
+    def sample_on_interrupt(self, case_dir: Path) -> bool:
+        self.force_stop = True  # Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not
+        return False
+
+    def internal_files(self, case_dir: Path) -> list[Path]:
+        if self.stop_report is not None and self.stop_report.get("kept_alive"):
+            return []  # the job still runs: its beacons and requests are in use
+        pipes = list((case_dir / PROCS_DIR).glob(f"{PIPE_PREFIX}*"))
+        folders = [p.folder for p in self.procs.values() if p.folder is not None]
+        return [f / name for f in folders for name in artifacts.INTERNAL_FILES] + pipes
+
+    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
+        found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
+        if found:
+            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
+        assert self.proc is not None
+        root = self._root_folder(case_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        code = self.proc.poll()
+        if code is not None and not self.evidence_taken:  # the job ended by itself: its own account
+            infos = {pid: p.read_info() for pid, p in self.procs.items() if p.folder is not None}
+            report = job.job_report(code, case_dir, infos)
+            if report is not None:
+                artifacts.write_json(root / artifacts.WORKER_RESULT, report)
+
+    def unit_ends(
+        self,
+        case_dir: Path,
+        units: Sequence[Unit],
+        watched: Sequence[WatchResult],
+        hangs: Mapping[int, HangEvidence],
+        stop: dict[str, Any],
+    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        ends = job.unit_ends(case_dir, units, watched, hangs, stop, self.ranks())
+        self.folders = {unit.key: unit.folder for unit in units}
+        for unit, w in zip(units, watched, strict=True):
+            if w.outcome == "timeout":
+                total = self.cmd.total_steps or _info_total(self.procs[self.pid_of(unit.key)].read_info())
+                self.rates[unit.key] = job.job_rate(w, self.spec, total)
+        return ends
+
+    def combine(
+        self,
+        case_dir: Path,
+        outcome: str,
+        per_unit: Mapping[int, CaseResult],
+        decider: int | None,
+        stop: dict[str, Any],
+        elapsed: float,
+        notes: dict[str, Any],
+    ) -> CaseResult:
+        assert self.proc is not None
+        infos = {
+            self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
+        }
+        return job.combine(
+            self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes,
+            root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
+        )  # fmt: skip
+
+
+def _info_total(info: Mapping[str, Any]) -> int | None:
+    total = info.get("total_steps")
+    return total if isinstance(total, int) and total > 0 else None

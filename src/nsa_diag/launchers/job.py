@@ -1,0 +1,451 @@
+"""A user's job judged as a whole (`nsa_diag.launchers.command`): its own account, its stop, its verdict.
+
+- `job_report`: when the job exited by itself, its account as our worker would have written it
+  (``worker_result.json`` of the command's unit), from its exit status, the last traceback on its stderr
+  (torchrun's own ``ChildFailedError`` skipped: the rank's traceback is the cause) and a non-finite loss
+  the job told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash.
+- `stop_tree`: SIGTERM to the command's process group and to every process of the job nsa-diag saw
+  (torchrun's ranks and DataLoader workers may live in sessions of their own), a grace period, SIGKILL.
+- `combine`: the case's verdict. Exited: the command's unit (a rank killed by a signal first). Stalled or
+  past the timeout: the unit that decided, where it was ("rank 1, step 5, backward, layers.7"), the ranks'
+  minority (`nsa_diag.analysis.ranks.cross_rank_diff`), the processes it waits on (a DataLoader worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from nsa_diag import artifacts
+from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
+from nsa_diag.classify import focus_thread
+from nsa_diag.evidence import procfs
+from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
+from nsa_diag.spec import CaseResult, CaseSpec, WorkerException, WorkerReport
+from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
+
+__all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]
+
+STDERR_READ_BYTES = 256 * 1024
+_TRACEBACK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]: ?")
+_LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
+
+
+def no_signal(info: Mapping[str, Any]) -> str | None:
+    """Why SIGUSR1 must not be sent to a process with this ``probe.json`` (None: its probe takes it)."""
+    if not info:
+        return "no probe in this process (not Python, or started without it): SIGUSR1 could end it"
+    if info.get("sigusr1") != "probe":
+        return "the process handles SIGUSR1 itself"
+    return None
+
+
+# --- the job's own account ------------------------------------------------------------------------------
+
+
+def _stderr(case_dir: Path) -> str:
+    try:
+        with open(case_dir / artifacts.STDERR, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - STDERR_READ_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def last_traceback(text: str) -> WorkerException | None:
+    """The last Python traceback in ``text`` (a job's stderr) that is not a launcher's summary."""
+    lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
+    found = None
+    for i, line in enumerate(lines):
+        if line.strip() != _TRACEBACK:
+            continue
+        body = [line.strip()]
+        for nxt in lines[i + 1 :]:
+            body.append(nxt)
+            if nxt and not nxt[0].isspace():
+                break
+        exc_line = body[-1].strip() if len(body) > 1 else ""
+        if not exc_line or any(name in exc_line for name in _LAUNCHER_ERRORS):
+            continue
+        kind, _, message = exc_line.partition(": ")
+        if " " in kind:  # not "Type: message": some other line ended the frames
+            continue
+        found = WorkerException(type=kind, message=message, traceback="\n".join(body))
+    return found
+
+
+def _is_oom(exc: WorkerException) -> bool:
+    return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in exc.message
+
+
+def _nonfinite(case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+    for pid in infos:
+        with contextlib.suppress(OSError, ValueError):
+            record = artifacts.read_json(case_dir / "procs" / f"pid-{pid}" / NONFINITE_JSON)
+            return {**record, "pid": pid}
+    return None
+
+
+def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> WorkerReport | None:
+    """The job's account (module docstring); None when its exit status alone tells (a crash)."""
+    nonfinite = _nonfinite(case_dir, infos)
+    if nonfinite is not None:
+        reason = (
+            f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} "
+            f"(pid {nonfinite['pid']}, told to nsa_diag.probe.loss); the job exited with code {code}"
+        )
+        return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
+    if code == 0:
+        return WorkerReport(status="ok", reason="the job exited with code 0")
+    if code < 0:
+        return None
+    exc = last_traceback(_stderr(case_dir))
+    if exc is None:
+        return None
+    status = "oom" if _is_oom(exc) else "error"
+    frame = _last_frame(exc.traceback)
+    at = f" at {frame}" if frame else ""
+    reason = f"{exc.type}: {exc.message}{at} (exit code {code})"
+    return WorkerReport(status=status, reason=reason, exception=exc)
+
+
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _last_frame(traceback: str) -> str | None:
+    frames = [m for m in (_FRAME.match(line) for line in traceback.splitlines()) if m]
+    if not frames:
+        return None
+    file, line, func = frames[-1].groups()
+    return f"{os.path.basename(file)}:{line} in {func}"
+
+
+# --- stopping ---------------------------------------------------------------------------------------------
+
+
+def _alive(handle: psutil.Process) -> bool:
+    try:
+        return handle.is_running() and handle.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _live(root: int, handles: Sequence[psutil.Process]) -> list[psutil.Process]:
+    """The live processes of the job: those seen, their descendants now, the command's session."""
+    found = {h.pid: h for h in handles if _alive(h)}
+    for handle in list(found.values()):
+        with contextlib.suppress(psutil.Error):
+            for child in handle.children(recursive=True):
+                found.setdefault(child.pid, child)
+    for pid in procfs.session_pids(root):
+        with contextlib.suppress(psutil.Error):
+            found.setdefault(pid, psutil.Process(pid))
+    return [h for h in found.values() if _alive(h)]
+
+
+def _signal(root: int, targets: Sequence[psutil.Process], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(root, sig)
+    for handle in targets:
+        with contextlib.suppress(psutil.Error):
+            handle.send_signal(sig)  # psutil checks it is still the same process
+
+
+def stop_tree(
+    proc: subprocess.Popen[bytes], handles: Sequence[psutil.Process], grace_s: float
+) -> dict[str, Any]:
+    """SIGTERM to the job (module docstring), ``grace_s``, SIGKILL, reap; what it took, what survived."""
+    report: dict[str, Any] = {"sigterm": False, "sigkill": False}
+    targets = _live(proc.pid, handles)
+    if proc.poll() is None or targets:
+        report["sigterm"] = True
+        report["signalled"] = sorted(h.pid for h in targets)
+        _signal(proc.pid, targets, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _live(proc.pid, targets):
+                break
+            time.sleep(0.05)
+    for _ in range(50):
+        targets = _live(proc.pid, [*handles, *targets])
+        if proc.poll() is not None and not targets:
+            break
+        report["sigkill"] = True
+        _signal(proc.pid, targets, signal.SIGKILL)
+        time.sleep(0.05)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        report["unreaped"] = proc.pid
+    report["exit_code"] = proc.returncode
+    survivors = sorted(h.pid for h in _live(proc.pid, handles))
+    if survivors:
+        report["survivors"] = survivors
+    return report
+
+
+# --- per unit, and the job's verdict -----------------------------------------------------------------
+
+
+def unit_ends(
+    case_dir: Path,
+    units: Sequence[Any],
+    watched: Sequence[WatchResult],
+    hangs: Mapping[int, HangEvidence],
+    stop: dict[str, Any],
+    ranks: Mapping[int, int],
+) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+    """Each unit's end: the command's own exit status; a rank's from torchrun's failure summary; any other
+    process that had exited before the evidence: 0 when its probe saw a normal exit, else unknown."""
+    codes = rank_exit_codes(_stderr(case_dir))
+    ends = {}
+    for i, (unit, w) in enumerate(zip(units, watched, strict=True)):
+        info = _info(unit.folder)
+        if i == 0:
+            code = stop.get("exit_code")
+        elif unit.key in ranks:
+            code = codes.get(unit.key, 0 if info.get("exited") else None)
+        else:
+            code = 0 if info.get("exited") else None
+        if w.outcome != "exited" and unit.key not in hangs and i != 0:
+            w = replace(w, outcome="exited", decision=None, exit_code=code)
+        ends[unit.key] = (w, {**stop, "exit_code": code if w.outcome == "exited" else stop.get("exit_code")})
+    return ends
+
+
+def _info(folder: Path) -> dict[str, Any]:
+    try:
+        return dict(artifacts.read_json(folder / PROBE_JSON))
+    except (OSError, ValueError):
+        return {}
+
+
+def location(result: CaseResult, rank: int | None) -> str:
+    """``"rank 1, step 5, backward, layers.7"``: where a unit was, as far as its probe could know."""
+    parts = [f"rank {rank}"] if rank is not None else []
+    w = result.where
+    if w is not None and w.phase == "step" and w.event == "end" and w.step is not None:
+        parts.append(f"step {w.step + 1}, before any hooked block (step {w.step}'s optimizer step done)")
+    elif w is not None:
+        if w.step is not None:
+            parts.append(f"step {w.step}")
+        if w.phase:
+            parts.append(w.phase)
+        if w.module:
+            parts.append(w.module if w.phase else f"in {w.module}")
+    return ", ".join(parts) or "before any progress the probe could see"
+
+
+def _label(key: int, info: Mapping[str, Any], ranks: Mapping[int, int], root: int) -> str:
+    pid = ranks.get(key, key)
+    what = f"rank {key} (pid {pid})" if key in ranks else f"pid {pid}"
+    if key == root:
+        what += " (the command)"
+    elif info.get("forked_from"):
+        what += f" (forked from pid {info['forked_from']})"
+    return what
+
+
+def _focus(folder: Path) -> ThreadStack | None:
+    for threads in reversed(read_stacks(folder / artifacts.STACKS).sample_threads()):
+        thread = focus_thread(threads)
+        if thread is not None:
+            return thread
+    return None
+
+
+def _top(thread: ThreadStack | None) -> str | None:
+    """The innermost frame outside Python's library and torch: the job's own line."""
+    frames = thread.python_frames if thread else ()
+    for frame in frames:
+        path = frame.file.replace("\\", "/")
+        if "/lib/python3" not in path and "/torch/" not in path and "/nsa_diag/" not in path:
+            return frame.short()
+    return frames[0].short() if frames else None
+
+
+def _waits_on_dataloader(thread: ThreadStack | None) -> bool:
+    return thread is not None and any(
+        "torch/utils/data/" in f.file.replace("\\", "/") for f in thread.python_frames
+    )
+
+
+def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> dict[str, Any]:
+    """Progress rate of a unit; with the job's total steps, the fraction done and the ETA."""
+    now = w.history[-1].t
+    if total:
+        return progress_rate(w.history, now, spec.model_copy(update={"steps": total}))
+    rate = progress_rate(w.history, now, spec.model_copy(update={"steps": sys.maxsize}))
+    for key in ("fraction_done", "eta_s", "estimated_total_s"):
+        rate.pop(key, None)
+    rate["steps_total"] = None
+    rate["eta"] = (
+        "unknown: the job's total steps are unknown "
+        "(nsa-diag watch --total-steps N, or nsa_diag.probe.total_steps(n))"
+    )
+    return rate
+
+
+def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str) -> str:
+    text = (
+        f"progress continued past the {timeout:g} s timeout: {rate.get('steps_done', 0)} step(s) done "
+        f"at {rate.get('steps_per_s', 0):g} steps/s, now at {where}"
+    )
+    if rate.get("eta_s") is not None:
+        return (
+            text + f"; ETA {rate['eta_s']:g} s more ({rate.get('steps_total')} steps, "
+            f"~{rate.get('estimated_total_s'):g} s in all)"
+        )
+    return text + "; ETA unknown (total steps unknown)"
+
+
+def combine(
+    spec: CaseSpec,
+    case_dir: Path,
+    outcome: str,
+    per_unit: Mapping[int, CaseResult],
+    decider: int | None,
+    stop: dict[str, Any],
+    elapsed: float,
+    notes: dict[str, Any],
+    *,
+    root: int,
+    infos: Mapping[int, Mapping[str, Any]],
+    ranks: Mapping[int, int],
+    rates: Mapping[int, dict[str, Any]],
+    folders: Mapping[int, Path],
+) -> CaseResult:
+    """The job's result from its units' (module docstring)."""
+    processes = {
+        str(key): {
+            "label": _label(key, infos.get(key, {}), ranks, root),
+            "verdict": res.verdict, "hang_kind": res.hang_kind, "reason": res.reason,
+            "where": location(res, key if key in ranks else None), "exit_code": res.exit_code,
+        }
+        for key, res in per_unit.items()
+    }  # fmt: skip
+    evidence: dict[str, Any] = {"stop": stop, **notes, "processes": processes}
+    steps = max((r.steps_done for r in per_unit.values()), default=0)
+    if outcome == "exited":
+        source = root
+        crashed = [k for k in ranks if k in per_unit and per_unit[k].verdict == "crash"]
+        if crashed and per_unit[root].verdict in ("crash", "error"):
+            source = min(crashed, key=lambda k: (per_unit[k].signal == "SIGTERM", k))
+        base = per_unit[source]
+        reason = base.reason if source == root else f"rank {source}: {base.reason}"
+        if base.signal == "SIGKILL" and not stop.get("sigkill"):
+            reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
+        update = {"reason": reason, "steps_done": steps, "evidence": {**base.evidence, **evidence}}
+        return base.model_copy(update=update)
+
+    key = decider if decider is not None else root
+    base = per_unit[key]
+    rank = key if key in ranks else None
+    where = location(base, rank)
+    evidence = {**base.evidence, **evidence, "location": where}
+    update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
+    if base.verdict == "slow":
+        rate = rates.get(key) or {}
+        reason = _slow_reason(rate, spec.timeout, where)
+        if stop.get("kept_alive"):
+            reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
+        update.update(rate=rate, reason=reason)
+        return base.model_copy(update=update)
+    reason, kind = base.reason, base.hang_kind
+    if len(ranks) > 1:
+        kind, reason = _rank_hang(per_unit, ranks, folders, key, evidence, reason, kind)
+    thread = _focus(folders[key]) if key in folders else None
+    waited = [
+        k for k in per_unit
+        if k != key and k not in ranks and infos.get(k, {}).get("ppid") == ranks.get(key, key)
+        and (folders.get(k) is not None and _focus(folders[k]) is not None)
+    ]  # fmt: skip
+    if waited:
+        texts = [f"{_label(k, infos.get(k, {}), ranks, root)} at {_top(_focus(folders[k]))}" for k in waited]
+        what = "its DataLoader worker" if _waits_on_dataloader(thread) else "its child process"
+        reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
+        evidence["waits_on"] = waited
+    where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {where}"
+    if stop.get("kept_alive"):
+        reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
+    update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
+    return base.model_copy(update=update)
+
+
+def _rank_hang(
+    per_unit: Mapping[int, CaseResult],
+    ranks: Mapping[int, int],
+    folders: Mapping[int, Path],
+    decider: int,
+    evidence: dict[str, Any],
+    reason: str,
+    kind: str | None,
+) -> tuple[str | None, str]:
+    """The ranks' minority (stack clusters; on a tie, the ranks outside a collective) and the hang kind."""
+    threads = {r: _focus(folders[r]) for r in ranks if r in folders}
+    diff = cross_rank_diff(threads, {})
+    evidence["stack_diff"] = diff
+    if not diff.get("minority_ranks"):
+        collective_minority(diff, folders, ranks)
+    minority = diff.get("minority_ranks") or []
+    evidence["minority_ranks"] = minority
+    kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
+    own = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
+    if own:
+        kind = sorted(own)[0]
+    elif "collective" in kinds.values():
+        kind = "collective"
+    if minority:
+        r = minority[0]
+        div = (diff.get("first_divergent_frame") or {}).get(str(r)) or {}
+        text = f"minority rank(s) {', '.join(map(str, minority))}"
+        if r in per_unit:
+            text += f" at {location(per_unit[r], r)}"
+        if div.get("frame"):
+            text += f", first divergent frame {div['frame']}"
+        reason += f"; {text} ({diff.get('basis')})"
+    return kind, reason
+
+
+def collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
+    """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
+    probe's counts at the hang, ``at_hang.json``) are the minority: the others wait for them."""
+    at_hang = {}
+    for r in ranks:
+        with contextlib.suppress(OSError, ValueError):
+            at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)
+    counts = {r: a.get("collectives") or {} for r, a in at_hang.items()}
+    waiting = {w["op"]: w["n"] for a in at_hang.values() if (w := a.get("waiting"))}
+    ops = {op for c in counts.values() for op in c}
+    if not ops:
+        return
+    top = {op: max(c.get(op, 0) for c in counts.values()) for op in ops}
+    gap = {op: top[op] - min(c.get(op, 0) for c in counts.values()) for op in ops}
+    # The op most unevenly called; on a tie, the one a rank waits in (gloo blocks inside the call; NCCL
+    # returns at once and waits at a device sync), then the most called.
+    op = max(ops, key=lambda o: (gap[o], waiting.get(o, 0), top[o]))
+    if gap[op] == 0:
+        return
+    n, how = top[op], "wait in" if op in waiting else "called"
+    behind = sorted(r for r, c in counts.items() if c.get(op, 0) < n)
+    if behind and len(behind) < len(counts):
+        majority = sorted(r for r in counts if r not in behind)
+        diff["minority_ranks"], diff["majority_ranks"] = behind, majority
+        diff["basis"] = (
+            f"collective counts: rank(s) {', '.join(map(str, majority))} {how} {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, behind))} never reached"
+        )

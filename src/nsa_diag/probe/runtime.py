@@ -1,0 +1,457 @@
+"""The probe inside one process of a user's job: its files, heartbeat, stack dumps and torch hooks.
+
+`start` (called by the probe's ``sitecustomize`` when ``NSA_DIAG_PROBE_DIR`` is set) makes
+``<NSA_DIAG_PROBE_DIR>/pid-<pid>/`` and in it:
+
+- ``probe.json`` (written atomically): pid, ppid, argv, started, rank / local_rank / world_size (from the
+  environment, null when absent), ``sigusr1`` ("probe" when faulthandler dumps on SIGUSR1, "user" when the
+  process has a handler of its own: the probe then leaves the signal alone), ``torch`` (true once torch was
+  imported by the job and the hooks installed), ``total_steps`` once the job says it;
+- ``beacon.bin``: the progress beacon of `nsa_diag.worker.beacon`, with a heartbeat thread ticking;
+- ``stacks.txt``: faulthandler's dump of every thread on SIGUSR1, and its traceback on a fatal signal;
+- ``nonfinite.json``: the first non-finite loss the job reported (`nsa_diag.probe.loss`).
+
+The heartbeat thread also answers the watchdog's requests as our worker's does: ``dump.request`` (the
+process's memory at the hang) and ``stack.request`` (a stack dump from Python when the SIGUSR1 handler
+could not run). A fork (a DataLoader worker) restarts the probe in the child with its own folder.
+
+torch is never imported here: a finder on ``sys.meta_path`` notices when the job imports it, lets torch
+load, then installs one global module forward pre-hook that finds the model (the first module run that
+has blocks in `nsa_diag.probe.hooks.LAYER_LAYOUTS`), removes itself and hooks that model's blocks
+(`nsa_diag.probe.hooks.attach_progress`), and torch's global optimizer-step hooks, which count the steps.
+Standard library only, besides the beacon: the probe never imports typer, rich, pydantic, nor changes what
+the job computes. Every failure of the probe is kept to the probe (recorded in ``probe.json``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import importlib.abc
+import importlib.machinery
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nsa_diag.worker.beacon import PHASES, BeaconWriter
+
+PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
+PROBE_JSON = "probe.json"
+NONFINITE_JSON = "nonfinite.json"
+# The watchdog's files (`nsa_diag.artifacts`, which this module must not import: it imports typer).
+BEACON = "beacon.bin"
+STACKS = "stacks.txt"
+DUMP_REQUEST = "dump.request"
+DUMP_DONE = "dump.done"
+STACK_REQUEST = "stack.request"
+AT_HANG_JSON = "at_hang.json"  # the heartbeat thread's answer to dump.request: memory, collectives
+# torch.distributed's collectives the probe counts (per op) and marks while a call is under way: at a hang
+# the ranks' counts tell which rank never entered the collective the others wait in (gloo has no flight
+# recorder). One Python call around a call that costs milliseconds; nothing else changes.
+COLLECTIVES = (
+    "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+    "all_to_all_single", "send", "recv", "broadcast_object_list",
+)  # fmt: skip
+HEARTBEAT_S = 0.1
+
+_probe: Probe | None = None
+
+
+def current() -> Probe | None:
+    """The probe of this process, or None when it runs without one."""
+    return _probe
+
+
+def _int_env(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Sink:
+    """Where the hooks' and the API's progress goes: the beacon (a `nsa_diag.probe.hooks.ProgressSink`).
+
+    ``step`` is the step under way, from 1: advanced by the first optimizer that steps (its post-hook
+    records "step end"), or set by `nsa_diag.probe.step` (then the optimizer no longer advances it).
+    A block's forward after a backward began, before the optimizer step, is a checkpoint recompute.
+    """
+
+    def __init__(self, beacon: BeaconWriter) -> None:
+        self.beacon = beacon
+        self.step = 1
+        self.in_backward = False
+        self.explicit = False
+        self.optimizer: int | None = None  # id() of the optimizer whose steps count
+        self.lock = threading.Lock()
+        self.collectives: dict[str, int] = {}  # op -> calls entered
+        self.waiting: dict[str, Any] | None = None  # the collective under way: {"op", "n"}
+
+    @property
+    def forward_phase(self) -> str:
+        return "recompute" if self.in_backward else "forward"
+
+    @property
+    def backward_phase(self) -> str:
+        return "backward"
+
+    def event(
+        self,
+        phase: str | None,
+        event: str | None = None,
+        *,
+        layer: int | None = None,
+        branch: str | None = None,
+        module: str | None = None,
+        **extra: Any,
+    ) -> int:
+        if phase == "backward":
+            self.in_backward = True
+        with self.lock:
+            return self.beacon.update(
+                phase=phase, step=self.step, layer=layer, branch=branch, event=event, module=module
+            )
+
+    def optimizer_begin(self, optimizer: object) -> None:
+        if self.optimizer is None:
+            self.optimizer = id(optimizer)
+        if id(optimizer) == self.optimizer:
+            self.event("optimizer", "begin", module=type(optimizer).__name__)
+
+    def optimizer_end(self, optimizer: object) -> None:
+        if id(optimizer) != self.optimizer:
+            return
+        self.in_backward = False
+        self.event("step" if not self.explicit else "optimizer", "end", module=type(optimizer).__name__)
+        if not self.explicit:
+            self.step += 1
+
+    def explicit_step(self, number: int) -> None:
+        if self.explicit and number != self.step:
+            self.event("step", "end")
+        self.explicit = True
+        self.in_backward = False
+        self.step = number
+        self.event("step", "begin")
+
+    def user_phase(self, name: str) -> None:
+        if name in PHASES and name:
+            self.event(name, "begin")
+        else:  # a phase of the job's own ("eval", "checkpoint"): named in the module field
+            self.event(None, "begin", module=name)
+
+
+class Probe:
+    """This process's probe: its folder, beacon, heartbeat thread, faulthandler and torch hooks."""
+
+    def __init__(self, root: Path, sink: Sink | None = None) -> None:
+        self.root = root
+        self.folder = root / f"pid-{os.getpid()}"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "argv": list(sys.argv) if hasattr(sys, "argv") else [sys.executable],
+            "executable": sys.executable,
+            "started": time.time(),
+            "rank": _int_env("RANK"),
+            "local_rank": _int_env("LOCAL_RANK"),
+            "world_size": _int_env("WORLD_SIZE"),
+            "sigusr1": "probe",
+            "torch": False,
+        }
+        self.beacon = BeaconWriter(self.folder / BEACON)
+        if sink is None:
+            sink = Sink(self.beacon)
+        else:  # a forked child keeps the parent's sink (the hooks hold it), pointed at its own beacon
+            sink.beacon, sink.lock = self.beacon, threading.Lock()
+        self.sink = sink
+        self.stacks = open(self.folder / STACKS, "ab")  # noqa: SIM115 - kept open for the process's life
+        self.nonfinite_seen = False
+        self._heartbeat_stop = False
+        self._setup_signals()
+        self.save()
+        self._start_heartbeat()
+        atexit.register(self._at_exit)
+
+    # --- files --------------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        with contextlib.suppress(OSError):
+            _write_json(self.folder / PROBE_JSON, self.info)
+
+    def note(self, key: str, value: Any) -> None:
+        self.info[key] = value
+        self.save()
+
+    # --- signals ------------------------------------------------------------------------------------
+
+    def _setup_signals(self) -> None:
+        faulthandler.enable(file=self.stacks, all_threads=True)
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            self.info["sigusr1"] = "user"  # inherited or set before us: not ours to take
+        else:
+            faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True, chain=False)
+
+    def user_took_sigusr1(self) -> None:
+        """The job installs its own SIGUSR1 handler: faulthandler lets go, the watchdog stops signalling."""
+        if self.info["sigusr1"] == "probe":
+            faulthandler.unregister(signal.SIGUSR1)
+            self.note("sigusr1", "user")
+
+    def _at_exit(self) -> None:
+        """A normal interpreter exit (not a signal, not ``os._exit``): its time, for the exit status of a
+        process that is not nsa-diag's child."""
+        if self.info["pid"] == os.getpid():
+            self.note("exited", time.time())
+
+    # --- heartbeat ----------------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        threading.Thread(target=self._heartbeat_loop, name="nsa-diag-probe-heartbeat", daemon=True).start()
+
+    def _heartbeat_loop(self) -> None:
+        # A plain sleep, not Event.wait: in stack samples this thread shows no lock or condition frame a
+        # classifier could take for the job's deadlock.
+        request, done, stack_request = (self.folder / n for n in (DUMP_REQUEST, DUMP_DONE, STACK_REQUEST))
+        answered, sample_answered = False, ""
+        while not self._heartbeat_stop:
+            time.sleep(HEARTBEAT_S)
+            self.beacon.tick()
+            if not answered and request.exists():
+                answered = True
+                try:
+                    at_hang = {"memory": memory_now(), "step": self.sink.step}
+                    at_hang.update(collectives=dict(self.sink.collectives), waiting=self.sink.waiting)
+                    _write_json(self.folder / AT_HANG_JSON, at_hang)
+                    done.write_text("ok\n")
+                except Exception as exc:  # evidence is best effort; say what failed
+                    done.write_text(f"failed: {type(exc).__name__}: {exc}\n")
+            if stack_request.exists():
+                number = stack_request.read_text(errors="replace").strip()
+                if number and number != sample_answered:
+                    sample_answered = number
+                    faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+
+    # --- the job's own reports ----------------------------------------------------------------------
+
+    def record_loss(self, value: Any) -> None:
+        try:
+            number = float(value.item() if hasattr(value, "item") else value)
+        except (TypeError, ValueError, RuntimeError):
+            return
+        if not math.isfinite(number) and not self.nonfinite_seen:
+            self.nonfinite_seen = True
+            record = {"where": "loss", "value": str(number), "step": self.sink.step, "time": time.time()}
+            _write_json(self.folder / NONFINITE_JSON, record)
+
+    def set_total_steps(self, n: int) -> None:
+        self.note("total_steps", n)
+
+    # --- fork ---------------------------------------------------------------------------------------
+
+    def restart_in_child(self) -> None:
+        """After a fork: this process is a new one (a DataLoader worker) with its own folder and threads."""
+        global _probe
+        _probe = None
+        try:
+            child = Probe(self.root, sink=self.sink)
+        except Exception:
+            return
+        child.info["forked_from"] = self.info["pid"]
+        child.info["torch"] = self.info.get("torch", False)
+        child.save()
+        _probe = child
+
+
+def memory_now() -> dict[str, Any]:
+    """This process's memory at the moment (for ``dump.done.json``): RSS, and CUDA's allocator statistics
+    when torch is loaded and CUDA initialised."""
+    out: dict[str, Any] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS", "VmHWM")):
+                    key, _, value = line.partition(":")
+                    out[key] = value.strip()
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        out["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
+        out["cuda_reserved_bytes"] = torch.cuda.memory_reserved()
+    return out
+
+
+# --- torch, once the job imports it ---------------------------------------------------------------------
+
+
+class _TorchFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``torch`` is about to be imported, it wraps the real loader so that the
+    hooks are installed right after torch's own module has run, then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        _remove_finder()
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        loader = spec.loader
+        original = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            try:
+                install_torch_hooks(module)
+            except Exception as exc:  # never the job's problem
+                if _probe is not None:
+                    _probe.note("torch_hooks_error", f"{type(exc).__name__}: {exc}")
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _remove_finder() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _TorchFinder)]
+
+
+def install_torch_hooks(torch: Any) -> None:
+    """The optimizer-step hooks and the one-shot model finder (module docstring)."""
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim
+
+    def step_begin(opt: Any, args: Any, kwargs: Any) -> None:
+        if _probe is not None:
+            _probe.sink.optimizer_begin(opt)
+
+    def step_end(opt: Any, args: Any, kwargs: Any) -> None:
+        if _probe is not None:
+            _probe.sink.optimizer_end(opt)
+
+    _wrap_collectives(torch)
+    optim.register_optimizer_step_pre_hook(step_begin)
+    optim.register_optimizer_step_post_hook(step_end)
+    finder = _ModelFinder()
+    finder.handle = nn_module.register_module_forward_pre_hook(finder)
+    if _probe is not None:
+        _probe.note("torch", True)
+
+
+def _wrap_collectives(torch: Any) -> None:
+    """Count the job's calls of torch.distributed's collectives (`COLLECTIVES`) per op."""
+    import functools
+    import warnings
+
+    warnings.filterwarnings(  # our full backward hooks' own warning, not the job's
+        "ignore",
+        message="Full backward hook is firing when gradients are computed with respect to module outputs",
+    )
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            sink = _probe.sink if _probe is not None else None
+            if sink is None:
+                return fn(*args, **kwargs)
+            n = sink.collectives[name] = sink.collectives.get(name, 0) + 1
+            sink.waiting = {"op": name, "n": n}
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sink.waiting = None
+
+        return collective
+
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if callable(fn):
+            setattr(dist, name, wrap(name, fn))
+
+
+class _ModelFinder:
+    """A global forward pre-hook that runs until it finds the model: the first module whose forward runs
+    and that keeps its blocks where `nsa_diag.probe.hooks.find_blocks` looks. Then it hooks that model's
+    blocks and removes itself: from then on the job's modules run with no global hook."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+        self.seen: set[int] = set()
+
+    def __call__(self, module: Any, args: Any) -> None:
+        key = id(module)
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        from nsa_diag.probe.hooks import attach_progress, find_blocks
+
+        try:
+            prefix, _ = find_blocks(module)
+        except ValueError:
+            return
+        self.handle.remove()
+        if _probe is None:
+            return
+        try:
+            attach_progress(module, _probe.sink)
+        except Exception as exc:  # e.g. nsa_core not importable: the step counter still works
+            _probe.note("model_hooks_error", f"{type(exc).__name__}: {exc}")
+            return
+        _probe.note("model", {"type": type(module).__name__, "blocks": prefix})
+
+
+# --- start ----------------------------------------------------------------------------------------------
+
+
+def _wrap_signal_signal() -> None:
+    """The job's own SIGUSR1 handler wins: when it installs one, the probe lets the signal go."""
+    original = signal.signal
+
+    def signal_signal(signalnum: Any, handler: Any) -> Any:
+        if signalnum == signal.SIGUSR1 and _probe is not None:
+            _probe.user_took_sigusr1()
+        return original(signalnum, handler)
+
+    signal_signal.__doc__ = original.__doc__
+    signal_signal.__wrapped__ = original  # type: ignore[attr-defined]
+    signal.signal = signal_signal  # type: ignore[assignment]
+
+
+def _after_fork_in_child() -> None:
+    if _probe is not None:
+        _probe.restart_in_child()
+
+
+def start(root: str | os.PathLike[str] | None = None) -> Probe | None:
+    """Start the probe in this process (once): into ``root``, default ``$NSA_DIAG_PROBE_DIR``."""
+    global _probe
+    if _probe is not None:
+        return _probe
+    folder = root if root is not None else os.environ.get(PROBE_DIR_ENV)
+    if not folder:
+        return None
+    _probe = Probe(Path(folder))
+    _wrap_signal_signal()
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    if "torch" in sys.modules:
+        install_torch_hooks(sys.modules["torch"])
+    else:
+        sys.meta_path.insert(0, _TorchFinder())
+    return _probe

@@ -1,0 +1,34 @@
+"""A plain training loop: a small MLP stack, SGD, a few steps."""
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, 6):
+        x, y = torch.randn(8, 16), torch.randn(8, 1)
+        loss = nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+    print("training done")
+
+
+if __name__ == "__main__":
+    main()

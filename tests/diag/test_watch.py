@@ -1,0 +1,349 @@
+"""`nsa-diag watch -- CMD` on real jobs: scripts in tests/diag/jobs/ written as users write them (nothing of
+nsa_diag imported), run by nsa-diag in a subprocess as a user would, each judged from its run folder.
+
+The default set keeps one pass, one hang (deadlock in backward), bad input, Ctrl-C and the pure parts
+(the probe's import cost, traceback parsing, collective counts); the other jobs are marked slow (each
+10-40 s on a loaded 2-core machine: nsa-diag's and the job's torch imports, the stall limits).
+GPU jobs (a CUDA kernel that spins, a 2-GPU NCCL job that skips a collective) skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diag_cli import cli_env, run_cli
+
+from nsa_diag.launchers import job
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+PY = sys.executable
+
+
+def _result(out: Path) -> dict[str, Any]:
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return json.loads((run / "cases" / "watch" / "result.json").read_text())
+
+
+def _case(out: Path) -> Path:
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    return run / "cases" / "watch"
+
+
+def _watch(
+    tmp_path: Path, *options: str, job: list[str], env: dict[str, str] | None = None, timeout: float = 240
+):
+    out = tmp_path / "runs"
+    proc = run_cli("watch", "--out", out, *options, "--", *job, cwd=JOBS, env=env, timeout=timeout)
+    return proc, out
+
+
+def _job_pids(case: Path) -> list[int]:
+    return [int(p.name.removeprefix("pid-")) for p in (case / "procs").glob("pid-*")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# --- pure parts: the probe's import cost, the job's traceback, the ranks' counts ---------------------
+
+
+def test_probe_api_is_a_no_op_outside_watch_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; import nsa_diag.probe as probe; "
+        "probe.total_steps(3); probe.step(1); probe.phase('eval'); probe.loss(float('nan')); "
+        "heavy = [m for m in ('torch', 'typer', 'rich', 'pydantic') if m in sys.modules]; "
+        "print(probe.active(), heavy)"
+    )
+    env = {k: v for k, v in cli_env().items() if k != "NSA_DIAG_PROBE_DIR"}
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.stdout.strip() == "False []", proc.stderr
+
+
+def test_last_traceback_skips_torchrun_summary() -> None:
+    stderr = "\n".join([
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "/x/train.py", line 12, in <module>',
+        "[rank1]:     step()",
+        "[rank1]: RuntimeError: shapes do not match",
+        "Traceback (most recent call last):",
+        '  File "/v/bin/torchrun", line 8, in <module>',
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+    ])  # fmt: skip
+    exc = job.last_traceback(stderr)
+    assert exc is not None
+    assert (exc.type, exc.message) == ("RuntimeError", "shapes do not match")
+
+
+def test_collective_counts_name_the_rank_that_never_reached_the_collective(tmp_path: Path) -> None:
+    folders = {r: tmp_path / str(r) for r in (0, 1)}
+    at_hang = {
+        0: {"collectives": {"all_reduce": 12}, "waiting": None},
+        1: {"collectives": {"all_reduce": 8, "barrier": 1}, "waiting": {"op": "barrier", "n": 1}},
+    }
+    for r, data in at_hang.items():
+        folders[r].mkdir()
+        (folders[r] / "at_hang.json").write_text(json.dumps(data))
+    diff: dict[str, Any] = {}
+    job.collective_minority(diff, folders, {0: 100, 1: 101})
+    assert diff["minority_ranks"] == [1]  # NCCL: rank 0 called all_reduce 12 times, rank 1 only 8
+    for r, data in {0: {"all_reduce": 9}, 1: {"all_reduce": 8, "barrier": 1}}.items():
+        waits = {"op": "all_reduce", "n": 9} if r == 0 else {"op": "barrier", "n": 1}
+        (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": waits}))
+    diff = {}
+    job.collective_minority(diff, folders, {0: 100, 1: 101})
+    assert diff["minority_ranks"] == [1]  # gloo: rank 0 waits in all_reduce #9, which rank 1 never entered
+
+
+# --- default set --------------------------------------------------------------------------------------
+
+
+def test_plain_loop_passes(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "plain_loop.py"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step 5 loss" in proc.stdout
+    assert "training done" in proc.stdout  # streamed to the terminal
+    result = _result(out)
+    assert result["verdict"] == "pass"
+    case = _case(out)
+    assert "training done" in (case / "stdout.log").read_text()
+    spec = json.loads((case / "spec.json").read_text())
+    assert spec["command"]["argv"] == [PY, "plain_loop.py"]
+    assert spec["command"]["cwd"] == str(JOBS)
+    (pid,) = _job_pids(case)
+    probe = json.loads((case / "procs" / f"pid-{pid}" / "probe.json").read_text())
+    assert probe["torch"] is True
+    assert probe["sigusr1"] == "probe"
+    assert probe["model"]["blocks"] == "layers"
+    replay = (case / "replay.sh").read_text()
+    assert f"cd {JOBS}" in replay
+    assert "watch" in replay
+    assert "plain_loop.py" in replay
+
+
+def test_deadlock_in_backward_is_a_python_deadlock_at_step_3(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "deadlock_backward.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
+    assert result["evidence"]["location"] == "step 3, backward, layers.1"
+    assert "deadlock_backward.py" in result["reason"]
+    assert "stats_lock" in result["reason"]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
+def test_raise_is_an_error_with_the_exception(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "raises.py"])
+    assert proc.returncode == 1
+    result = _result(out)
+    assert result["verdict"] == "error"
+    assert "ValueError: batch 2 has 9 features, the model takes 8" in result["reason"]
+    assert "raises.py" in result["reason"]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        pytest.param([], "no command after --", id="no-command"),
+        pytest.param(["--", "no-such-command-nsa"], "command not found", id="missing-command"),
+        pytest.param(["--keep-alive", "--timeout", "soon", "--", "true"], "--timeout", id="timeout-nonsense"),
+        pytest.param(
+            ["--keep-alive", "--timeout", "-5", "--", "true"], "--timeout -5", id="timeout-negative"
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    proc = run_cli("watch", "--out", tmp_path / "runs", *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert says in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
+    """SIGINT to nsa-diag: exit 130; the job's processes, one in a session of its own, are gone."""
+    out = tmp_path / "runs"
+    job = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+        "print('started', flush=True); time.sleep(600)"
+    )
+    nsa = subprocess.Popen(
+        [PY, "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "-c", job],
+        env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        pids: list[int] = []
+        while time.monotonic() < deadline and len(pids) < 2:
+            time.sleep(0.5)
+            runs = list(out.glob("*/cases/watch/procs"))
+            pids = (
+                [int(p.name[4:]) for p in runs[0].glob("pid-*") if (p / "probe.json").exists()]
+                if runs
+                else []
+            )
+        assert len(pids) == 2, "the job and its child never started under the probe"
+        nsa.send_signal(signal.SIGINT)
+        _, err = nsa.communicate(timeout=60)
+    finally:
+        if nsa.poll() is None:
+            nsa.kill()
+    assert nsa.returncode == 130, err[-2000:]
+    time.sleep(0.5)
+    assert not [p for p in pids if _alive(p)]
+    assert _result(out)["verdict"] == "error"
+    assert "interrupted" in _result(out)["reason"]
+
+
+# --- slow: one job each -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
+    proc, out = _watch(
+        tmp_path, "--stall", "5", "--timeout", "6", "--total-steps", "60", job=[PY, "slow_steps.py"]
+    )
+    assert proc.returncode == 1
+    result = _result(out)
+    assert result["verdict"] == "slow", result["reason"]
+    assert result["rate"]["steps_total"] == 60
+    assert result["rate"]["eta_s"] > 0
+    assert "ETA" in result["reason"]
+
+
+@pytest.mark.slow
+def test_nonfinite_loss_told_to_the_probe_is_nonfinite(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "nonfinite_loss.py"])
+    assert "done" in proc.stdout  # the job ran to its end, unchanged
+    result = _result(out)
+    assert result["verdict"] == "nonfinite", result["reason"]
+    assert result["nonfinite"]["step"] == 3
+    assert result["nonfinite"]["value"] == "nan"
+
+
+@pytest.mark.slow
+def test_segfault_is_a_crash(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "segfault.py"])
+    result = _result(out)
+    assert result["verdict"] == "crash", result["reason"]
+    assert result["signal"] == "SIGSEGV", result["reason"]
+    assert "segfault.py" in result["reason"]  # faulthandler's fatal traceback, into the probe's stacks.txt
+
+
+@pytest.mark.slow
+def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_rank_1(tmp_path: Path) -> None:
+    job = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           "ddp_skip_allreduce.py"]  # fmt: skip
+    proc, out = _watch(tmp_path, "--stall", "3", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective", result["reason"]
+    assert result["evidence"]["minority_ranks"] == [1]
+    case = _case(out)
+    assert sorted(p.name for p in (case / "ranks").iterdir()) == ["0", "1"]
+    assert not any(_alive(p) for p in _job_pids(case))
+
+
+@pytest.mark.slow
+def test_dataloader_worker_that_blocks_is_named(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "dataloader_block.py"])
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert "DataLoader worker" in result["reason"]
+    assert "dataloader_block.py" in result["reason"]
+    assert result["evidence"]["waits_on"]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
+def test_own_sitecustomize_still_runs(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": os.pathsep.join([str(JOBS / "own_site"), str(Path(__file__).parents[2] / "src")])}
+    proc, out = _watch(tmp_path, job=[PY, "own_sitecustomize.py"], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "user sitecustomize: ran" in proc.stdout
+    assert _result(out)["verdict"] == "pass"
+
+
+@pytest.mark.slow
+def test_own_sigusr1_handler_is_never_signalled(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "own_sigusr1.py"])
+    result = _result(out)
+    assert "got SIGUSR1" not in proc.stdout
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]  # stacks from the heartbeat thread
+    assert "own_sigusr1.py" in result["reason"]
+    (pid,) = _job_pids(_case(out))
+    probe = json.loads((_case(out) / "procs" / f"pid-{pid}" / "probe.json").read_text())
+    assert probe["sigusr1"] == "user"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("code, verdict", [(0, "pass"), (4, "crash")])
+def test_job_without_torch_is_judged_by_its_exit_status(tmp_path: Path, code: int, verdict: str) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "no_torch.py", str(code)])
+    assert "most common: ('the', 3)" in proc.stdout
+    result = _result(out)
+    assert result["verdict"] == verdict, result["reason"]
+    assert result["exit_code"] == code, result["reason"]
+
+
+@pytest.mark.slow
+def test_shell_script_starting_python_is_judged_by_its_exit_and_its_python_child(tmp_path: Path) -> None:
+    """The command itself is not Python (no probe: never signalled, never stalled); its Python child is."""
+    proc, out = _watch(tmp_path, "--stall", "3", job=["bash", "-c", f"{PY} deadlock_backward.py; echo after"])
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
+    assert result["evidence"]["location"] == "step 3, backward, layers.1"
+    root = result["evidence"]["root_pid"]
+    assert result["reason"].startswith("pid ")
+    assert not result["reason"].startswith(f"pid {root} ")  # the Python child decided, not bash
+    stacks = _case(out) / "procs" / f"pid-{root}" / "stacks.txt"
+    assert not stacks.exists()  # bash has no probe: never sent SIGUSR1, no sample asked of it
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+# --- GPU ----------------------------------------------------------------------------------------------
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_cuda_devices() < 1, reason="needs CUDA")
+def test_gpu_kernel_spin_is_a_cuda_kernel_hang(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "gpu_spin.py"])
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "cuda-kernel", result["reason"]
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA devices")
+def test_nccl_rank_skipping_an_all_reduce_is_a_collective_hang(tmp_path: Path) -> None:
+    job = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           "ddp_skip_allreduce.py", "--nccl"]  # fmt: skip
+    proc, out = _watch(tmp_path, "--stall", "5", job=job)
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective", result["reason"]
+    assert result["evidence"]["minority_ranks"] == [1]
