@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from nsa_diag import artifacts
 from nsa_diag.cases import replay_argv
@@ -45,8 +45,16 @@ from nsa_diag.slurm import LOG_FOLDER, Cluster, SlurmSettings, base_state, is_ac
 from nsa_diag.spec import CaseResult
 from nsa_diag.worker.beacon import read_beacon
 
-if TYPE_CHECKING:
-    from nsa_diag.session.matrix import MatrixProgress
+
+class CaseProgress(Protocol):
+    """The live display a run reports to (`nsa_diag.session.matrix.MatrixProgress`)."""
+
+    def start(self, case: MatrixCase, gpu: str | None) -> None: ...
+
+    def update(self, name: str, state: Any, elapsed: float) -> None: ...
+
+    def end(self, result: CaseResult) -> None: ...
+
 
 POLL_S = 0.5
 # A job has ended but its case's result.json is not there yet: how long a shared filesystem may take to show
@@ -121,7 +129,7 @@ class SlurmRun:
 
     session: Session
     config: ClusterConfig
-    progress: MatrixProgress
+    progress: CaseProgress
     name: str = "nsa-diag"
     job_ids: dict[str, str] = field(default_factory=dict)  # case -> its job's id
 
