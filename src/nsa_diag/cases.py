@@ -610,6 +610,10 @@ def ddp_flags(ds: DdpSpec) -> list[str]:
     if ds.nnodes > 1 or ds.rdzv_endpoint:
         argv += ["--nnodes", str(ds.nnodes), "--node-rank", str(ds.node_rank)]
         argv += ["--rdzv-endpoint", ds.rdzv_endpoint] if ds.rdzv_endpoint else []
+    if ds.rdzv_timeout is not None:
+        argv += ["--rdzv-timeout", f"{ds.rdzv_timeout:g}"]
+    if ds.run_id is not None:
+        argv += ["--run-id", ds.run_id]
     return argv
 
 
@@ -649,6 +653,32 @@ def check_ddp_options(
         if nproc > gpus:
             raise UsageError(f"--nproc {nproc} with --backend nccl: only {gpus} GPU(s) here, one per rank")
     return resolved
+
+
+def check_nodes_options(
+    options: CaseOptions, *, nnodes: int, run_id: str | None, rdzv_timeout: float | None
+) -> None:
+    """The options of a multi-node case that can be wrong before its rendezvous is checked, as one
+    `UsageError` line."""
+    if nnodes <= 1:
+        for flag, value in (("--run-id", run_id), ("--rdzv-timeout", rdzv_timeout)):
+            if value is not None:
+                raise UsageError(f"{flag}: only for several nodes (--nnodes 2 or more)")
+        return
+    if rdzv_timeout is not None and rdzv_timeout <= 0:
+        raise UsageError(f"--rdzv-timeout {rdzv_timeout:g}: give a number of seconds above 0")
+    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}", run_id):
+        raise UsageError(
+            f"--run-id {run_id!r}: letters, digits and . _ = + - (at most 100), first a letter or digit"
+        )
+    follow_ups = (
+        ("--repeat", options.repeat > 1),
+        ("--minimize", options.minimize),
+        ("--triage", options.triage),
+    )
+    for flag, given in follow_ups:
+        if given:
+            raise UsageError(f"{flag}: not with --nnodes {nnodes}; its follow-up runs are one node's")
 
 
 def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, **fields: Any) -> CaseSpec:

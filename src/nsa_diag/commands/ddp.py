@@ -83,6 +83,26 @@ def ddp(
             rich_help_panel=_DDP,
         ),
     ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id",
+            metavar="ID",
+            help="Several nodes: the rendezvous id and run folder <out>/ddp-<ID>, the same on every node "
+            "(default: the case name and a hash of its options, alike on every node).",
+            rich_help_panel=_DDP,
+        ),
+    ] = None,
+    rdzv_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--rdzv-timeout",
+            metavar="SECONDS",
+            help="Several nodes: how long the nodes wait for each other (node 0 for the others to join, "
+            "the others for node 0 to listen, node 0 for their results); default 120.",
+            rich_help_panel=_DDP,
+        ),
+    ] = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -107,14 +127,24 @@ def ddp(
         nsa-diag ddp --inject skip-collective:rank=1 --stall 5
         nsa-diag ddp --backend nccl --static-graph --trace-buckets
         nsa-diag ddp --gc all --gc-reentrant --find-unused
-        nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl
+        nsa-diag ddp --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400 --backend nccl --out /shared/runs
+        nsa-diag ddp --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400 --backend nccl --out /shared/runs
+
+    Several nodes: run the command on every node, with the same options but --node-rank, and an --out on
+    a file system every node sees. The nodes share one run folder, <out>/ddp-<run id>: each node's ranks
+    write ranks/<global rank>/ of the case, node 0 writes the case's result.json (the cross-rank diff and
+    minority ranks across nodes) and summary, every node ends with its exit code. Node 0 hosts the
+    rendezvous on the endpoint's address only.
     """
-    from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_options
+    from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_nodes_options, check_options
+    from nsa_diag.launchers.nodes import check_rendezvous
     from nsa_diag.launchers.preflight import check_user_model
-    from nsa_diag.session import Session, check_follow_ups
-    from nsa_diag.session.plans import CaseList
+    from nsa_diag.session import Plan, Session, check_follow_ups
+    from nsa_diag.session.plans import CaseList, NodePart
 
     check_options(options)
+    follow = check_follow_ups(options)
+    check_nodes_options(options, nnodes=nnodes, run_id=run_id, rdzv_timeout=rdzv_timeout)
     resolved = check_ddp_options(
         nproc=nproc,
         backend=backend,
@@ -126,12 +156,16 @@ def ddp(
     settings = {
         "nproc": nproc, "backend": resolved, "static_graph": static_graph, "find_unused": find_unused,
         "bucket_mb": bucket_mb, "trace_buckets": trace_buckets, "nnodes": nnodes, "node_rank": node_rank,
-        "rdzv_endpoint": rdzv_endpoint,
+        "rdzv_endpoint": rdzv_endpoint, "rdzv_timeout": rdzv_timeout, "run_id": run_id,
     }  # fmt: skip
     spec = build_ddp_spec(options, settings, name=options.name)
     check_user_model([spec])
-    plan = CaseList("ddp", [spec])
-    session = Session(
-        plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)
-    )
+    assert spec.ddp is not None
+    if spec.ddp.rdzv_endpoint is not None:
+        check_rendezvous(spec.ddp)
+    if nnodes > 1:
+        plan: Plan = NodePart(spec, options.out, options.tag)
+    else:
+        plan = CaseList("ddp", [spec])
+    session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
     raise typer.Exit(session.run())
