@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import re
 import socket
 import time
 from collections.abc import Mapping
@@ -50,6 +51,11 @@ CONNECT_TRY_S = 1.0  # one connection attempt to the rendezvous while a node R >
 # limit is measured per node; AUTO_BARRIER_S bounds the wait then.
 EVIDENCE_MARGIN_S = 30.0
 AUTO_BARRIER_S = 60.0
+
+
+# torchrun's words for a rendezvous that did not complete (the static store's wait for the other nodes,
+# a node's connection to node 0's store)
+_RDZV_ERROR = re.compile(r"DistStoreError|RendezvousError|RendezvousConnectionError|waiting for clients")
 
 
 # --- up front: what can be checked before any folder exists ------------------------------------------
@@ -171,12 +177,54 @@ class NodeLauncher(TorchrunLauncher):
     def notes(self) -> dict[str, Any]:
         return {**super().notes(), "node_rank": self.node, "host": self.host}
 
+    def _never_started(self, case_dir: Path) -> bool:
+        """No local rank ever started (`prepare` removed their folders): the rendezvous did not complete."""
+        return not any(rank_dir(case_dir, r).exists() for r in local_ranks(self.spec))
+
+    def _rendezvous_failure(self, case_dir: Path) -> str:
+        """The case's reason when the rendezvous did not complete, with torchrun's own last word on it."""
+        try:
+            lines = (self.home(case_dir) / artifacts.STDERR).read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
+        said = next((ln.strip() for ln in reversed(lines) if _RDZV_ERROR.search(ln)), None)
+        text = (
+            f"the rendezvous at {self.ds.rdzv_endpoint} did not complete within {self.ds.wait_s:g} s "
+            f"(--rdzv-timeout): no rank started on node {self.node}"
+        )
+        return text + (f"; torchrun: {said}" if said else "")
+
+    def _not_met(self, case_dir: Path, elapsed: float, stop: dict[str, Any]) -> CaseResult:
+        """The case's result when the rendezvous did not complete: an error saying so, each rank's part."""
+        ranks = {
+            str(r): {
+                "verdict": "error",
+                "reason": "never started: the rendezvous did not complete"
+                if node_of(self.spec, r) == self.node
+                else f"node {node_of(self.spec, r)} never reported",
+            }
+            for r in range(self.ds.world_size)
+        }
+        ddp = {"nnodes": self.ds.nnodes, "node_rank": self.node, "world_size": self.ds.world_size,
+               "backend": self.ds.backend, "ranks": ranks, "torchrun": self.argv}  # fmt: skip
+        result = error_result(
+            self.spec,
+            self._rendezvous_failure(case_dir),
+            elapsed,
+            {"outcome": "rendezvous-failed", "stop": stop},
+        )
+        return result.model_copy(update={"ddp": ddp})
+
     def before_stop(self, case_dir: Path) -> None:
-        """Say this node has its evidence, and wait (`barrier_s`) until every node has said so."""
+        """Say this node has its evidence, and wait (`barrier_s`, at most ``--rdzv-timeout``) until every
+        node has said so; not when no local rank started (there is nothing to break)."""
         self._say(case_dir, "stopping")
+        if self._never_started(case_dir):
+            self.waited = {"waited_s": 0.0, "skipped": "no rank started on this node"}
+            return
         others = [n for n in range(self.ds.nnodes) if n != self.node]
         started = time.monotonic()
-        deadline = started + barrier_s(self.spec)
+        deadline = started + min(barrier_s(self.spec), self.ds.wait_s)
         while True:
             missing = [n for n in others if _read(self._node_file(case_dir, n)) is None]
             if not missing or time.monotonic() >= deadline:
@@ -196,6 +244,9 @@ class NodeLauncher(TorchrunLauncher):
     ) -> CaseResult:
         """Publish this node's ranks' results and its end; node 0 then aggregates every rank, a node R > 0
         takes node 0's result (module docstring)."""
+        if self._never_started(case_dir):
+            self._say(case_dir, "ended", outcome="rendezvous-failed", stop=stop)
+            return self._not_met(case_dir, elapsed, stop)
         for rank, result in per_unit.items():
             artifacts.write_json(rank_dir(case_dir, rank) / artifacts.RANK_RESULT, result)
         notes = {**notes, "barrier": self.waited}

@@ -1,0 +1,282 @@
+"""Multi-node `nsa-diag ddp`, simulated on one host: one `nsa-diag ddp --nnodes 2 --node-rank R` process per
+node (gloo, a loopback rendezvous, one rank each), both writing into the same --out, as two hosts with a
+shared file system would. What needs two real hosts (NCCL across a network, a shared file system's
+locking, a host name that resolves to another machine) is not tried here.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from diag_cli import cli_env
+
+from nsa_diag import artifacts
+from nsa_diag.app import run_cli
+from nsa_diag.launchers.torchrun import torchrun_argv
+from nsa_diag.spec import CaseSpec, DdpSpec
+
+RANK_FILES = (
+    "progress.jsonl",
+    "stdout.log",
+    "stderr.log",
+    "stacks.txt",
+    "worker_result.json",
+    "rank_result.json",
+)
+WILDCARD = ("0.0.0.0", "::")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node(out: Path, port: int, node: int, *extra: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "nsa_diag", "ddp", "--nnodes", "2", "--node-rank", str(node),
+            "--nproc", "1", "--backend", "gloo", "--device", "cpu", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--out", str(out), "--json", *extra]  # fmt: skip
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=cli_env(),
+    )
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP addresses a process and its descendants listen on, now."""
+    found = set()
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return found
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((conn.laddr.ip, conn.laddr.port))
+        except psutil.Error:
+            continue
+    return found
+
+
+def _run_nodes(out: Path, *extra: str, timeout: float = 180) -> tuple[list[tuple[int, str, str]], set]:
+    """Both nodes to their end (node 1 a moment after node 0); each one's exit code, stdout and stderr, and
+    every address node 0's processes listened on meanwhile (the rendezvous store is node 0's agent)."""
+    port = _free_port()
+    nodes = [_node(out, port, 0, *extra)]
+    time.sleep(0.5)
+    nodes.append(_node(out, port, 1, *extra))
+    listened: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
+            listened |= {(ip, p, node) for node, proc in enumerate(nodes) for ip, p in _listening(proc.pid)}
+            time.sleep(0.1)
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+    ends = [(p.wait(), *p.communicate()) for p in nodes]
+    return ends, {(ip, p, node, port) for ip, p, node in listened}
+
+
+def _one_run_folder(out: Path) -> Path:
+    (run_dir,) = out.glob("ddp-*")  # one folder for both nodes
+    return run_dir
+
+
+def _left_behind(run_dir: Path) -> list[str]:
+    named = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if (
+            str(run_dir) in " ".join(proc.info["cmdline"] or ())
+            and proc.info["status"] != psutil.STATUS_ZOMBIE
+        ):
+            named.append(f"{proc.pid} {' '.join(proc.info['cmdline'])[:120]}")
+    return named
+
+
+# --- two simulated nodes --------------------------------------------------------------------------------
+
+
+def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(tmp_path: Path) -> None:
+    ends, listened = _run_nodes(tmp_path, "--name", "ok", "--stall", "30")
+    for node, (code, _, err) in enumerate(ends):
+        assert code == 0, f"node {node}: {err}"
+    run_dir = _one_run_folder(tmp_path)
+    case = run_dir / "cases" / "ok"
+    result = json.loads((case / "result.json").read_text())
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["ddp"]["world_size"] == 2
+    assert set(result["ddp"]["ranks"]) == {"0", "1"}
+    assert set(result["ddp"]["nodes"]) == {"0", "1"}
+    for rank in ("0", "1"):
+        for name in RANK_FILES:
+            assert (case / "ranks" / rank / name).exists(), f"ranks/{rank}/{name}"
+    # node 1's own part: its spec, logs and its copy of the case's result; its env and summary
+    assert json.loads((case / "nodes" / "1" / "result.json").read_text())["verdict"] == "pass"
+    assert json.loads((case / "nodes" / "1" / "spec.json").read_text())["ddp"]["node_rank"] == 1
+    assert json.loads((case / "spec.json").read_text())["ddp"]["node_rank"] == 0
+    for name in ("env.json", "nodes/0/env.json", "nodes/1/env.json", "summary.json", "nodes/1/summary.json"):
+        assert (run_dir / name).exists(), name
+    assert not list(run_dir.glob(".nsa-diag.node*.lock")), "each node's lock goes with it"
+    assert json.loads(ends[1][1])["cases"][0]["verdict"] == "pass"  # node 1 ends with the case's verdict
+    # The rendezvous store (node 0's agent, on the endpoint's port) listens on 127.0.0.1 only, and no
+    # process of either node listens on every address.
+    (port,) = {p for *_, p in listened}
+    store = {ip for ip, p, node, _ in listened if p == port}
+    assert store == {"127.0.0.1"}, listened
+    assert not [x for x in listened if x[0] in WILDCARD], listened
+    assert not _left_behind(run_dir)
+
+
+@pytest.mark.slow
+def test_skip_collective_on_node_1_is_a_collective_hang_with_rank_1_the_minority(tmp_path: Path) -> None:
+    ends, _ = _run_nodes(tmp_path, "--name", "skip", "--stall", "5", "--inject", "skip-collective:rank=1")
+    for node, (code, _, err) in enumerate(ends):
+        assert code == 1, f"node {node}: {err}"  # the same verdict's code on every node
+    run_dir = _one_run_folder(tmp_path)
+    case = run_dir / "cases" / "skip"
+    result = json.loads((case / "result.json").read_text())
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective"
+    assert result["ddp"]["minority_ranks"] == [1]
+    assert "minority rank 1" in result["reason"]
+    assert {n["outcome"] for n in result["ddp"]["nodes"].values()} == {"stalled"}
+    assert sorted(p.name for p in (case / "ranks").iterdir() if p.is_dir()) == ["0", "1"]
+    for rank in ("0", "1"):
+        assert (case / "ranks" / rank / "stacks.txt").read_text().strip(), f"rank {rank} sampled"
+    node1 = json.loads((case / "nodes" / "1" / "result.json").read_text())
+    assert (node1["verdict"], node1["ddp"]["minority_ranks"]) == ("hang", [1])
+    assert not _left_behind(run_dir)
+
+
+def test_a_node_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:
+    port = _free_port()
+    node0 = _node(tmp_path, port, 0, "--name", "alone", "--rdzv-timeout", "3")
+    out, err = node0.communicate(timeout=120)
+    assert node0.returncode == 1, err
+    result = json.loads((_one_run_folder(tmp_path) / "cases" / "alone" / "result.json").read_text())
+    assert result["verdict"] == "error"
+    assert f"rendezvous at 127.0.0.1:{port} did not complete within 3 s" in result["reason"]
+    assert "1/2 clients joined" in result["reason"]  # torchrun's own word
+    assert result["ddp"]["ranks"]["1"]["reason"] == "node 1 never reported"
+
+
+# --- bad input: one line, exit 2, nothing written -------------------------------------------------------
+
+
+def _listening_socket() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(["--nnodes", "2"], "--rdzv-endpoint HOST:PORT", id="no-endpoint"),
+        pytest.param(
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29999"],
+            "--node-rank 2: must be in 0..1",
+            id="node-rank-out-of-range",
+        ),
+        pytest.param(
+            ["--nnodes", "2", "--rdzv-endpoint", "no-such-host.invalid:29999"],
+            "does not resolve",
+            id="host-does-not-resolve",
+        ),
+        pytest.param(
+            ["--nnodes", "2", "--rdzv-endpoint", "192.0.2.1:29999"],
+            "not an address of this machine",
+            id="node-0-elsewhere",
+        ),
+        pytest.param(
+            [
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--rdzv-endpoint",
+                "127.0.0.1:{closed}",
+                "--rdzv-timeout",
+                "1",
+            ],
+            "nothing listens there after 1 s",
+            id="nothing-listens",
+        ),
+        pytest.param(["--rdzv-endpoint", "127.0.0.1:{taken}"], "cannot listen there", id="port-taken"),
+        pytest.param(["--run-id", "x"], "--run-id: only for several nodes", id="run-id-one-node"),
+        pytest.param(
+            ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999", "--repeat", "2"],
+            "--repeat: not with --nnodes 2",
+            id="repeat-across-nodes",
+        ),
+    ],
+)
+def test_bad_input_exits_2_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    with _listening_socket() as taken:
+        closed = _free_port()
+        argv = [a.format(taken=taken.getsockname()[1], closed=closed) for a in args]
+        started = time.monotonic()
+        code = run_cli(["ddp", "--device", "cpu", "--backend", "gloo", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1, err
+    assert says in err, err
+    assert time.monotonic() - started < 10, "the waits are bounded"
+    assert not any(tmp_path.iterdir()), "no run folder for a bad command line"
+
+
+def test_a_second_process_for_the_same_node_and_a_finished_run_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["ddp", "--device", "cpu", "--backend", "gloo", "--out", str(tmp_path), "--nnodes", "2",
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--run-id", "r1"]  # fmt: skip
+    run_dir = tmp_path / "ddp-r1"
+    run_dir.mkdir()
+    lock = artifacts.lock_run_dir(run_dir, artifacts.node_lock(0))
+    try:
+        assert run_cli(argv) == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err.strip()
+    assert ".nsa-diag.node0.lock is held by pid" in err, err
+    artifacts.write_json(run_dir / "cases" / "ddp" / "result.json", {"verdict": "pass"})
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "this run has finished already" in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+# --- what every node derives alike ----------------------------------------------------------------------
+
+
+def _spec(node: int, **fields: object) -> CaseSpec:
+    ddp = DdpSpec(nproc=1, nnodes=2, node_rank=node, rdzv_endpoint="10.0.0.1:29400")
+    return CaseSpec(name="c", device="cpu", ddp=ddp, **fields)  # type: ignore[arg-type]
+
+
+def test_run_id_is_alike_on_every_node_and_names_the_rendezvous(tmp_path: Path) -> None:
+    assert _spec(0).run_id() == _spec(1).run_id()
+    assert _spec(0).run_id() != _spec(0, steps=3).run_id()
+    argv = torchrun_argv(_spec(1), tmp_path)
+    at = argv.index("--rdzv-backend")
+    assert argv[at + 1] == "static"  # the backend that keeps --node-rank
+    assert argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--rdzv-id") + 1] == _spec(1).run_id()
+    assert argv[argv.index("--rdzv-conf") + 1] == "timeout=120"
