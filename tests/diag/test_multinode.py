@@ -82,7 +82,7 @@ def _run_nodes(out: Path, *extra: str, timeout: float = 180) -> tuple[list[tuple
     try:
         while any(p.poll() is None for p in nodes) and time.monotonic() < deadline:
             listened |= {(ip, p, node) for node, proc in enumerate(nodes) for ip, p in _listening(proc.pid)}
-            time.sleep(0.1)
+            time.sleep(0.3)
     finally:
         for proc in nodes:
             if proc.poll() is None:
@@ -139,6 +139,11 @@ def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(
     assert store == {"127.0.0.1"}, listened
     assert not [x for x in listened if x[0] in WILDCARD], listened
     assert not _left_behind(run_dir)
+    # report sees each node's host
+    assert run_cli(["report", str(run_dir)]) == 0
+    report = (run_dir / "report.md").read_text()
+    nodes = report[report.index("### Nodes") :]
+    assert "| 0 | " in nodes and "| 1 | " in nodes, nodes
 
 
 @pytest.mark.slow
@@ -162,6 +167,7 @@ def test_skip_collective_on_node_1_is_a_collective_hang_with_rank_1_the_minority
     assert not _left_behind(run_dir)
 
 
+@pytest.mark.slow
 def test_a_node_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:
     port = _free_port()
     node0 = _node(tmp_path, port, 0, "--name", "alone", "--rdzv-timeout", "3")
