@@ -29,10 +29,12 @@ from nsa_diag.options import (
     Device,
     Dtype,
     Group,
+    JobExecutor,
     Opt,
     Prefill,
     Preset,
     SelBackend,
+    SubmititCluster,
     WinBackend,
 )
 
@@ -43,10 +45,12 @@ __all__ = [
     "DebugOpt",
     "Device",
     "Dtype",
+    "JobExecutor",
     "JsonOpt",
     "Prefill",
     "Preset",
     "SelBackend",
+    "SubmititCluster",
     "WinBackend",
     "case_options",
 ]
@@ -61,6 +65,58 @@ JsonOpt = Annotated[
 DebugOpt = Annotated[
     bool,
     typer.Option("--debug", help="On an error, show the full traceback, not only the one-line message."),
+]
+
+# Where jobs run, and the Slurm settings of `--executor slurm` (`nsa_diag.slurm.SlurmSettings`:
+# `settings_from_options` turns these into one; a matrix file's `slurm:` section gives the same fields).
+_CLUSTER = "Cluster (--executor slurm)"
+ExecutorOpt = Annotated[
+    JobExecutor,
+    typer.Option(
+        "--executor",
+        rich_help_panel=_CLUSTER,
+        help="local: here, --jobs at a time. slurm: each case a Slurm job through submitit "
+        "(pip install 'nsa-diag[slurm]'), its folder in the run folder, which must be on a filesystem the "
+        "nodes share.",
+    ),
+]
+PartitionOpt = Annotated[
+    str | None, typer.Option("--partition", rich_help_panel=_CLUSTER, help="Slurm partition (sbatch -p).")
+]
+AccountOpt = Annotated[
+    str | None, typer.Option("--account", rich_help_panel=_CLUSTER, help="Slurm account (sbatch -A).")
+]
+GpusPerNodeOpt = Annotated[
+    int | None,
+    typer.Option("--gpus-per-node", min=0, rich_help_panel=_CLUSTER, help="GPUs each job asks for."),
+]
+TimeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--time",
+        metavar="LIMIT",
+        rich_help_panel=_CLUSTER,
+        help="Time limit of each job: MINUTES, HH:MM:SS or D-HH:MM:SS [default: the case's timeout + 5 min].",
+    ),
+]
+SubmititClusterOpt = Annotated[
+    SubmititCluster | None,
+    typer.Option(
+        "--submitit-cluster",
+        rich_help_panel=_CLUSTER,
+        help="slurm (default), or local: submitit's local executor runs each job as a process on this "
+        "machine through the same submission path, to try a file and its slurm: section without a cluster.",
+        show_default=False,
+    ),
+]
+SlurmOptOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--slurm-opt",
+        metavar="KEY=VALUE",
+        rich_help_panel=_CLUSTER,
+        help="Any other sbatch option, repeatable: --slurm-opt qos=high --slurm-opt constraint=h100.",
+    ),
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -25,7 +25,9 @@ Keys are the `CaseSpec` fields (preset, seq_len, batch, steps, dtype, device, st
 ``skipped``; ``device: cuda`` implies it) and ``expect: {verdict, hang_kind}`` (the case is ok when it
 ends so, e.g. an injected fault that must be detected). An entry's key replaces the default's, an axis
 value replaces both; an explicit ``null`` sets the field to null. Case names are given, or made from the
-axis values (``branch=sel-S=128``), unique and folder-safe.
+axis values (``branch=sel-S=128``), unique and folder-safe. A top-level ``slurm:`` section
+(`nsa_diag.slurm.SlurmSettings`: partition, account, gpus_per_node, time, nodes, options) says how
+``--executor slurm`` submits the cases; the command's Slurm options override it.
 
 Everything that can be wrong with a file is found here, before anything runs: YAML syntax, duplicate
 and unknown keys, wrong types, impossible geometry (`nsa_core`), faults that could never fire.
@@ -66,6 +68,7 @@ from nsa_diag.cases import (
 )
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import CmpBackend, Prefill, SelBackend, WinBackend, literal_of
+from nsa_diag.slurm import SlurmSettings
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
 
 MAX_CASES = 2000
@@ -210,6 +213,10 @@ class MatrixFile(BaseModel):
     defaults: CaseFields = Field(default_factory=CaseFields)  # type: ignore[valid-type]
     axes: Axes = Field(default_factory=dict, description="key -> values: one case per combination")
     cases: list[CaseEntry] = Field(default_factory=list)
+    slurm: SlurmSettings | None = Field(
+        None,
+        description="how `--executor slurm` submits each case (the command's Slurm options override these)",
+    )
 
 
 def matrix_json_schema() -> dict[str, Any]:
@@ -322,6 +329,8 @@ def _did_you_mean(loc: Loc) -> str:
         valid = Expect.model_fields
     elif parents[-1] == "defaults":
         valid = CaseFields.model_fields
+    elif parents[-1] == "slurm":
+        valid = SlurmSettings.model_fields
     else:
         valid = CaseEntry.model_fields
     match = difflib.get_close_matches(str(loc[-1]), sorted(valid), n=1)
@@ -372,6 +381,7 @@ class Matrix:
     description: str | None
     axes: dict[str, list[Any]]  # every axis of the file (top level and entries), its values in order
     cases: list[MatrixCase]
+    slurm: SlurmSettings | None = None  # the file's `slurm:` section
 
     def tags(self) -> list[str]:
         return sorted({tag for case in self.cases for tag in case.tags})
@@ -487,6 +497,7 @@ class _Parts:
     name: str | None
     description: str | None
     defaults: Any  # CaseFields
+    slurm: SlurmSettings | None
     axes: dict[str, list[Any]]
     entries: list[tuple[int, CaseEntry]]  # with their index in `cases`
 
@@ -511,7 +522,7 @@ def _valid_parts(data: Mapping[str, Any]) -> _Parts | None:
             entries.append((i, CaseEntry.model_validate(item)))
         except ValidationError:
             continue
-    return _Parts(None, None, defaults, axes, entries)
+    return _Parts(None, None, defaults, None, axes, entries)
 
 
 def _drafts(doc: _Parts, problems: _Problems) -> list[_Draft]:
@@ -737,7 +748,9 @@ def load_matrix(path: Path | str) -> Matrix:
     parts: _Parts | None
     try:
         doc = MatrixFile.model_validate(data)
-        parts = _Parts(doc.name, doc.description, doc.defaults, dict(doc.axes), list(enumerate(doc.cases)))
+        parts = _Parts(
+            doc.name, doc.description, doc.defaults, doc.slurm, dict(doc.axes), list(enumerate(doc.cases))
+        )
     except ValidationError as exc:
         _add_validation_errors(problems, exc)
         parts = _valid_parts(data)
@@ -765,4 +778,4 @@ def load_matrix(path: Path | str) -> Matrix:
         requires = draft.requires or ("cuda" if spec.device == "cuda" else None)
         cases.append(MatrixCase(spec, draft.tags, draft.axes, requires, expect, format_loc(draft.origin)))
     problems.raise_if_any()
-    return Matrix(path, parts.name or path.stem, parts.description, _union_axes(drafts), cases)
+    return Matrix(path, parts.name or path.stem, parts.description, _union_axes(drafts), cases, parts.slurm)

@@ -95,6 +95,22 @@ class Prefill(str, Enum):
     sequential = "sequential"
 
 
+class JobExecutor(str, Enum):
+    """Where the cases' jobs run: here (threads, each case in its own worker), or as Slurm jobs through
+    submitit (`nsa_diag.slurm`)."""
+
+    local = "local"
+    slurm = "slurm"
+
+
+class SubmititCluster(str, Enum):
+    """Which submitit executor `--executor slurm` submits through: Slurm, or submitit's local executor (a
+    process per job on this machine, through the same submission path)."""
+
+    slurm = "slurm"
+    local = "local"
+
+
 class FaultKind(str, Enum):
     """What `--inject KIND` can inject (`nsa_diag.worker.inject`)."""
 

@@ -25,16 +25,16 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # A new module is placed here, or the test says so.
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: specs and results, option declarations, file names and atomic writes, errors, the
-    # shipped matrices
+    # shipped matrices, Slurm settings (a matrix file's `slurm:` section) and submitit's executor
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
-     "nsa_diag.interrupts", "nsa_diag.probe"),
+     "nsa_diag.interrupts", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)
     ("nsa_diag.watchdog", "nsa_diag.classify", "nsa_diag.results", "nsa_diag.worker"),
     ("nsa_diag.launchers",),
-    ("nsa_diag.executor",),
+    ("nsa_diag.executor", "nsa_diag.node"),
     # presentation: tables, reports, plots, JUnit, run folders read back
     ("nsa_diag.render", "nsa_diag.plots", "nsa_diag.junit", "nsa_diag.runfolder", "nsa_diag.report"),
     ("nsa_diag.session",),

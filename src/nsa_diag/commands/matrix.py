@@ -4,11 +4,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nsa_diag._cli_utils import DebugOpt, JsonOpt
+if TYPE_CHECKING:
+    from nsa_diag.matrix import Matrix
+    from nsa_diag.options import SubmititCluster
+    from nsa_diag.session.cluster import ClusterConfig
+
+from nsa_diag._cli_utils import (
+    AccountOpt,
+    DebugOpt,
+    ExecutorOpt,
+    GpusPerNodeOpt,
+    JobExecutor,
+    JsonOpt,
+    PartitionOpt,
+    SlurmOptOpt,
+    SubmititClusterOpt,
+    TimeOpt,
+)
 
 _RUN = "Running"
 _OUTPUT = "Output"
@@ -46,15 +62,17 @@ def matrix(
         ),
     ] = None,
     jobs: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--jobs",
             "-j",
             min=1,
             rich_help_panel=_RUN,
-            help="Cases at a time, each in its own worker; with several GPUs each CUDA case gets one.",
+            help="Cases at a time, each in its own worker; with several GPUs each CUDA case gets one. "
+            "With --executor slurm: jobs submitted and unfinished at a time.",
+            show_default="1; with --executor slurm every case at once",
         ),
-    ] = 1,
+    ] = None,
     only: Annotated[
         str | None,
         typer.Option(
@@ -93,6 +111,13 @@ def matrix(
             help="Suffix of the run folder's name [default: the matrix's name].",
         ),
     ] = None,
+    executor: ExecutorOpt = JobExecutor.local,
+    partition: PartitionOpt = None,
+    gpus_per_node: GpusPerNodeOpt = None,
+    time_limit: TimeOpt = None,
+    account: AccountOpt = None,
+    slurm_opt: SlurmOptOpt = None,
+    submitit_cluster: SubmititClusterOpt = None,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -114,6 +139,13 @@ def matrix(
     run again; interrupted cases, and cases whose spec changed, run again. Ctrl-C stops the running cases
     (each gets its result.json) and starts no new one.
 
+    `--executor slurm` submits each case as a Slurm job through submitit (`pip install 'nsa-diag[slurm]'`)
+    that runs it on its node under the same watchdog, into the run folder: it must be on a filesystem the
+    nodes share. Slurm settings come from the file's `slurm:` section (partition, account, gpus_per_node,
+    time, options) and the options below, which override it. A job that Slurm ends before its case has a
+    verdict (time limit, preemption, node failure, cancellation) gets a result.json with the Slurm state
+    and why, and `--resume` submits it again; Ctrl-C cancels every submitted job.
+
     Exit code 0 when every case is ok (passed, or ended as its `expect` says, or skipped for want of
     CUDA), 1 when not, 2 for a bad file or option, 130 when interrupted.
 
@@ -125,9 +157,14 @@ def matrix(
         nsa-diag matrix backward --only branch,sel-backend --jobs 2 --junit backward.xml
         nsa-diag matrix backward --resume nsa-diag-runs/20250825-164210-matrix-backward
         nsa-diag matrix my-matrix.yaml
+        nsa-diag matrix backward --executor slurm --partition gpu --gpus-per-node 1 --time 30
+        nsa-diag matrix backward --executor slurm --account proj --slurm-opt qos=high --junit backward.xml
+        nsa-diag matrix my-matrix.yaml --executor slurm --submitit-cluster local --jobs 2
         make matrix-gpu-smoke
     """
+    import shutil
     import sys
+    from dataclasses import replace
 
     from nsa_diag import artifacts
     from nsa_diag.cases import check_output, runs_on_cuda
@@ -168,6 +205,17 @@ def matrix(
                 f"nsa-diag: note: {resume} ran matrix {before!r}; continuing it with {loaded.name!r}",
                 file=sys.stderr,
             )
+    cluster = _cluster_config(
+        executor,
+        loaded,
+        jobs=jobs,
+        partition=partition,
+        gpus_per_node=gpus_per_node,
+        time_limit=time_limit,
+        account=account,
+        slurm_opt=slurm_opt or [],
+        submitit_cluster=submitit_cluster,
+    )
     selected = loaded.select([part.strip() for part in (only or "").split(",") if part.strip()])
     for case in selected:  # a matrix keeps such a case (its other evidence stands); the console says so
         if case.spec.memory_snapshot and not runs_on_cuda(case.spec.device):
@@ -176,14 +224,30 @@ def matrix(
                 "and writes no memory_snapshot.pickle",
                 file=sys.stderr,
             )
-    cuda, gpus = environment_gpus(jobs, selected)
+    if cluster is None:
+        cuda, gpus = environment_gpus(jobs or 1, selected)
+    else:  # the cases run on the nodes: CUDA there when the jobs ask for GPUs (one by default if needed)
+        if cluster.settings.gpus_per_node is None and any(case.needs_cuda() for case in selected):
+            cluster = replace(cluster, settings=cluster.settings.model_copy(update={"gpus_per_node": 1}))
+        cuda, gpus = bool(cluster.settings.gpus_per_node), []
     plan = make_plan(selected, resume_dir=resume, cuda=cuda)
     if dry_run:
         render_plan(loaded, plan, json_output=json_output)
         raise typer.Exit(0)
+    if cluster is not None and cluster.cluster == "slurm" and shutil.which("sbatch") is None:
+        raise UsageError("--executor slurm: no Slurm here (sbatch not found); run nsa-diag on a login node")
 
     parent = resume.parent if resume is not None else (out or artifacts.DEFAULT_OUT)
-    matrix_plan = MatrixPlan(loaded, plan, jobs=jobs, gpus=gpus, cuda=cuda, resume_dir=resume, junit=junit)
+    matrix_plan = MatrixPlan(
+        loaded,
+        plan,
+        jobs=jobs or 1,
+        gpus=gpus,
+        cuda=cuda,
+        resume_dir=resume,
+        junit=junit,
+        cluster=cluster,
+    )
     session = Session(
         matrix_plan,
         out=parent,
@@ -192,6 +256,47 @@ def matrix(
         follow=FollowUps(junit=junit),
     )
     raise typer.Exit(session.run())
+
+
+_SLURM_ONLY = ("--partition", "--gpus-per-node", "--time", "--account", "--slurm-opt", "--submitit-cluster")
+
+
+def _cluster_config(
+    executor: JobExecutor,
+    loaded: Matrix,
+    *,
+    jobs: int | None,
+    partition: str | None,
+    gpus_per_node: int | None,
+    time_limit: str | None,
+    account: str | None,
+    slurm_opt: list[str],
+    submitit_cluster: SubmititCluster | None,
+) -> ClusterConfig | None:
+    """None for --executor local (refusing Slurm options there); else how the cases are submitted: the
+    file's `slurm:` section under the command's Slurm options. `UsageError` (exit 2) for a bad option or
+    no submitit."""
+    from nsa_diag.errors import UsageError
+    from nsa_diag.session.cluster import ClusterConfig
+    from nsa_diag.slurm import SlurmSettings, require_submitit, settings_from_options
+
+    given = (partition, gpus_per_node, time_limit, account, slurm_opt or None, submitit_cluster)
+    if executor == JobExecutor.local:
+        named = [flag for flag, value in zip(_SLURM_ONLY, given, strict=True) if value is not None]
+        if named:
+            raise UsageError(f"{named[0]} applies to --executor slurm; this run is --executor local")
+        return None
+    require_submitit()
+    options = settings_from_options(
+        partition=partition,
+        account=account,
+        gpus_per_node=gpus_per_node,
+        time=time_limit,
+        slurm_opts=slurm_opt,
+    )
+    settings = (loaded.slurm or SlurmSettings()).merged(options)
+    cluster = submitit_cluster.value if submitit_cluster is not None else "slurm"
+    return ClusterConfig(settings, cluster, jobs)  # type: ignore[arg-type]
 
 
 def _print_shipped(json_output: bool) -> None:

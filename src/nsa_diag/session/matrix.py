@@ -39,6 +39,7 @@ from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import Expectation, replay_argv
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.matrix import Matrix, MatrixCase
+from nsa_diag.session.cluster import ClusterConfig, SlurmRun
 from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult
 
@@ -75,14 +76,19 @@ class ResumePlan:
         return "rerun" if case.name in self.stale else "run"
 
 
+# Outcomes of a case that never reached a verdict of its own: nsa-diag was interrupted, or the scheduler
+# ended its job (`nsa_diag.session.cluster`); `--resume` runs such a case again.
+UNFINISHED_OUTCOMES = ("interrupted", "scheduler-ended")
+
+
 def finished(result: CaseResult | None, case: MatrixCase) -> bool:
     """Whether a result found on disk stands for `case`: same spec hash, and the case ran to a verdict
-    (not interrupted, not skipped for want of a GPU)."""
+    (not interrupted, not ended by the scheduler, not skipped for want of a GPU)."""
     return (
         result is not None
         and result.spec_hash == case.spec.spec_hash()
         and result.verdict != "skipped"
-        and result.evidence.get("outcome") != "interrupted"
+        and result.evidence.get("outcome") not in UNFINISHED_OUTCOMES
     )
 
 
@@ -389,9 +395,12 @@ class MatrixPlan(Plan):
         cuda: bool,
         resume_dir: Path | None = None,
         junit: Path | None = None,
+        cluster: ClusterConfig | None = None,
     ) -> None:
         self.matrix, self.plan = matrix, plan
         self.jobs, self.gpus, self.cuda = jobs, gpus, cuda
+        self.cluster = cluster  # None: here (--executor local); else each case a job (--executor slurm)
+        self.job_ids: dict[str, str] = {}
         self.resume_dir = resume_dir
         self.junit = junit
         self._results: dict[str, CaseResult] = dict(plan.done)
@@ -428,7 +437,10 @@ class MatrixPlan(Plan):
             )
         if plan.skip:
             lines.append(f"  {len(plan.skip)} case(s) skipped: {NO_CUDA_REASON}")
-        if self.jobs > 1:
+        if self.cluster is not None:
+            lines.append(f"  {self.cluster.describe()}")
+            lines.append(f"  the jobs' own logs: {run_dir / 'slurm'}")
+        elif self.jobs > 1:
             gpu_text = f", one GPU each of {', '.join(self.gpus)}" if self.gpus else ""
             lines.append(f"  {self.jobs} cases at a time{gpu_text}")
             if self.cuda and not self.gpus and any(c.spec.device != "cpu" for c in to_run):
@@ -442,7 +454,12 @@ class MatrixPlan(Plan):
         to_run = self.plan.to_run
         total = len(self.plan.cases)
         progress = MatrixProgress(session.err, total, already=total - len(to_run))
-        runner = ParallelRun(session, self.jobs, self.gpus, self.cuda, progress, self.assigned)
+        runner: ParallelRun | SlurmRun
+        if self.cluster is None:
+            runner = ParallelRun(session, self.jobs, self.gpus, self.cuda, progress, self.assigned)
+        else:
+            name = f"nsa-diag-{self.matrix.name}"
+            runner = SlurmRun(session, self.cluster, progress, name=name, job_ids=self.job_ids)
         with progress:
             ran, interrupted = runner.run(to_run)
         self._results.update(ran)
@@ -461,7 +478,15 @@ class MatrixPlan(Plan):
             "not_rerun": sorted(self.plan.done),
             "skipped_here": dict(self.plan.skip),
             "gpus": dict(self.assigned),
+            "executor": "local" if self.cluster is None else "slurm",
         }
+        if self.cluster is not None:
+            summary.matrix["slurm"] = {
+                "cluster": self.cluster.cluster,
+                "settings": self.cluster.settings.model_dump(exclude_defaults=True),
+                "jobs": dict(self.job_ids),
+                "logs": "slurm",
+            }
 
     def junit_suite(self, summary: RunSummary) -> str:
         return f"matrix.{self.matrix.name}"
