@@ -625,16 +625,25 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def check_ddp_options(
-    *, nproc: int, backend: str, device: str, nnodes: int, node_rank: int, rdzv_endpoint: str | None
+    *,
+    nproc: int,
+    backend: str,
+    device: str,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    here: bool = True,
 ) -> str:
-    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend."""
+    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend.
+    ``here=False``: the ranks run elsewhere (``--executor slurm``): this machine's GPUs are not asked, and
+    the endpoint is chosen on the nodes."""
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: give 1 or more ranks per node")
     if nnodes < 1:
         raise UsageError(f"--nnodes {nnodes}: give 1 or more nodes")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
-    if nnodes > 1 and not rdzv_endpoint:
+    if nnodes > 1 and not rdzv_endpoint and here:
         raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
     problem = None if rdzv_endpoint is None else endpoint_problem(rdzv_endpoint)
     if problem:
@@ -642,7 +651,7 @@ def check_ddp_options(
     if backend not in DDP_BACKENDS:
         raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
     resolved = resolve_backend(backend, device)
-    if resolved == "nccl":
+    if resolved == "nccl" and here:
         if device == "cpu":
             raise UsageError("--backend nccl with --device cpu: NCCL needs CUDA tensors; use --backend gloo")
         if not cuda_available():
