@@ -143,7 +143,8 @@ def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(
     assert run_cli(["report", str(run_dir)]) == 0
     report = (run_dir / "report.md").read_text()
     nodes = report[report.index("### Nodes") :]
-    assert "| 0 | " in nodes and "| 1 | " in nodes, nodes
+    assert "| 0 | " in nodes, nodes
+    assert "| 1 | " in nodes, nodes
 
 
 @pytest.mark.slow
@@ -226,6 +227,18 @@ def _listening_socket() -> socket.socket:
         pytest.param(["--rdzv-endpoint", "127.0.0.1:{taken}"], "cannot listen there", id="port-taken"),
         pytest.param(["--run-id", "x"], "--run-id: only for several nodes", id="run-id-one-node"),
         pytest.param(
+            ["--executor", "slurm"], "--executor slurm: give --nnodes 2 or more", id="slurm-one-node"
+        ),
+        pytest.param(
+            ["--executor", "slurm", "--nnodes", "2", "--rdzv-endpoint", "h:1"],
+            "--rdzv-endpoint: not with --executor slurm",
+            id="slurm-endpoint",
+        ),
+        pytest.param(["--executor", "slurm", "--nnodes", "2"], "no Slurm here", id="slurm-without-sbatch"),
+        pytest.param(
+            ["--partition", "gpu"], "--partition applies to --executor slurm", id="slurm-option-local"
+        ),
+        pytest.param(
             ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999", "--repeat", "2"],
             "--repeat: not with --nnodes 2",
             id="repeat-across-nodes",
@@ -267,6 +280,38 @@ def test_a_second_process_for_the_same_node_and_a_finished_run_are_refused(
     err = capsys.readouterr().err.strip()
     assert "this run has finished already" in err, err
     assert len(err.splitlines()) == 1, err
+
+
+# --- ddp --executor slurm, through submitit's local executor ------------------------------------------
+
+
+@pytest.mark.slow
+def test_executor_slurm_runs_one_torchrun_per_node_through_submitit(tmp_path: Path) -> None:
+    """submitit's local executor has one node, so the job's two tasks (one per node on Slurm) run here;
+    the rest (node rank from the job environment, the endpoint node 0 publishes, each node's session) is
+    the path a Slurm job takes."""
+    argv = ["ddp", "--executor", "slurm", "--submitit-cluster", "local", "--nnodes", "2", "--nproc", "1",
+            "--backend", "gloo", "--device", "cpu", "--stall", "30", "--name", "sl",
+            "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "nsa_diag", *argv],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "sl: pass" in proc.stdout
+    run_dir = _one_run_folder(tmp_path)
+    case = run_dir / "cases" / "sl"
+    assert json.loads((case / "result.json").read_text())["ddp"]["world_size"] == 2
+    node1 = json.loads((case / "nodes" / "1" / "spec.json").read_text())["ddp"]
+    assert node1["node_rank"] == 1
+    assert node1["rdzv_endpoint"].startswith("127.0.0.1:")  # node 0's, from the run folder
+    assert len(list((run_dir / "slurm").glob("*_result.pkl"))) == 2  # one task per node
+    assert not _left_behind(run_dir)
 
 
 # --- what every node derives alike ----------------------------------------------------------------------
