@@ -7,6 +7,7 @@ locking, a host name that resolves to another machine) is not tried here.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -311,6 +312,37 @@ def test_executor_slurm_runs_one_torchrun_per_node_through_submitit(tmp_path: Pa
     assert node1["node_rank"] == 1
     assert node1["rdzv_endpoint"].startswith("127.0.0.1:")  # node 0's, from the run folder
     assert len(list((run_dir / "slurm").glob("*_result.pkl"))) == 2  # one task per node
+    assert not _left_behind(run_dir)
+
+
+@pytest.mark.slow
+def test_executor_slurm_interrupt_cancels_the_job_and_leaves_a_result(tmp_path: Path) -> None:
+    argv = ["ddp", "--executor", "slurm", "--submitit-cluster", "local", "--nnodes", "2", "--nproc", "1",
+            "--backend", "gloo", "--device", "cpu", "--stall", "120", "--name", "cc",
+            "--inject", "skip-collective:rank=1", "--out", str(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nsa_diag", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=cli_env(),
+    )
+    deadline = time.monotonic() + 180
+    while not list(tmp_path.glob("ddp-*/cases/cc/ranks/1/progress.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "the job was cancelled" in err
+    run_dir = _one_run_folder(tmp_path)
+    result = json.loads((run_dir / "cases" / "cc" / "result.json").read_text())
+    assert result["verdict"] == "error"
+    assert "CANCELLED" in result["reason"] or "interrupted" in result["reason"], result["reason"]
+    deadline = time.monotonic() + 15
+    while _left_behind(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert not _left_behind(run_dir)
 
 

@@ -127,6 +127,8 @@ def submit_nodes(
     case_dir = run_dir / "cases" / spec.name
     if (case_dir / artifacts.RESULT).exists():
         raise UsageError(f"{run_dir}: this run has finished already; give a new --run-id to run it again")
+    if settings.gpus_per_node is None and ds.backend == "nccl":  # one GPU per rank
+        settings = settings.model_copy(update={"gpus_per_node": ds.nproc})
     if cluster == "local":  # submitit's local executor has one node: one task per simulated node
         settings, tasks = settings.model_copy(update={"nodes": 1}), ds.nnodes
     else:
