@@ -19,8 +19,11 @@ import pytest
 from diag_cli import cli_env
 
 from nsa_diag import artifacts
+from nsa_diag.analysis.compare import compare_runs
 from nsa_diag.app import run_cli
 from nsa_diag.launchers.torchrun import torchrun_argv
+from nsa_diag.report import build_report
+from nsa_diag.runfolder import load_run
 from nsa_diag.spec import CaseSpec, DdpSpec
 
 RANK_FILES = (
@@ -111,6 +114,7 @@ def _left_behind(run_dir: Path) -> list[str]:
 # --- two simulated nodes --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(tmp_path: Path) -> None:
     ends, listened = _run_nodes(tmp_path, "--name", "ok", "--stall", "30")
     for node, (code, _, err) in enumerate(ends):
@@ -140,9 +144,11 @@ def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(
     assert store == {"127.0.0.1"}, listened
     assert not [x for x in listened if x[0] in WILDCARD], listened
     assert not _left_behind(run_dir)
-    # report sees each node's host
-    assert run_cli(["report", str(run_dir)]) == 0
-    report = (run_dir / "report.md").read_text()
+    # report and compare see each node's env.json (the markdown without the plots: they take seconds)
+    run = load_run(run_dir)
+    assert set(run.nodes) == {"0", "1"}
+    assert set(compare_runs(run, run)["nodes"]) == {"0", "1"}
+    report = build_report(run, {})
     nodes = report[report.index("### Nodes") :]
     assert "| 0 | " in nodes, nodes
     assert "| 1 | " in nodes, nodes
@@ -169,15 +175,22 @@ def test_skip_collective_on_node_1_is_a_collective_hang_with_rank_1_the_minority
     assert not _left_behind(run_dir)
 
 
-@pytest.mark.slow
-def test_a_node_that_never_joins_is_a_clear_error(tmp_path: Path) -> None:
+def test_node_0_alone_listens_on_the_endpoint_only_and_says_node_1_never_joined(tmp_path: Path) -> None:
+    """The short sibling of the two-node runs: node 0's store waits for node 1 (--rdzv-timeout 5), listening
+    on 127.0.0.1 only, then the case is an error naming the rendezvous and the node that never came."""
     port = _free_port()
-    node0 = _node(tmp_path, port, 0, "--name", "alone", "--rdzv-timeout", "3")
-    out, err = node0.communicate(timeout=120)
+    node0 = _node(tmp_path, port, 0, "--name", "alone", "--rdzv-timeout", "5")
+    listened: set[tuple[str, int]] = set()
+    while node0.poll() is None:
+        listened |= _listening(node0.pid)
+        time.sleep(0.2)
+    _, err = node0.communicate()
     assert node0.returncode == 1, err
+    assert {ip for ip, p in listened if p == port} == {"127.0.0.1"}, listened
+    assert not [x for x in listened if x[0] in WILDCARD], listened
     result = json.loads((_one_run_folder(tmp_path) / "cases" / "alone" / "result.json").read_text())
     assert result["verdict"] == "error"
-    assert f"rendezvous at 127.0.0.1:{port} did not complete within 3 s" in result["reason"]
+    assert f"rendezvous at 127.0.0.1:{port} did not complete within 5 s" in result["reason"]
     assert "1/2 clients joined" in result["reason"]  # torchrun's own word
     assert result["ddp"]["ranks"]["1"]["reason"] == "node 1 never reported"
 

@@ -2,7 +2,9 @@
 
 ``python -m nsa_diag.worker.agent ... -m nsa_diag.worker.ddp <case_dir>`` (torchrun, tied to nsa-diag's
 life, its store listening on the rendezvous address only) starts in a new session (rendezvous on
-127.0.0.1 and a free port unless ``rdzv_endpoint`` is given); each rank works in
+127.0.0.1 and a free port unless ``rdzv_endpoint`` is given: then torchrun's static rendezvous there,
+which keeps the node rank; one node's part of a multi-node case is `nsa_diag.launchers.nodes`'s
+`NodeLauncher`); each rank works in
 ``ranks/<r>/`` (see `nsa_diag.worker.ddp`) and torchrun starts each in a session of its own. The
 executor watches every local rank's beacon with the single worker's rules; at a stall this launcher first
 asks every rank's NCCL flight recorder for a dump through its debug pipe, the executor then takes every
