@@ -243,32 +243,38 @@ def base_state(state: str) -> str:
 
 @dataclass(frozen=True)
 class JobEnd:
-    """What a job's final state says about a case that wrote no result: the verdict it gets (``error``, or
-    ``oom`` for Slurm's memory limit) and why, in one line."""
+    """What a job's final state says about a case that it did not let reach a verdict: the verdict it gets
+    (``error``, or ``oom`` for Slurm's memory limit), ``head`` (which job, its state, where) and ``why``
+    (what the state means); `reason` is both, in one line."""
 
     state: str  # as Slurm (or the local executor) gave it, e.g. "CANCELLED by 1234"
     verdict: Literal["error", "oom"]
-    reason: str
+    head: str
+    why: str
+
+    @property
+    def reason(self) -> str:
+        return f"{self.head}: {self.why}"
 
 
 # One line per state: what happened to the job, for a person (sacct(1) JOB STATE CODES).
 _STATE_REASONS: dict[str, str] = {
-    "COMPLETED": "its job ended normally, but the case's result.json never appeared on the shared filesystem",
-    "FAILED": "its job exited with a non-zero code before the case wrote its result",
-    "TIMEOUT": "its job reached its Slurm time limit",
-    "PREEMPTED": "Slurm preempted its job (a job of higher priority took the node)",
-    "NODE_FAIL": "the node running its job failed",
-    "BOOT_FAIL": "the node of its job failed to boot",
-    "CANCELLED": "its job was cancelled (scancel)",
-    "OUT_OF_MEMORY": "its job exceeded its Slurm memory allocation (the kernel's OOM killer)",
-    "DEADLINE": "its job reached its deadline",
-    "REVOKED": "its job was revoked (federation)",
-    "SPECIAL_EXIT": "its job ended in Slurm's special exit state",
+    "COMPLETED": "the job ended normally, but the case's result.json never appeared on the shared filesystem",
+    "FAILED": "the job exited with a non-zero code before its case wrote a result",
+    "TIMEOUT": "the job reached its Slurm time limit",
+    "PREEMPTED": "Slurm preempted the job (a job of higher priority took the node)",
+    "NODE_FAIL": "the node running the job failed",
+    "BOOT_FAIL": "the job's node failed to boot",
+    "CANCELLED": "the job was cancelled (scancel)",
+    "OUT_OF_MEMORY": "the job exceeded its Slurm memory allocation (the kernel's OOM killer)",
+    "DEADLINE": "the job reached its deadline",
+    "REVOKED": "the job was revoked (federation)",
+    "SPECIAL_EXIT": "the job ended in Slurm's special exit state",
     # submitit's local executor (a process per job on this machine)
-    "FINISHED": "its job's process exited before the case wrote its result",
-    "INTERRUPTED": "its job's process was killed by a signal",
-    "NO PROCESS AND NO RESULT": "its job's process is gone and left no result",
-    "UNKNOWN": "the scheduler knows nothing of its job (no sacct record)",
+    "FINISHED": "the job's process exited before its case wrote a result",
+    "INTERRUPTED": "the job's process was killed by a signal",
+    "NO PROCESS AND NO RESULT": "the job's process is gone and left no result",
+    "UNKNOWN": "the scheduler knows nothing of the job (no sacct record)",
 }
 
 
@@ -276,22 +282,24 @@ def job_end(
     state: str,
     *,
     job_id: str,
+    cluster: Cluster = "slurm",
     minutes: int | None = None,
     nodes: str | None = None,
     exit_signal: str | None = None,
 ) -> JobEnd:
-    """The verdict and the reason of a case whose job ended in ``state`` without a result of its own."""
+    """The verdict and the reason of a case whose job ended in ``state`` before the case had a verdict."""
     base = base_state(state)
-    text = _STATE_REASONS.get(base, f"its job ended in state {base}")
+    why = _STATE_REASONS.get(base, f"the job ended in state {base}")
     if base == "TIMEOUT" and minutes is not None:
-        text += f" ({minutes} min; raise it with --time)"
+        why += f" ({minutes} min; raise it with --time)"
     if base == "INTERRUPTED" and exit_signal:
-        text = f"its job's process was killed by {exit_signal}"
+        why = f"the job's process was killed by {exit_signal}"
     if base == "OUT_OF_MEMORY":
-        text += "; ask for more with --slurm-opt mem=..."
+        why += "; ask for more with --slurm-opt mem=..."
     where = f" on {nodes}" if nodes and nodes not in ("None assigned", "") else ""
+    label = "Slurm job" if cluster == "slurm" else "local submitit job"
     verdict: Literal["error", "oom"] = "oom" if base == "OUT_OF_MEMORY" else "error"
-    return JobEnd(state, verdict, f"Slurm job {job_id} {state}{where}: {text}")
+    return JobEnd(state, verdict, f"{label} {job_id} ended {state}{where}", why)
 
 
 def is_active(state: str) -> bool:

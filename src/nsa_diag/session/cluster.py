@@ -274,6 +274,7 @@ class SlurmRun:
             end = job_end(
                 tracked.state,
                 job_id=str(tracked.job.job_id),
+                cluster=self.config.cluster,
                 minutes=self.minutes,
                 nodes=job_nodes(tracked.job),
                 exit_signal=exit_signal(tracked.job),
@@ -282,8 +283,8 @@ class SlurmRun:
             if result is None:
                 result = error_result(spec, end.reason, elapsed, {})
                 reason = end.reason
-            else:
-                reason = f"{end.reason}; on its node: {result.reason}"
+            else:  # stopped on its node by a signal (SIGTERM from Slurm, its SIGUSR2 warning, ...)
+                reason = f"{end.head}; on its node: {result.reason}"
             evidence = {**result.evidence, "outcome": "scheduler-ended"}
             evidence["job"] = {**evidence.get("job", {}), **facts}
             update = {"verdict": end.verdict, "reason": reason, "evidence": evidence}

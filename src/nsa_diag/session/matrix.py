@@ -485,6 +485,7 @@ class MatrixPlan(Plan):
                 "cluster": self.cluster.cluster,
                 "settings": self.cluster.settings.model_dump(exclude_defaults=True),
                 "jobs": dict(self.job_ids),
+                "at_a_time": self.cluster.jobs,  # None: every case submitted at once
                 "logs": "slurm",
             }
 
