@@ -306,7 +306,7 @@ def test_executor_slurm_runs_one_torchrun_per_node_through_submitit(tmp_path: Pa
     the path a Slurm job takes."""
     argv = ["ddp", "--executor", "slurm", "--submitit-cluster", "local", "--nnodes", "2", "--nproc", "1",
             "--backend", "gloo", "--device", "cpu", "--stall", "30", "--name", "sl",
-            "--out", str(tmp_path)]  # fmt: skip
+            "--out", str(tmp_path / "runs"), "--junit", str(tmp_path / "junit.xml")]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "nsa_diag", *argv],
         capture_output=True,
@@ -318,7 +318,8 @@ def test_executor_slurm_runs_one_torchrun_per_node_through_submitit(tmp_path: Pa
     )
     assert proc.returncode == 0, proc.stderr
     assert "sl: pass" in proc.stdout
-    run_dir = _one_run_folder(tmp_path)
+    assert 'name="sl"' in (tmp_path / "junit.xml").read_text()  # node 0's
+    run_dir = _one_run_folder(tmp_path / "runs")
     case = run_dir / "cases" / "sl"
     assert json.loads((case / "result.json").read_text())["ddp"]["world_size"] == 2
     node1 = json.loads((case / "nodes" / "1" / "spec.json").read_text())["ddp"]

@@ -171,6 +171,8 @@ def ddp(
     rendezvous on the endpoint's address only. With --executor slurm this command submits one job of
     --nnodes nodes, follows it, and reports the case's result (Ctrl-C cancels the job).
     """
+    import dataclasses
+
     from nsa_diag.cases import build_ddp_spec, check_ddp_options, check_nodes_options, check_options
     from nsa_diag.launchers.nodes import check_rendezvous
     from nsa_diag.launchers.preflight import check_user_model
@@ -216,15 +218,23 @@ def ddp(
     check_user_model([spec])
     assert spec.ddp is not None
     if cluster is not None:
-        settings, where = cluster
+        slurm_settings, where = cluster
         code = submit_nodes(
-            spec, out=options.out, tag=options.tag, settings=settings, cluster=where, json_output=json_output
+            spec,
+            out=options.out,
+            tag=options.tag,
+            settings=slurm_settings,
+            cluster=where,
+            json_output=json_output,
+            junit=follow.junit,
         )
         raise typer.Exit(code)
     if spec.ddp.rdzv_endpoint is not None:
         check_rendezvous(spec.ddp)
     if nnodes > 1:
         plan: Plan = NodePart(spec, options.out, options.tag)
+        if node_rank > 0:  # node 0 writes the case's JUnit (the nodes may share the path)
+            follow = dataclasses.replace(follow, junit=None)
     else:
         plan = CaseList("ddp", [spec])
     session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)

@@ -29,6 +29,7 @@ from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers.nodes import check_rendezvous
 from nsa_diag.results import error_result
 from nsa_diag.session.core import Session, read_result
+from nsa_diag.session.followups import FollowUps
 from nsa_diag.session.plans import NodePart
 from nsa_diag.slurm import LOG_FOLDER, Cluster, SlurmSettings, job_end, make_executor
 from nsa_diag.spec import CaseResult, CaseSpec
@@ -51,6 +52,7 @@ class NodeJob:
     tag: str | None
     endpoint_file: str
     loopback: bool  # submitit's local executor: every "node" is this host
+    junit: str | None = None  # written by node 0
 
 
 def _endpoint(job: NodeJob, node: int, first_host: str, wait_s: float) -> str:
@@ -72,12 +74,12 @@ def _endpoint(job: NodeJob, node: int, first_host: str, wait_s: float) -> str:
     raise UsageError(f"node 0 published no rendezvous endpoint in {path} within {wait_s:g} s")
 
 
-def run_node(spec: CaseSpec, out: Path, tag: str | None) -> int:
+def run_node(spec: CaseSpec, out: Path, tag: str | None, junit: Path | None = None) -> int:
     """This node's part of a multi-node case, as ``nsa-diag ddp --nnodes N --node-rank R`` runs it: the
     rendezvous checked, then the session in the shared run folder; the exit code."""
     assert spec.ddp is not None
     check_rendezvous(spec.ddp)
-    return Session(NodePart(spec, out, tag), out=out, tag=tag).run()
+    return Session(NodePart(spec, out, tag), out=out, tag=tag, follow=FollowUps(junit=junit)).run()
 
 
 def node_job(job: NodeJob) -> dict[str, Any]:
@@ -94,7 +96,8 @@ def node_job(job: NodeJob) -> dict[str, Any]:
     try:
         endpoint = _endpoint(job, node, str(env.hostnames[0]), spec.ddp.wait_s)
         ddp = spec.ddp.model_copy(update={"node_rank": node, "rdzv_endpoint": endpoint})
-        code = run_node(spec.model_copy(update={"ddp": ddp}), Path(job.out), job.tag)
+        junit = Path(job.junit) if job.junit and node == 0 else None
+        code = run_node(spec.model_copy(update={"ddp": ddp}), Path(job.out), job.tag, junit)
     except UsageError as exc:
         return {**facts, "exit_code": 2, "error": str(exc)}
     except KeyboardInterrupt:
@@ -117,8 +120,10 @@ def submit_nodes(
     settings: SlurmSettings,
     cluster: Cluster,
     json_output: bool = False,
+    junit: Path | None = None,
 ) -> int:
-    """Submit the case's N nodes as one job, follow it, report the case's result; the exit code."""
+    """Submit the case's N nodes as one job, follow it, report the case's result (node 0 writes
+    ``junit``); the exit code."""
     assert spec.ddp is not None
     ds = spec.ddp.model_copy(update={"run_id": spec.run_id()})  # every node's, whatever its endpoint
     spec = spec.model_copy(update={"ddp": ds})
@@ -142,7 +147,7 @@ def submit_nodes(
     with InterruptGuard() as guard:
         try:
             with guard.deferred():  # an interrupt never leaves a job submitted but unknown
-                job = executor.submit(node_job, _node_job(spec, out, tag, folder, cluster))
+                job = executor.submit(node_job, _node_job(spec, out, tag, folder, cluster, junit))
             err.print(f"nsa-diag ddp: job {job.job_id}, {ds.nnodes} nodes, into {run_dir}", markup=False)
             state = _follow(job, err)
         except Interrupted:
@@ -157,7 +162,9 @@ def submit_nodes(
     return _report(result, job, run_dir, json_output)
 
 
-def _node_job(spec: CaseSpec, out: Path, tag: str | None, folder: Path, cluster: Cluster) -> NodeJob:
+def _node_job(
+    spec: CaseSpec, out: Path, tag: str | None, folder: Path, cluster: Cluster, junit: Path | None
+) -> NodeJob:
     stamp = f"{time.time():.0f}"  # the endpoint file of this submission (a job id is not known yet)
     return NodeJob(
         spec_json=spec.model_dump_json(),
@@ -165,6 +172,7 @@ def _node_job(spec: CaseSpec, out: Path, tag: str | None, folder: Path, cluster:
         tag=tag,
         endpoint_file=str(folder / f"rendezvous-{stamp}.json"),
         loopback=cluster == "local",
+        junit=str(Path(junit).resolve()) if junit is not None else None,
     )
 
 
