@@ -4,6 +4,10 @@
       summary.json  summary.md  env.json  .nsa-diag.lock (while a process runs in it)
       cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
 
+A multi-node ddp run (`nsa_diag.launchers.nodes`) shares one folder, ``<out>/ddp-<run id>``, between its
+nodes: each node holds its own lock (``.nsa-diag.node<r>.lock``) and adds ``nodes/<r>/`` (env.json, and
+at node r > 0 its summary); its ranks write ``cases/<case-id>/ranks/<global rank>/``.
+
 A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
 
 No file records the value of a variable whose name says it is a secret (`is_secret_name`): env.json and
@@ -41,6 +45,9 @@ SECRET_NAME_PARTS = ("token", "secret", "key", "password", "passwd", "credential
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 LOCK = ".nsa-diag.lock"  # run folder: flock-ed by the process that writes in it; says who that is
+NODES = "nodes"  # a multi-node run folder, and its case folders: nodes/<node rank>/, each node's own files
+RANK_RESULT = "rank_result.json"  # a multi-node case: ranks/<r>/, the rank's classified result
+NODE = "node.json"  # a multi-node case: nodes/<r>/, how the node's part ended (read by node 0)
 
 # File names of a case folder (DESIGN.md "Artifacts").
 SPEC = "spec.json"
@@ -215,12 +222,48 @@ class RunFolderLock:
         self._fd = None
 
 
-def lock_run_dir(run_dir: Path) -> RunFolderLock:
+def node_lock(node_rank: int) -> str:
+    """The lock file name of one node of a multi-node run folder: the nodes share the folder, a node rank
+    is held by one process at a time."""
+    return f".nsa-diag.node{node_rank}.lock"
+
+
+def node_dir(folder: Path, node_rank: int) -> Path:
+    """``<folder>/nodes/<node rank>``: a node's own files in a shared run folder or case folder."""
+    return Path(folder) / NODES / str(node_rank)
+
+
+def shared_run_dir(path: Path) -> Path:
+    """Create (or join) the run folder the nodes of a multi-node run share. An ``--out`` where it cannot
+    be made is a `UsageError`, leaving behind none of the folders this call made."""
+    path = Path(path)
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(path).free
+    except OSError as exc:
+        _remove_empty(made)
+        raise UsageError(
+            f"--out {path.parent}: cannot create a run folder there: {exc.strerror or exc}"
+        ) from None
+    if free < MIN_FREE_BYTES:
+        _remove_empty(made)
+        raise UsageError(f"--out {path.parent}: its file system is full ({free // 1024} KiB free)")
+    return path
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder and what it holds (a node's stale rank folders before its ranks start again)."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def lock_run_dir(run_dir: Path, name: str = LOCK) -> RunFolderLock:
     """Take ``run_dir``'s lock (``.nsa-diag.lock``: an exclusive flock, and who holds it: pid, command,
     since when, host). Raises `FolderInUse`, naming the holder, when another process has it; nothing in
     the folder is changed then. The descriptor is not inherited by children (``os.open`` makes it
-    close-on-exec), so a worker that outlived us could not keep the folder locked."""
-    path = Path(run_dir) / LOCK
+    close-on-exec), so a worker that outlived us could not keep the folder locked. ``name``: another
+    lock of the folder (`node_lock`: one per node of a shared multi-node folder)."""
+    path = Path(run_dir) / name
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

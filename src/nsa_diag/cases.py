@@ -604,6 +604,10 @@ def ddp_flags(ds: DdpSpec) -> list[str]:
     if ds.nnodes > 1 or ds.rdzv_endpoint:
         argv += ["--nnodes", str(ds.nnodes), "--node-rank", str(ds.node_rank)]
         argv += ["--rdzv-endpoint", ds.rdzv_endpoint] if ds.rdzv_endpoint else []
+    if ds.rdzv_timeout is not None:
+        argv += ["--rdzv-timeout", f"{ds.rdzv_timeout:g}"]
+    if ds.run_id is not None:
+        argv += ["--run-id", ds.run_id]
     return argv
 
 
@@ -615,16 +619,25 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def check_ddp_options(
-    *, nproc: int, backend: str, device: str, nnodes: int, node_rank: int, rdzv_endpoint: str | None
+    *,
+    nproc: int,
+    backend: str,
+    device: str,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    here: bool = True,
 ) -> str:
-    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend."""
+    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend.
+    ``here=False``: the ranks run elsewhere (``--executor slurm``): this machine's GPUs are not asked, and
+    the endpoint is chosen on the nodes."""
     if nproc < 1:
         raise UsageError(f"--nproc {nproc}: give 1 or more ranks per node")
     if nnodes < 1:
         raise UsageError(f"--nnodes {nnodes}: give 1 or more nodes")
     if not 0 <= node_rank < nnodes:
         raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
-    if nnodes > 1 and not rdzv_endpoint:
+    if nnodes > 1 and not rdzv_endpoint and here:
         raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
     problem = None if rdzv_endpoint is None else endpoint_problem(rdzv_endpoint)
     if problem:
@@ -632,7 +645,7 @@ def check_ddp_options(
     if backend not in DDP_BACKENDS:
         raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
     resolved = resolve_backend(backend, device)
-    if resolved == "nccl":
+    if resolved == "nccl" and here:
         if device == "cpu":
             raise UsageError("--backend nccl with --device cpu: NCCL needs CUDA tensors; use --backend gloo")
         if not cuda_available():
@@ -643,6 +656,32 @@ def check_ddp_options(
         if nproc > gpus:
             raise UsageError(f"--nproc {nproc} with --backend nccl: only {gpus} GPU(s) here, one per rank")
     return resolved
+
+
+def check_nodes_options(
+    options: CaseOptions, *, nnodes: int, run_id: str | None, rdzv_timeout: float | None
+) -> None:
+    """The options of a multi-node case that can be wrong before its rendezvous is checked, as one
+    `UsageError` line."""
+    if nnodes <= 1:
+        for flag, value in (("--run-id", run_id), ("--rdzv-timeout", rdzv_timeout)):
+            if value is not None:
+                raise UsageError(f"{flag}: only for several nodes (--nnodes 2 or more)")
+        return
+    if rdzv_timeout is not None and rdzv_timeout <= 0:
+        raise UsageError(f"--rdzv-timeout {rdzv_timeout:g}: give a number of seconds above 0")
+    if run_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._=+-]{0,99}", run_id):
+        raise UsageError(
+            f"--run-id {run_id!r}: letters, digits and . _ = + - (at most 100), first a letter or digit"
+        )
+    follow_ups = (
+        ("--repeat", options.repeat > 1),
+        ("--minimize", options.minimize),
+        ("--triage", options.triage),
+    )
+    for flag, given in follow_ups:
+        if given:
+            raise UsageError(f"{flag}: not with --nnodes {nnodes}; its follow-up runs are one node's")
 
 
 def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, **fields: Any) -> CaseSpec:

@@ -91,9 +91,10 @@ def _finish(case_dir: Path, result: CaseResult, launcher: Launcher) -> CaseResul
     except Exception:  # a launcher's bug must not cost the case its result.json
         internal = []
     artifacts.remove_files(internal)
-    artifacts.write_json(case_dir / artifacts.RESULT, result)  # result.json lists itself
+    path = launcher.home(case_dir) / artifacts.RESULT
+    artifacts.write_json(path, result)  # result.json lists itself
     result = result.model_copy(update={"files": case_files(case_dir)})
-    artifacts.write_json(case_dir / artifacts.RESULT, result)
+    artifacts.write_json(path, result)
     return result
 
 
@@ -150,6 +151,7 @@ def _watch_and_judge(
     if watched.outcome != "exited":
         notes.update(launcher.evidence_before_stop(case_dir))
         hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
+    launcher.before_stop(case_dir)
     with guard.deferred():
         stop = launcher.stop()
     launcher.evidence_after_stop(case_dir, notes)
@@ -197,12 +199,13 @@ def run_case(
         try:
             interrupts.check()  # noted before this case (e.g. while torch was imported): it never starts
             launcher.prepare(case_dir)
-            artifacts.write_json(case_dir / artifacts.SPEC, spec)
+            home = launcher.home(case_dir)
+            artifacts.write_json(home / artifacts.SPEC, spec)
             argv = launcher.command(case_dir)
             replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
             env = launcher.child_env(case_dir, extra_env)
             replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
-            artifacts.write_replay(case_dir / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
+            artifacts.write_replay(home / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
             with guard.deferred():
                 launcher.start(case_dir, argv, env)
             result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)

@@ -151,6 +151,27 @@ def _fact_text(value: Any) -> str:
     return str(value)
 
 
+def _nodes_markdown(nodes: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """A multi-node run: each node's host and the facts of its env.json that differ from node 0's."""
+    if not nodes:
+        return []
+    first = env_facts(next(iter(nodes.values())))
+    rows = []
+    for node, env in nodes.items():
+        facts = env_facts(env)
+        differs = [f"{k}: {_fact_text(v)}" for k, v in facts.items() if v != first[k] and k != "host"]
+        rows.append([node, _fact_text(facts["host"]), "; ".join(differs) or "-"])
+    head = "Each node's env.json is in nodes/<r>/ (the table above is node 0's)."
+    return [
+        "### Nodes",
+        "",
+        head,
+        "",
+        *_table(["node", "host", f"differs from node {next(iter(nodes))}"], rows),
+        "",
+    ]
+
+
 def _env_markdown(env: Mapping[str, Any] | None) -> list[str]:
     if not env:
         return ["No env.json in this run folder.", ""]
@@ -339,7 +360,7 @@ def build_report(run: RunFolder, plots: Mapping[str, str], plot_error: str | Non
             lines += _failure_markdown(record, f"cases/{record['case']}")
     if plot_error:
         lines += [f"Plots could not be drawn: {plot_error}", ""]
-    lines += ["## Environment", "", *_env_markdown(run.env)]
+    lines += ["## Environment", "", *_env_markdown(run.env), *_nodes_markdown(run.nodes)]
     if run.notes:
         lines += ["## Notes", "", *(f"- {note}" for note in run.notes), ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -425,6 +446,12 @@ def compare_tables(comparison: Mapping[str, Any]) -> list[tuple[str, list[str], 
     env = comparison["environment"]
     env_rows = [[f["fact"], _fact_text(f["a"]), _fact_text(f["b"])] for f in env["facts"] if f["differs"]]
     env_rows += [[f"${v['name']}", _fact_text(v["a"]), _fact_text(v["b"])] for v in env["env_vars"]]
+    for node, node_env in (comparison.get("nodes") or {}).items():  # multi-node runs: node by node
+        env_rows += [
+            [f"node {node}: {f['fact']}", _fact_text(f["a"]), _fact_text(f["b"])]
+            for f in node_env["facts"]
+            if f["differs"]
+        ]
     case_rows = [
         [
             c["name"],

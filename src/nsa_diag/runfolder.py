@@ -71,6 +71,8 @@ class RunFolder:
     scale: dict[str, Any] | None = None
     bisect: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    # a multi-node ddp run: each node's env.json (nodes/<r>/env.json) by node rank, "0", "1", ...
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def case(self, name: str) -> CaseRecord | None:
         return next((case for case in self.cases if case.name == name), None)
@@ -266,6 +268,11 @@ def load_run(path: Path) -> RunFolder:
         )
     not_run = [r.name for r in records if r.verdict == NOT_RUN]
     env = _read_json(path / artifacts.ENV, notes)
+    nodes = {}
+    for node_env in sorted((path / artifacts.NODES).glob(f"*/{artifacts.ENV}"), key=lambda p: p.parent.name):
+        found = _read_json(node_env, notes)
+        if isinstance(found, dict):
+            nodes[node_env.parent.name] = found
     scale = _read_json(path / SCALE_JSON, notes)
     bisect = _read_json(path / BISECT_JSON, notes)
     return RunFolder(
@@ -279,6 +286,7 @@ def load_run(path: Path) -> RunFolder:
         scale=scale if isinstance(scale, dict) else None,
         bisect=bisect if isinstance(bisect, dict) else None,
         notes=notes,
+        nodes=nodes,
     )
 
 

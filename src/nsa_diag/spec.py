@@ -128,6 +128,12 @@ def endpoint_problem(endpoint: str) -> str | None:
     return None
 
 
+# A multi-node case: how long the nodes wait for each other by default (node 0 for the others to join its
+# rendezvous, the others for node 0 to listen): Slurm starts a job's tasks within seconds of each other,
+# but a node's Python and torch import can take a minute on a loaded shared file system.
+RDZV_TIMEOUT_S = 120.0
+
+
 class DdpSpec(BaseModel):
     """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.launchers.torchrun`)."""
 
@@ -142,6 +148,12 @@ class DdpSpec(BaseModel):
     nnodes: int = Field(1, ge=1)
     node_rank: int = Field(0, ge=0)
     rdzv_endpoint: str | None = Field(None, description="HOST:PORT; None: 127.0.0.1 and a free port")
+    # How long the nodes wait for each other: node 0's store for the others to join, a node for node 0's
+    # store to listen, node 0 for the other nodes' rank results. Not part of what the case computes.
+    rdzv_timeout: float | None = Field(None, gt=0, description="seconds; None: RDZV_TIMEOUT_S")
+    # A multi-node case's id (rendezvous id and run folder name); None: derived alike on every node
+    # (`CaseSpec.run_id`). Not part of what the case computes.
+    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", max_length=100)
 
     @field_validator("rdzv_endpoint")
     @classmethod
@@ -154,6 +166,11 @@ class DdpSpec(BaseModel):
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
+
+    @property
+    def wait_s(self) -> float:
+        """How long the nodes of a multi-node case wait for each other (``rdzv_timeout``)."""
+        return self.rdzv_timeout if self.rdzv_timeout is not None else RDZV_TIMEOUT_S
 
     @model_validator(mode="after")
     def _node_rank_in_range(self) -> DdpSpec:
@@ -433,8 +450,22 @@ class CaseSpec(BaseModel):
         # A single-process case hashes as before the ddp field existed (finished cases stay recognised);
         # so does a case without layers_attr.
         later = {field for field in ("ddp", "layers_attr", "command") if getattr(self, field) is None}
-        data = self.model_dump(mode="json", exclude={"name"} | later)
+        exclude: dict[str, Any] = {"name": True, **dict.fromkeys(later, True)}
+        if self.ddp is not None:  # how long nodes wait for each other changes nothing the case computes
+            exclude["ddp"] = {"rdzv_timeout": True, "run_id": True}
+        data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def run_id(self) -> str:
+        """The id every node of a multi-node case derives alike: the name and a hash of the spec without
+        the node's own rank. It names the rendezvous and the shared run folder (`nsa-diag ddp --run-id`)."""
+        assert self.ddp is not None
+        if self.ddp.run_id is not None:
+            return self.ddp.run_id
+        data = self.model_dump(
+            mode="json", exclude={"ddp": {"node_rank": True, "rdzv_timeout": True, "run_id": True}}
+        )
+        return f"{self.name}-{hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
 class ModelFacts(BaseModel):

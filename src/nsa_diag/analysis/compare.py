@@ -192,6 +192,8 @@ def compare_runs(a: RunFolder, b: RunFolder) -> dict[str, Any]:
         "a": {"run_dir": str(a.path), "command": a.command, "cases": len(a.cases), "notes": a.notes},
         "b": {"run_dir": str(b.path), "command": b.command, "cases": len(b.cases), "notes": b.notes},
         "environment": env_differences(a.env, b.env),
+        # multi-node runs: each node's environment against the same node's of the other run
+        "nodes": {n: env_differences(a.nodes.get(n), b.nodes.get(n)) for n in sorted({*a.nodes, *b.nodes})},
         "cases": cases,
         "only_in_a": [n for n in names_a if n not in set(names_b)],
         "only_in_b": [n for n in names_b if n not in set(names_a)],

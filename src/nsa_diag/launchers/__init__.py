@@ -1,19 +1,32 @@
 """Launchers: how a case's job starts, which processes and beacons it has, and how it stops (`base`).
 
-`WorkerLauncher` runs our worker (one process), `TorchrunLauncher` the case on N ranks through torchrun.
+`WorkerLauncher` runs our worker (one process), `TorchrunLauncher` the case on N ranks through torchrun,
+`NodeLauncher` one node's part of a multi-node case (`nsa_diag.launchers.nodes`).
 """
 
 from __future__ import annotations
 
 from nsa_diag.launchers.base import Launcher, Unit, pinned_env
+from nsa_diag.launchers.nodes import NodeLauncher
 from nsa_diag.launchers.torchrun import TorchrunLauncher
 from nsa_diag.launchers.worker import WorkerLauncher
 from nsa_diag.spec import CaseSpec
 
 
 def default_launcher(spec: CaseSpec) -> Launcher:
-    """torchrun for a spec with ``ddp`` (`nsa-diag ddp`), else our worker."""
+    """torchrun for a spec with ``ddp`` (`nsa-diag ddp`; this node's part when it has several nodes), else
+    our worker."""
+    if spec.ddp is not None and spec.ddp.nnodes > 1:
+        return NodeLauncher(spec)
     return TorchrunLauncher(spec) if spec.ddp is not None else WorkerLauncher(spec)
 
 
-__all__ = ["Launcher", "TorchrunLauncher", "Unit", "WorkerLauncher", "default_launcher", "pinned_env"]
+__all__ = [
+    "Launcher",
+    "NodeLauncher",
+    "TorchrunLauncher",
+    "Unit",
+    "WorkerLauncher",
+    "default_launcher",
+    "pinned_env",
+]

@@ -11,7 +11,8 @@ The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatev
 4. after a stall or a timeout, before any kill: `evidence_before_stop` (what only this launcher can take:
    torchrun's NCCL flight recorder), then the watchdog's evidence of every process in `sample_targets`
    (stacks, /proc, py-spy, GPU, memory);
-5. `stop` everything the job started, and report what it took;
+5. `before_stop` (a multi-node case: every node has taken its evidence), then `stop` everything the job
+   started, and report what it took;
 6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
    record and stop report), and `combine` makes them the case's result (a worker: its one unit's result;
    torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`);
@@ -121,6 +122,12 @@ class Launcher(ABC):
     def prepare(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
         """Folders the job expects before it starts."""
 
+    def home(self, case_dir: Path) -> Path:
+        """Where this launcher's own files of the case go: spec.json, replay.sh, the job's stdout.log and
+        stderr.log, result.json. The case folder, except for a node r > 0 of a multi-node case, which
+        shares the case folder with node 0 and writes its own in ``nodes/<r>/``."""
+        return Path(case_dir)
+
     @abstractmethod
     def command(self, case_dir: Path) -> list[str]:
         """The command line that starts the job (asked once per case)."""
@@ -139,9 +146,10 @@ class Launcher(ABC):
 
     def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
         """Start ``argv`` in a new session with stdin closed, its output appended to the case's logs."""
+        home = self.home(case_dir)
         with (
-            artifacts.open_append(case_dir / artifacts.STDOUT, binary=True) as out,
-            artifacts.open_append(case_dir / artifacts.STDERR, binary=True) as err,
+            artifacts.open_append(home / artifacts.STDOUT, binary=True) as out,
+            artifacts.open_append(home / artifacts.STDERR, binary=True) as err,
         ):
             self.proc = subprocess.Popen(
                 list(argv),
@@ -175,6 +183,10 @@ class Launcher(ABC):
         """The processes (by unit key) whose stacks, /proc, py-spy and memory to take at a hang."""
 
     # --- stopping and the result ---------------------------------------------------------------------
+
+    def before_stop(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
+        """The evidence is taken, the job is about to be stopped (interrupts are not held back here): a
+        node of a multi-node case waits for the other nodes to have taken theirs."""
 
     @abstractmethod
     def stop(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 ``python -m nsa_diag.worker.agent ... -m nsa_diag.worker.ddp <case_dir>`` (torchrun, tied to nsa-diag's
 life, its store listening on the rendezvous address only) starts in a new session (rendezvous on
-127.0.0.1 and a free port unless ``rdzv_endpoint`` is given); each rank works in
+127.0.0.1 and a free port unless ``rdzv_endpoint`` is given: then torchrun's static rendezvous there,
+which keeps the node rank; one node's part of a multi-node case is `nsa_diag.launchers.nodes`'s
+`NodeLauncher`); each rank works in
 ``ranks/<r>/`` (see `nsa_diag.worker.ddp`) and torchrun starts each in a session of its own. The
 executor watches every local rank's beacon with the single worker's rules; at a stall this launcher first
 asks every rank's NCCL flight recorder for a dump through its debug pipe, the executor then takes every
@@ -80,19 +82,23 @@ def ddp_env(spec: CaseSpec, case_dir: Path) -> dict[str, str]:
     return env
 
 
-def torchrun_argv(spec: CaseSpec, case_dir: Path, port: int | None = None) -> list[str]:
+def torchrun_argv(
+    spec: CaseSpec, case_dir: Path, port: int | None = None, worker_args: Sequence[str] = ()
+) -> list[str]:
     """torchrun (through `nsa_diag.worker.agent`: it dies with us, its store listens on the rendezvous
-    address only) starting ``nsa_diag.worker.ddp`` on every local rank."""
+    address only) starting ``nsa_diag.worker.ddp`` on every local rank (``worker_args`` after the case
+    folder)."""
     ds = spec.ddp
     assert ds is not None
     argv = [sys.executable, "-m", "nsa_diag.worker.agent", "--nnodes", str(ds.nnodes),
             "--nproc-per-node", str(ds.nproc), "--max-restarts", "0"]  # fmt: skip
     if ds.rdzv_endpoint is None:
         argv += ["--master-addr", LOOPBACK, "--master-port", str(port or free_port())]
-    else:
-        argv += ["--node-rank", str(ds.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                 ds.rdzv_endpoint, "--rdzv-id", f"nsa-diag-{spec.spec_hash()}"]  # fmt: skip
-    return [*argv, "-m", "nsa_diag.worker.ddp", str(Path(case_dir).resolve())]
+    else:  # torchrun's static rendezvous: the one that keeps --node-rank (c10d ranks nodes by host name)
+        argv += ["--node-rank", str(ds.node_rank), "--rdzv-backend", "static",
+                 "--rdzv-endpoint", ds.rdzv_endpoint, "--rdzv-id", spec.run_id(),
+                 "--rdzv-conf", f"timeout={max(1, round(ds.wait_s))}"]  # fmt: skip
+    return [*argv, "-m", "nsa_diag.worker.ddp", str(Path(case_dir).resolve()), *worker_args]
 
 
 # --- processes ----------------------------------------------------------------------------------------
@@ -215,7 +221,7 @@ def collect_flight_recorder(case_dir: Path, ranks: Sequence[int] | Mapping[int, 
 # --- the launcher -------------------------------------------------------------------------------------
 
 
-def _rank_inputs(unit_dir: Path) -> RankInputs:
+def rank_inputs(unit_dir: Path) -> RankInputs:
     """What the cross-rank aggregation needs of one rank, read from its folder."""
     report = read_worker_report(unit_dir)
     last: ThreadStack | None = None
@@ -301,7 +307,7 @@ class TorchrunLauncher(Launcher):
     ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
         """A rank that had exited before the others were stopped ended by itself, with the code torchrun's
         failure summary gives it (0 when it wrote its result and is not in the summary)."""
-        codes = rank_exit_codes((case_dir / artifacts.STDERR).read_text(errors="replace"))
+        codes = rank_exit_codes((self.home(case_dir) / artifacts.STDERR).read_text(errors="replace"))
         ends = {}
         for unit, w in zip(units, watched, strict=True):
             rank = unit.key
@@ -324,7 +330,7 @@ class TorchrunLauncher(Launcher):
         elapsed: float,
         notes: dict[str, Any],
     ) -> CaseResult:
-        inputs = {r: _rank_inputs(rank_dir(case_dir, r)) for r in per_unit}
+        inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_unit}
         result = aggregate(self.spec, outcome, per_unit, inputs, decider, stop, elapsed, notes)
         if stop.get("survivors"):
             result = result.model_copy(

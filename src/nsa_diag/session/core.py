@@ -85,6 +85,20 @@ class Plan:
     refresh_env = True  # on resume: write env.json again (this machine, now)
     catches_interrupt = True  # False: an interrupt ends the invocation at once (no summary)
     records_junit = True  # summary.json names the --junit file
+    # A run folder several processes share (the nodes of a multi-node ddp case), created by the first and
+    # joined by the others, each holding its own lock (`lock_name`); None: a new folder, or `resume_dir`.
+    shared_dir: Path | None = None
+    lock_name = artifacts.LOCK
+
+    def home(self, run_dir: Path) -> Path:
+        """Where this invocation's summary.json and summary.md go: the run folder, unless it shares it
+        (a node R > 0 of a multi-node case: ``nodes/<R>/``)."""
+        return run_dir
+
+    def env_files(self, run_dir: Path) -> list[Path]:
+        """Where this invocation writes env.json (a multi-node case: each node's, and node 0's as the
+        run's)."""
+        return [run_dir / artifacts.ENV]
 
     def prepare(self, follow: FollowUps) -> None:
         """Called first, before the run folder exists (e.g. to expand --repeat)."""
@@ -244,6 +258,8 @@ class Session:
         """Create the run folder, or take the one the plan resumes, and its lock. A folder another process
         holds is refused (`UsageError`, exit 2) before anything in it changes."""
         plan = self.plan
+        if plan.shared_dir is not None:
+            return self._join_run_dir(plan.shared_dir)
         if plan.resume_dir is None:
             self._run_dir = artifacts.new_run_dir(plan.command, self.out, self.tag)
             return artifacts.lock_run_dir(self._run_dir)
@@ -261,20 +277,38 @@ class Session:
             raise
         return lock
 
+    def _join_run_dir(self, shared: Path) -> artifacts.RunFolderLock:
+        """Create or join the folder the plan shares with other processes, under the plan's own lock of
+        it; one that another process holds under the same lock is refused (`UsageError`)."""
+        self._run_dir = artifacts.shared_run_dir(shared)
+        try:
+            lock = artifacts.lock_run_dir(self._run_dir, self.plan.lock_name)
+        except artifacts.FolderInUse as exc:
+            raise UsageError(f"{shared}: {self.plan.lock_name} is held by {exc.holder}") from None
+        try:
+            self.plan.reopened(self)
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
     def _run(self) -> int:
         from nsa_diag.evidence.env import collect_env
 
         plan, follow = self.plan, self.follow
         resumed = plan.resume_dir is not None
+        keep = resumed or plan.shared_dir is not None  # a folder this invocation did not make alone
         started = time.time()
         interrupted = False
         try:  # from here on an interrupt ends in a summary marked interrupted, also while env.json is taken
             try:
                 if not resumed or plan.refresh_env:
-                    artifacts.write_json(self.run_dir / artifacts.ENV, collect_env())
+                    env = collect_env()
+                    for path in plan.env_files(self.run_dir):
+                        artifacts.write_json(path, env)
                 plan.begin(self)
             except OSError as exc:  # e.g. the disk filled up: said before the first case, no half run folder
-                if not resumed:
+                if not keep:
                     artifacts.remove_run_dir(self.run_dir)
                 raise UsageError(
                     f"{self.run_dir}: cannot write the run's files: {exc.strerror or exc}"
@@ -309,7 +343,7 @@ class Session:
         )
         summary.decide(plan.succeeded(summary))
         self._junit(summary, results)
-        render.write_summary(self.run_dir, summary)
+        render.write_summary(plan.home(self.run_dir), summary)
         plan.finish(self, summary)
         if self.json_output:
             render.print_json(plan.to_json(summary))

@@ -2,6 +2,7 @@
 
 - `CaseList`: a fixed list of cases, one after the other (run, branch, backend, selftest, verify, ddp);
   with ``--repeat N`` each case runs N times as ``<case>-r<i>``;
+- `NodePart`: one node's part of a multi-node ddp case, in the run folder the nodes share;
 - `Sweep`: `nsa-diag scale`'s series over S (or layers), each run upward until a point does not pass;
   adds ``scale.json`` and ``scale.png`` (`nsa_diag.analysis.sweep` fits, `render.render_scale` shows);
 - `Bisection`: `nsa-diag gc-bisect`'s trials, each decided by the one before (`nsa_diag.analysis.bisect`),
@@ -20,6 +21,7 @@ from nsa_diag.analysis.bisect import STATE_FILE, BisectState, Trial, range_text,
 from nsa_diag.analysis.repeat import expand
 from nsa_diag.analysis.sweep import Budget, Series, analyse_series, quadratic_culprits
 from nsa_diag.cases import build_spec, parse_stall
+from nsa_diag.errors import UsageError
 from nsa_diag.options import Branch
 from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult, CaseSpec
@@ -82,6 +84,44 @@ class CaseList(Plan):
 
     def results(self) -> list[CaseResult]:
         return list(self._results)
+
+
+class NodePart(CaseList):
+    """This node's part of a multi-node ddp case (`nsa_diag.launchers.nodes`): the run folder
+    ``<out>/ddp-<run id>[-<tag>]`` that every node derives alike and shares, each node under its own lock
+    (a second process for the same node rank is refused); env.json in ``nodes/<R>/`` (node 0's also as the
+    run's); node 0 writes the summary, a node R > 0 its own in ``nodes/<R>/``. A run that has finished
+    (the case has its result.json) is not run again in the same folder: ``--run-id`` names a new one."""
+
+    def __init__(self, spec: CaseSpec, out: Path, tag: str | None = None) -> None:
+        super().__init__("ddp", [spec])
+        assert spec.ddp is not None
+        self.node = spec.ddp.node_rank
+        self.nnodes = spec.ddp.nnodes
+        self.shared_dir = Path(out) / (f"ddp-{spec.run_id()}" + (f"-{tag}" if tag else ""))
+        self.lock_name = artifacts.node_lock(self.node)
+
+    def home(self, run_dir: Path) -> Path:
+        return run_dir if self.node == 0 else artifacts.node_dir(run_dir, self.node)
+
+    def env_files(self, run_dir: Path) -> list[Path]:
+        own = artifacts.node_dir(run_dir, self.node) / artifacts.ENV
+        return [run_dir / artifacts.ENV, own] if self.node == 0 else [own]
+
+    def reopened(self, session: Session) -> None:
+        spec = self.cases[0]
+        done = session.run_dir / "cases" / spec.name / artifacts.RESULT
+        if done.exists():
+            raise UsageError(
+                f"{session.run_dir}: this run has finished already ({done.relative_to(session.run_dir)}); "
+                "give every node a new --run-id (or another --out) to run it again"
+            )
+
+    def begin(self, session: Session) -> None:
+        session.note(
+            f"nsa-diag ddp: node {self.node} of {self.nnodes}, case {self.cases[0].name} into "
+            f"{session.run_dir} (shared by the nodes)"
+        )
 
 
 # --- nsa-diag scale ---------------------------------------------------------------------------------------

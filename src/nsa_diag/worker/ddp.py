@@ -52,7 +52,10 @@ if TYPE_CHECKING:
 
     from nsa_diag.spec import CaseSpec
 
-USAGE = "usage: torchrun ... -m nsa_diag.worker.ddp <case_dir>   (the folder holding spec.json)"
+USAGE = (
+    "usage: torchrun ... -m nsa_diag.worker.ddp <case_dir> [<spec.json>]   (default: the case folder's; a "
+    "node r > 0 of a multi-node case passes its own, nodes/<r>/spec.json)"
+)
 RANKS_DIR = "ranks"
 SIDE_GROUP = "nsa-diag"
 FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat thread at a hang (NCCL)
@@ -414,8 +417,9 @@ def _redirect_output(directory: Path) -> None:
         f.close()
 
 
-def run(case_dir: Path, started: float) -> int:
-    """Run this rank of the case in ``case_dir``; the process exit code (0 once the result is written)."""
+def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
+    """Run this rank of the case in ``case_dir`` (its spec: ``spec_path``, by default the case folder's
+    spec.json); the process exit code (0 once the result is written)."""
     rank = int(os.environ.get("RANK", "0"))
     directory = rank_dir(case_dir, rank)
     directory.mkdir(parents=True, exist_ok=True)
@@ -431,7 +435,7 @@ def run(case_dir: Path, started: float) -> int:
     memory = MemoryRecorder(directory)
     from nsa_diag.spec import CaseSpec
 
-    spec = CaseSpec.model_validate_json((Path(case_dir) / artifacts.SPEC).read_text())
+    spec = CaseSpec.model_validate_json((spec_path or Path(case_dir) / artifacts.SPEC).read_text())
     nccl = spec.ddp is not None and spec.ddp.backend == "nccl"
 
     def at_hang() -> None:  # the heartbeat thread, asked by the watchdog before it stops any rank
@@ -486,10 +490,10 @@ def _leave_group() -> None:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
+    if len(args) not in (1, 2) or not Path(args[0]).is_dir() or not Path(args[-1]).exists():
         print(USAGE, file=sys.stderr)
         return 2
-    return run(Path(args[0]), started)
+    return run(Path(args[0]), started, Path(args[1]) if len(args) == 2 else None)
 
 
 if __name__ == "__main__":
