@@ -86,8 +86,9 @@ _NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._=+-]+")
 _TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 # CaseSpec fields a matrix sets by their own name (`name` is the matrix's; `overrides` are flat keys).
-# `ddp` (several ranks through torchrun) is not a matrix key: `nsa-diag matrix` runs single-process cases.
-SPEC_KEYS = tuple(k for k in CaseSpec.model_fields if k not in ("name", "overrides", "ddp"))
+# `ddp` (several ranks through torchrun) is not a matrix key: `nsa-diag matrix` runs single-process cases;
+# nor is `command` (a user's own command is `nsa-diag watch`'s).
+SPEC_KEYS = tuple(k for k in CaseSpec.model_fields if k not in ("name", "overrides", "ddp", "command"))
 
 
 def _injection_text(text: str) -> str:
