@@ -44,7 +44,7 @@ from torch import nn
 import nsa_core
 from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
 from nsa_diag.worker.beacon import BeaconWriter, read_beacon
-from nsa_diag.worker.probes import Heartbeat, Progress, _json
+from nsa_diag.worker.probes import Heartbeat, Progress
 
 VARIANTS = ("plain", "old", "probe", "beacon")
 SHAPES = ("8x2048", "1x16384", "32x512")
@@ -88,6 +88,16 @@ class BeaconSink:
         )
 
 
+def _old_json(value: str | int | None) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
+        return f'"{value}"'
+    return json.dumps(value)
+
+
 class OldProgress(BeaconSink):
     """`Progress` as it was before the lines were queued: lock, beacon, location and one line written to the
     line-buffered progress.jsonl per event (for the ``old`` variant only)."""
@@ -116,9 +126,9 @@ class OldProgress(BeaconSink):
             self.where = {"phase": phase, "step": step, "layer": layer, "branch": branch,
                           "module": module, "event": event}  # fmt: skip
             line = (
-                f'{{"seq": {seq}, "t": {time.time():.6f}, "phase": {_json(phase)}, "step": {_json(step)}, '
-                f'"layer": {_json(layer)}, "branch": {_json(branch)}, "module": {_json(module)}, '
-                f'"event": {_json(event)}'
+                f'{{"seq": {seq}, "t": {time.time():.6f}, "phase": {_old_json(phase)}, '
+                f'"step": {_old_json(step)}, "layer": {_old_json(layer)}, "branch": {_old_json(branch)}, '
+                f'"module": {_old_json(module)}, "event": {_old_json(event)}'
             )
             self._stream.write(line + "}\n")
         return seq

@@ -31,15 +31,23 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 
+_JSON_TEXT: dict[str | int | None, str] = {None: "null"}  # module names, phases, layers: a few hundred
+_JSON_TEXT_MAX = 4096
+
+
 def _json(value: str | int | None) -> str:
     """JSON text of a progress field: None, an int, or a string (plain names are written as they are)."""
-    if value is None:
-        return "null"
-    if isinstance(value, int):
-        return str(value)
-    if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
-        return f'"{value}"'
-    return json.dumps(value)
+    text = _JSON_TEXT.get(value)
+    if text is None:
+        if isinstance(value, int):
+            text = str(value)
+        elif value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):  # type: ignore[union-attr]
+            text = f'"{value}"'
+        else:
+            text = json.dumps(value)
+        if len(_JSON_TEXT) < _JSON_TEXT_MAX:
+            _JSON_TEXT[value] = text
+    return text
 
 
 def finite_or_none(value: float | None) -> float | None:
