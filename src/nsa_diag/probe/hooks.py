@@ -122,7 +122,7 @@ def _block_hooks(block: nn.Module, layer: int, name: str, progress: ProgressSink
     def forward_begin(module: nn.Module, args: Any) -> None:
         progress.event(progress.forward_phase, "begin", layer=layer, module=name)
 
-    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+    def forward_end(module: nn.Module) -> None:
         progress.event(progress.forward_phase, "end", layer=layer, module=name)
 
     def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
@@ -133,8 +133,7 @@ def _block_hooks(block: nn.Module, layer: int, name: str, progress: ProgressSink
 
     return [
         block.register_forward_pre_hook(forward_begin),
-        block.register_forward_hook(forward_end),
-        on_backward(block, begin=backward_begin, end=backward_end),
+        on_backward(block, begin=backward_begin, end=backward_end, forward_end=forward_end),
     ]
 
 
@@ -147,7 +146,7 @@ def _branch_hooks(
     def forward_begin(module: nn.Module, args: Any) -> None:
         progress.event(progress.forward_phase, "begin", layer=layer, branch=branch, module=kv_name)
 
-    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+    def forward_end(module: nn.Module) -> None:
         progress.event(progress.forward_phase, "end", layer=layer, branch=branch, module=tap_name)
 
     def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
@@ -158,8 +157,7 @@ def _branch_hooks(
 
     return [
         kv.register_forward_pre_hook(forward_begin),
-        tap.register_forward_hook(forward_end),
-        on_backward(tap, begin=backward_begin),
+        on_backward(tap, begin=backward_begin, forward_end=forward_end),
         # kv's input (the normed hidden states) also feeds q, the gates and the other branches
         on_backward(kv, end=backward_end, input_shared=True),
     ]
@@ -168,7 +166,7 @@ def _branch_hooks(
 # ------------------------------------------------------------------------------- backward graph hooks
 
 BackwardBegin = Callable[["nn.Module", tuple[Any, ...]], Any]
-BackwardEnd = Callable[["nn.Module"], None]
+ModuleHook = Callable[["nn.Module"], None]
 CONSUMER_SEARCH_DEPTH = 6  # nn.Linear on [B, T, C] is 3 nodes deep (unsafe view, mm, view); casts add one
 CONSUMER_SEARCH_WIDTH = 16
 
@@ -176,9 +174,10 @@ CONSUMER_SEARCH_WIDTH = 16
 def on_backward(
     module: nn.Module,
     begin: BackwardBegin | None = None,
-    end: BackwardEnd | None = None,
+    end: ModuleHook | None = None,
     *,
     input_shared: bool = False,
+    forward_end: ModuleHook | None = None,
 ) -> RemovableHandle:
     """Call ``begin(module, grad_outputs)`` when ``module``'s backward begins and ``end(module)`` when it has
     computed its input's gradient: what ``register_full_backward_pre_hook`` / ``register_full_backward_hook``
@@ -198,47 +197,62 @@ def on_backward(
 
     With no input requiring grad, ``end`` fires with ``begin``. Hooks on this module registered later run
     after earlier ones at the same point (fault injection relies on it: the progress event comes first).
+    ``forward_end(module)``, if given, is called first by the same forward hook, after every forward (one
+    hook fewer per module and step than a forward hook of its own).
     """
     import torch
 
     tensor_type = torch.Tensor
 
     def install(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        out = _requiring_grad(output, tensor_type)
-        if out is None or out.grad_fn is None:
+        if forward_end is not None:
+            forward_end(mod)
+        out = output if isinstance(output, tensor_type) else _requiring_grad(output, tensor_type)
+        if out is None or not out.requires_grad or out.grad_fn is None:
             return
         node = out.grad_fn
-        x = None
-        if end is not None:
-            x = _requiring_grad(args, tensor_type)
-            if x is None:
-                x = _requiring_grad(kwargs, tensor_type)
-        began = False
-
-        def backward_begin(grad_outputs: tuple[Any, ...]) -> Any:
-            nonlocal began
-            began = True
-            replaced = begin(mod, grad_outputs) if begin is not None else None
-            if end is not None and x is None:
-                end(mod)
-            return replaced
-
-        def backward_end(grad: Any) -> None:
-            nonlocal began
-            if began:
-                began = False
-                end(mod)  # type: ignore[misc]
-
-        if begin is not None or (end is not None and (x is None or not input_shared)):
-            node.register_prehook(backward_begin)
-        if end is not None and x is not None:
-            if input_shared:
-                consumer = _consumer(node, x) or node
-                consumer.register_hook(lambda grad_inputs, grad_outputs: end(mod))
-            else:
-                x.register_hook(backward_end)
+        if end is None:
+            node.register_prehook(lambda grads: begin(mod, grads))  # type: ignore[misc]
+            return
+        x = _requiring_grad(args, tensor_type)
+        if x is None:
+            x = _requiring_grad(kwargs, tensor_type)
+        if x is not None and input_shared:
+            if begin is not None:
+                node.register_prehook(lambda grads: begin(mod, grads))
+            (_consumer(node, x) or node).register_hook(lambda grad_inputs, grad_outputs: end(mod))
+            return
+        span = _Span(mod, begin, end)
+        node.register_prehook(span.backward_begin)
+        if x is None:
+            span.ends_with_begin = True
+        else:
+            x.register_hook(span.backward_end)
 
     return module.register_forward_hook(install, with_kwargs=True)
+
+
+class _Span:
+    """One forward's backward: begins at a pre-hook on its output's node, ends at a hook on its input's
+    gradient, but only once begun (see `on_backward`), or at once with the begin when no input needs one."""
+
+    __slots__ = ("began", "begin", "end", "ends_with_begin", "module")
+
+    def __init__(self, module: nn.Module, begin: BackwardBegin | None, end: ModuleHook) -> None:
+        self.module, self.begin, self.end = module, begin, end
+        self.began = self.ends_with_begin = False
+
+    def backward_begin(self, grad_outputs: tuple[Any, ...]) -> Any:
+        self.began = True
+        replaced = self.begin(self.module, grad_outputs) if self.begin is not None else None
+        if self.ends_with_begin:
+            self.end(self.module)
+        return replaced
+
+    def backward_end(self, grad: Any) -> None:
+        if self.began:
+            self.began = False
+            self.end(self.module)
 
 
 def _requiring_grad(value: Any, tensor_type: type, depth: int = 2) -> torch.Tensor | None:
