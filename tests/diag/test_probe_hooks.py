@@ -165,6 +165,22 @@ def test_layers_taking_keywords_and_returning_tuples_report_backward() -> None:
     assert backward == [(2, "begin"), (2, "end"), (1, "begin"), (1, "end"), (0, "begin"), (0, "end")]
 
 
+def test_a_leaf_input_fed_every_step_keeps_one_hook_and_reports_each_backward() -> None:
+    """A tensor that outlives the step (a leaf requiring grad, fed again each step) gets one hook, not one
+    more per forward, and each backward still ends once."""
+    model = nn.Module()
+    model.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    sink = Sink()
+    attach_progress(model, sink)
+    for _ in range(3):
+        model.layers(x).sum().backward()
+    assert x._backward_hooks is not None
+    assert len(x._backward_hooks) == 1
+    ends = [e[1] for e in sink.events if e[0] == "backward" and e[4] == "end"]
+    assert ends == [1, 0] * 3
+
+
 # ------------------------------------------------------------------------------------------- Progress
 
 

@@ -203,6 +203,7 @@ def on_backward(
     import torch
 
     tensor_type = torch.Tensor
+    leaf_hook: list[RemovableHandle] = []  # the hook on a leaf input: such a tensor may come back next step
 
     def install(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if forward_end is not None:
@@ -226,8 +227,12 @@ def on_backward(
         node.register_prehook(span.backward_begin)
         if x is None:
             span.ends_with_begin = True
-        else:
+        elif x.grad_fn is not None:  # a new tensor each forward: its hooks go with it
             x.register_hook(span.backward_end)
+        else:  # a leaf outlives the step: keep one hook on it, not one per forward
+            while leaf_hook:
+                leaf_hook.pop().remove()
+            leaf_hook.append(x.register_hook(span.backward_end))
 
     return module.register_forward_hook(install, with_kwargs=True)
 
