@@ -1,9 +1,10 @@
 """What the worker measures and reports: progress events, the hooks that emit them, memory, the heartbeat,
 and the checks that run only on failure (where non-finite values first appeared, which gradients are missing).
 
-Every progress event goes to the shared-memory beacon (which the watchdog reads even when this process is
-wedged) and to ``progress.jsonl`` (the record a person reads afterwards). The hooks are registered by
-`nsa_diag` on the model's blocks and on the NSA branch modules; `nsa_core` knows nothing of them.
+Every progress event goes to the shared-memory beacon at once (which the watchdog reads even when this
+process is wedged) and to ``progress.jsonl`` (the record a person reads afterwards) within a heartbeat (0.1
+s; `Progress`). The hooks (`nsa_diag.probe.hooks`) are registered by `nsa_diag` on the model's blocks and on
+the NSA branch modules; `nsa_core` knows nothing of them.
 """
 
 from __future__ import annotations
