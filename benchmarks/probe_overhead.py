@@ -292,9 +292,6 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
             )
     except torch.cuda.OutOfMemoryError:
         row["error"] = "OOM"
-    finally:
-        if args.device.type == "cuda":
-            torch.cuda.empty_cache()
     return row
 
 
@@ -366,6 +363,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for shape in args.shapes:
                 row = measure(args, shape)
+                if args.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the shape's model and optimizer are gone with `measure`
                 print_row(row, args.variants)
                 rows.append(row)
         finally:
