@@ -13,12 +13,13 @@ not timed):
     probe    `nsa_diag.probe.hooks.attach_progress` with the worker's sink, `nsa_diag.worker.probes.Progress`
              (beacon per event, progress.jsonl lines queued and written by the heartbeat thread)
     beacon   the same hooks with a sink that only updates the beacon (what a light probe's sink does)
+    null     the same hooks with a sink that does nothing: what the hooks cost without any sink
 
 The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
 run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
 process's CPU time, one torch thread). The table gives the median step per variant, what it adds to
-``plain``'s in ms and in %, the progress events per step and the autograd graph's nodes per step (``old``
-adds nodes; the graph hooks add none).
+``plain``'s in ms and in %, the progress events per step as the beacon counted them (``null`` records
+none) and the autograd graph's nodes per step (``old`` adds nodes; the graph hooks add none).
 
     python benchmarks/probe_overhead.py                   # the three shapes on the GPU
     python benchmarks/probe_overhead.py --smoke           # CPU, tiny widths at 12 layers, under a minute
@@ -46,7 +47,7 @@ from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
 from nsa_diag.worker.beacon import BeaconWriter, read_beacon
 from nsa_diag.worker.probes import Heartbeat, Progress
 
-VARIANTS = ("plain", "old", "probe", "beacon")
+VARIANTS = ("plain", "old", "probe", "beacon", "null")
 SHAPES = ("8x2048", "1x16384", "32x512")
 SMOKE_SHAPES = ("1x64", "4x64")
 SMOKE_LAYERS = (
@@ -96,6 +97,13 @@ def _old_json(value: str | int | None) -> str:
     if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
         return f'"{value}"'
     return json.dumps(value)
+
+
+class NullSink(BeaconSink):
+    """Takes every event and does nothing: the hooks' own cost."""
+
+    def event(self, phase: str, event: str | None = None, **where: Any) -> int:
+        return 0
 
 
 class OldProgress(BeaconSink):
@@ -211,6 +219,7 @@ class Bench:
             "old": OldProgress(args.beacon, args.old_stream),
             "probe": args.progress,
             "beacon": BeaconSink(args.beacon),
+            "null": NullSink(args.beacon),
         }
         self.sink: Any = None
         self.nodes = 0
