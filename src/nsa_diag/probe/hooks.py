@@ -195,10 +195,11 @@ def on_backward(
     - ``input_shared=True``: a hook after the node, within the module's own graph, that takes the input
       (found a few nodes deep; the output's node if not): right when other modules consume the same input.
 
-    With no input requiring grad, ``end`` fires with ``begin``. Hooks on this module registered later run
-    after earlier ones at the same point (fault injection relies on it: the progress event comes first).
-    ``forward_end(module)``, if given, is called first by the same forward hook, after every forward (one
-    hook fewer per module and step than a forward hook of its own).
+    With no input requiring grad, ``end`` fires with ``begin``; so it does for a layer that returns its input
+    as it is (its begin shares the previous layer's node, and comes right after that layer's begin). Hooks
+    on this module registered later run after earlier ones at the same point (fault injection relies on it:
+    the progress event comes first). ``forward_end(module)``, if given, is called first by the same forward
+    hook, after every forward (one hook fewer per module and step than a forward hook of its own).
     """
     import torch
 
@@ -225,7 +226,7 @@ def on_backward(
             return
         span = _Span(mod, begin, end)
         node.register_prehook(span.backward_begin)
-        if x is None:
+        if x is None or x is out:  # no input gradient to wait for (or a layer passing its input on)
             span.ends_with_begin = True
         elif x.grad_fn is not None:  # a new tensor each forward: its hooks go with it
             x.register_hook(span.backward_end)
