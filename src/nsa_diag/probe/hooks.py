@@ -7,13 +7,24 @@ process loads this through the probe, and must not pay for typer, rich or pydant
 Events go to a `ProgressSink` (the worker's `nsa_diag.worker.probes.Progress`; the probe's own sink in a
 user's process): ``event(phase, event, layer=, branch=, module=)``, and the phase of a forward now
 (``forward``, or ``recompute`` inside backward) and of a backward.
+
+Backward events come from hooks on the autograd graph itself, installed by a forward hook each time the
+module runs with gradients (`on_backward`): a pre-hook on the node that made the module's output (its
+backward begins) and a hook on the module's input gradient (its backward ends). Full module backward hooks
+(``register_full_backward_hook``) would give the same places, but they wrap every input and output in a
+Python autograd Function: two more graph nodes, a view per tensor, and Python in the backward pass per
+hooked module (168 nodes a step for a 12-layer NSA model; with a line written per event, the probe cost
++7 to +19% of an H100 step). Graph hooks add no node, no op and no view: the step computes exactly what it
+computes without them (`benchmarks/probe_overhead.py` measures what is left).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from torch.utils.hooks import RemovableHandle
 
@@ -91,8 +102,10 @@ def attach_progress(
     """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
 
     Branch forward begins at the forward pre-hook of ``attn.kv_<branch>`` and ends at the forward hook of
-    ``attn.branch_out[branch]``; branch backward begins at the backward pre-hook of ``branch_out[branch]``
-    and ends at the backward hook of ``kv_<branch>``. Only branches the layer computes are hooked.
+    ``attn.branch_out[branch]``; branch backward begins where the gradient reaches ``branch_out[branch]``'s
+    output and ends once ``kv_<branch>`` has given its input a gradient. Only branches the layer computes
+    are hooked. Removing the handles stops all of it (graph hooks already installed on a step in flight
+    still fire for that step).
     """
     prefix, blocks = find_blocks(model, layers_attr)
     handles: list[RemovableHandle] = []
@@ -110,20 +123,18 @@ def _block_hooks(block: nn.Module, layer: int, name: str, progress: ProgressSink
     def forward_begin(module: nn.Module, args: Any) -> None:
         progress.event(progress.forward_phase, "begin", layer=layer, module=name)
 
-    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+    def forward_end(module: nn.Module) -> None:
         progress.event(progress.forward_phase, "end", layer=layer, module=name)
 
-    def backward_begin(module: nn.Module, grad_output: Any) -> None:
+    def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
         progress.event(progress.backward_phase, "begin", layer=layer, module=name)
 
-    def backward_end(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+    def backward_end(module: nn.Module) -> None:
         progress.event(progress.backward_phase, "end", layer=layer, module=name)
 
     return [
         block.register_forward_pre_hook(forward_begin),
-        block.register_forward_hook(forward_end),
-        block.register_full_backward_pre_hook(backward_begin),
-        block.register_full_backward_hook(backward_end),
+        on_backward(block, begin=backward_begin, end=backward_end, forward_end=forward_end),
     ]
 
 
@@ -136,18 +147,153 @@ def _branch_hooks(
     def forward_begin(module: nn.Module, args: Any) -> None:
         progress.event(progress.forward_phase, "begin", layer=layer, branch=branch, module=kv_name)
 
-    def forward_end(module: nn.Module, args: Any, output: Any) -> None:
+    def forward_end(module: nn.Module) -> None:
         progress.event(progress.forward_phase, "end", layer=layer, branch=branch, module=tap_name)
 
-    def backward_begin(module: nn.Module, grad_output: Any) -> None:
+    def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
         progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
 
-    def backward_end(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+    def backward_end(module: nn.Module) -> None:
         progress.event(progress.backward_phase, "end", layer=layer, branch=branch, module=kv_name)
 
     return [
         kv.register_forward_pre_hook(forward_begin),
-        tap.register_forward_hook(forward_end),
-        tap.register_full_backward_pre_hook(backward_begin),
-        kv.register_full_backward_hook(backward_end),
+        on_backward(tap, begin=backward_begin, forward_end=forward_end),
+        # kv's input (the normed hidden states) also feeds q, the gates and the other branches
+        on_backward(kv, end=backward_end, input_shared=True),
     ]
+
+
+# ------------------------------------------------------------------------------- backward graph hooks
+
+BackwardBegin = Callable[["nn.Module", tuple[Any, ...]], Any]
+ModuleHook = Callable[["nn.Module"], None]
+CONSUMER_SEARCH_DEPTH = 6  # nn.Linear on [B, T, C] is 3 nodes deep (unsafe view, mm, view); casts add one
+CONSUMER_SEARCH_WIDTH = 16
+
+
+def on_backward(
+    module: nn.Module,
+    begin: BackwardBegin | None = None,
+    end: ModuleHook | None = None,
+    *,
+    input_shared: bool = False,
+    forward_end: ModuleHook | None = None,
+) -> RemovableHandle:
+    """Call ``begin(module, grad_outputs)`` when ``module``'s backward begins and ``end(module)`` when it has
+    computed its input's gradient: what ``register_full_backward_pre_hook`` / ``register_full_backward_hook``
+    report, without their extra graph nodes. Returns the handle of the forward hook that installs them.
+
+    Each forward with gradients installs, on that forward's graph: a pre-hook on the node that made the
+    first output tensor requiring grad (a tensor, or the first in a tuple, list, dict or Hugging Face output
+    object); ``begin`` may return replacement gradients for that node, as a backward pre-hook may. ``end``:
+
+    - by default, a hook on the first input requiring grad (positional, then keyword) that fires when its
+      gradient is complete: right for a layer whose input only it consumes. It fires only if this forward's
+      ``begin`` point was reached, so the forward a non-reentrant checkpoint re-runs inside backward (whose
+      graph is never differentiated) reports nothing twice; a reentrant checkpoint's re-run, whose graph is
+      differentiated, reports as the old hooks did.
+    - ``input_shared=True``: a hook after the node, within the module's own graph, that takes the input
+      (found a few nodes deep; the output's node if not): right when other modules consume the same input.
+
+    With no input requiring grad, ``end`` fires with ``begin``; so it does for a layer that returns its input
+    as it is (its begin shares the previous layer's node, and comes right after that layer's begin). Hooks
+    on this module registered later run after earlier ones at the same point (fault injection relies on it:
+    the progress event comes first). ``forward_end(module)``, if given, is called first by the same forward
+    hook, after every forward (one hook fewer per module and step than a forward hook of its own).
+    """
+    import torch
+
+    tensor_type = torch.Tensor
+    leaf_hook: list[RemovableHandle] = []  # the hook on a leaf input: such a tensor may come back next step
+
+    def install(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if forward_end is not None:
+            forward_end(mod)
+        out = output if isinstance(output, tensor_type) else _requiring_grad(output, tensor_type)
+        if out is None or not out.requires_grad or out.grad_fn is None:
+            return
+        node = out.grad_fn
+        if end is None:
+            node.register_prehook(lambda grads: begin(mod, grads))  # type: ignore[misc]
+            return
+        x = _requiring_grad(args, tensor_type)
+        if x is None:
+            x = _requiring_grad(kwargs, tensor_type)
+        if x is not None and input_shared:
+            if begin is not None:
+                node.register_prehook(lambda grads: begin(mod, grads))
+            (_consumer(node, x) or node).register_hook(lambda grad_inputs, grad_outputs: end(mod))
+            return
+        span = _Span(mod, begin, end)
+        node.register_prehook(span.backward_begin)
+        if x is None or x is out:  # no input gradient to wait for (or a layer passing its input on)
+            span.ends_with_begin = True
+        elif x.grad_fn is not None:  # a new tensor each forward: its hooks go with it
+            x.register_hook(span.backward_end)
+        else:  # a leaf outlives the step: keep one hook on it, not one per forward
+            while leaf_hook:
+                leaf_hook.pop().remove()
+            leaf_hook.append(x.register_hook(span.backward_end))
+
+    return module.register_forward_hook(install, with_kwargs=True)
+
+
+class _Span:
+    """One forward's backward: begins at a pre-hook on its output's node, ends at a hook on its input's
+    gradient, but only once begun (see `on_backward`), or at once with the begin when no input needs one."""
+
+    __slots__ = ("began", "begin", "end", "ends_with_begin", "module")
+
+    def __init__(self, module: nn.Module, begin: BackwardBegin | None, end: ModuleHook) -> None:
+        self.module, self.begin, self.end = module, begin, end
+        self.began = self.ends_with_begin = False
+
+    def backward_begin(self, grad_outputs: tuple[Any, ...]) -> Any:
+        self.began = True
+        replaced = self.begin(self.module, grad_outputs) if self.begin is not None else None
+        if self.ends_with_begin:
+            self.end(self.module)
+        return replaced
+
+    def backward_end(self, grad: Any) -> None:
+        if self.began:
+            self.began = False
+            self.end(self.module)
+
+
+def _requiring_grad(value: Any, tensor_type: type, depth: int = 2) -> torch.Tensor | None:
+    """The first tensor requiring grad in ``value``: a tensor, or one inside a tuple, list or dict (a
+    Hugging Face output object is a dict) up to ``depth`` levels down."""
+    if isinstance(value, tensor_type):
+        return value if value.requires_grad else None  # type: ignore[return-value]
+    if depth == 0:
+        return None
+    if isinstance(value, tuple | list):
+        items: Any = value
+    elif isinstance(value, dict):
+        items = value.values()
+    else:
+        return None
+    for item in items:
+        found = _requiring_grad(item, tensor_type, depth - 1)
+        if found is not None:
+            return found
+    return None
+
+
+def _consumer(node: Any, x: torch.Tensor) -> Any:
+    """The node below ``node`` (breadth first, a few levels) that takes ``x`` as an input, or None."""
+    target = x.grad_fn
+    frontier = [node]
+    for _ in range(CONSUMER_SEARCH_DEPTH):
+        following = []
+        for current in frontier:
+            for fn, _ in current.next_functions:
+                if fn is None:
+                    continue
+                if fn is target if target is not None else getattr(fn, "variable", None) is x:
+                    return current
+                following.append(fn)
+        frontier = following[:CONSUMER_SEARCH_WIDTH]
+    return None

@@ -65,6 +65,7 @@ class BeaconWriter:
         self._version = 0
         self._seq = 0
         self._heartbeat = 0
+        self._pid = os.getpid()  # once: a system call per progress event costs more than the rest of it
         self.update(phase="setup", event="begin")
 
     def update(
@@ -85,7 +86,7 @@ class BeaconWriter:
             "<Qdiiiiii",
             self._seq, time.time(),
             -1 if step is None else step, -1 if layer is None else layer,
-            _code(PHASES, phase), _code(BRANCHES, branch), _code(EVENTS, event), os.getpid(),
+            _code(PHASES, phase), _code(BRANCHES, branch), _code(EVENTS, event), self._pid,
         )  # fmt: skip
         self._map[8 : 8 + len(fields)] = fields
         name = (module or "").encode()[:MODULE_BYTES].ljust(MODULE_BYTES, b"\0")

@@ -444,7 +444,7 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
         if nccl:
             dump_flight_recorder(directory / FR_API_FILE)
 
-    Heartbeat(beacon, directory, on_dump=at_hang, stacks=stacks).start()
+    Heartbeat(beacon, directory, on_dump=at_hang, stacks=stacks, progress=progress).start()
     progress.event("setup", detail="spec read")
     trainer = DdpTrainer(spec, directory, progress, memory)
     report = trainer.run(started)

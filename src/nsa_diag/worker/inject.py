@@ -3,7 +3,7 @@
 Each fault is a hook on ``blocks[layer]`` registered after the progress hooks, so the beacon already says
 where the step is when the fault fires. It fires at training step ``inj.step`` (``slow``: every step from
 it on) in ``inj.phase``: ``forward`` in the block's forward pre-hook, ``recompute`` in the same hook while a
-checkpointed block re-runs its forward inside backward, ``backward`` in the block's backward pre-hook. On
+checkpointed block re-runs its forward inside backward, ``backward`` where the block's backward begins. On
 CUDA, backward hooks (and so backward faults) run in autograd's device thread while the main thread waits
 in ``backward()``; on the CPU they run in the main thread.
 
@@ -41,6 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag.probe.hooks import on_backward
 from nsa_diag.spec import Injection
 from nsa_diag.worker.probes import Progress, nsa_attentions
 
@@ -245,8 +246,8 @@ def attach(
             fault.handle = target.register_forward_hook(fault.output_hook)
         else:
             fault = Fault(inj, progress, device, name)
-            if inj.phase == "backward":
-                fault.handle = block.register_full_backward_pre_hook(fault.backward_pre_hook)
+            if inj.phase == "backward":  # after the progress hook at the same point: the beacon says where
+                fault.handle = on_backward(block, begin=fault.backward_pre_hook)
             else:
                 fault.handle = block.register_forward_pre_hook(fault.forward_pre_hook)
         faults.append(fault)

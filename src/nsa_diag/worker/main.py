@@ -45,7 +45,7 @@ def run(case_dir: Path, started: float) -> int:
     beacon = BeaconWriter(case_dir / artifacts.BEACON)
     progress = Progress(beacon, artifacts.open_append(case_dir / artifacts.PROGRESS))
     memory = MemoryRecorder(case_dir)
-    Heartbeat(beacon, case_dir, on_dump=lambda: _at_hang(memory), stacks=stacks).start()
+    Heartbeat(beacon, case_dir, on_dump=lambda: _at_hang(memory), stacks=stacks, progress=progress).start()
 
     try:
         spec = CaseSpec.model_validate_json((case_dir / artifacts.SPEC).read_text())

@@ -1,9 +1,10 @@
 """What the worker measures and reports: progress events, the hooks that emit them, memory, the heartbeat,
 and the checks that run only on failure (where non-finite values first appeared, which gradients are missing).
 
-Every progress event goes to the shared-memory beacon (which the watchdog reads even when this process is
-wedged) and to ``progress.jsonl`` (the record a person reads afterwards). The hooks are registered by
-`nsa_diag` on the model's blocks and on the NSA branch modules; `nsa_core` knows nothing of them.
+Every progress event goes to the shared-memory beacon at once (which the watchdog reads even when this
+process is wedged) and to ``progress.jsonl`` (the record a person reads afterwards) within a heartbeat (0.1
+s; `Progress`). The hooks (`nsa_diag.probe.hooks`) are registered by `nsa_diag` on the model's blocks and on
+the NSA branch modules; `nsa_core` knows nothing of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from nsa_diag import artifacts
-from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions
+from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions, on_backward
 from nsa_diag.worker.beacon import BeaconWriter
 
 __all__ = ["LAYER_LAYOUTS", "attach_progress", "find_blocks", "nsa_attentions"]  # from nsa_diag.probe.hooks
@@ -31,15 +32,23 @@ if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
 
 
+_JSON_TEXT: dict[str | int | None, str] = {None: "null"}  # module names, phases, layers: a few hundred
+_JSON_TEXT_MAX = 4096
+
+
 def _json(value: str | int | None) -> str:
     """JSON text of a progress field: None, an int, or a string (plain names are written as they are)."""
-    if value is None:
-        return "null"
-    if isinstance(value, int):
-        return str(value)
-    if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
-        return f'"{value}"'
-    return json.dumps(value)
+    text = _JSON_TEXT.get(value)
+    if text is None:
+        if isinstance(value, int):
+            text = str(value)
+        elif value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):  # type: ignore[union-attr]
+            text = f'"{value}"'
+        else:
+            text = json.dumps(value)
+        if len(_JSON_TEXT) < _JSON_TEXT_MAX:
+            _JSON_TEXT[value] = text
+    return text
 
 
 def finite_or_none(value: float | None) -> float | None:
@@ -48,11 +57,18 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 class Progress:
-    """Progress events of the training step, to the beacon and to ``progress.jsonl``.
+    """Progress events of the training step: to the beacon at once, to ``progress.jsonl`` soon after.
 
     `step` and `in_backward` are set by the training loop; hooks read them: a block's forward that runs
     while ``loss.backward()`` is under way is a gradient-checkpoint recompute. `phase_override` relabels
     hook events (the reference model of a parity check runs in phase "check").
+
+    The beacon, which the watchdog reads live, takes every event as it happens. The lines of layer events
+    (the hooks': about 16 per layer and step) wait in memory and are written together by `flush`: at the
+    next event of the training loop (an event without a layer: step, phase, check, done), with every
+    `note`, and at every heartbeat (0.1 s). A process killed with SIGKILL, or dying of a fatal signal, loses
+    the layer lines since the last flush (at most 0.1 s of them; more only while something held the GIL and
+    kept the heartbeat from running); the beacon, a file mapping, still holds its last event.
     """
 
     def __init__(self, beacon: BeaconWriter, stream: IO[str]) -> None:
@@ -61,11 +77,12 @@ class Progress:
         self.in_backward = False
         self.phase_override: str | None = None
         self.seq = 1  # BeaconWriter's constructor recorded event 1: setup begin
-        self.where: dict[str, Any] = {"phase": "setup", "event": "begin"}  # the last event's location
+        self._where: tuple[Any, ...] = ("setup", None, None, None, None, "begin")
         self._stream = stream
-        self._lock = threading.Lock()  # hooks may run in autograd's device threads (CUDA backward)
-        self._write({"seq": 1, "t": time.time(), "phase": "setup", "step": None, "layer": None,
-                     "branch": None, "module": None, "event": "begin"})  # fmt: skip
+        self._pending: list[tuple[Any, ...] | str] = []  # events (tuples) and notes (lines) not yet written
+        self._lock = threading.Lock()  # seq, beacon, pending: hooks may run in autograd's device threads
+        self._write_lock = threading.Lock()  # the file: lines go out in seq order, whichever thread flushes
+        self._stream.write(_line((1, time.time(), "setup", None, None, None, None, "begin", None)))
 
     @property
     def forward_phase(self) -> str:
@@ -78,6 +95,11 @@ class Progress:
     def backward_phase(self) -> str:
         return self.phase_override or "backward"
 
+    @property
+    def where(self) -> dict[str, Any]:
+        """The last event's location."""
+        return dict(zip(("phase", "step", "layer", "branch", "module", "event"), self._where, strict=True))
+
     def event(
         self,
         phase: str,
@@ -88,35 +110,49 @@ class Progress:
         module: str | None = None,
         **extra: Any,
     ) -> int:
-        """Record one progress event; returns its sequence number."""
+        """Record one progress event; returns its sequence number. Layer events (the hooks', many per
+        step) only update the beacon and queue their line; the loop's events write everything queued."""
         with self._lock:
             step = self.step
             seq = self.seq = self.beacon.update(
                 phase=phase, step=step, layer=layer, branch=branch, event=event, module=module
             )
-            self.where = {"phase": phase, "step": step, "layer": layer, "branch": branch,
-                          "module": module, "event": event}  # fmt: skip
-            # Formatted by hand: this runs several times per layer and step, json.dumps of a dict costs
-            # more than the beacon update. Extras (rare) go through json.
-            line = (
-                f'{{"seq": {seq}, "t": {time.time():.6f}, "phase": {_json(phase)}, "step": {_json(step)}, '
-                f'"layer": {_json(layer)}, "branch": {_json(branch)}, "module": {_json(module)}, '
-                f'"event": {_json(event)}'
-            )
-            if extra:
-                line += ", " + json.dumps(extra, default=str)[1:-1]
-            self._stream.write(line + "}\n")
+            self._where = (phase, step, layer, branch, module, event)
+            self._pending.append((seq, time.time(), phase, step, layer, branch, module, event, extra))
+        if layer is None:
+            self.flush()
         return seq
 
     def note(self, event: str, **extra: Any) -> None:
-        """A line in ``progress.jsonl`` that is not progress (e.g. an injected fault firing): the beacon,
-        and so the watchdog's stall timer and its idea of where the step is, stay as they were."""
+        """A line in ``progress.jsonl`` that is not progress (e.g. an injected fault firing), written at
+        once: the beacon, and so the watchdog's stall timer and its idea of where the step is, stay as
+        they were."""
         with self._lock:
             state = {"seq": self.seq, "t": time.time(), "step": self.step, "event": event}
-            self._write({**state, **extra})
+            self._pending.append(json.dumps({**state, **extra}, default=str) + "\n")
+        self.flush()
 
-    def _write(self, record: dict[str, Any]) -> None:
-        self._stream.write(json.dumps(record, default=str) + "\n")
+    def flush(self) -> None:
+        """Write the queued lines (the heartbeat thread calls this every tick)."""
+        with self._write_lock:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            if pending:
+                self._stream.write("".join(_line(p) if type(p) is tuple else p for p in pending))
+
+
+def _line(record: tuple[Any, ...]) -> str:
+    """The JSON line of a progress event. Formatted by hand: hundreds are written per step, and json.dumps
+    of a dict costs several times more. Extras (rare) go through json."""
+    seq, t, phase, step, layer, branch, module, event, extra = record
+    line = (
+        f'{{"seq": {seq}, "t": {t:.6f}, "phase": {_json(phase)}, "step": {_json(step)}, '
+        f'"layer": {_json(layer)}, "branch": {_json(branch)}, "module": {_json(module)}, '
+        f'"event": {_json(event)}'
+    )
+    if extra:
+        line += ", " + json.dumps(extra, default=str)[1:-1]
+    return line + "}\n"
 
 
 # --------------------------------------------------------------------------------------- profiler ranges
@@ -156,8 +192,8 @@ def _range_hooks(first: nn.Module, last: nn.Module, label: str, progress: Progre
     return [
         first.register_forward_pre_hook(lambda m, args: open_range(forward, progress.forward_phase)),
         last.register_forward_hook(lambda m, args, out: close_range(forward)),
-        last.register_full_backward_pre_hook(lambda m, g: open_range(backward, progress.backward_phase)),
-        first.register_full_backward_hook(lambda m, gi, go: close_range(backward)),
+        on_backward(last, begin=lambda m, g: open_range(backward, progress.backward_phase)),
+        on_backward(first, end=lambda m: close_range(backward), input_shared=first is not last),
     ]
 
 
@@ -234,7 +270,8 @@ class MemoryRecorder:
 
 
 class Heartbeat(threading.Thread):
-    """Daemon thread: a beacon heartbeat every 0.1 s, and memory evidence when the runner asks for it.
+    """Daemon thread: a beacon heartbeat every 0.1 s, the queued progress lines written (`Progress.flush`),
+    and memory evidence when the runner asks for it.
 
     The runner creates ``dump.request`` before it kills a hung worker; this thread then records memory
     "at_hang" and creates ``dump.done``. While the GIL is held (a C call that never releases it) this
@@ -251,9 +288,11 @@ class Heartbeat(threading.Thread):
         case_dir: Path,
         on_dump: Callable[[], None],
         stacks: BinaryIO | None = None,
+        progress: Progress | None = None,
     ) -> None:
         super().__init__(name="nsa-diag-heartbeat", daemon=True)
         self.beacon = beacon
+        self.progress = progress
         self.request = Path(case_dir) / artifacts.DUMP_REQUEST
         self.done = Path(case_dir) / artifacts.DUMP_DONE
         self.stack_request = Path(case_dir) / artifacts.STACK_REQUEST
@@ -272,6 +311,8 @@ class Heartbeat(threading.Thread):
         while not self.stopped:
             time.sleep(0.1)
             self.beacon.tick()
+            if self.progress is not None:
+                self.progress.flush()
             if not answered and self.request.exists():
                 answered = True
                 try:
@@ -363,8 +404,10 @@ class NonfiniteLocator:
             self._handles.append(module.register_forward_hook(
                 lambda m, args, out, n=name: self._forward_hit(n, "output", out)))  # fmt: skip
             if self.backward:
-                self._handles.append(module.register_full_backward_pre_hook(
-                    lambda m, g_out, n=name: self._hit(n, "output gradient", g_out)))  # fmt: skip
+                # Output gradients where the progress and injection graph hooks see them, after them
+                # (a full backward pre-hook would run before: it sits on a node of its own above them).
+                output_gradient = lambda m, g_out, n=name: self._hit(n, "output gradient", g_out)  # noqa: E731
+                self._handles.append(on_backward(module, begin=output_gradient))
                 self._handles.append(module.register_full_backward_hook(
                     lambda m, g_in, g_out, n=name: self._hit(n, "input gradient", g_in)))  # fmt: skip
         self._warnings = warnings.catch_warnings()

@@ -1,0 +1,392 @@
+"""What the progress probes cost a training step: blocks of steps with and without them, in one process.
+
+Issue 17's bar: ``attach_progress`` (the hooks our cases and ``nsa-diag watch`` put on a model) costs at most
+3% of an m7c-125m training step (Triton branches, bf16, AdamW, one GPU) at B x S = 8 x 2048, 1 x 16384 and
+32 x 512. For each shape one model and optimizer run, after warm-up, ``--rounds`` rounds of one block of
+``--steps`` timed steps per variant (the order rotates from round to round; the first step of each block is
+not timed):
+
+    plain    no probe
+    old      the mechanism before graph hooks, copied here for the comparison only: full module backward
+             hooks (a Python autograd Function on every hooked module's inputs and outputs) and a
+             progress.jsonl line written per event
+    probe    `nsa_diag.probe.hooks.attach_progress` with the worker's sink, `nsa_diag.worker.probes.Progress`
+             (beacon per event, progress.jsonl lines queued and written by the heartbeat thread)
+    beacon   the same hooks with a sink that only updates the beacon (what a light probe's sink does)
+    null     the same hooks with a sink that does nothing: what the hooks cost without any sink
+
+The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
+run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
+process's CPU time, one torch thread). The table gives the median step per variant, what it adds to
+``plain``'s in ms and in %, the progress events per step as the beacon counted them (``null`` records
+none) and the autograd graph's nodes per step (``old`` adds nodes; the graph hooks add none).
+
+    python benchmarks/probe_overhead.py                   # the three shapes on the GPU
+    python benchmarks/probe_overhead.py --smoke           # CPU, tiny widths at 12 layers, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nsa_core
+from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
+from nsa_diag.worker.beacon import BeaconWriter, read_beacon
+from nsa_diag.worker.probes import Heartbeat, Progress
+
+VARIANTS = ("plain", "old", "probe", "beacon", "null")
+SHAPES = ("8x2048", "1x16384", "32x512")
+SMOKE_SHAPES = ("1x64", "4x64")
+SMOKE_LAYERS = (
+    12  # m7c-125m's depth, so the probes' Python per step is m7c's; tiny widths keep the math small
+)
+
+
+# ------------------------------------------------------------------------------------------------ sinks
+
+
+class BeaconSink:
+    """Beacon only, no progress.jsonl: the sink of a light probe in a user's process."""
+
+    def __init__(self, beacon: BeaconWriter) -> None:
+        self.beacon = beacon
+        self.step: int | None = None
+        self.in_backward = False
+
+    @property
+    def forward_phase(self) -> str:
+        return "recompute" if self.in_backward else "forward"
+
+    @property
+    def backward_phase(self) -> str:
+        return "backward"
+
+    def event(
+        self,
+        phase: str,
+        event: str | None = None,
+        *,
+        layer: int | None = None,
+        branch: str | None = None,
+        module: str | None = None,
+        **extra: Any,
+    ) -> int:
+        return self.beacon.update(
+            phase=phase, step=self.step, layer=layer, branch=branch, event=event, module=module
+        )
+
+
+def _old_json(value: str | int | None) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, int):
+        return str(value)
+    if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
+        return f'"{value}"'
+    return json.dumps(value)
+
+
+class NullSink(BeaconSink):
+    """Takes every event and does nothing: the hooks' own cost."""
+
+    def event(self, phase: str, event: str | None = None, **where: Any) -> int:
+        return 0
+
+
+class OldProgress(BeaconSink):
+    """`Progress` as it was before the lines were queued: lock, beacon, location and one line written to the
+    line-buffered progress.jsonl per event (for the ``old`` variant only)."""
+
+    def __init__(self, beacon: BeaconWriter, stream: Any) -> None:
+        super().__init__(beacon)
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.where: dict[str, Any] = {}
+
+    def event(
+        self,
+        phase: str,
+        event: str | None = None,
+        *,
+        layer: int | None = None,
+        branch: str | None = None,
+        module: str | None = None,
+        **extra: Any,
+    ) -> int:
+        with self._lock:
+            step = self.step
+            seq = self.beacon.update(
+                phase=phase, step=step, layer=layer, branch=branch, event=event, module=module
+            )
+            self.where = {"phase": phase, "step": step, "layer": layer, "branch": branch,
+                          "module": module, "event": event}  # fmt: skip
+            line = (
+                f'{{"seq": {seq}, "t": {time.time():.6f}, "phase": {_old_json(phase)}, '
+                f'"step": {_old_json(step)}, "layer": {_old_json(layer)}, "branch": {_old_json(branch)}, '
+                f'"module": {_old_json(module)}, "event": {_old_json(event)}'
+            )
+            self._stream.write(line + "}\n")
+        return seq
+
+
+# ------------------------------------------------------------------- the old hooks (comparison only)
+
+
+def old_attach_progress(model: nn.Module, progress: Any) -> list[Any]:
+    """The progress hooks before graph hooks: full module backward hooks on blocks and branch modules."""
+    prefix, blocks = find_blocks(model)
+    handles: list[Any] = []
+    for layer, block in enumerate(blocks):
+        name = f"{prefix}.{layer}"
+        handles += _old_hooks(block, block, progress, layer, None, name, name)
+        for rel, attn in nsa_attentions(block):
+            for branch in attn.nsa.branches:
+                kv, tap = getattr(attn, f"kv_{branch}"), attn.branch_out[branch]
+                base = f"{name}.{rel}"
+                names = f"{base}.kv_{branch}", f"{base}.branch_out.{branch}"
+                handles += _old_hooks(kv, tap, progress, layer, branch, *names)
+    return handles
+
+
+def _old_hooks(
+    first: nn.Module,
+    last: nn.Module,
+    progress: Any,
+    layer: int,
+    branch: str | None,
+    first_name: str,
+    last_name: str,
+) -> list[Any]:
+    def emit(phase: str, event: str, module: str) -> None:
+        progress.event(phase, event, layer=layer, branch=branch, module=module)
+
+    return [
+        first.register_forward_pre_hook(lambda m, a: emit(progress.forward_phase, "begin", first_name)),
+        last.register_forward_hook(lambda m, a, o: emit(progress.forward_phase, "end", last_name)),
+        last.register_full_backward_pre_hook(lambda m, g: emit(progress.backward_phase, "begin", last_name)),
+        first.register_full_backward_hook(lambda m, gi, go: emit(progress.backward_phase, "end", first_name)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------- the run
+
+
+def build(smoke: bool, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    if smoke:
+        cfg = nsa_core.preset("tiny", layers=SMOKE_LAYERS)
+    else:
+        cfg = nsa_core.preset("m7c-125m", sel_backend="triton", cmp_backend="triton", win_backend="triton")
+    return nsa_core.TinyLM(cfg).to(device=device, dtype=dtype)
+
+
+def graph_nodes(loss: torch.Tensor) -> int:
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return len(seen)
+
+
+class Bench:
+    """One shape: the model, its optimizer, the sinks, and the timed step."""
+
+    def __init__(self, args: argparse.Namespace, B: int, S: int) -> None:
+        self.sync = args.device.type == "cuda"
+        self.beacon_path = args.beacon.path
+        torch.manual_seed(0)
+        self.model = build(args.smoke, args.device, args.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        vocab = self.model.cfg.vocab
+        self.tokens = torch.randint(0, vocab, (B, S + 1), device=args.device)
+        self.sinks: dict[str, Any] = {
+            "plain": None,
+            "old": OldProgress(args.beacon, args.old_stream),
+            "probe": args.progress,
+            "beacon": BeaconSink(args.beacon),
+            "null": NullSink(args.beacon),
+        }
+        self.sink: Any = None
+        self.nodes = 0
+
+    def step(self, count_nodes: bool = False) -> None:
+        sink = self.sink
+        if sink is not None:
+            sink.step = (sink.step or 0) + 1
+        logits = self.model(self.tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[:, 1:].flatten())
+        if count_nodes:
+            self.nodes = graph_nodes(loss)
+        if sink is not None:
+            sink.in_backward = True
+        loss.backward()
+        if sink is not None:
+            sink.in_backward = False
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def timed_step(self) -> float:
+        if not self.sync:  # the process's CPU time: on a shared machine, steadier than the wall clock
+            start = time.process_time()
+            self.step()
+            return (time.process_time() - start) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def _events(self) -> int:
+        state = read_beacon(self.beacon_path)
+        return state.seq if state else 0
+
+    def block(self, variant: str, steps: int) -> tuple[list[float], int, int]:
+        """``steps`` timed steps with ``variant``'s probe on: (step ms, events per step, graph nodes)."""
+        self.sink = self.sinks[variant]
+        handles: list[Any] = []
+        if variant == "old":
+            handles = old_attach_progress(self.model, self.sink)
+        elif variant != "plain":
+            handles = attach_progress(self.model, self.sink)
+        try:
+            seq = self._events()
+            self.step(count_nodes=True)  # not timed: the first step after attaching
+            events = self._events() - seq
+            times = [self.timed_step() for _ in range(steps)]
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.sink = None
+        return times, events, self.nodes
+
+
+def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    B, S = (int(n) for n in shape.split("x"))
+    row: dict[str, Any] = {"shape": shape, "B": B, "S": S}
+    try:
+        bench = Bench(args, B, S)
+        for _ in range(args.warmup):
+            bench.step()
+        times: dict[str, list[float]] = {v: [] for v in args.variants}
+        for r in range(args.rounds):
+            order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+            for variant in order:
+                block, events, nodes = bench.block(variant, args.steps)
+                times[variant] += block
+                row.setdefault(variant, {}).update(events=events, graph_nodes=nodes)
+        plain = statistics.median(times["plain"])
+        for variant in args.variants:
+            ms = statistics.median(times[variant])
+            row[variant].update(
+                step_ms=ms,
+                added_ms=ms - plain,
+                overhead_pct=(ms / plain - 1) * 100,
+                steps=len(times[variant]),
+            )
+    except torch.cuda.OutOfMemoryError:
+        row["error"] = "OOM"
+    return row
+
+
+def print_row(row: dict[str, Any], variants: list[str]) -> None:
+    if "error" in row:
+        print(f"{row['shape']:>8}  {row['error']}")
+        return
+    for variant in variants:
+        r = row[variant]
+        added = "" if variant == "plain" else f"{r['added_ms']:+.2f}"
+        overhead = "" if variant == "plain" else f"{r['overhead_pct']:+.1f}%"
+        print(
+            f"{row['shape']:>8}  {variant:<7} {r['step_ms']:>9.2f} {added:>9} {overhead:>9} {r['events']:>7} "
+            f"{r['graph_nodes']:>7}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", nargs="+", help=f"BxS (default {' '.join(SHAPES)})")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--rounds", type=int, default=5, help="blocks per variant (default 5)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per block (default 6)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, fp32, one thread: the tiny preset at 12 layers, small shapes",
+    )
+    parser.add_argument("--json", help="write the results to this file as well")
+    args = parser.parse_args(argv)
+    if "plain" not in args.variants:
+        args.variants.insert(0, "plain")
+    if args.smoke:
+        args.device, args.dtype = torch.device("cpu"), torch.float32
+        args.shapes = args.shapes or list(SMOKE_SHAPES)
+        args.rounds, args.steps, args.warmup = min(args.rounds, 3), min(args.steps, 3), 2
+        torch.set_num_threads(1)  # steadier on a shared machine
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/probe_overhead.py needs a CUDA device (or --smoke for the CPU)")
+        args.device, args.dtype = torch.device("cuda"), torch.bfloat16
+        args.shapes = args.shapes or list(SHAPES)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    header: dict[str, Any] = {"device": "cpu (smoke)", "torch": torch.__version__}
+    if args.device.type == "cuda":
+        import triton
+
+        header |= {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
+    header |= {"date": datetime.date.today().isoformat(), "rounds": args.rounds, "steps": args.steps}
+    print(", ".join(f"{k} {v}" for k, v in header.items()))
+    columns = f"{'variant':<7} {'step ms':>9} {'added ms':>9} {'overhead':>9} {'events':>7} {'nodes':>7}"
+    print(f"{'B x S':>8}  {columns}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="probe-overhead-") as tmp:
+        folder = Path(tmp)
+        args.beacon = BeaconWriter(folder / "beacon.bin")
+        args.old_stream = open(folder / "old-progress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        stream = open(folder / "progress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        args.progress = Progress(args.beacon, stream)
+        heartbeat = Heartbeat(args.beacon, folder, on_dump=lambda: None, progress=args.progress)
+        heartbeat.start()
+        try:
+            for shape in args.shapes:
+                row = measure(args, shape)
+                if args.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the shape's model and optimizer are gone with `measure`
+                print_row(row, args.variants)
+                rows.append(row)
+        finally:
+            heartbeat.stopped = True
+            heartbeat.join()
+            args.progress.flush()
+            for f in (stream, args.old_stream):
+                f.close()
+            args.beacon.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**header, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
