@@ -20,6 +20,7 @@ computes without them (`benchmarks/probe_overhead.py` measures what is left).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -90,7 +91,12 @@ def find_blocks(model: nn.Module, layers_attr: str | None = None) -> tuple[str, 
 
 
 def nsa_attentions(block: nn.Module) -> list[tuple[str, Any]]:
-    """The `nsa_core.NSAAttention` modules inside ``block`` with their names relative to it."""
+    """The `nsa_core.NSAAttention` modules inside ``block`` with their names relative to it.
+
+    A model holding one has imported nsa_core; in a process that has not (a user's job under the probe),
+    there is none, and nsa_core is not imported for nothing."""
+    if "nsa_core" not in sys.modules:
+        return []
     from nsa_core import NSAAttention
 
     return [(name, m) for name, m in block.named_modules() if isinstance(m, NSAAttention)]
