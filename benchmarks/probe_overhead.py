@@ -18,7 +18,9 @@ not timed):
 The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
 run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
 process's CPU time, one torch thread). The table gives the median step per variant, what it adds to
-``plain``'s in ms and in %, the progress events per step as the beacon counted them (``null`` records
+``plain``'s in ms and in %, the paired overhead (per round, the variant's block median against plain's
+block of the same round, then the median over rounds: a drift of the step time over the run cancels out),
+the progress events per step as the beacon counted them (``null`` records
 none) and the autograd graph's nodes per step (``old`` adds nodes; the graph hooks add none).
 
     python benchmarks/probe_overhead.py                   # the three shapes on the GPU
@@ -284,12 +286,17 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
         for _ in range(args.warmup):
             bench.step()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
+        ratios: dict[str, list[float]] = {v: [] for v in args.variants}
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+            medians = {}
             for variant in order:
                 block, events, nodes = bench.block(variant, args.steps)
                 times[variant] += block
+                medians[variant] = statistics.median(block)
                 row.setdefault(variant, {}).update(events=events, graph_nodes=nodes)
+            for variant in args.variants:  # against plain's block of the same round: drift cancels
+                ratios[variant].append(medians[variant] / medians["plain"])
         plain = statistics.median(times["plain"])
         for variant in args.variants:
             ms = statistics.median(times[variant])
@@ -297,6 +304,7 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
                 step_ms=ms,
                 added_ms=ms - plain,
                 overhead_pct=(ms / plain - 1) * 100,
+                paired_pct=(statistics.median(ratios[variant]) - 1) * 100,
                 steps=len(times[variant]),
             )
     except torch.cuda.OutOfMemoryError:
@@ -312,9 +320,10 @@ def print_row(row: dict[str, Any], variants: list[str]) -> None:
         r = row[variant]
         added = "" if variant == "plain" else f"{r['added_ms']:+.2f}"
         overhead = "" if variant == "plain" else f"{r['overhead_pct']:+.1f}%"
+        paired = "" if variant == "plain" else f"{r['paired_pct']:+.1f}%"
         print(
-            f"{row['shape']:>8}  {variant:<7} {r['step_ms']:>9.2f} {added:>9} {overhead:>9} {r['events']:>7} "
-            f"{r['graph_nodes']:>7}"
+            f"{row['shape']:>8}  {variant:<7} {r['step_ms']:>9.2f} {added:>9} {overhead:>9} {paired:>9} "
+            f"{r['events']:>7} {r['graph_nodes']:>7}"
         )
 
 
@@ -358,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
         header |= {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
     header |= {"date": datetime.date.today().isoformat(), "rounds": args.rounds, "steps": args.steps}
     print(", ".join(f"{k} {v}" for k, v in header.items()))
-    columns = f"{'variant':<7} {'step ms':>9} {'added ms':>9} {'overhead':>9} {'events':>7} {'nodes':>7}"
+    columns = f"{'variant':<7} {'step ms':>9} {'added ms':>9} {'overhead':>9} {'paired':>9} "
+    columns += f"{'events':>7} {'nodes':>7}"
     print(f"{'B x S':>8}  {columns}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as tmp:

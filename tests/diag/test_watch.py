@@ -105,6 +105,11 @@ def test_collective_counts_name_the_rank_that_never_reached_the_collective(tmp_p
     diff = {}
     job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # gloo: rank 0 waits in all_reduce #9, which rank 1 never entered
+    for r, data in {0: {"all_reduce": 12}, 1: {"all_reduce": 12, "barrier": 1}}.items():
+        (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": None}))
+    diff = {}
+    job.collective_minority(diff, folders, {0: 100, 1: 101})
+    assert diff["minority_ranks"] == [1]  # NCCL: rank 1's barrier paired with an all_reduce of rank 0's
 
 
 # --- default set --------------------------------------------------------------------------------------

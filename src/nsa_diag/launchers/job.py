@@ -405,7 +405,16 @@ def _rank_hang(
     evidence["minority_ranks"] = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
     own = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
-    if own:
+    counted = str(diff.get("basis", "")).startswith("collective counts")
+    if (
+        counted
+        and own <= {"cuda-kernel"}
+        and set(kinds.values()) <= {"cuda-kernel", "collective", "unknown", None}
+    ):
+        # The ranks' collectives disagree and they wait on the GPU: an NCCL collective that has no partner
+        # spins in its kernel (a device sync shows "waiting for the GPU"), so this is a collective hang.
+        kind = "collective"
+    elif own:
         kind = sorted(own)[0]
     elif "collective" in kinds.values():
         kind = "collective"
@@ -442,6 +451,18 @@ def collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks
         return
     n, how = top[op], "wait in" if op in waiting else "called"
     behind = sorted(r for r, c in counts.items() if c.get(op, 0) < n)
+    callers = sorted(r for r, c in counts.items() if c.get(op, 0))
+    if all(gap[o] == 0 for o in ops - {op}) and len(callers) * 2 <= len(counts):
+        # An op only some ranks ever called, all else even: they left the common path (a rank that took
+        # a barrier for a skipped all_reduce). Under NCCL the others' calls return at once and pair with
+        # whatever comes, so the others are not behind; these ranks are the odd ones.
+        majority = sorted(r for r in counts if r not in callers)
+        diff["minority_ranks"], diff["majority_ranks"] = callers, majority
+        diff["basis"] = (
+            f"collective counts: rank(s) {', '.join(map(str, callers))} {how} {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, majority))} never called; every other collective even"
+        )
+        return
     if behind and len(behind) < len(counts):
         majority = sorted(r for r in counts if r not in behind)
         diff["minority_ranks"], diff["majority_ranks"] = behind, majority

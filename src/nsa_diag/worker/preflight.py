@@ -2,8 +2,9 @@
 
 Run by the command (`nsa_diag.launchers.preflight`) after every other check and before any case: for each
 spec it builds the model as the worker will, with a spec that records which overrides the factory reads,
-runs one forward of batch 1 on a few tokens without gradients, and writes a `ModelFacts` per spec (a list,
-in order). A broken contract is a fact (``problem``), not a crash: the command refuses it in one line.
+runs one forward of batch 1 on a few tokens without gradients, on the case's device, and writes a
+`ModelFacts` per spec (a list, in order). A broken contract is a fact (``problem``), not a crash: the
+command refuses it in one line.
 """
 
 from __future__ import annotations
@@ -97,7 +98,11 @@ def model_facts(spec: CaseSpec) -> ModelFacts:
                         "gc", "gc_reentrant"):  # fmt: skip
                 facts.nsa_values[key] = [getattr(cfg, key)]
         seq = min(spec.seq_len, PROBE_TOKENS)
-        tokens = torch.randint(0, facts.vocab, (1, seq))
+        # on the device the case runs on: a model whose layers run Triton kernels cannot run on the CPU
+        cuda = spec.device in ("cuda", "auto") and torch.cuda.is_available()
+        device = torch.device("cuda") if cuda else torch.device("cpu")
+        model = model.to(device)
+        tokens = torch.randint(0, facts.vocab, (1, seq), device=device)
         with torch.no_grad():
             try:
                 output = model(tokens)
