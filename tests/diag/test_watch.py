@@ -188,8 +188,8 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
         "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
         "print('started', flush=True); time.sleep(600)"
     )
-    nsa = subprocess.Popen(
-        [PY, "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "-c", job],
+    nsa = subprocess.Popen(  # -X faulthandler: a SIGABRT below dumps where nsa-diag is stuck, if it is
+        [PY, "-X", "faulthandler", "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "-c", job],
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -205,7 +205,12 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
             )
         assert len(pids) == 2, "the job and its child never started under the probe"
         nsa.send_signal(signal.SIGINT)
-        _, err = nsa.communicate(timeout=60)
+        try:
+            _, err = nsa.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            nsa.send_signal(signal.SIGABRT)
+            _, err = nsa.communicate(timeout=30)
+            pytest.fail(f"nsa-diag watch did not end within 60 s of SIGINT; its threads:\n{err[-6000:]}")
     finally:
         if nsa.poll() is None:
             nsa.kill()
