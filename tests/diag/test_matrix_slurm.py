@@ -269,6 +269,7 @@ def test_no_submitit_or_no_slurm_is_one_line_and_exit_2(
 # --- runs through submitit's local executor -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20 s; the killed job below keeps the submission path in make test
 def test_a_passing_a_hanging_and_a_crashing_case_as_jobs(tmp_path: Path) -> None:
     path = write(tmp_path, TRIO)
     out = tmp_path / "runs"
