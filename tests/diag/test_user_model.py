@@ -57,7 +57,12 @@ REFUSED = [
     pytest.param(["run", "--sel", "masked"], "holds no NSAAttention", id="nsa-backend"),
     pytest.param(["branch"], "--branch cmp: set nsa_core's NSA attention", id="branch"),
     pytest.param(["backend"], "and UserLM holds none: there is nothing to compare", id="backend"),
-    pytest.param(["run", "--reference-check"], "--reference-check (and nsa-diag backend)", id="reference"),
+    pytest.param(  # the same refusal as `backend` above, through the run option: make test-slow
+        ["run", "--reference-check"],
+        "--reference-check (and nsa-diag backend)",
+        id="reference",
+        marks=pytest.mark.slow,
+    ),
     pytest.param(
         ["verify", "--only", "backends"], "UserLM holds none: there is nothing to check", id="verify-backends"
     ),
