@@ -60,8 +60,22 @@ def check() -> None:
         raise Interrupted(signum)
 
 
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside an import (a module's top level, below importlib's frames)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _note_and_raise(signum: int, frame: FrameType | None) -> None:
     note(signum)
+    if _importing(frame):
+        # Inside an import (torch's), the exception may cross C++ (pybind11 calls back into Python) and
+        # end the process with std::terminate and SIGABRT. Noted, it is raised by the next `check()`:
+        # the session's, before anything is created.
+        return
     # A plain KeyboardInterrupt: one that reaches the top while the modules load ends the process as
     # Python ends it for Ctrl-C (CPython checks the exact type), not with a traceback and exit 1.
     raise KeyboardInterrupt
