@@ -496,7 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     return run(Path(args[0]), started, Path(args[1]) if len(args) == 2 else None)
 
 
+def _exit(code: int) -> None:
+    """End the rank without the interpreter's teardown, once its result is written and its process group
+    is gone: torch's C++ threads (c10d's, the flight recorder's) destroyed while still joinable at static
+    teardown end a finished rank with std::terminate and SIGABRT ("terminate called without an active
+    exception", seen once on two gloo ranks), a crash for a rank that passed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     tether.hold()  # dies with torchrun's agent, which dies with nsa-diag
     agent.bind_stores()  # a rank 0 that serves a store of its own listens on MASTER_ADDR only
-    sys.exit(main())
+    _exit(main())
