@@ -175,6 +175,7 @@ def test_skip_collective_on_node_1_is_a_collective_hang_with_rank_1_the_minority
     assert not _left_behind(run_dir)
 
 
+@pytest.mark.slow  # 10-14 s; the bad-input tests of multi-node stay in make test
 def test_node_0_alone_listens_on_the_endpoint_only_and_says_node_1_never_joined(tmp_path: Path) -> None:
     """The short sibling of the two-node runs: node 0's store waits for node 1 (--rdzv-timeout 5), listening
     on 127.0.0.1 only, then the case is an error naming the rendezvous and the node that never came."""
