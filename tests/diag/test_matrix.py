@@ -204,7 +204,9 @@ def test_the_keys_are_the_case_fields_and_the_model_fields() -> None:
     from nsa_core.config import _MODEL_FIELDS, _NSA_FIELDS
 
     assert set(MODEL_KEYS) == _MODEL_FIELDS | _NSA_FIELDS
-    assert set(AXIS_KEYS) == (set(CaseSpec.model_fields) - {"name", "overrides", "ddp", "command"}) | set(MODEL_KEYS)
+    assert set(AXIS_KEYS) == (set(CaseSpec.model_fields) - {"name", "overrides", "ddp", "command"}) | set(
+        MODEL_KEYS
+    )
 
 
 # --- a bad file: every problem, field by field, with its line ----------------------------------------------
@@ -323,8 +325,15 @@ def _nested(levels: int) -> str:
     [
         pytest.param(_billion_laughs(), "m.yaml:5: more than 100000 values once its aliases", id="laughs"),
         pytest.param(_nested(5000), "m.yaml:1: nested deeper than 32 levels", id="nested"),
-        pytest.param("cases: &a [*a]\n", "m.yaml:1: alias *a is inside its own anchor", id="recursive"),
-        pytest.param("#" * (1 << 20) + "\n", "m.yaml: larger than 1024 KiB", id="large"),
+        pytest.param(
+            "cases: &a [*a]\n",
+            "m.yaml:1: alias *a is inside its own anchor",
+            id="recursive",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "#" * (1 << 20) + "\n", "m.yaml: larger than 1024 KiB", id="large", marks=pytest.mark.slow
+        ),
         pytest.param(b"cases: [\xff]\n", "m.yaml: not UTF-8 text", id="binary"),
         pytest.param("/dev/zero", "/dev/zero: not a regular file", id="dev-zero"),
         pytest.param("fifo", "m.yaml: not a regular file", id="fifo"),
