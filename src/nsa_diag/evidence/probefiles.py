@@ -23,12 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nsa_diag.probe.runtime import BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS
 from nsa_diag.worker.beacon import BeaconState, read_beacon
 
-PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
-PROBE_JSON = "probe.json"
-BEACON = "beacon.bin"
-STACKS = "stacks.txt"
 # A probe.json whose start time is this much earlier than the process's own start was written by an
 # earlier process with the same pid (the probe writes it during interpreter start-up, after the exec).
 STALE_SLACK_S = 2.0

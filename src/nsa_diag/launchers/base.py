@@ -144,6 +144,10 @@ class Launcher(ABC):
     def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
         """The job's whole environment (``extra_env``: for this run only, not in ``replay.sh``)."""
 
+    def cwd(self) -> str | None:
+        """The job's working directory (None: this process's)."""
+        return None
+
     def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
         """Start ``argv`` in a new session with stdin closed, its output appended to the case's logs."""
         home = self.home(case_dir)
@@ -157,6 +161,7 @@ class Launcher(ABC):
                 stdout=out,
                 stderr=err,
                 env=dict(env),
+                cwd=self.cwd(),
                 start_new_session=True,
             )
         return self.proc

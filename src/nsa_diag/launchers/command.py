@@ -164,9 +164,11 @@ class CommandLauncher(Launcher):
         env = {**os.environ, **(extra_env or {})}
         return {**env, **probe_env(case_dir, env)}
 
-    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        import subprocess
+    def cwd(self) -> str | None:
+        return self.cmd.cwd
 
+    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+        """The launcher's start, with the logs followed to the terminal (`Tee`) from their first byte."""
         for name in (artifacts.STDOUT, artifacts.STDERR):
             artifacts.open_append(case_dir / name, binary=True).close()
         out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout.buffer
@@ -174,21 +176,9 @@ class CommandLauncher(Launcher):
             Tee(case_dir / artifacts.STDOUT, out_stream),
             Tee(case_dir / artifacts.STDERR, sys.stderr.buffer),
         ]
-        with (
-            artifacts.open_append(case_dir / artifacts.STDOUT, binary=True) as out,
-            artifacts.open_append(case_dir / artifacts.STDERR, binary=True) as err,
-        ):
-            self.proc = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                env=dict(env),
-                cwd=self.cmd.cwd,
-                start_new_session=True,
-            )
-        self._see(self.proc.pid, None)
-        return self.proc
+        proc = super().start(case_dir, argv, env)
+        self._see(proc.pid, None)
+        return proc
 
     # --- the processes -------------------------------------------------------------------------------
 
