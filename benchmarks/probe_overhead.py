@@ -14,6 +14,7 @@ not timed):
              (beacon per event, progress.jsonl lines queued and written by the heartbeat thread)
     beacon   the same hooks with a sink that only updates the beacon (what a light probe's sink does)
     null     the same hooks with a sink that does nothing: what the hooks cost without any sink
+    blocks   `attach_progress(..., branches=False)` with the worker's sink: the blocks' hooks alone
 
 The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
 run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
@@ -49,7 +50,7 @@ from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
 from nsa_diag.worker.beacon import BeaconWriter, read_beacon
 from nsa_diag.worker.probes import Heartbeat, Progress
 
-VARIANTS = ("plain", "old", "probe", "beacon", "null")
+VARIANTS = ("plain", "old", "probe", "beacon", "null", "blocks")
 SHAPES = ("8x2048", "1x16384", "32x512")
 SMOKE_SHAPES = ("1x64", "4x64")
 SMOKE_LAYERS = (
@@ -222,6 +223,7 @@ class Bench:
             "probe": args.progress,
             "beacon": BeaconSink(args.beacon),
             "null": NullSink(args.beacon),
+            "blocks": args.progress,
         }
         self.sink: Any = None
         self.nodes = 0
@@ -264,6 +266,8 @@ class Bench:
         handles: list[Any] = []
         if variant == "old":
             handles = old_attach_progress(self.model, self.sink)
+        elif variant == "blocks":
+            handles = attach_progress(self.model, self.sink, branches=False)
         elif variant != "plain":
             handles = attach_progress(self.model, self.sink)
         try:
@@ -305,6 +309,7 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
                 added_ms=ms - plain,
                 overhead_pct=(ms / plain - 1) * 100,
                 paired_pct=(statistics.median(ratios[variant]) - 1) * 100,
+                paired_ratios=ratios[variant],  # per round: to pool calls, or to see the spread
                 steps=len(times[variant]),
             )
     except torch.cuda.OutOfMemoryError:

@@ -90,30 +90,45 @@ def test_probes_add_no_autograd_node_and_no_op() -> None:
 
 
 def _check_nested(events: list[tuple[Any, ...]]) -> None:
-    """Every begin is closed by its end, innermost first: at any moment the open events name the place."""
+    """Every block's begin is closed by its end, and a branch's mark (a begin, no end) falls inside its own
+    layer's block: at any moment the open block and the last mark name the place."""
     open_: list[tuple[Any, ...]] = []
     for phase, layer, branch, _, event in events:
-        if event == "begin":
-            open_.append((phase, layer, branch))
+        if branch is not None:
+            assert event == "begin", f"{event} of branch {branch}: branches have begin marks only"
+            assert open_, f"mark of {phase, layer, branch} outside any block"
+            assert open_[-1] == (phase, layer), f"mark of {phase, layer, branch} in {open_}"
+        elif event == "begin":
+            open_.append((phase, layer))
         else:
-            assert open_, f"{event} of {phase, layer, branch} with nothing open"
-            assert open_[-1] == (phase, layer, branch), f"{event} of {phase, layer, branch} in {open_}"
+            assert open_, f"{event} of {phase, layer} with nothing open"
+            assert open_[-1] == (phase, layer), f"{event} of {phase, layer} in {open_}"
             open_.pop()
     assert not open_
 
 
-def test_backward_events_nest_per_layer_and_branch() -> None:
+def test_events_nest_per_layer_with_a_mark_per_branch_each_way() -> None:
     model, sink = _tiny(), Sink()
     attach_progress(model, sink)
     _step(model, sink, TOKENS)
-    assert len(sink.events) == 2 * 16  # per layer: the block and three branches, begin and end, both ways
-    # (forward: the taps run after all three branches, so branch forwards overlap; backward nests)
+    assert len(sink.events) == 2 * 10  # per layer: block begin and end, three branch marks; both ways
+    _check_nested([e for e in sink.events if e[0] == "forward"])
     _check_nested([e for e in sink.events if e[0] == "backward"])
+    forward = [e for e in sink.events if e[0] == "forward" and e[1] == 1]
+    assert [e[2] for e in forward] == [None, "cmp", "sel", "win", None]  # the order the layer runs them
     backward = [e for e in sink.events if e[0] == "backward"]
     assert backward[0] == ("backward", 1, None, "blocks.1", "begin")
     assert backward[-1] == ("backward", 0, None, "blocks.0", "end")
     assert ("backward", 1, "sel", "blocks.1.attn.branch_out.sel", "begin") in backward
-    assert ("backward", 1, "sel", "blocks.1.attn.kv_sel", "end") in backward
+    assert ("forward", 1, "sel", "blocks.1.attn.kv_sel", "begin") in forward
+
+
+def test_blocks_alone_without_branches() -> None:
+    model, sink = _tiny(), Sink()
+    attach_progress(model, sink, branches=False)
+    _step(model, sink, TOKENS)
+    assert len(sink.events) == 2 * 4
+    assert all(e[2] is None for e in sink.events)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

@@ -103,22 +103,26 @@ def nsa_attentions(block: nn.Module) -> list[tuple[str, Any]]:
 
 
 def attach_progress(
-    model: nn.Module, progress: ProgressSink, layers_attr: str | None = None
+    model: nn.Module, progress: ProgressSink, layers_attr: str | None = None, *, branches: bool = True
 ) -> list[RemovableHandle]:
     """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
 
-    Branch forward begins at the forward pre-hook of ``attn.kv_<branch>`` and ends at the forward hook of
-    ``attn.branch_out[branch]``; branch backward begins where the gradient reaches ``branch_out[branch]``'s
-    output and ends once ``kv_<branch>`` has given its input a gradient. Only branches the layer computes
-    are hooked. Removing the handles stops all of it (graph hooks already installed on a step in flight
-    still fire for that step).
+    A branch's events are marks, a begin each way and no end: its forward begins at the forward pre-hook of
+    ``attn.kv_<branch>``, its backward where the gradient reaches ``attn.branch_out[branch]``'s output (the
+    node of the branch's attention). Its place lasts until the next event: the next branch's begin, or the
+    block's end. An end per branch would say little more (the forward's ends all come after the last
+    branch; in backward, only the branch's key/value projection runs between its end and the next begin)
+    and cost two events and a graph hook more per branch and step: 10 events per NSA layer and step, not
+    16 (`benchmarks/probe_overhead.py`). Only branches the layer computes are hooked (none with
+    ``branches=False``: the blocks alone). Removing the handles stops all of it (graph hooks already
+    installed on a step in flight still fire for that step).
     """
     prefix, blocks = find_blocks(model, layers_attr)
     handles: list[RemovableHandle] = []
     for layer, block in enumerate(blocks):
         name = f"{prefix}.{layer}" if prefix else str(layer)
         handles += _block_hooks(block, layer, name, progress)
-        for rel, attn in nsa_attentions(block):
+        for rel, attn in nsa_attentions(block) if branches else ():
             for branch in attn.nsa.branches:
                 base = f"{name}.{rel}" if rel else name
                 handles += _branch_hooks(attn, branch, layer, base, progress)
@@ -153,21 +157,10 @@ def _branch_hooks(
     def forward_begin(module: nn.Module, args: Any) -> None:
         progress.event(progress.forward_phase, "begin", layer=layer, branch=branch, module=kv_name)
 
-    def forward_end(module: nn.Module) -> None:
-        progress.event(progress.forward_phase, "end", layer=layer, branch=branch, module=tap_name)
-
     def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
         progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
 
-    def backward_end(module: nn.Module) -> None:
-        progress.event(progress.backward_phase, "end", layer=layer, branch=branch, module=kv_name)
-
-    return [
-        kv.register_forward_pre_hook(forward_begin),
-        on_backward(tap, begin=backward_begin, forward_end=forward_end),
-        # kv's input (the normed hidden states) also feeds q, the gates and the other branches
-        on_backward(kv, end=backward_end, input_shared=True),
-    ]
+    return [kv.register_forward_pre_hook(forward_begin), on_backward(tap, begin=backward_begin)]
 
 
 # ------------------------------------------------------------------------------- backward graph hooks

@@ -64,7 +64,7 @@ class Progress:
     hook events (the reference model of a parity check runs in phase "check").
 
     The beacon, which the watchdog reads live, takes every event as it happens. The lines of layer events
-    (the hooks': about 16 per layer and step) wait in memory and are written together by `flush`: at the
+    (the hooks': about 10 per layer and step) wait in memory and are written together by `flush`: at the
     next event of the training loop (an event without a layer: step, phase, check, done), with every
     `note`, and at every heartbeat (0.1 s). A process killed with SIGKILL, or dying of a fatal signal, loses
     the layer lines since the last flush (at most 0.1 s of them; more only while something held the GIL and
@@ -143,16 +143,26 @@ class Progress:
 
 def _line(record: tuple[Any, ...]) -> str:
     """The JSON line of a progress event. Formatted by hand: hundreds are written per step, and json.dumps
-    of a dict costs several times more. Extras (rare) go through json."""
+    of a dict costs several times more; the part after the step (the place) is the same every step and is
+    formatted once. Extras (rare) go through json."""
     seq, t, phase, step, layer, branch, module, event, extra = record
-    line = (
-        f'{{"seq": {seq}, "t": {t:.6f}, "phase": {_json(phase)}, "step": {_json(step)}, '
-        f'"layer": {_json(layer)}, "branch": {_json(branch)}, "module": {_json(module)}, '
-        f'"event": {_json(event)}'
-    )
+    place = (phase, layer, branch, module, event)
+    tail = _TAILS.get(place)
+    if tail is None:
+        tail = (
+            f'"phase": {_json(phase)}, "layer": {_json(layer)}, "branch": {_json(branch)}, '
+            f'"module": {_json(module)}, "event": {_json(event)}'
+        )
+        if len(_TAILS) < PLACES_KEPT:
+            _TAILS[place] = tail
+    line = f'{{"seq": {seq}, "t": {t:.6f}, "step": {_json(step)}, {tail}'
     if extra:
         line += ", " + json.dumps(extra, default=str)[1:-1]
     return line + "}\n"
+
+
+PLACES_KEPT = 8192  # formatted places kept by `_line` (a model's: ~10 a layer and phase)
+_TAILS: dict[tuple[Any, ...], str] = {}
 
 
 # --------------------------------------------------------------------------------------- profiler ranges
