@@ -21,6 +21,9 @@ run, as it does in a case. Each step is timed with CUDA events and ends with a s
 process's CPU time, one torch thread). The table gives the median step per variant, what it adds to
 ``plain``'s in ms and in %, the paired overhead (per round, the variant's block median against plain's
 block of the same round, then the median over rounds: a drift of the step time over the run cancels out),
+the host time (the process's CPU time while it issues a step, before the synchronize) and what the variant
+adds to it (paired the same way, in ms and in % of plain's step: what the probe adds to a step that the
+host bounds),
 the progress events per step as the beacon counted them (``null`` records
 none) and the autograd graph's nodes per step (``old`` adds nodes; the graph hooks add none).
 
@@ -244,24 +247,32 @@ class Bench:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
-    def timed_step(self) -> float:
+    def timed_step(self) -> tuple[float, float]:
+        """(step ms, host ms): the step on the device (CUDA events, then a synchronize), and the CPU time
+        of this process while it issued the step, before the synchronize (every thread: the main one and
+        autograd's device thread, where the backward hooks run). What the probe adds to the host time is
+        what it can add to a step that the host bounds. On the CPU (``--smoke``) both are CPU time."""
         if not self.sync:  # the process's CPU time: on a shared machine, steadier than the wall clock
             start = time.process_time()
             self.step()
-            return (time.process_time() - start) * 1e3
+            ms = (time.process_time() - start) * 1e3
+            return ms, ms
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        cpu = time.process_time()
         self.step()
+        host = (time.process_time() - cpu) * 1e3
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), host
 
     def _events(self) -> int:
         state = read_beacon(self.beacon_path)
         return state.seq if state else 0
 
-    def block(self, variant: str, steps: int) -> tuple[list[float], int, int]:
-        """``steps`` timed steps with ``variant``'s probe on: (step ms, events per step, graph nodes)."""
+    def block(self, variant: str, steps: int) -> tuple[list[tuple[float, float]], int, int]:
+        """``steps`` timed steps with ``variant``'s probe on: ((step ms, host ms) each, events per step,
+        graph nodes)."""
         self.sink = self.sinks[variant]
         handles: list[Any] = []
         if variant == "old":
@@ -290,17 +301,22 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
         for _ in range(args.warmup):
             bench.step()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
+        hosts: dict[str, list[float]] = {v: [] for v in args.variants}
         ratios: dict[str, list[float]] = {v: [] for v in args.variants}
+        host_added: dict[str, list[float]] = {v: [] for v in args.variants}
         for r in range(args.rounds):
             order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
-            medians = {}
+            medians, host_medians = {}, {}
             for variant in order:
                 block, events, nodes = bench.block(variant, args.steps)
-                times[variant] += block
-                medians[variant] = statistics.median(block)
+                times[variant] += [ms for ms, _ in block]
+                hosts[variant] += [host for _, host in block]
+                medians[variant] = statistics.median(ms for ms, _ in block)
+                host_medians[variant] = statistics.median(host for _, host in block)
                 row.setdefault(variant, {}).update(events=events, graph_nodes=nodes)
             for variant in args.variants:  # against plain's block of the same round: drift cancels
                 ratios[variant].append(medians[variant] / medians["plain"])
+                host_added[variant].append(host_medians[variant] - host_medians["plain"])
         plain = statistics.median(times["plain"])
         for variant in args.variants:
             ms = statistics.median(times[variant])
@@ -310,6 +326,9 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
                 overhead_pct=(ms / plain - 1) * 100,
                 paired_pct=(statistics.median(ratios[variant]) - 1) * 100,
                 paired_ratios=ratios[variant],  # per round: to pool calls, or to see the spread
+                host_ms=statistics.median(hosts[variant]),
+                host_added_ms=statistics.median(host_added[variant]),  # paired, as paired_pct
+                host_added_pct=statistics.median(host_added[variant]) / plain * 100,
                 steps=len(times[variant]),
             )
     except torch.cuda.OutOfMemoryError:
@@ -326,9 +345,10 @@ def print_row(row: dict[str, Any], variants: list[str]) -> None:
         added = "" if variant == "plain" else f"{r['added_ms']:+.2f}"
         overhead = "" if variant == "plain" else f"{r['overhead_pct']:+.1f}%"
         paired = "" if variant == "plain" else f"{r['paired_pct']:+.1f}%"
+        host_added = "" if variant == "plain" else f"{r['host_added_ms']:+.2f} ({r['host_added_pct']:+.1f}%)"
         print(
             f"{row['shape']:>8}  {variant:<7} {r['step_ms']:>9.2f} {added:>9} {overhead:>9} {paired:>9} "
-            f"{r['events']:>7} {r['graph_nodes']:>7}"
+            f"{r['host_ms']:>8.2f} {host_added:>16} {r['events']:>7} {r['graph_nodes']:>7}"
         )
 
 
@@ -373,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     header |= {"date": datetime.date.today().isoformat(), "rounds": args.rounds, "steps": args.steps}
     print(", ".join(f"{k} {v}" for k, v in header.items()))
     columns = f"{'variant':<7} {'step ms':>9} {'added ms':>9} {'overhead':>9} {'paired':>9} "
-    columns += f"{'events':>7} {'nodes':>7}"
+    columns += f"{'host ms':>8} {'host added':>16} {'events':>7} {'nodes':>7}"
     print(f"{'B x S':>8}  {columns}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="probe-overhead-") as tmp:
