@@ -107,20 +107,20 @@ def _check_nested(events: list[tuple[Any, ...]]) -> None:
     assert not open_
 
 
-def test_events_nest_per_layer_with_a_mark_per_branch_each_way() -> None:
+def test_events_nest_per_layer_with_a_backward_mark_per_branch() -> None:
     model, sink = _tiny(), Sink()
     attach_progress(model, sink)
     _step(model, sink, TOKENS)
-    assert len(sink.events) == 2 * 10  # per layer: block begin and end, three branch marks; both ways
+    assert len(sink.events) == 2 * 7  # per layer: block begin and end both ways, a backward mark per branch
     _check_nested([e for e in sink.events if e[0] == "forward"])
     _check_nested([e for e in sink.events if e[0] == "backward"])
-    forward = [e for e in sink.events if e[0] == "forward" and e[1] == 1]
-    assert [e[2] for e in forward] == [None, "cmp", "sel", "win", None]  # the order the layer runs them
+    assert all(e[2] is None for e in sink.events if e[0] == "forward")
     backward = [e for e in sink.events if e[0] == "backward"]
     assert backward[0] == ("backward", 1, None, "blocks.1", "begin")
     assert backward[-1] == ("backward", 0, None, "blocks.0", "end")
+    marks = [e[2] for e in backward if e[1] == 1 and e[2] is not None]
+    assert sorted(marks) == ["cmp", "sel", "win"]
     assert ("backward", 1, "sel", "blocks.1.attn.branch_out.sel", "begin") in backward
-    assert ("forward", 1, "sel", "blocks.1.attn.kv_sel", "begin") in forward
 
 
 def test_blocks_alone_without_branches() -> None:

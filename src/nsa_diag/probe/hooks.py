@@ -107,15 +107,14 @@ def attach_progress(
 ) -> list[RemovableHandle]:
     """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
 
-    A branch's events are marks, a begin each way and no end: its forward begins at the forward pre-hook of
-    ``attn.kv_<branch>``, its backward where the gradient reaches ``attn.branch_out[branch]``'s output (the
-    node of the branch's attention). Its place lasts until the next event: the next branch's begin, or the
-    block's end. An end per branch would say little more (the forward's ends all come after the last
-    branch; in backward, only the branch's key/value projection runs between its end and the next begin)
-    and cost two events and a graph hook more per branch and step: 10 events per NSA layer and step, not
-    16 (`benchmarks/probe_overhead.py`). Only branches the layer computes are hooked (none with
-    ``branches=False``: the blocks alone). Removing the handles stops all of it (graph hooks already
-    installed on a step in flight still fire for that step).
+    A branch has one event, a mark where its backward begins: where the gradient reaches
+    ``attn.branch_out[branch]``'s output (the node of the branch's attention). Its place lasts until the
+    next event: the next branch's mark, or the block's backward end. Ends per branch would say little more
+    (in backward only the branch's key/value projection runs between its end and the next mark) and marks
+    in forward little that the block's forward and a stack sample do not; each would cost as much as the
+    mark (`benchmarks/probe_overhead.py`): 7 events per NSA layer and step. Only branches the layer
+    computes are marked (none with ``branches=False``: the blocks alone). Removing the handles stops all
+    of it (graph hooks already installed on a step in flight still fire for that step).
     """
     prefix, blocks = find_blocks(model, layers_attr)
     handles: list[RemovableHandle] = []
@@ -151,16 +150,12 @@ def _block_hooks(block: nn.Module, layer: int, name: str, progress: ProgressSink
 def _branch_hooks(
     attn: Any, branch: str, layer: int, base: str, progress: ProgressSink
 ) -> list[RemovableHandle]:
-    kv, tap = getattr(attn, f"kv_{branch}"), attn.branch_out[branch]
-    kv_name, tap_name = f"{base}.kv_{branch}", f"{base}.branch_out.{branch}"
-
-    def forward_begin(module: nn.Module, args: Any) -> None:
-        progress.event(progress.forward_phase, "begin", layer=layer, branch=branch, module=kv_name)
+    tap_name = f"{base}.branch_out.{branch}"
 
     def backward_begin(module: nn.Module, grad_outputs: Any) -> None:
         progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
 
-    return [kv.register_forward_pre_hook(forward_begin), on_backward(tap, begin=backward_begin)]
+    return [on_backward(attn.branch_out[branch], begin=backward_begin)]
 
 
 # ------------------------------------------------------------------------------- backward graph hooks

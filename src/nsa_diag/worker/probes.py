@@ -64,7 +64,7 @@ class Progress:
     hook events (the reference model of a parity check runs in phase "check").
 
     The beacon, which the watchdog reads live, takes every event as it happens. The lines of layer events
-    (the hooks': about 10 per layer and step) wait in memory and are written together by `flush`: at the
+    (the hooks': about 7 per layer and step) wait in memory and are written together by `flush`: at the
     next event of the training loop (an event without a layer: step, phase, check, done), with every
     `note`, and at every heartbeat (0.1 s). A process killed with SIGKILL, or dying of a fatal signal, loses
     the layer lines since the last flush (at most 0.1 s of them; more only while something held the GIL and
@@ -161,7 +161,7 @@ def _line(record: tuple[Any, ...]) -> str:
     return line + "}\n"
 
 
-PLACES_KEPT = 8192  # formatted places kept by `_line` (a model's: ~10 a layer and phase)
+PLACES_KEPT = 8192  # formatted places kept by `_line` (a model's: ~7 a layer and phase)
 _TAILS: dict[tuple[Any, ...], str] = {}
 
 
