@@ -10,11 +10,12 @@ not timed):
     old      the mechanism before graph hooks, copied here for the comparison only: full module backward
              hooks (a Python autograd Function on every hooked module's inputs and outputs) and a
              progress.jsonl line written per event
-    probe    `nsa_diag.probe.hooks.attach_progress` with the worker's sink, `nsa_diag.worker.probes.Progress`
-             (beacon per event, progress.jsonl lines queued and written by the heartbeat thread)
-    beacon   the same hooks with a sink that only updates the beacon (what a light probe's sink does)
-    null     the same hooks with a sink that does nothing: what the hooks cost without any sink
-    blocks   `attach_progress(..., branches=False)` with the worker's sink: the blocks' hooks alone
+    probe    `nsa_diag.probe.hooks.attach_progress` as cases and watch use it by default (the blocks' hooks)
+             with the worker's sink, `nsa_diag.worker.probes.Progress` (beacon per event, progress.jsonl
+             lines queued and written by the heartbeat thread)
+    marks    the same with ``branches=True`` (``--branch-marks``): a mark per NSA branch in backward too
+    beacon   the probe's hooks with a sink that only updates the beacon (what a light probe's sink does)
+    null     the probe's hooks with a sink that does nothing: what the hooks cost without any sink
 
 The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
 run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
@@ -53,7 +54,7 @@ from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
 from nsa_diag.worker.beacon import BeaconWriter, read_beacon
 from nsa_diag.worker.probes import Heartbeat, Progress
 
-VARIANTS = ("plain", "old", "probe", "beacon", "null", "blocks")
+VARIANTS = ("plain", "old", "probe", "marks", "beacon", "null")
 SHAPES = ("8x2048", "1x16384", "32x512")
 SMOKE_SHAPES = ("1x64", "4x64")
 SMOKE_LAYERS = (
@@ -226,7 +227,7 @@ class Bench:
             "probe": args.progress,
             "beacon": BeaconSink(args.beacon),
             "null": NullSink(args.beacon),
-            "blocks": args.progress,
+            "marks": args.progress,
         }
         self.sink: Any = None
         self.nodes = 0
@@ -277,8 +278,8 @@ class Bench:
         handles: list[Any] = []
         if variant == "old":
             handles = old_attach_progress(self.model, self.sink)
-        elif variant == "blocks":
-            handles = attach_progress(self.model, self.sink, branches=False)
+        elif variant == "marks":
+            handles = attach_progress(self.model, self.sink, branches=True)
         elif variant != "plain":
             handles = attach_progress(self.model, self.sink)
         try:

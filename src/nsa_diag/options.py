@@ -273,7 +273,9 @@ WATCHDOG = Group("Watchdog", ("stall", "timeout"))
 FAULTS = Group(
     "Faults and checks", ("inject", "model", "layers_attr", "reference_check", "tolerance", "anomaly")
 )
-EVIDENCE = Group("Extra evidence", ("launch_blocking", "profile", "memory_snapshot", "alloc_conf"))
+EVIDENCE = Group(
+    "Extra evidence", ("launch_blocking", "profile", "memory_snapshot", "alloc_conf", "branch_marks")
+)
 FOLLOW_UPS = Group("Repeat, minimize, triage", ("repeat", "minimize", "triage"))
 OUTPUT = Group(_OUTPUT, ("out", "tag", "junit"))
 CASE_NAME = Group(_OUTPUT, ("name",))  # the commands that run one named case: run, ddp

@@ -200,6 +200,9 @@ class CommandSpec(BaseModel):
     total_steps: int | None = Field(
         None, ge=1, description="steps the job will run, for a slow job's ETA (the job may say it itself)"
     )
+    branch_marks: bool = Field(
+        False, description="the probe also marks each NSA branch's backward (nsa_core models)"
+    )
 
 
 def _inject_help() -> str:
@@ -362,6 +365,15 @@ class CaseSpec(BaseModel):
     memory_snapshot: Annotated[
         bool, Opt("--memory-snapshot", bool, "CUDA memory snapshot (memory_snapshot.pickle) for memory_viz.")
     ] = False
+    branch_marks: Annotated[
+        bool,
+        Opt(
+            "--branch-marks",
+            bool,
+            "Progress names the NSA branch whose backward runs (a mark per branch and step; by default the "
+            "blocks alone, which cost less).",
+        ),
+    ] = False
     alloc_conf: Annotated[
         str | None,
         Opt(
@@ -450,7 +462,8 @@ class CaseSpec(BaseModel):
         # A single-process case hashes as before the ddp field existed (finished cases stay recognised);
         # so does a case without layers_attr.
         later = {field for field in ("ddp", "layers_attr", "command") if getattr(self, field) is None}
-        exclude: dict[str, Any] = {"name": True, **dict.fromkeys(later, True)}
+        # the probe's detail changes nothing the case computes
+        exclude: dict[str, Any] = {"name": True, "branch_marks": True, **dict.fromkeys(later, True)}
         if self.ddp is not None:  # how long nodes wait for each other changes nothing the case computes
             exclude["ddp"] = {"rdzv_timeout": True, "run_id": True}
         data = self.model_dump(mode="json", exclude=exclude)

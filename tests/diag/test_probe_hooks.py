@@ -81,7 +81,7 @@ def test_probes_add_no_autograd_node_and_no_op() -> None:
     BackwardHookFunction nodes per hooked module: 28 for these two layers, 168 for m7c-125m)."""
     model = _tiny()
     plain = _nodes(_loss(model, TOKENS))
-    handles = attach_progress(model, Sink())
+    handles = attach_progress(model, Sink(), branches=True)
     probed = _nodes(_loss(model, TOKENS))
     for handle in handles:
         handle.remove()
@@ -109,7 +109,7 @@ def _check_nested(events: list[tuple[Any, ...]]) -> None:
 
 def test_events_nest_per_layer_with_a_backward_mark_per_branch() -> None:
     model, sink = _tiny(), Sink()
-    attach_progress(model, sink)
+    attach_progress(model, sink, branches=True)
     _step(model, sink, TOKENS)
     assert len(sink.events) == 2 * 7  # per layer: block begin and end both ways, a backward mark per branch
     _check_nested([e for e in sink.events if e[0] == "forward"])
@@ -123,9 +123,9 @@ def test_events_nest_per_layer_with_a_backward_mark_per_branch() -> None:
     assert ("backward", 1, "sel", "blocks.1.attn.branch_out.sel", "begin") in backward
 
 
-def test_blocks_alone_without_branches() -> None:
+def test_blocks_alone_by_default() -> None:
     model, sink = _tiny(), Sink()
-    attach_progress(model, sink, branches=False)
+    attach_progress(model, sink)
     _step(model, sink, TOKENS)
     assert len(sink.events) == 2 * 4
     assert all(e[2] is None for e in sink.events)
@@ -136,7 +136,7 @@ def test_checkpointed_layers_report_backward_once_and_their_recompute(reentrant:
     """The forward a checkpoint re-runs inside backward is `recompute`; the hooks it installs again do not
     report a second backward end (non-reentrant: its graph is never differentiated)."""
     model, sink = _tiny(gc="all", gc_reentrant=reentrant), Sink()
-    attach_progress(model, sink)
+    attach_progress(model, sink, branches=True)
     _step(model, sink, TOKENS)
     _check_nested([e for e in sink.events if e[0] == "backward"])
     for layer in (0, 1):

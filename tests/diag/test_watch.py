@@ -72,6 +72,24 @@ def test_probe_api_is_a_no_op_outside_watch_and_imports_nothing_heavy() -> None:
     assert proc.stdout.strip() == "False []", proc.stderr
 
 
+def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
+    """`watch --branch-marks`: the job's environment asks its probe for NSA branch marks (by default it
+    hooks the blocks alone), and replay.sh asks again."""
+    from nsa_diag._cli_utils import CaseOptions
+    from nsa_diag.launchers.command import probe_env
+    from nsa_diag.probe import BRANCHES_ENV
+    from nsa_diag.session.watch import build_watch_spec, watch_replay_argv
+
+    for marks in (False, True):
+        spec = build_watch_spec(
+            CaseOptions(), [PY, "train.py"], keep_alive=False, total_steps=None, branch_marks=marks
+        )
+        assert spec.command is not None
+        assert spec.command.branch_marks is marks
+        assert ("--branch-marks" in watch_replay_argv(spec, tmp_path)) is marks
+        assert probe_env(tmp_path, {}, spec.command.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
+
+
 def test_last_traceback_skips_torchrun_summary() -> None:
     stderr = "\n".join([
         "[rank1]: Traceback (most recent call last):",

@@ -34,7 +34,7 @@ CASES: dict[str, dict[str, Any]] = {
     "busy": dict(inject=["busy:layer=1,phase=forward"]),
     "deadlock": dict(inject=["deadlock:layer=1,phase=backward"]),
     "gil-hog": dict(inject=["gil-hog:layer=0,phase=recompute"], overrides=dict(gc="0:1")),
-    "pass-gc": dict(steps=2, overrides=dict(gc="all")),
+    "pass-gc": dict(steps=2, branch_marks=True, overrides=dict(gc="all")),
     "profile": dict(steps=2, profile=True, overrides=dict(gc="0:1")),
     "nan-forward": dict(inject=["nan:layer=1,phase=forward"]),
     "nan-backward": dict(inject=["nan:layer=1,phase=backward"]),
@@ -48,7 +48,7 @@ CASES: dict[str, dict[str, Any]] = {
     "parity": dict(batch=1, reference_check=True, overrides=dict(sel_backend="masked", win_backend="masked")),
     "mismatch": dict(batch=1, seq_len=16, reference_check=True, tolerance=1e-15),
     "parity-bf16": dict(batch=1, dtype="bf16", reference_check=True, overrides=dict(sel_backend="gather")),
-    "forced-sel": dict(overrides=dict(force_branch="sel")),
+    "forced-sel": dict(branch_marks=True, overrides=dict(force_branch="sel")),
     "user-model": dict(steps=2, model="diag_user_model:build", reference_check=True),
     "bad-factory": dict(model="diag_user_model_missing:build"),
     "gpu-spin": dict(inject=["gpu-spin"]),
@@ -346,7 +346,7 @@ def test_forced_branch_leaves_idle_parameters_without_grad_missing(cases: dict[s
     result = case.result()
     assert result["status"] == "ok", result["reason"]
     assert result["missing_grads"] == []
-    assert {e["branch"] for e in case.progress()} == {None, "sel"}
+    assert {e["branch"] for e in case.progress()} == {None, "sel"}  # only the branch it computes is marked
 
 
 def _trace_ranges(path: Path) -> set[str]:

@@ -40,6 +40,15 @@ def watch(
             rich_help_panel=_JOB,
         ),
     ] = None,
+    branch_marks: Annotated[
+        bool,
+        typer.Option(
+            "--branch-marks",
+            help="Progress names the NSA branch whose backward runs (nsa_core models; by default the "
+            "blocks alone, which cost less).",
+            rich_help_panel=_JOB,
+        ),
+    ] = False,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -69,7 +78,9 @@ def watch(
     from nsa_diag.session import Session
     from nsa_diag.session.watch import WatchPlan, build_watch_spec
 
-    spec = build_watch_spec(options, command or [], keep_alive=keep_alive, total_steps=total_steps)
+    spec = build_watch_spec(
+        options, command or [], keep_alive=keep_alive, total_steps=total_steps, branch_marks=branch_marks
+    )
     plan = WatchPlan(spec, out=options.out, tag=options.tag, json_output=json_output)
     session = Session(plan, out=options.out, tag=options.tag, json_output=json_output)
     raise typer.Exit(session.run())

@@ -41,7 +41,7 @@ from nsa_diag.evidence.env import select_env_vars
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import SOURCE_ROOT, Launcher, Unit
 from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
-from nsa_diag.probe import PROBE_DIR_ENV, SITE_DIR
+from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
 
@@ -52,12 +52,13 @@ TREE_JSON = "tree.json"
 TEE_POLL_S = 0.05
 
 
-def probe_env(case_dir: Path, environ: Mapping[str, str]) -> dict[str, str]:
-    """What nsa-diag adds to the job's environment: the probe, and the NCCL flight recorder (each variable
-    only where the user has not set it)."""
+def probe_env(case_dir: Path, environ: Mapping[str, str], branch_marks: bool = False) -> dict[str, str]:
+    """What nsa-diag adds to the job's environment: the probe (with ``branch_marks``, marks per NSA branch
+    too), and the NCCL flight recorder (each variable only where the user has not set it)."""
     procs = Path(case_dir).resolve() / PROCS_DIR
     paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
     env = {PROBE_DIR_ENV: str(procs), "PYTHONPATH": os.pathsep.join([SITE_DIR, *paths, SOURCE_ROOT])}
+    env[BRANCHES_ENV] = "1" if branch_marks else "0"
     recorder = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -162,7 +163,7 @@ class CommandLauncher(Launcher):
 
     def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
         env = {**os.environ, **(extra_env or {})}
-        return {**env, **probe_env(case_dir, env)}
+        return {**env, **probe_env(case_dir, env, self.cmd.branch_marks)}
 
     def cwd(self) -> str | None:
         return self.cmd.cwd

@@ -33,8 +33,9 @@ from nsa_diag.probe import runtime
 # The folder holding the probe's sitecustomize: put it on a job's PYTHONPATH with NSA_DIAG_PROBE_DIR set.
 SITE_DIR = str(Path(__file__).resolve().parent / "site")
 PROBE_DIR_ENV = runtime.PROBE_DIR_ENV
+BRANCHES_ENV = runtime.BRANCHES_ENV
 
-__all__ = ["PROBE_DIR_ENV", "SITE_DIR", "active", "loss", "phase", "step", "total_steps"]
+__all__ = ["BRANCHES_ENV", "PROBE_DIR_ENV", "SITE_DIR", "active", "loss", "phase", "step", "total_steps"]
 
 
 def active() -> bool:

@@ -103,18 +103,19 @@ def nsa_attentions(block: nn.Module) -> list[tuple[str, Any]]:
 
 
 def attach_progress(
-    model: nn.Module, progress: ProgressSink, layers_attr: str | None = None, *, branches: bool = True
+    model: nn.Module, progress: ProgressSink, layers_attr: str | None = None, *, branches: bool = False
 ) -> list[RemovableHandle]:
-    """Progress hooks on every block (forward begin/end, backward begin/end) and on every NSA branch.
+    """Progress hooks on every block: forward begin/end, backward begin/end; with ``branches``, also a mark
+    per NSA branch where its backward begins.
 
-    A branch has one event, a mark where its backward begins: where the gradient reaches
-    ``attn.branch_out[branch]``'s output (the node of the branch's attention). Its place lasts until the
-    next event: the next branch's mark, or the block's backward end. Ends per branch would say little more
-    (in backward only the branch's key/value projection runs between its end and the next mark) and marks
-    in forward little that the block's forward and a stack sample do not; each would cost as much as the
-    mark (`benchmarks/probe_overhead.py`): 7 events per NSA layer and step. Only branches the layer
-    computes are marked (none with ``branches=False``: the blocks alone). Removing the handles stops all
-    of it (graph hooks already installed on a step in flight still fire for that step).
+    The branch mark is a pre-hook on the node that made ``attn.branch_out[branch]``'s output (the branch's
+    attention); its place lasts until the next event (the next branch's mark, or the block's backward end).
+    Only branches the layer computes are marked. Marks cost as much as the blocks' own events (measured on
+    an m7c-125m step that the host bounds, `benchmarks/probe_overhead.py`), so they are asked for
+    (``--branch-marks``); ends per branch, and marks in forward, would double that again for little: in
+    backward only the branch's key/value projection runs between its end and the next mark, and a hang in
+    forward is placed by the block and a stack sample. Removing the handles stops all of it (graph hooks
+    already installed on a step in flight still fire for that step).
     """
     prefix, blocks = find_blocks(model, layers_attr)
     handles: list[RemovableHandle] = []

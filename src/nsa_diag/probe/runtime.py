@@ -43,6 +43,7 @@ from typing import Any
 from nsa_diag.worker.beacon import PHASES, BeaconWriter
 
 PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
+BRANCHES_ENV = "NSA_DIAG_PROBE_BRANCHES"  # "1": mark each NSA branch's backward too (`watch --branch-marks`)
 PROBE_JSON = "probe.json"
 NONFINITE_JSON = "nonfinite.json"
 # The watchdog's files (`nsa_diag.artifacts`, which this module must not import: it imports typer).
@@ -410,7 +411,7 @@ class _ModelFinder:
         if _probe is None:
             return
         try:
-            attach_progress(module, _probe.sink)
+            attach_progress(module, _probe.sink, branches=os.environ.get(BRANCHES_ENV) == "1")
         except Exception as exc:  # e.g. nsa_core not importable: the step counter still works
             _probe.note("model_hooks_error", f"{type(exc).__name__}: {exc}")
             return

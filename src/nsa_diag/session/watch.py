@@ -40,7 +40,12 @@ def _check_command(argv: Sequence[str]) -> None:
 
 
 def build_watch_spec(
-    options: CaseOptions, argv: Sequence[str], *, keep_alive: bool, total_steps: int | None
+    options: CaseOptions,
+    argv: Sequence[str],
+    *,
+    keep_alive: bool,
+    total_steps: int | None,
+    branch_marks: bool = False,
 ) -> CaseSpec:
     """The case of ``nsa-diag watch ... -- argv``; a `UsageError` (exit 2, one line) for bad input."""
     _check_command(argv)
@@ -52,6 +57,7 @@ def build_watch_spec(
         env=recorded_env(os.environ),
         keep_alive=keep_alive,
         total_steps=total_steps,
+        branch_marks=branch_marks,
     )
     return CaseSpec(
         name=options.name, stall=parse_stall(options.stall), timeout=options.timeout, command=command
@@ -68,6 +74,8 @@ def watch_replay_argv(spec: CaseSpec, out: Path) -> list[str]:
         argv.append("--keep-alive")
     if cmd.total_steps:
         argv += ["--total-steps", str(cmd.total_steps)]
+    if cmd.branch_marks:
+        argv.append("--branch-marks")
     return [*argv, "--", *cmd.argv]
 
 

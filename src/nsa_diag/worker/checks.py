@@ -124,7 +124,8 @@ class Checker:
     @contextlib.contextmanager
     def watched(self, model: nn.Module, what: str) -> Iterator[None]:
         """Progress events of `model`'s blocks while it runs (the watchdog sees the check advance)."""
-        handles = attach_progress(model, self.progress, self.trainer.spec.layers_attr)
+        spec = self.trainer.spec
+        handles = attach_progress(model, self.progress, spec.layers_attr, branches=spec.branch_marks)
         self.progress.event("check", "begin", check=self.trainer.spec.check, variant=what)
         self.progress.phase_override = "check"
         try:

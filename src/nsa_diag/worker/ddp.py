@@ -220,7 +220,7 @@ class DdpTrainer(Trainer):
         progress.event("setup", detail="model built")
         self._preflight()
         progress.event("setup", detail="preflight done")
-        attach_progress(loaded.model, progress, spec.layers_attr)
+        attach_progress(loaded.model, progress, spec.layers_attr, branches=spec.branch_marks)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
         kwargs: dict[str, Any] = {
             "find_unused_parameters": ds.find_unused,

@@ -162,7 +162,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.loaded = loaded = build_model(spec, self.device)
         self.progress.event("setup", detail="model built")
-        attach_progress(loaded.model, self.progress, spec.layers_attr)
+        attach_progress(loaded.model, self.progress, spec.layers_attr, branches=spec.branch_marks)
         if spec.profile:
             attach_profiler_ranges(loaded.blocks, self.progress)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
@@ -388,7 +388,9 @@ class Trainer:
                     ref.load_state_dict(model.state_dict())
                 else:  # a --model: a copy of it whose NSA modules run the reference backends
                     ref = with_nsa(model, **{f"{b}_backend": name for b, name in backends.items()})
-                handles = attach_progress(ref, progress, self.spec.layers_attr)
+                handles = attach_progress(
+                    ref, progress, self.spec.layers_attr, branches=self.spec.branch_marks
+                )
                 progress.phase_override = "check"
                 try:
                     if autocast:
