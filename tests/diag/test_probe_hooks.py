@@ -19,7 +19,7 @@ from torch import nn
 import nsa_core
 from nsa_diag.probe.hooks import attach_progress
 from nsa_diag.worker.beacon import BeaconWriter, read_beacon
-from nsa_diag.worker.probes import Heartbeat, Progress
+from nsa_diag.worker.probes import Heartbeat, Progress, report_compiles
 
 
 class Sink:
@@ -236,3 +236,30 @@ def test_progress_queues_layer_lines_until_a_loop_event_and_writes_notes_at_once
             heartbeat.stopped = True
             heartbeat.join()
     beacon.close()
+
+
+def test_a_compiled_triton_kernel_is_progress_at_the_same_place(tmp_path: Path) -> None:
+    """`report_compiles`: Triton's post-compile hook repeats the last event (a CUDA case's first step
+    compiles kernels between two hook events), and calls a hook that was already set."""
+    knobs = pytest.importorskip("triton.knobs")
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no post-compile hook")
+    beacon = BeaconWriter(tmp_path / "beacon.bin")
+    with (tmp_path / "progress.jsonl").open("a", encoding="utf-8") as stream:
+        progress = Progress(beacon, stream)
+        progress.step = 1
+        progress.event("backward", "begin", layer=1, module="blocks.1")
+        earlier: list[dict[str, Any]] = []
+        saved = knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_post_compile_hook = lambda **kwargs: earlier.append(kwargs)
+        try:
+            assert report_compiles(progress)
+            seq = progress.seq
+            knobs.runtime.jit_post_compile_hook(key="k", repr="kernel")
+        finally:
+            knobs.runtime.jit_post_compile_hook = saved
+    assert progress.seq == seq + 1
+    state = read_beacon(tmp_path / "beacon.bin")
+    assert state is not None
+    assert (state.seq, state.phase, state.layer, state.module) == (seq + 1, "backward", 1, "blocks.1")
+    assert earlier == [{"key": "k", "repr": "kernel"}]

@@ -123,6 +123,11 @@ class Progress:
             self.flush()
         return seq
 
+    def again(self) -> int:
+        """The last event's place once more: progress that moves nowhere (a kernel compiled)."""
+        phase, _, layer, branch, module, event = self._where
+        return self.event(phase, event, layer=layer, branch=branch, module=module)
+
     def note(self, event: str, **extra: Any) -> None:
         """A line in ``progress.jsonl`` that is not progress (e.g. an injected fault firing), written at
         once: the beacon, and so the watchdog's stall timer and its idea of where the step is, stay as
@@ -163,6 +168,31 @@ def _line(record: tuple[Any, ...]) -> str:
 
 PLACES_KEPT = 8192  # formatted places kept by `_line` (a model's: ~7 a layer and phase)
 _TAILS: dict[tuple[Any, ...], str] = {}
+
+
+# ------------------------------------------------------------------------------------ kernel compilation
+
+
+def report_compiles(progress: Progress) -> bool:
+    """Count each Triton kernel compiled as progress (`Progress.again`): a CUDA case's first step compiles
+    tens of kernels, seconds each, between two of the hooks' events, and a fixed ``--stall`` would call
+    that a hang. Chains to a hook already set. False where this Triton has no post-compile hook
+    (``triton.knobs.runtime.jit_post_compile_hook``: Triton 3.4 and later); nothing is changed then."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+        return False
+    previous = runtime.jit_post_compile_hook
+
+    def compiled(*args: Any, **kwargs: Any) -> Any:
+        progress.again()
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = compiled
+    return True
 
 
 # --------------------------------------------------------------------------------------- profiler ranges

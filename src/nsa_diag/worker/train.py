@@ -34,6 +34,7 @@ from nsa_diag.worker.probes import (
     grad_norm,
     missing_grads,
     peak_memory,
+    report_compiles,
 )
 
 if TYPE_CHECKING:
@@ -163,6 +164,8 @@ class Trainer:
         self.loaded = loaded = build_model(spec, self.device)
         self.progress.event("setup", detail="model built")
         attach_progress(loaded.model, self.progress, spec.layers_attr, branches=spec.branch_marks)
+        if self.device.type == "cuda":
+            report_compiles(self.progress)
         if spec.profile:
             attach_profiler_ranges(loaded.blocks, self.progress)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
