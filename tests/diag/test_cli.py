@@ -218,7 +218,11 @@ def test_env_json_withholds_secret_values_and_names_them() -> None:
 
 
 @pytest.mark.parametrize(
-    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+    "command",
+    [  # the torchrun path of the same check: make test-slow
+        pytest.param(["run"], id="run"),
+        pytest.param(["ddp", "--nproc", "2"], id="ddp", marks=pytest.mark.slow),
+    ],
 )
 def test_no_artifact_records_a_secret_value(command: list[str], tmp_path: Path) -> None:
     done = run_nsa_diag(*command, "--steps", "1", "--out", str(tmp_path), env=SECRETS)
@@ -300,7 +304,11 @@ pathlib.Path(__file__).with_suffix(".ran").write_text("imported")
 
 
 @pytest.mark.parametrize(
-    "command", [pytest.param(["run"], id="run"), pytest.param(["ddp", "--nproc", "2"], id="ddp")]
+    "command",
+    [  # the torchrun path of the same check: make test-slow
+        pytest.param(["run"], id="run"),
+        pytest.param(["ddp", "--nproc", "2"], id="ddp", marks=pytest.mark.slow),
+    ],
 )
 def test_the_worker_does_not_import_from_the_working_directory(command: list[str], tmp_path: Path) -> None:
     (tmp_path / "pydantic.py").write_text(MARKING_MODULE.format(rest="raise ImportError('planted')"))

@@ -54,7 +54,9 @@ def test_contract_broken(model: str, shape: str, problem: str, monkeypatch: pyte
 # One per option family: every option applies to the model that runs, or the command says why not (exit 2).
 REFUSED = [
     pytest.param(["run", "--window", "64"], "holds no NSAAttention", id="nsa-geometry"),
-    pytest.param(["run", "--sel", "masked"], "holds no NSAAttention", id="nsa-backend"),
+    pytest.param(  # the same refusal as nsa-geometry, for the backends: make test-slow
+        ["run", "--sel", "masked"], "holds no NSAAttention", id="nsa-backend", marks=pytest.mark.slow
+    ),
     pytest.param(["branch"], "--branch cmp: set nsa_core's NSA attention", id="branch"),
     pytest.param(["backend"], "and UserLM holds none: there is nothing to compare", id="backend"),
     pytest.param(  # the same refusal as `backend` above, through the run option: make test-slow

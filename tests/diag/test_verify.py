@@ -70,12 +70,16 @@ def test_verify_passes_on_tiny(tmp_path: Path) -> None:
     assert found["causality"]["parity"]["errors"]  # several cut points
 
 
-def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
+def _planted_causality(tmp_path: Path) -> dict[str, Any]:
     code, summary, _ = nsa_diag(
         "verify", "--only", "causality,gc", "--model", "diag_planted:peeking_lm", "--out", str(tmp_path)
     )
     assert code == 1
-    found = results(summary)
+    return summary
+
+
+def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
+    found = results(_planted_causality(tmp_path))
     assert found["gc"]["verdict"] == "pass"
     causality = found["causality"]
     assert causality["verdict"] == "mismatch"
@@ -83,7 +87,12 @@ def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
     assert causality["parity"]["property"] == "causality"
     assert causality["parity"]["max_err"] > 1e-3
     assert "logits before t differ" in causality["parity"]["where"]
-    # Issue 15 #9: the replay checks the property again (it replayed a training step, which passed).
+
+
+@pytest.mark.slow
+def test_the_replay_of_a_verify_case_checks_the_property_again(tmp_path: Path) -> None:
+    """Issue 15 #9: the replay checks the property again (it replayed a training step, which passed)."""
+    summary = _planted_causality(tmp_path)
     replay = Path(summary["run_dir"]) / "cases" / "causality" / "replay.sh"
     assert " verify --only causality " in replay.read_text()
     again = subprocess.run(
