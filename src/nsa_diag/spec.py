@@ -200,9 +200,6 @@ class CommandSpec(BaseModel):
     total_steps: int | None = Field(
         None, ge=1, description="steps the job will run, for a slow job's ETA (the job may say it itself)"
     )
-    branch_marks: bool = Field(
-        False, description="the probe also marks each NSA branch's backward (nsa_core models)"
-    )
 
 
 def _inject_help() -> str:

@@ -81,13 +81,11 @@ def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
     from nsa_diag.session.watch import build_watch_spec, watch_replay_argv
 
     for marks in (False, True):
-        spec = build_watch_spec(
-            CaseOptions(), [PY, "train.py"], keep_alive=False, total_steps=None, branch_marks=marks
-        )
-        assert spec.command is not None
-        assert spec.command.branch_marks is marks
+        options = CaseOptions(branch_marks=marks)
+        spec = build_watch_spec(options, [PY, "train.py"], keep_alive=False, total_steps=None)
+        assert spec.branch_marks is marks
         assert ("--branch-marks" in watch_replay_argv(spec, tmp_path)) is marks
-        assert probe_env(tmp_path, {}, spec.command.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
+        assert probe_env(tmp_path, {}, spec.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
 
 
 def test_last_traceback_skips_torchrun_summary() -> None:

@@ -7,12 +7,18 @@ from typing import Annotated
 import typer
 
 from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
-from nsa_diag.options import CASE_NAME, OUTPUT, WATCHDOG
+from nsa_diag.options import CASE_NAME, EVIDENCE, OUTPUT, WATCHDOG
 
 _JOB = "Your job"
 
 
-@case_options(WATCHDOG, OUTPUT, CASE_NAME, omit=("junit",), defaults={"name": "watch"})
+# of the evidence options, a job takes the probe's detail: the others act on nsa-diag's own worker
+_NOT_FOR_A_JOB = tuple(name for name in EVIDENCE.names if name != "branch_marks")
+
+
+@case_options(
+    WATCHDOG, EVIDENCE, OUTPUT, CASE_NAME, omit=("junit", *_NOT_FOR_A_JOB), defaults={"name": "watch"}
+)
 def watch(
     options: CaseOptions,
     command: Annotated[
@@ -40,15 +46,6 @@ def watch(
             rich_help_panel=_JOB,
         ),
     ] = None,
-    branch_marks: Annotated[
-        bool,
-        typer.Option(
-            "--branch-marks",
-            help="Progress names the NSA branch whose backward runs (nsa_core models; by default the "
-            "blocks alone, which cost less).",
-            rich_help_panel=_JOB,
-        ),
-    ] = False,
     json_output: JsonOpt = False,
     debug: DebugOpt = False,
 ) -> None:
@@ -78,9 +75,7 @@ def watch(
     from nsa_diag.session import Session
     from nsa_diag.session.watch import WatchPlan, build_watch_spec
 
-    spec = build_watch_spec(
-        options, command or [], keep_alive=keep_alive, total_steps=total_steps, branch_marks=branch_marks
-    )
+    spec = build_watch_spec(options, command or [], keep_alive=keep_alive, total_steps=total_steps)
     plan = WatchPlan(spec, out=options.out, tag=options.tag, json_output=json_output)
     session = Session(plan, out=options.out, tag=options.tag, json_output=json_output)
     raise typer.Exit(session.run())

@@ -163,7 +163,7 @@ class CommandLauncher(Launcher):
 
     def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
         env = {**os.environ, **(extra_env or {})}
-        return {**env, **probe_env(case_dir, env, self.cmd.branch_marks)}
+        return {**env, **probe_env(case_dir, env, self.spec.branch_marks)}
 
     def cwd(self) -> str | None:
         return self.cmd.cwd

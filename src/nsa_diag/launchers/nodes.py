@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts
-from nsa_diag.analysis.ranks import aggregate
 from nsa_diag.errors import UsageError
-from nsa_diag.launchers.torchrun import TorchrunLauncher, local_ranks, rank_inputs, torchrun_argv
+from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
 from nsa_diag.results import error_result
 from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec
 from nsa_diag.worker.ddp import RANKS_DIR, rank_dir
@@ -294,9 +293,8 @@ class NodeLauncher(TorchrunLauncher):
         combined = "stalled" if "stalled" in outcomes else "timeout" if "timeout" in outcomes else outcome
         if decider is None:
             decider = next((v["decider"] for v in nodes.values() if v.get("decider") is not None), None)
-        inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_rank}
-        result = aggregate(
-            self.spec, combined, per_rank, inputs, decider, stop, elapsed, {**notes, "nodes": nodes}
+        result = aggregate_ranks(
+            self.spec, case_dir, combined, per_rank, decider, stop, elapsed, {**notes, "nodes": nodes}
         )
         survivors = {
             n: v["stop"]["survivors"] for n, v in nodes.items() if (v.get("stop") or {}).get("survivors")
@@ -325,8 +323,7 @@ class NodeLauncher(TorchrunLauncher):
                 with contextlib.suppress(ValueError):
                     return CaseResult.model_validate(found)
             time.sleep(POLL_S)
-        inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_unit}
-        result = aggregate(self.spec, outcome, per_unit, inputs, decider, stop, elapsed, notes)
+        result = aggregate_ranks(self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes)
         reason = f"node 0 wrote no result for the case within {wait:g} s; node {self.node}'s ranks only: "
         return result.model_copy(update={"reason": reason + result.reason})
 

@@ -236,6 +236,21 @@ def rank_inputs(unit_dir: Path) -> RankInputs:
     return RankInputs((report.ddp if report else None) or {}, last, lines)
 
 
+def aggregate_ranks(
+    spec: CaseSpec,
+    case_dir: Path,
+    outcome: str,
+    per_rank: Mapping[int, CaseResult],
+    decider: int | None,
+    stop: dict[str, Any],
+    elapsed: float,
+    notes: dict[str, Any],
+) -> CaseResult:
+    """The case's result from its ranks' results and what their folders hold (`aggregate`)."""
+    inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_rank}
+    return aggregate(spec, outcome, per_rank, inputs, decider, stop, elapsed, notes)
+
+
 class TorchrunLauncher(Launcher):
     """The case on ``spec.ddp``'s local ranks through torchrun (the default for a spec with ``ddp``)."""
 
@@ -330,8 +345,7 @@ class TorchrunLauncher(Launcher):
         elapsed: float,
         notes: dict[str, Any],
     ) -> CaseResult:
-        inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_unit}
-        result = aggregate(self.spec, outcome, per_unit, inputs, decider, stop, elapsed, notes)
+        result = aggregate_ranks(self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes)
         if stop.get("survivors"):
             result = result.model_copy(
                 update={"reason": result.reason + f"; processes left: {stop['survivors']}"}

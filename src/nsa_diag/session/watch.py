@@ -40,12 +40,7 @@ def _check_command(argv: Sequence[str]) -> None:
 
 
 def build_watch_spec(
-    options: CaseOptions,
-    argv: Sequence[str],
-    *,
-    keep_alive: bool,
-    total_steps: int | None,
-    branch_marks: bool = False,
+    options: CaseOptions, argv: Sequence[str], *, keep_alive: bool, total_steps: int | None
 ) -> CaseSpec:
     """The case of ``nsa-diag watch ... -- argv``; a `UsageError` (exit 2, one line) for bad input."""
     _check_command(argv)
@@ -57,10 +52,13 @@ def build_watch_spec(
         env=recorded_env(os.environ),
         keep_alive=keep_alive,
         total_steps=total_steps,
-        branch_marks=branch_marks,
     )
     return CaseSpec(
-        name=options.name, stall=parse_stall(options.stall), timeout=options.timeout, command=command
+        name=options.name,
+        stall=parse_stall(options.stall),
+        timeout=options.timeout,
+        command=command,
+        branch_marks=options.branch_marks,
     )
 
 
@@ -74,7 +72,7 @@ def watch_replay_argv(spec: CaseSpec, out: Path) -> list[str]:
         argv.append("--keep-alive")
     if cmd.total_steps:
         argv += ["--total-steps", str(cmd.total_steps)]
-    if cmd.branch_marks:
+    if spec.branch_marks:
         argv.append("--branch-marks")
     return [*argv, "--", *cmd.argv]
 

@@ -84,7 +84,7 @@ class BeaconWriter:
         module: str | None = None,
     ) -> int:
         """Record one progress event; returns its sequence number. A few microseconds: the hooks call it
-        about ten times per layer and step, so the codes and the module's bytes are looked up, not built."""
+        several times per layer and step, so the codes and the module's bytes are looked up, not built."""
         self._seq += 1
         self._version += 1  # odd: a write is under way
         _VERSION.pack_into(self._map, 0, self._version)

@@ -43,7 +43,7 @@ from nsa_diag.spec import TRAIN_GROUP
 from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.contract import build_model
 from nsa_diag.worker.outcome import CaseFailed, Outcome
-from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress, attach_progress, report_compiles
+from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress
 from nsa_diag.worker.train import Trainer, resolve_device
 
 if TYPE_CHECKING:
@@ -220,9 +220,7 @@ class DdpTrainer(Trainer):
         progress.event("setup", detail="model built")
         self._preflight()
         progress.event("setup", detail="preflight done")
-        attach_progress(loaded.model, progress, spec.layers_attr, branches=spec.branch_marks)
-        if self.device.type == "cuda":
-            report_compiles(progress)
+        self._report_progress(loaded.model)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
         kwargs: dict[str, Any] = {
             "find_unused_parameters": ds.find_unused,

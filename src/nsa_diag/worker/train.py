@@ -140,6 +140,13 @@ class Trainer:
         what = "out of memory" if status == "oom" else type(exc).__name__
         return Outcome(status, f"{what} at {where}: {_first_line(str(exc))}", exception)
 
+    def _report_progress(self, model: nn.Module) -> None:
+        """Progress from ``model``'s blocks (and NSA branches with ``--branch-marks``) and, on CUDA, from
+        every Triton kernel compiled (a cold first step compiles for seconds between two hook events)."""
+        attach_progress(model, self.progress, self.spec.layers_attr, branches=self.spec.branch_marks)
+        if self.device.type == "cuda":
+            report_compiles(self.progress)
+
     def _setup(self) -> None:
         # Setup events mark milestones, so a slow start (imports take seconds) still shows progress and a
         # start that hangs shows where.
@@ -163,9 +170,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.loaded = loaded = build_model(spec, self.device)
         self.progress.event("setup", detail="model built")
-        attach_progress(loaded.model, self.progress, spec.layers_attr, branches=spec.branch_marks)
-        if self.device.type == "cuda":
-            report_compiles(self.progress)
+        self._report_progress(loaded.model)
         if spec.profile:
             attach_profiler_ranges(loaded.blocks, self.progress)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, self.progress, self.device)
