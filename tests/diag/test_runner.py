@@ -162,12 +162,13 @@ def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(tmp_
 @pytest.mark.slow
 def test_slow_is_told_from_a_hang_with_rate_and_eta(tmp_path: Path) -> None:
     case_dir = tmp_path / "slow"
-    # the timeout covers start-up too (a CUDA build of torch imports slowly): leave room for some steps
-    spec = make_spec("slow", "slow:seconds=0.3", steps=100, stall=4.0, timeout=15.0)
+    # the timeout covers start-up too (a CUDA build of torch, or a loaded CI machine, takes over 15 s):
+    # leave room for some steps; 200 steps need 60 s of sleeps alone
+    spec = make_spec("slow", "slow:seconds=0.3", steps=200, stall=4.0, timeout=30.0)
     result = run_case(spec, case_dir)
     assert result.verdict == "slow", result.reason
     assert result.hang_kind is None
-    assert "15 s timeout" in result.reason
+    assert "30 s timeout" in result.reason
     assert result.rate is not None
     assert 0 < result.rate["fraction_done"] < 1
     assert result.rate["eta_s"] > 0
