@@ -28,7 +28,7 @@ from types import FrameType
 from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.interrupts import Interrupted
-from nsa_diag.launchers import Launcher, Unit, default_launcher, pinned_env
+from nsa_diag.launchers import Ending, Launcher, Unit, default_launcher, pinned_env
 from nsa_diag.results import case_files, error_result, unit_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
@@ -163,7 +163,8 @@ def _watch_and_judge(
             spec, unit.folder, unit_watched, hangs.get(unit.key), unit_stop, time.monotonic() - t0
         )
     decider = units[watched.decider].key if watched.decider is not None else None
-    return launcher.combine(case_dir, watched.outcome, per_unit, decider, stop, time.monotonic() - t0, notes)
+    elapsed = time.monotonic() - t0
+    return launcher.combine(Ending(case_dir, watched.outcome, per_unit, decider, stop, elapsed, notes))
 
 
 # --- entry points -------------------------------------------------------------------------------------

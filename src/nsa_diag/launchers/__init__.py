@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from nsa_diag.launchers.base import Launcher, Unit, pinned_env
+from nsa_diag.launchers.base import Ending, Launcher, Unit, pinned_env
 from nsa_diag.launchers.nodes import NodeLauncher
 from nsa_diag.launchers.torchrun import TorchrunLauncher
 from nsa_diag.launchers.worker import WorkerLauncher
@@ -22,6 +22,7 @@ def default_launcher(spec: CaseSpec) -> Launcher:
 
 
 __all__ = [
+    "Ending",
     "Launcher",
     "NodeLauncher",
     "TorchrunLauncher",

@@ -14,8 +14,9 @@ The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatev
 5. `before_stop` (a multi-node case: every node has taken its evidence), then `stop` everything the job
    started, and report what it took;
 6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
-   record and stop report), and `combine` makes them the case's result (a worker: its one unit's result;
-   torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks.aggregate`);
+   record and stop report), and `combine` makes the case's result of them and the rest of the job's
+   `Ending` (a worker: its one unit's result; torchrun: the cross-rank aggregation,
+   `nsa_diag.analysis.ranks.aggregate`);
 7. `internal_files` (beacons, dump requests, debug pipes) are removed before ``result.json`` lists the
    case's files.
 
@@ -62,6 +63,22 @@ class Unit:
     beacon: Path | None
     # Why no SIGUSR1 may be sent to this process for stack samples (its own handler, no probe); None: may.
     no_signal: str | None = None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a case's job ended, for `Launcher.combine`: ``outcome`` is the watch's (``exited``,
+    ``stalled``, ``timeout``), ``per_unit`` each unit's classified result by key, ``decider`` the key of
+    the unit that stalled or timed out first (None when the job exited), ``stop`` what stopping the job
+    took, ``elapsed`` seconds since the start, ``notes`` the launcher's evidence for ``result.json``."""
+
+    case_dir: Path
+    outcome: str
+    per_unit: Mapping[int, CaseResult]
+    decider: int | None
+    stop: dict[str, Any]
+    elapsed: float
+    notes: dict[str, Any]
 
 
 def worker_env(spec: CaseSpec) -> dict[str, str]:
@@ -219,18 +236,8 @@ class Launcher(ABC):
         return {u.key: (w, stop) for u, w in zip(units, watched, strict=True)}
 
     @abstractmethod
-    def combine(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
-        """The case's result from its units' results (``decider``: the key of the unit that stalled or
-        timed out first; None when the job exited)."""
+    def combine(self, end: Ending) -> CaseResult:
+        """The case's result from its units' results (`Ending`)."""
 
     # --- nsa-diag interrupted ------------------------------------------------------------------------
 

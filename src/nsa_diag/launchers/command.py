@@ -39,7 +39,7 @@ from nsa_diag import artifacts
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
 from nsa_diag.launchers import job
-from nsa_diag.launchers.base import SOURCE_ROOT, Launcher, Unit
+from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
 from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec
@@ -378,22 +378,13 @@ class CommandLauncher(Launcher):
                 self.rates[unit.key] = job.job_rate(w, self.spec, total)
         return ends
 
-    def combine(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
+    def combine(self, end: Ending) -> CaseResult:
         assert self.proc is not None
         infos = {
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
         return job.combine(
-            self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes,
+            self.spec, end,
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
         )  # fmt: skip
 

@@ -32,6 +32,7 @@ from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
 from nsa_diag.spec import CaseResult, CaseSpec, WorkerException, WorkerReport
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
@@ -315,13 +316,7 @@ def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str) -> str:
 
 def combine(
     spec: CaseSpec,
-    case_dir: Path,
-    outcome: str,
-    per_unit: Mapping[int, CaseResult],
-    decider: int | None,
-    stop: dict[str, Any],
-    elapsed: float,
-    notes: dict[str, Any],
+    end: Ending,
     *,
     root: int,
     infos: Mapping[int, Mapping[str, Any]],
@@ -330,6 +325,7 @@ def combine(
     folders: Mapping[int, Path],
 ) -> CaseResult:
     """The job's result from its units' (module docstring)."""
+    outcome, per_unit, decider, stop = end.outcome, end.per_unit, end.decider, end.stop
     processes = {
         str(key): {
             "label": _label(key, infos.get(key, {}), ranks, root),
@@ -338,7 +334,7 @@ def combine(
         }
         for key, res in per_unit.items()
     }  # fmt: skip
-    evidence: dict[str, Any] = {"stop": stop, **notes, "processes": processes}
+    evidence: dict[str, Any] = {"stop": stop, **end.notes, "processes": processes}
     steps = max((r.steps_done for r in per_unit.values()), default=0)
     if outcome == "exited":
         source = root

@@ -31,12 +31,13 @@ import errno
 import re
 import socket
 import time
-from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.errors import UsageError
+from nsa_diag.launchers.base import Ending
 from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
 from nsa_diag.results import error_result
 from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec
@@ -231,40 +232,29 @@ class NodeLauncher(TorchrunLauncher):
             time.sleep(POLL_S)
         self.waited = {"waited_s": round(time.monotonic() - started, 2), "nodes_not_ready": missing}
 
-    def combine(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
+    def combine(self, end: Ending) -> CaseResult:
         """Publish this node's ranks' results and its end; node 0 then aggregates every rank, a node R > 0
         takes node 0's result (module docstring)."""
+        case_dir = end.case_dir
         if self._never_started(case_dir):
-            self._say(case_dir, "ended", outcome="rendezvous-failed", stop=stop)
-            return self._not_met(case_dir, elapsed, stop)
-        for rank, result in per_unit.items():
+            self._say(case_dir, "ended", outcome="rendezvous-failed", stop=end.stop)
+            return self._not_met(case_dir, end.elapsed, end.stop)
+        for rank, result in end.per_unit.items():
             artifacts.write_json(rank_dir(case_dir, rank) / artifacts.RANK_RESULT, result)
-        notes = {**notes, "barrier": self.waited}
-        self._say(case_dir, "ended", outcome=outcome, decider=decider, stop=stop, ranks=sorted(per_unit))
-        if self.node == 0:
-            return self._aggregate_all(case_dir, outcome, per_unit, decider, stop, elapsed, notes)
-        return self._await_case(case_dir, outcome, per_unit, decider, stop, elapsed, notes)
+        end = replace(end, notes={**end.notes, "barrier": self.waited})
+        self._say(
+            case_dir,
+            "ended",
+            outcome=end.outcome,
+            decider=end.decider,
+            stop=end.stop,
+            ranks=sorted(end.per_unit),
+        )
+        return self._aggregate_all(end) if self.node == 0 else self._await_case(end)
 
-    def _aggregate_all(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
+    def _aggregate_all(self, end: Ending) -> CaseResult:
         """Node 0: every rank's result (waiting for the other nodes), aggregated across nodes."""
+        case_dir, outcome, per_unit, decider = end.case_dir, end.outcome, end.per_unit, end.decider
         others = [r for r in range(self.ds.world_size) if r not in per_unit]
         wait = self.ds.wait_s
         deadline = time.monotonic() + wait
@@ -279,7 +269,7 @@ class NodeLauncher(TorchrunLauncher):
             except ValueError:
                 node = node_of(self.spec, rank)
                 reason = f"node {node} never reported: no result for rank {rank} within {wait:g} s"
-                per_rank[rank] = error_result(self.spec, reason, elapsed, {"outcome": "node-missing"})
+                per_rank[rank] = error_result(self.spec, reason, end.elapsed, {"outcome": "node-missing"})
         nodes: dict[str, Any] = {}
         for n in range(self.ds.nnodes):
             record = _read(self._node_file(case_dir, n)) if n != self.node else None
@@ -293,8 +283,9 @@ class NodeLauncher(TorchrunLauncher):
         combined = "stalled" if "stalled" in outcomes else "timeout" if "timeout" in outcomes else outcome
         if decider is None:
             decider = next((v["decider"] for v in nodes.values() if v.get("decider") is not None), None)
+        notes = {**end.notes, "nodes": nodes}
         result = aggregate_ranks(
-            self.spec, case_dir, combined, per_rank, decider, stop, elapsed, {**notes, "nodes": nodes}
+            self.spec, replace(end, outcome=combined, per_unit=per_rank, decider=decider, notes=notes)
         )
         survivors = {
             n: v["stop"]["survivors"] for n, v in nodes.items() if (v.get("stop") or {}).get("survivors")
@@ -303,27 +294,18 @@ class NodeLauncher(TorchrunLauncher):
             result = result.model_copy(update={"reason": result.reason + f"; processes left: {survivors}"})
         return result
 
-    def _await_case(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
+    def _await_case(self, end: Ending) -> CaseResult:
         """Node R > 0: node 0's result of the case, or this node's ranks' own aggregation when none comes."""
         wait = self.ds.wait_s
         deadline = time.monotonic() + wait
-        path = Path(case_dir) / artifacts.RESULT
+        path = Path(end.case_dir) / artifacts.RESULT
         while time.monotonic() < deadline:
             found = _read(path)
             if found is not None:
                 with contextlib.suppress(ValueError):
                     return CaseResult.model_validate(found)
             time.sleep(POLL_S)
-        result = aggregate_ranks(self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes)
+        result = aggregate_ranks(self.spec, end)
         reason = f"node 0 wrote no result for the case within {wait:g} s; node {self.node}'s ranks only: "
         return result.model_copy(update={"reason": reason + result.reason})
 

@@ -35,7 +35,7 @@ from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
-from nsa_diag.launchers.base import Launcher, Unit, python_env, worker_env
+from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
 from nsa_diag.results import error_result, read_worker_report
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
@@ -236,19 +236,11 @@ def rank_inputs(unit_dir: Path) -> RankInputs:
     return RankInputs((report.ddp if report else None) or {}, last, lines)
 
 
-def aggregate_ranks(
-    spec: CaseSpec,
-    case_dir: Path,
-    outcome: str,
-    per_rank: Mapping[int, CaseResult],
-    decider: int | None,
-    stop: dict[str, Any],
-    elapsed: float,
-    notes: dict[str, Any],
-) -> CaseResult:
-    """The case's result from its ranks' results and what their folders hold (`aggregate`)."""
-    inputs = {r: rank_inputs(rank_dir(case_dir, r)) for r in per_rank}
-    return aggregate(spec, outcome, per_rank, inputs, decider, stop, elapsed, notes)
+def aggregate_ranks(spec: CaseSpec, end: Ending) -> CaseResult:
+    """The case's result from its ranks' results (``end.per_unit``, by rank) and what their folders hold
+    (`aggregate`)."""
+    inputs = {r: rank_inputs(rank_dir(end.case_dir, r)) for r in end.per_unit}
+    return aggregate(spec, end.outcome, end.per_unit, inputs, end.decider, end.stop, end.elapsed, end.notes)
 
 
 class TorchrunLauncher(Launcher):
@@ -335,20 +327,11 @@ class TorchrunLauncher(Launcher):
             )
         return ends
 
-    def combine(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
-        result = aggregate_ranks(self.spec, case_dir, outcome, per_unit, decider, stop, elapsed, notes)
-        if stop.get("survivors"):
+    def combine(self, end: Ending) -> CaseResult:
+        result = aggregate_ranks(self.spec, end)
+        if end.stop.get("survivors"):
             result = result.model_copy(
-                update={"reason": result.reason + f"; processes left: {stop['survivors']}"}
+                update={"reason": result.reason + f"; processes left: {end.stop['survivors']}"}
             )
         return result
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.evidence import stacks
-from nsa_diag.launchers.base import Launcher, Unit, python_env, worker_env
+from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
 from nsa_diag.spec import CaseResult
 from nsa_diag.watchdog import ProcessHandle, catches_sigusr1, terminate_group
 
@@ -55,17 +55,8 @@ class WorkerLauncher(Launcher):
         report["exit_code"] = self.proc.returncode
         return report
 
-    def combine(
-        self,
-        case_dir: Path,
-        outcome: str,
-        per_unit: Mapping[int, CaseResult],
-        decider: int | None,
-        stop: dict[str, Any],
-        elapsed: float,
-        notes: dict[str, Any],
-    ) -> CaseResult:
-        return per_unit[0]
+    def combine(self, end: Ending) -> CaseResult:
+        return end.per_unit[0]
 
     def sample_on_interrupt(self, case_dir: Path) -> bool:
         """A user's Ctrl-C on a hung run wants to see where it was: one sample, when the worker can answer."""
