@@ -7,6 +7,7 @@ inside their functions, so `nsa-diag --help` never loads it.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -15,7 +16,7 @@ from typing import Annotated, NoReturn, TextIO
 
 import typer
 
-from nsa_diag import __version__, interrupts
+from nsa_diag import __version__, artifacts, interrupts, redact
 from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.attach import attach
 from nsa_diag.commands.backend import backend
@@ -126,6 +127,8 @@ def _wants_debug(args: Sequence[str]) -> bool:
 def run_cli(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: the process arguments) and return the exit code."""
     args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
+    # no file written will hold a secret of this environment or of the command line (watch's job's own)
+    artifacts.withhold(redact.env_secret_values(os.environ) | redact.argv_secret_values([args]))
     try:
         result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
     except Exception as exc:

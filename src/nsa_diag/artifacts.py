@@ -10,9 +10,14 @@ at node r > 0 its summary); its ranks write ``cases/<case-id>/ranks/<global rank
 
 A reader never sees half a file: every JSON and text file is written to a temporary sibling and renamed.
 
-No file records the value of a variable whose name says it is a secret (`is_secret_name`): env.json and
-replay.sh name it as withheld instead. A run folder has one writer at a time: the process that holds its
-lock (`lock_run_dir`).
+No file records a secret (`nsa_diag.redact`): env.json and replay.sh name a secret-named variable as
+withheld instead of its value; the values `withhold` is told of (such variables' values, the secret
+arguments of the command lines nsa-diag runs or attaches to) are replaced by ``<withheld>`` in every text and
+JSON file written here, and argument lists recorded under ``argv``/``cmdline``/``command`` keys have their
+secret arguments withheld (`nsa_diag.redact.secret_words`); ``replay.sh`` asks for them instead. The
+job's own stdout/stderr logs are its output, written as it prints them.
+
+A run folder has one writer at a time: the process that holds its lock (`lock_run_dir`).
 """
 
 from __future__ import annotations
@@ -28,20 +33,17 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from nsa_diag.errors import UsageError
+from nsa_diag.redact import MIN_SECRET_LEN, WITHHELD, is_secret_name, redact_argv, secret_words
 
 DEFAULT_OUT = Path("nsa-diag-runs")
 # A run folder is refused on a file system with less free: a case writes logs, stacks and evidence, and a
 # full disk midway would leave cases without result.json.
 MIN_FREE_BYTES = 16 * 2**20
-
-# A variable whose name contains one of these (in any case) holds a secret, whatever its prefix
-# (NSA_TOKEN, TORCH_SECRET, NSA_DIAG_PASSWORD, AWS_SECRET_ACCESS_KEY): its value is never written.
-SECRET_NAME_PARTS = ("token", "secret", "key", "password", "passwd", "credential", "auth")
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 LOCK = ".nsa-diag.lock"  # run folder: flock-ed by the process that writes in it; says who that is
@@ -94,15 +96,54 @@ def write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
+# --- secrets --------------------------------------------------------------------------------------------
+
+# The secret values this process knows of (`withhold`), never written into a file.
+_withheld: set[str] = set()
+# Keys whose value is a command line (a list of words, or one string): its secret arguments are withheld.
+ARGV_KEYS = frozenset({"argv", "cmdline", "command"})
+
+
+def withhold(values: Iterable[str]) -> None:
+    """Never write these values (secrets) into a file: each is replaced by ``<withheld>``. A value shorter
+    than `nsa_diag.redact.MIN_SECRET_LEN` or all digits is not searched for (it would withhold ordinary
+    text); an argument list still has it withheld by position (`ARGV_KEYS`)."""
+    _withheld.update(v for v in values if len(v) >= MIN_SECRET_LEN and not v.isdigit())
+
+
+def scrub(text: str) -> str:
+    """`text` with every withheld value replaced (the longest first: one may contain another)."""
+    for value in sorted((v for v in _withheld if v in text), key=len, reverse=True):
+        text = text.replace(value, WITHHELD)
+    return text
+
+
+def scrub_data(data: Any, key: str | None = None) -> Any:
+    """JSON-like `data` with its strings scrubbed and its command lines' secret arguments withheld."""
+    if isinstance(data, str):
+        if key in ARGV_KEYS:
+            data = " ".join(redact_argv(data.split(" ")))
+        return scrub(data)
+    if isinstance(data, dict):
+        return {scrub(k) if isinstance(k, str) else k: scrub_data(v, k if isinstance(k, str) else None)
+                for k, v in data.items()}  # fmt: skip
+    if isinstance(data, (list, tuple)):
+        if key in ARGV_KEYS and all(isinstance(w, str) for w in data):
+            data = redact_argv(data)
+        return [scrub_data(item) for item in data]
+    return data
+
+
 def write_text(path: Path, text: str) -> Path:
-    return write_bytes(path, text.encode())
+    return write_bytes(path, scrub(text).encode())
 
 
 def write_json(path: Path, data: Any) -> Path:
-    """Atomic JSON (pydantic models are dumped in JSON mode)."""
+    """Atomic JSON (pydantic models are dumped in JSON mode), secrets withheld (`scrub_data`)."""
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
-    return write_text(path, json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    data = scrub_data(json.loads(json.dumps(data, default=str)))
+    return write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_with(path: Path, writer: Callable[[Path], object]) -> Path:
@@ -137,7 +178,7 @@ def open_append(path: Path, *, binary: bool = False) -> IO[Any]:
 def append_text(path: Path, text: str) -> Path:
     """Append ``text`` to ``path`` (memory_summary.txt: one section per moment measured)."""
     with open_append(path) as f:
-        f.write(text)
+        f.write(scrub(text))
     return path
 
 
@@ -283,7 +324,7 @@ def lock_run_dir(run_dir: Path, name: str = LOCK) -> RunFolderLock:
         os.close(fd)
     holder = {
         "pid": os.getpid(),
-        "command": shlex.join(["nsa-diag", *sys.argv[1:]]),
+        "command": scrub(shlex.join(redact_argv(["nsa-diag", *sys.argv[1:]]))),
         "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
     }
@@ -317,26 +358,63 @@ def case_dir(run_dir: Path, name: str) -> Path:
     return path
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether the variable `name` holds a secret (`SECRET_NAME_PARTS`): its value is never written."""
-    lowered = name.lower()
-    return any(part in lowered for part in SECRET_NAME_PARTS)
+def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, list[str]]:
+    """The shell words of `argv` for replay.sh, and the variables the user must set: each secret in a word
+    (a secret argument, `secret_words`, or a withheld value within it) becomes ``"${VAR:?...}"``, where VAR
+    is the secret-named variable of this environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
+    by_value = {v: k for k, v in sorted(environ.items()) if is_secret_name(k) and len(v) >= MIN_SECRET_LEN}
+    known = {*_withheld, *by_value}
+    positional = {i: value for i, (_, value) in secret_words(argv).items()}
+    words: list[str] = []
+    asked: list[str] = []
+
+    def ask(value: str) -> str:
+        if value not in by_value:  # one variable per value, numbered in order
+            by_value[value] = f"NSA_DIAG_SECRET_{sum(a.startswith('NSA_DIAG_') for a in asked) + 1}"
+        var = by_value[value]
+        if var not in asked:
+            asked.append(var)
+        what = "the value nsa-diag withheld" if var.startswith("NSA_DIAG_") else "its secret"
+        return f'"${{{var}:?set {var} to {what}}}"'
+
+    for i, word in enumerate(argv):
+        pieces: list[str] = []
+        rest = word
+        tail = ""
+        if i in positional:  # the value ends the word (``--key=X``, ``X``, ``NAME=X``)
+            rest, tail = word[: len(word) - len(positional[i])], ask(positional[i])
+        while rest:
+            hit = min(((rest.find(v), -len(v), v) for v in known if v in rest), default=None)
+            if hit is None:
+                pieces.append(shlex.quote(rest))
+                break
+            at, _, value = hit
+            if at:
+                pieces.append(shlex.quote(rest[:at]))
+            pieces.append(ask(value))
+            rest = rest[at + len(value) :]
+        words.append("".join(pieces) + tail or "''")
+    return " ".join(words), asked
 
 
 def write_replay(
     path: Path, argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Path:
     """An executable ``replay.sh`` that runs ``argv`` again in ``cwd`` with ``env`` set, from any directory;
-    every word is shell-quoted, a secret's value is left out and its name listed for the user to set."""
+    every word is shell-quoted; a secret's value is left out: a secret-named variable of ``env`` is listed
+    for the user to set, a secret argument of ``argv`` read from a variable (`_replay_words`)."""
     env = env or {}
     withheld = sorted(name for name in env if is_secret_name(name))
+    command, asked = _replay_words(argv, {**os.environ, **env})
     lines = ["#!/usr/bin/env bash", "# Reproduces this case.", "set -euo pipefail"]
     if cwd is not None:  # a --model module is imported from the directory the case ran in
         lines.append(f"cd {shlex.quote(str(Path(cwd).resolve()))}")
     if withheld:
         lines.append(f"# Withheld (secret values are never written; set them yourself): {' '.join(withheld)}")
+    if asked:
+        lines.append(f"# Secret arguments, read from these variables (set them yourself): {' '.join(asked)}")
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in withheld]
-    lines.append(shlex.join(argv) + ' "$@"')
+    lines.append(command + ' "$@"')
     write_text(path, "\n".join(lines) + "\n")
     os.chmod(path, 0o755)
     return path

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
+from nsa_diag.redact import redact_argv
 from nsa_diag.spec import CaseResult
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ class RunSummary(_JsonRecord):
         all_ok = bool(cases) and all(case.ok for case in cases) and not not_run
         summary = cls(
             command=command,
-            argv=["nsa-diag", *sys.argv[1:]],
+            argv=redact_argv(["nsa-diag", *sys.argv[1:]]),  # `nsa_diag.redact`: no secret argument
             nsa_diag_version=__version__,
             run_dir=str(run_dir),
             started_at=_iso(started_at),

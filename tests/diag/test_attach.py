@@ -97,6 +97,26 @@ def by_pid(record: dict[str, Any], pid: int) -> dict[str, Any]:
     return next(p for p in record["processes"] if p["pid"] == pid)
 
 
+def test_no_file_records_a_secret_of_the_jobs_command_line_or_environment(
+    start_job: Any, tmp_path: Path
+) -> None:
+    # --hub's value is only known as a secret from the job's environment (MY_TOKEN holds it)
+    job = start_job(
+        "attach_sleep", "--api-key", "k-9f8e7d6c", "--hub", "tok-5a4b3c2d", env={"MY_TOKEN": "tok-5a4b3c2d"}
+    )
+    code, record, err = attach(job.pid, tmp_path / "runs")
+    assert code == 1, err
+    assert "k-9f8e7d6c" not in json.dumps(record)  # nor on the console
+    assert "tok-5a4b3c2d" not in json.dumps(record)
+    written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+    assert written
+    for path in written:
+        data = path.read_bytes()
+        for value in (b"k-9f8e7d6c", b"tok-5a4b3c2d"):
+            assert value not in data, f"{path.name} records {value!r}"
+    job.proc.communicate("go\n", timeout=30)
+
+
 def test_deadlocked_job_is_python_deadlock_and_finishes_unchanged(start_job: Any, tmp_path: Path) -> None:
     job = start_job("attach_deadlock")
     code, record, err = attach(job.pid, tmp_path / "runs")

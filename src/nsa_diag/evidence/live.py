@@ -33,7 +33,7 @@ from typing import Any
 
 import psutil
 
-from nsa_diag import artifacts
+from nsa_diag import artifacts, redact
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
@@ -185,6 +185,8 @@ def process_info(pid: int, send_signal: bool) -> ProcessInfo | None:
             environ = {}
     except psutil.NoSuchProcess:
         return None
+    # the files written from here on withhold its secrets (py-spy's dump heads with its command line)
+    artifacts.withhold(redact.env_secret_values(environ) | redact.argv_secret_values([cmdline]))
     python = _is_python(pid, exe)
     probe, note = find_probe(pid, environ, started)
     caught = _sigusr1_caught(pid)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_diag import artifacts
+from nsa_diag.redact import redact_argv
 
 SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
@@ -336,7 +337,8 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
         except subprocess.TimeoutExpired:
             attempts.append(f"py-spy {' '.join(args)} did not finish within {timeout_s:g} s")
             continue
-        text = done.stdout + (f"\n--- stderr ---\n{done.stderr}" if done.stderr.strip() else "")
+        text = _redact_header(done.stdout)
+        text += f"\n--- stderr ---\n{done.stderr}" if done.stderr.strip() else ""
         if done.returncode == 0 and parse_pyspy(done.stdout):
             artifacts.write_text(out_path, text)
             return {"taken": True, "native": "--native" in args, "file": out_path.name}
@@ -346,6 +348,17 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
         attempts.append(f"py-spy {' '.join(args)} exited {done.returncode}: {said}")
     artifacts.write_text(out_path, "\n".join(attempts) + "\n")
     return {"taken": False, "why": "; ".join(attempts), "file": out_path.name}
+
+
+def _redact_header(text: str) -> str:
+    """py-spy's dump heads with the command line (``Process 42: python train.py --api-key X``): its secret
+    arguments withheld (`nsa_diag.redact.redact_argv`; known secret values go when the file is written)."""
+    lines = text.split("\n")
+    for i, line in enumerate(lines[:3]):
+        head, sep, cmdline = line.partition(": ")
+        if head.startswith("Process ") and sep:
+            lines[i] = head + sep + " ".join(redact_argv(cmdline.split(" ")))
+    return "\n".join(lines)
 
 
 def _last_line(text: str) -> str:

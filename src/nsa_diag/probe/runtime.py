@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nsa_diag.redact import env_secret_values, redact_argv
 from nsa_diag.worker.beacon import PHASES, BeaconWriter
 
 PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
@@ -166,7 +167,7 @@ class Probe:
         self.info: dict[str, Any] = {
             "pid": os.getpid(),
             "ppid": os.getppid(),
-            "argv": list(sys.argv) if hasattr(sys, "argv") else [sys.executable],
+            "argv": redact_argv(getattr(sys, "argv", [sys.executable]), env_secret_values(os.environ)),
             "executable": sys.executable,
             "started": time.time(),
             "rank": _int_env("RANK"),

@@ -227,7 +227,7 @@ def run_attach(req: AttachRequest, *, json_output: bool = False) -> int:
             children=req.children, send_signal=req.send_signal,
         )  # fmt: skip
         act = judge_tree(tree)
-        record = result_record(req, tree, act, run_dir)
+        record = artifacts.scrub_data(result_record(req, tree, act, run_dir))  # the console's too
         artifacts.write_json(run_dir / artifacts.RESULT, record)
         artifacts.write_text(run_dir / SUMMARY_MD, summary_markdown(record))
     except KeyboardInterrupt as exc:

@@ -1,0 +1,140 @@
+"""No artifact records a secret passed on a command line: the rules (`nsa_diag.redact`), the files written
+(`nsa_diag.artifacts`), replay.sh asking for the value, and `nsa-diag watch` on a job given ``--api-key``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from diag_cli import run_cli
+
+from nsa_diag import artifacts
+from nsa_diag.redact import WITHHELD, is_secret_option, redact_argv, secret_words
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+
+
+@pytest.fixture(autouse=True)
+def _no_withheld_values_left() -> Iterator[None]:
+    yield
+    artifacts._withheld.clear()  # the set is process-wide: each test starts from none
+
+
+@pytest.mark.parametrize(
+    ("option", "secret"),
+    [
+        ("--api-key", True), ("--hf_token", True), ("--password", True), ("-apikey", True),
+        ("--wandb.key", True), ("--auth", True), ("--tokenizer", False), ("--max-tokens", False),
+        ("--keep-alive", False), ("--monkey", False), ("--author", False), ("--", False), ("key", False),
+    ],
+)  # fmt: skip
+def test_an_option_takes_a_secret_when_a_word_of_its_name_says_so(option: str, secret: bool) -> None:
+    assert is_secret_option(option) is secret
+
+
+def test_secret_words_of_a_command_line() -> None:
+    argv = [
+        "torchrun", "--nproc-per-node", "2", "train.py", "--api-key", "k-abcdef", "--token=t-123456",
+        "--tokenizer", "gpt2", "--password", "--verbose", "HF_TOKEN=hf-xyz", "--lr", "3e-4",
+    ]  # fmt: skip
+    assert secret_words(argv) == {
+        5: ("--api-key", "k-abcdef"),
+        6: ("--token", "t-123456"),
+        11: ("HF_TOKEN", "hf-xyz"),
+    }  # "--password" followed by an option has no value here
+    redacted = redact_argv(argv)
+    assert redacted[5] == WITHHELD
+    assert redacted[6] == f"--token={WITHHELD}"
+    assert redacted[11] == f"HF_TOKEN={WITHHELD}"
+    assert [redacted[i] for i in (8, 13)] == ["gpt2", "3e-4"]
+
+
+def test_files_written_withhold_the_values_they_are_told_of(tmp_path: Path) -> None:
+    artifacts.withhold(["s3cr3t-value", "1234567", "abc"])  # all digits and short ones are not searched for
+    artifacts.write_text(tmp_path / "a.txt", "Process 42: python train.py --key s3cr3t-value\n")
+    artifacts.write_json(tmp_path / "b.json", {"n": 1234567, "x": ["s3cr3t-value"], "s3cr3t-value": "abc"})
+    artifacts.append_text(tmp_path / "c.txt", "x s3cr3t-value y\n")
+    for name in ("a.txt", "b.json", "c.txt"):
+        assert "s3cr3t-value" not in (tmp_path / name).read_text()
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert data == {"n": 1234567, "x": [WITHHELD], WITHHELD: "abc"}
+
+
+def test_recorded_command_lines_withhold_their_secret_arguments_by_position(tmp_path: Path) -> None:
+    # a value too short to search for is still withheld where a command line is recorded
+    record = {
+        "argv": ["train.py", "--password", "pw1"],
+        "cmdline": "python train.py --token=t0k",
+        "other": "pw1",
+    }
+    artifacts.write_json(tmp_path / "r.json", record)
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["argv"] == ["train.py", "--password", WITHHELD]
+    assert data["cmdline"] == f"python train.py --token={WITHHELD}"
+    assert data["other"] == "pw1"
+
+
+def test_replay_asks_for_a_secret_argument_and_runs_with_it(tmp_path: Path) -> None:
+    argv = ["python3", "-c", "import sys; print(sys.argv[1:])", "--api-key", "k-abcdef", "--hf=tok-from-env"]
+    artifacts.withhold(["tok-from-env"])
+    os.environ["MY_HF_TOKEN"] = "tok-from-env"  # the value came from a secret variable: replay names it
+    try:
+        path = artifacts.write_replay(tmp_path / "replay.sh", argv, {"NSA_X": "1"})
+    finally:
+        del os.environ["MY_HF_TOKEN"]
+    text = path.read_text()
+    assert "k-abcdef" not in text
+    assert "tok-from-env" not in text
+    assert "NSA_DIAG_SECRET_1" in text
+    assert "MY_HF_TOKEN" in text
+    missing = subprocess.run(["bash", str(path)], capture_output=True, text=True, check=False)
+    assert missing.returncode != 0
+    assert "set NSA_DIAG_SECRET_1" in missing.stderr
+    env = {**os.environ, "NSA_DIAG_SECRET_1": "k-abcdef", "MY_HF_TOKEN": "tok-from-env"}
+    done = subprocess.run(["bash", str(path)], capture_output=True, text=True, check=True, env=env)
+    assert done.stdout.strip() == "['--api-key', 'k-abcdef', '--hf=tok-from-env']"
+
+
+@pytest.mark.slow
+def test_watch_records_no_secret_of_the_jobs_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    # --hub's value is a secret only as HF_TOKEN's value (the job was given `--hub $HF_TOKEN`)
+    job = [sys.executable, "plain_loop.py", "--api-key", "k-0a1b2c3d", "--wandb_token=w-4e5f6a7b"]
+    job += ["--hub", "hf-1c2d3e4f"]
+    env = {"HF_TOKEN": "hf-1c2d3e4f"}
+    proc = run_cli("watch", "--out", out, "--", *job, cwd=JOBS, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    (run_dir,) = out.iterdir()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "probe.json" for p in written)
+    for path in written:
+        data = path.read_bytes()
+        for value in (b"k-0a1b2c3d", b"w-4e5f6a7b", b"hf-1c2d3e4f"):
+            assert value not in data, f"{path.relative_to(run_dir)} records {value!r}"
+    replay = (run_dir / "cases" / "watch" / "replay.sh").read_text()
+    assert "NSA_DIAG_SECRET_1" in replay
+    assert "NSA_DIAG_SECRET_2" in replay
+    assert '--hub "${HF_TOKEN:?' in replay
+
+
+def test_a_pyspy_dump_heads_with_the_command_line_its_secrets_withheld() -> None:
+    from nsa_diag.evidence.stacks import _redact_header, parse_pyspy
+
+    recorded = (Path(__file__).parent / "recorded" / "deadlock.pyspy.txt").read_text()
+    head, rest = recorded.split("\n", 1)
+    text = head + " --token abc\n" + rest  # a value too short to search for: withheld by its position
+    redacted = _redact_header(text)
+    assert redacted.split("\n", 1)[0] == head + f" --token {WITHHELD}"
+    assert parse_pyspy(redacted) == parse_pyspy(text)
+
+
+def test_a_secret_variable_holding_a_path_does_not_blank_the_paths_under_it() -> None:
+    from nsa_diag.redact import env_secret_values
+
+    environ = {"KEY_DIR": "/work", "HF_TOKEN": "hf-abcdef", "TOKENIZERS_PARALLELISM": "false", "PATH": "/x"}
+    assert env_secret_values(environ) == {"hf-abcdef"}
