@@ -7,8 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from diag_cli import run_cli, run_cli_json
+from diag_cli import cli_env, run_cli, run_cli_json
 
+from nsa_diag.app import run_cli as cli_main
 from nsa_diag.spec import CaseSpec
 from nsa_diag.worker.preflight import model_facts
 
@@ -85,14 +86,35 @@ REFUSED = [
 
 
 @pytest.mark.parametrize("args,message", REFUSED)
-def test_options_a_model_cannot_take_are_refused(args: list[str], message: str, tmp_path: Path) -> None:
+def test_options_a_model_cannot_take_are_refused(
+    args: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # nsa-diag in process (the CLI's own `run_cli`): the refusal comes before any case, so a subprocess
+    # would add only its start-up (`test_a_model_refusal_from_the_command_line`); the model's pre-flight
+    # is a subprocess still, and finds the planted models on PYTHONPATH
+    monkeypatch.setenv("PYTHONPATH", cli_env(planted=True)["PYTHONPATH"])
     model = [] if "--model" in args else ["--model", "diag_user_model:build"]
-    done = run_cli(*args, *model, "--seq-len", "16", "--out", tmp_path, planted=True)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1
+    code = cli_main([*args, *model, "--seq-len", "16", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
     assert message in lines[0]
     assert not list(tmp_path.iterdir()), "refused before any run folder"
+
+
+def test_a_model_refusal_from_the_command_line(tmp_path: Path) -> None:
+    done = run_cli(
+        "run", "--window", "64", "--model", "diag_user_model:build", "--out", tmp_path, planted=True
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "holds no NSAAttention" in line
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow

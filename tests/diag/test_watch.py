@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from diag_cli import cli_env, run_cli
 
+from nsa_diag.app import run_cli as cli_main
 from nsa_diag.launchers import job
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -187,12 +188,16 @@ def test_raise_is_an_error_with_the_exception(tmp_path: Path) -> None:
         ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
-    proc = run_cli("watch", "--out", tmp_path / "runs", *args, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert says in lines[0], proc.stderr
+def test_bad_input_is_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # in process (the CLI's own `run_cli`): refused before anything starts, as from the command line
+    code = cli_main(["watch", "--out", str(tmp_path / "runs"), *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert says in lines[0], err
     assert not (tmp_path / "runs").exists()
 
 
