@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from nsa_diag import artifacts
+from nsa_diag import artifacts, redact
 from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseResult, CaseSpec
 
@@ -77,6 +77,7 @@ def run_case_job(spec_json: str, case_dir: str, replay_argv: Sequence[str] | Non
     signal that stopped it, if one did). Never raises for the case's own failures: they are its verdict."""
     spec = CaseSpec.model_validate_json(spec_json)
     folder = Path(case_dir)
+    artifacts.withhold(redact.env_secret_values(os.environ))  # as nsa-diag's own process does (app.py)
     facts = _job_facts()
     warned: list[str] = []
     stopped_by = None
