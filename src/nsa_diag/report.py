@@ -298,6 +298,8 @@ def _run_lines(run: RunFolder) -> list[str]:
         result = "all ok" if summary.get("ok") else "not all ok"
         result += " (interrupted)" if summary.get("interrupted") else ""
         lines.append(f"- result: {result}, exit code {summary.get('exit_code', '?')}")
+    elif (run.path / render.SUMMARY_JSON).exists():  # there, but not what nsa-diag writes
+        lines.append(f"- {render.SUMMARY_JSON} could not be used (see Notes); read from cases/")
     else:
         lines.append(
             f"- no {render.SUMMARY_JSON}: the run did not finish (was nsa-diag killed?); read from cases/"

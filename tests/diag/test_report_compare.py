@@ -398,6 +398,12 @@ def test_a_summary_of_another_shape_is_read_around_not_raised_on(tmp_path: Path)
     done = nsa_diag("report", run)
     assert done.returncode == 0, done.stderr
     assert "summary.json: cases is not a JSON array: ignored" in (run / "report.md").read_text()
+    (run / "summary.json").write_text("[1, 2")  # there, but unreadable: not said to be missing
+    done = nsa_diag("report", run)
+    assert done.returncode == 0, done.stderr
+    report = (run / "report.md").read_text()
+    assert "summary.json could not be used (see Notes)" in report
+    assert "no summary.json" not in report
     done = nsa_diag("compare", run, run)
     assert done.returncode == 0, done.stderr
     assert "matrix.json: axes is not a JSON object: ignored" in done.stdout + done.stderr
