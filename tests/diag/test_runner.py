@@ -163,8 +163,9 @@ def test_a_deadlock_is_a_hang_when_the_timeout_comes_before_the_stall_limit(tmp_
 def test_slow_is_told_from_a_hang_with_rate_and_eta(tmp_path: Path) -> None:
     case_dir = tmp_path / "slow"
     # the timeout covers start-up too (a CUDA build of torch, or a loaded CI machine, takes over 15 s):
-    # leave room for some steps; 200 steps need 60 s of sleeps alone
-    spec = make_spec("slow", "slow:seconds=0.3", steps=200, stall=4.0, timeout=30.0)
+    # leave room for some steps; 200 steps need 60 s of sleeps alone. The stall limit is far above the
+    # 0.3 s steps (a loaded CI machine once left a 4.1 s gap between two events)
+    spec = make_spec("slow", "slow:seconds=0.3", steps=200, stall=10.0, timeout=30.0)
     result = run_case(spec, case_dir)
     assert result.verdict == "slow", result.reason
     assert result.hang_kind is None

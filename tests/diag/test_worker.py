@@ -135,7 +135,12 @@ def _events(case: Case, **match: Any) -> list[dict[str, Any]]:
 
 
 def _check_hang(case: Case, kind: str, where: dict[str, Any], *, heartbeat: bool, frame: str) -> None:
-    first = case.wait_until(where)
+    case.wait_until(where)
+    # the fault starts just after its progress event: a heartbeat may still tick in between (seen on a
+    # loaded CI machine, 0.15 s after the event), so the hang is read from a moment later
+    time.sleep(0.5)
+    first = case.beacon()
+    assert first is not None
     time.sleep(2.0)
     later = case.beacon()
     assert case.proc.poll() is None, "a hang must not end by itself"
