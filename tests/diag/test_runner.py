@@ -130,7 +130,10 @@ def test_deadlock_is_a_python_deadlock_at_layer_1_backward_with_two_stack_sample
 
 @pytest.mark.parametrize(
     ("inject", "kind"),
-    [pytest.param("busy", "python-busy", id="busy"), pytest.param("gil-hog", "gil-held", id="gil-hog")],
+    [  # python-busy is also told from recorded evidence (test_classify): its live run in make test-slow
+        pytest.param("busy", "python-busy", id="busy", marks=pytest.mark.slow),
+        pytest.param("gil-hog", "gil-held", id="gil-hog"),
+    ],
 )
 def test_busy_and_gil_held_hangs_without_pyspy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inject: str, kind: str
@@ -208,7 +211,12 @@ def _wait_for(predicate: object, timeout_s: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"]
+    "signum",
+    [  # SIGTERM and SIGHUP take the same path as SIGINT (SIGHUP from the CLI: test_processes): make test-slow
+        pytest.param(signal.SIGINT, id="SIGINT"),
+        pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow),
+        pytest.param(signal.SIGHUP, id="SIGHUP", marks=pytest.mark.slow),
+    ],
 )
 def test_interrupting_nsa_diag_stops_the_worker_and_writes_the_result(tmp_path: Path, signum: int) -> None:
     argv = [sys.executable, "-m", "nsa_diag", "run", "--inject", "deadlock:layer=1", "--stall", "60"]
