@@ -251,10 +251,23 @@ def _blocking(
     return None
 
 
+def _importing(focus: ThreadStack | None) -> bool:
+    """Whether the thread is importing a module (an import machinery frame on its stack)."""
+    return focus is not None and any(f.file.startswith("<frozen importlib") for f in focus.python_frames)
+
+
 def _distributed(focus: ThreadStack | None, native: Sequence[Frame]) -> Frame | None:
+    """The torch.distributed frame the thread waits in, or None. A thread that is importing runs
+    torch.distributed's module code (``transformers`` imports ``torch.distributed.tensor``): only a frame
+    of ``distributed_c10d.py``, where collectives are called, counts then."""
+    importing = _importing(focus)
     for frame in focus.python_frames if focus else ():
-        if "torch/distributed/" in frame.file.replace("\\", "/"):
-            return frame
+        path = frame.file.replace("\\", "/")
+        if "torch/distributed/" not in path or frame.func == "<module>":
+            continue
+        if importing and not path.endswith("distributed_c10d.py"):
+            continue
+        return frame
     hit = next((f for f in native if any(n in f.func for n in _DIST_NATIVE)), None)
     return hit
 
