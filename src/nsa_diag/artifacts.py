@@ -38,7 +38,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from nsa_diag.errors import UsageError
-from nsa_diag.redact import MIN_SECRET_LEN, WITHHELD, is_secret_name, redact_argv, secret_words
+from nsa_diag.redact import (
+    MIN_SECRET_LEN,
+    WITHHELD,
+    env_secret_values,
+    is_secret_name,
+    redact_argv,
+    secret_words,
+)
 
 DEFAULT_OUT = Path("nsa-diag-runs")
 # A run folder is refused on a file system with less free: a case writes logs, stacks and evidence, and a
@@ -362,7 +369,8 @@ def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, li
     """The shell words of `argv` for replay.sh, and the variables the user must set: each secret in a word
     (a secret argument, `secret_words`, or a withheld value within it) becomes ``"${VAR:?...}"``, where VAR
     is the secret-named variable of this environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
-    by_value = {v: k for k, v in sorted(environ.items()) if is_secret_name(k) and len(v) >= MIN_SECRET_LEN}
+    secret_values = env_secret_values(environ)  # the same values `withhold` takes from an environment
+    by_value = {v: k for k, v in sorted(environ.items()) if is_secret_name(k) and v in secret_values}
     known = {*_withheld, *by_value}
     positional = {i: value for i, (_, value) in secret_words(argv).items()}
     words: list[str] = []
