@@ -73,6 +73,7 @@ GPU = "gpu.json"
 NVIDIA_SMI = "nvidia-smi.txt"
 STACKS = "stacks.txt"
 PYSPY = "pyspy.txt"
+PYSPY_SECOND = "pyspy-2.txt"  # a second py-spy dump of a unit that used the CPU at the hang
 PROC = "proc.json"
 TRACE = "trace.json"
 MEMORY_TIMELINE = "memory_timeline.html"

@@ -5,23 +5,30 @@ GPU utilisation, where the beacon last was) and `classify` decides, without touc
 
 - exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch, error,
   skipped as they are); killed by a signal the runner did not send, or exited without a result -> crash.
-- timeout (``--timeout`` ran out) -> slow, with the rate and the time it would still need; but a worker
-  idle for longer than any gap between its progress events before, with no progress while the evidence
-  was taken, and seen stuck (collective, gil-held, python-deadlock below) -> hang: idle is not progress,
-  whichever limit came first.
+- timeout (``--timeout`` ran out) -> slow, with the rate and the time it would still need, and what showed
+  work (`nsa_diag.watchdog.Work`) or the pause it was in (`pause_reason`); but a worker idle for longer
+  than any gap between its progress events before, with no progress while the evidence was taken, no work
+  and no pause, and seen stuck (collective, gil-held, python-deadlock below) -> hang: idle is not
+  progress, whichever limit came first.
 - interrupted (nsa-diag got SIGINT/SIGTERM) -> error.
 - stalled (no progress for ``--stall`` seconds) -> hang, and the hang kind, first match wins:
   collective   torch.distributed frames (Python or c10d/NCCL/Gloo native) in the training thread;
   cuda-kernel  a device sync (torch.cuda.synchronize, cuda*Synchronize, or a ``.item()``/``.cpu()``-like
-               line while the GPU is busy) in every sample;
+               line while the GPU is busy) at the same innermost frame in every sample;
   gil-held     the heartbeat thread stopped ticking (before or between the samples): no Python thread
                can run, so a C call holds the GIL;
-  python-deadlock  the same top frame in every sample, blocked in a lock/wait/sleep (a blocking stdlib
-               frame, the source line's call, py-spy's native frames or the kernel wait channel) and
-               CPU < 20%;
-  python-busy  CPU >= 50% (or a running main thread at >= 20%) with the heartbeat alive and Python on
-               top (py-spy, when there, agrees);
+  python-deadlock  the same top frame in every sample, blocked in a lock/wait (a blocking stdlib frame,
+               the source line's call, py-spy's native frames or the kernel wait channel) and CPU < 20%;
+               a sleep is not a deadlock (it ends by itself);
+  python-busy  CPU >= 50% (or a running main thread at >= 20%) with the heartbeat alive, Python on top
+               (py-spy, when there, agrees) and the same innermost frame in every sample;
   unknown      anything else, with what was seen.
+
+`pause_reason` says when a stalled unit is not stuck at all, from the same evidence: a progress event came
+while it was taken, its innermost frame moved between the samples while it used the CPU, it sleeps
+(``time.sleep``), it writes or reads a checkpoint (``torch.serialization``) or files (/proc's I/O bytes, a
+disk wait), or it waits for a DataLoader batch that one of its workers is busy producing. The executor
+then watches on (`nsa_diag.watchdog.Watcher.rearm`) instead of stopping the job.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any, Literal
 
 from nsa_diag.evidence.stacks import Frame, ThreadStack, fatal_error, parse_faulthandler, parse_pyspy
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
+from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
 WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped")
@@ -103,6 +111,7 @@ class Evidence:
     stack_samples: Sequence[str] = ()  # faulthandler texts, one per sample, in order
     fatal_stack: str | None = None  # faulthandler's dump at a fatal signal (segfault, abort)
     pyspy: str | None = None  # py-spy dump text
+    pyspy_second: str | None = None  # a second py-spy dump a moment later (CPU-bound units only)
     cpu_percent: float | None = None  # of the worker between the two samples (100 = one core)
     heartbeat_advancing: bool | None = None  # the heartbeat ticked before and between the samples
     gpu_utilization: float | None = None  # percent; None without NVML
@@ -118,6 +127,10 @@ class Evidence:
     source_lines: Mapping[str, str] = field(default_factory=dict)  # "file:line" -> source text
     stderr_tail: str = ""
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" to nsa-diag
+    io_bytes: int | None = None  # read + written while the evidence was taken (/proc)
+    work: Work | None = None  # the liveness signals over the window before the stall or the timeout
+    # Pauses of the processes this one waits on (its DataLoader workers): `pause_reason` of each, by label.
+    workers: Mapping[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -290,6 +303,88 @@ def _cuda_source(focus: ThreadStack | None, sources: Mapping[str, str]) -> str |
     return _frame_text(top, sources) if _CUDA_SOURCE.search(source) else None
 
 
+def is_sleep(blocked: str | None) -> bool:
+    """Whether a `_blocking` answer is a sleep (``time.sleep``, nanosleep): a pause, not a deadlock."""
+    return bool(blocked) and blocked.startswith("sleep")  # type: ignore[union-attr]
+
+
+def waits_on_dataloader(thread: ThreadStack | None) -> bool:
+    """Whether the thread waits inside torch's DataLoader (for its next batch)."""
+    return thread is not None and any(
+        "torch/utils/data/" in f.file.replace("\\", "/") for f in thread.python_frames
+    )
+
+
+def _saving(thread: ThreadStack | None) -> Frame | None:
+    """The frame of torch.serialization (a checkpoint written or read) on the thread's stack, or None."""
+    for frame in thread.python_frames if thread else ():
+        if frame.file.replace("\\", "/").endswith("torch/serialization.py"):
+            return frame
+    return None
+
+
+def _native_moved(first: ThreadStack | None, second: ThreadStack | None) -> tuple[str, str] | None:
+    """Two py-spy dumps of one thread in named native code that is no wait (no lock, sleep, I/O, GPU sync or
+    collective) at different innermost functions: C code that computes, not one that spins in a wait."""
+    tops = []
+    for thread in (first, second):
+        native = _innermost_native(thread)
+        named = [f for f in native if not f.func.startswith("0x")]
+        if not named or _native_match(native, _BLOCKING_NATIVE) or _cuda_sync(thread, native):
+            return None
+        if _distributed(thread, native):
+            return None
+        tops.append(named[0].func)
+    return (tops[0], tops[1]) if tops[0] != tops[1] else None
+
+
+def pause_reason(ev: Evidence) -> str | None:
+    """Why a unit past its stall limit is not stuck (module docstring), or None when nothing says so."""
+    if ev.progressed:
+        return "a progress event came while the evidence was taken"
+    samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
+    focus = [focus_thread(threads) for threads in samples]
+    last = focus[-1] if focus else None
+    sources = ev.source_lines
+    cpu = ev.cpu_percent
+    tops = [_top_python(t) for t in focus]
+    if len(tops) >= 2 and all(tops) and cpu is not None and cpu >= WORK_CPU_MIN:
+        a, b = tops[0], tops[-1]
+        assert a is not None
+        assert b is not None
+        if (a.file, a.line) != (b.file, b.line):
+            moved = f"{a.short()} -> {b.short()}"
+            return f"its innermost frame moved between the stack samples ({moved}) at CPU {cpu:.0f}%"
+    if ev.pyspy and ev.pyspy_second and cpu is not None and cpu >= WORK_CPU_MIN:
+        first, second = (_pyspy_match(parse_pyspy(text), last) for text in (ev.pyspy, ev.pyspy_second))
+        native_moved = _native_moved(first, second)
+        if native_moved:
+            moved = " -> ".join(native_moved)
+            return f"its native frames moved between two py-spy dumps ({moved}) at CPU {cpu:.0f}%"
+    if (ev.io_bytes or 0) >= WORK_IO_BYTES:
+        return f"it read or wrote {(ev.io_bytes or 0) / 2**20:.1f} MiB while the evidence was taken"
+    saving = _saving(last)
+    if saving is not None:
+        at = _thread_text(last, sources)
+        return f"reading or writing a checkpoint (torch.serialization, {saving.short()}) at {at}"
+    if ev.main_state == "D" and last is not None and last.is_main:
+        return f"in a disk wait (state D: file I/O) at {_thread_text(last, sources)}"
+    pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
+    native = _innermost_native(pyspy_focus)
+    blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
+    if is_sleep(blocked) and _same_top(focus) and (cpu is None or cpu < DEADLOCK_CPU_MAX):
+        return f"sleeping at {_thread_text(last, sources)}: a sleep ends by itself"
+    if waits_on_dataloader(last):
+        busy = [f"{label}: {why}" for label, why in ev.workers.items() if why]
+        if busy:
+            return (
+                "waiting for its next batch, which its DataLoader worker is producing ("
+                + "; ".join(busy)
+                + ")"
+            )
+    return None
+
+
 # --- verdicts -----------------------------------------------------------------------------------------
 
 
@@ -333,7 +428,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
         return "collective", f"blocked in torch.distributed at {dist.short()} {both}"
 
     sync = _cuda_sync(last, native)
-    if sync and (same or all(_cuda_sync(t, ()) for t in focus)):
+    if sync and same:
         return "cuda-kernel", f"waiting for the GPU in {sync} {both}, {gpu}"
     cuda_line = _cuda_source(last, sources)
     if cuda_line and same and (ev.gpu_utilization or 0) > 0:
@@ -346,13 +441,20 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if blocked and same and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
+        if is_sleep(blocked):
+            return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"
 
     if _busy(ev) and last is not None:
         top = pyspy_focus.frames[0] if pyspy_focus is not None and pyspy_focus.frames else None
         if top is not None and top.native and "gil" not in (pyspy_focus.status or ""):  # type: ignore[union-attr]
             return "unknown", f"CPU busy ({cpu}) in native code {top.short()} under {at_top}"
-        return "python-busy", f"busy in Python at {at_top}, {cpu}, heartbeat alive"
+        if not same:
+            return (
+                "unknown",
+                f"CPU busy ({cpu}) with its innermost frame moving between samples, now {at_top}",
+            )
+        return "python-busy", f"busy in Python at {at_top} {both}, {cpu}, heartbeat alive"
 
     seen = [cpu, f"heartbeat {'alive' if ev.heartbeat_advancing else 'unknown'}"]
     seen.append(f"top frame {at_top}" if last is not None else "no stack sample")
@@ -365,9 +467,20 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
 def _slow_reason(ev: Evidence) -> str:
     rate = dict(ev.rate or {})
-    parts = [
-        f"still progressing when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out, at {_at(ev.where)}"
-    ]
+    working = ev.work is not None and ev.work.working
+    paused = None if working or ev.progressed else pause_reason(ev)
+    if working:
+        assert ev.work is not None
+        timeout = ev.timeout_s or ev.elapsed_s
+        still = f"still working ({ev.work.describe()}) when the {timeout:g} s timeout ran out"
+    elif paused:
+        idle = f" for {ev.stalled_for_s:.0f} s" if ev.stalled_for_s is not None else ""
+        still = (
+            f"paused{idle}, not stuck ({paused}), when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out"
+        )
+    else:
+        still = f"still progressing when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out"
+    parts = [f"{still}, at {_at(ev.where)}"]
     if rate.get("steps_per_s") is not None:
         parts.append(f"{rate['steps_per_s']:.3g} steps/s")
     if rate.get("events_per_s") is not None:
@@ -433,7 +546,8 @@ def classify(ev: Evidence) -> Classification:
         unprecedented = (
             ev.longest_gap_s is None or ev.stalled_for_s is None or ev.stalled_for_s > ev.longest_gap_s
         )
-        if ev.progressed is False and unprecedented:
+        working = ev.work is not None and ev.work.working
+        if ev.progressed is False and unprecedented and not working and pause_reason(ev) is None:
             kind, why = hang_kind(ev)
             if kind in STUCK_KINDS:
                 idle = f" for {ev.stalled_for_s:.1f} s" if ev.stalled_for_s is not None else ""

@@ -7,7 +7,10 @@ runs the same way: write ``spec.json`` and ``replay.sh``, start the job through 
 own (NCCL flight recorder), then for every live process memory at the hang, two stack samples a second
 apart, py-spy, GPU and ``/proc`` (in parallel when there are several); then stop every process of the
 job; classify each unit (`nsa_diag.results.unit_result`), let the launcher combine them, and write
-``result.json``.
+``result.json``. A unit that stalled but is only paused (it sleeps, writes a checkpoint, computes between
+two progress events, or waits for a batch its DataLoader worker is producing:
+`nsa_diag.results.stalled_pause`) is not stopped: the watch goes on with that unit's stall clock started
+again, and result.json lists the pauses.
 
 `run_case` returns a `CaseResult` in every outcome and raises only `Interrupted` (a KeyboardInterrupt)
 when nsa-diag itself gets SIGINT, SIGTERM or SIGHUP (`nsa_diag.interrupts`), after the job's processes
@@ -29,15 +32,16 @@ from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import Ending, Launcher, Unit, default_launcher, pinned_env
-from nsa_diag.results import case_files, error_result, unit_result
+from nsa_diag.results import Observed, case_files, error_result, stalled_pause, unit_result, worker_activity
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
     BeaconSource,
     HangEvidence,
     ProcessHandle,
+    Watched,
+    Watcher,
     WatchResult,
     gather_hang_evidence,
-    watch,
 )
 from nsa_diag.worker.beacon import BeaconState
 
@@ -126,6 +130,31 @@ def gather_evidence(
     return out
 
 
+def _observed(
+    units: Sequence[Unit], watched: Sequence[WatchResult], hangs: Mapping[int, HangEvidence]
+) -> dict[int, Observed]:
+    return {
+        u.key: Observed(f"pid {u.key}" if u.role else f"unit {u.key}", u.folder, w, hangs.get(u.key))
+        for u, w in zip(units, watched, strict=True)
+    }
+
+
+def _workers_of(key: int, units: Sequence[Unit], observed: Mapping[int, Observed]) -> list[Observed]:
+    """The DataLoader workers of unit ``key`` (forked from it), as observed."""
+    return [observed[u.key] for u in units if u.parent == key and u.role == "dataloader-worker"]
+
+
+def _pause(
+    spec: CaseSpec, units: Sequence[Unit], watched: Watched, hangs: Mapping[int, HangEvidence]
+) -> str | None:
+    """Why the unit that stalled is only paused (`nsa_diag.results.stalled_pause`), or None: it is hung."""
+    if watched.outcome != "stalled" or watched.decider is None:
+        return None
+    observed = _observed(units, watched.units, hangs)
+    key = units[watched.decider].key
+    return stalled_pause(spec, observed[key], _workers_of(key, units, observed))
+
+
 def _watch_and_judge(
     spec: CaseSpec,
     case_dir: Path,
@@ -135,32 +164,51 @@ def _watch_and_judge(
     t0: float,
     on_progress: ProgressCallback | None,
 ) -> CaseResult:
-    """From a started job to the case's result: watch, evidence, stop, classify, combine."""
+    """From a started job to the case's result: watch, evidence (and on only a pause, watch on), stop,
+    classify, combine."""
     assert launcher.proc is not None
     if launcher.units_appear:  # a user's job: its processes come and go; asked again at every poll
         beacons: BeaconSource = lambda: [u.beacon for u in launcher.units(case_dir)]  # noqa: E731
     else:
         beacons = [u.beacon for u in launcher.units(case_dir)]
-    watched = watch(
+    watcher = Watcher(
         launcher.proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear
     )
-    units = launcher.units(case_dir)[: len(watched.units)]
-    launcher.after_watch(case_dir)
-    notes = launcher.notes()
-    hangs: dict[int, HangEvidence] = {}
-    if watched.outcome != "exited":
+    pauses: list[dict[str, object]] = []
+    while True:
+        watched = watcher.run()
+        units = launcher.units(case_dir)[: len(watched.units)]
+        launcher.after_watch(case_dir)
+        notes = launcher.notes()
+        hangs: dict[int, HangEvidence] = {}
+        if watched.outcome == "exited":
+            break
         notes.update(launcher.evidence_before_stop(case_dir))
         hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
+        paused = _pause(spec, units, watched, hangs)
+        if paused is None:
+            break
+        assert watched.decider is not None
+        decision = watched.units[watched.decider].decision
+        pauses.append({
+            "unit": units[watched.decider].key, "at_s": round(time.time() - started, 1),
+            "idle_s": round(decision.idle_s, 1) if decision else None, "why": paused,
+        })  # fmt: skip
+        watcher.rearm(watched.decider)
+    if pauses:
+        notes["pauses"] = pauses
     launcher.before_stop(case_dir)
     with guard.deferred():
         stop = launcher.stop()
     launcher.evidence_after_stop(case_dir, notes)
     ends = launcher.unit_ends(case_dir, units, watched.units, hangs, stop)
+    observed = _observed(units, watched.units, hangs)
     per_unit = {}
     for unit in units:
         unit_watched, unit_stop = ends[unit.key]
+        workers = {w.label: worker_activity(spec, w) for w in _workers_of(unit.key, units, observed)}
         per_unit[unit.key] = unit_result(
-            spec, unit.folder, unit_watched, hangs.get(unit.key), unit_stop, time.monotonic() - t0
+            spec, unit.folder, unit_watched, hangs.get(unit.key), unit_stop, time.monotonic() - t0, workers
         )
     decider = units[watched.decider].key if watched.decider is not None else None
     elapsed = time.monotonic() - t0

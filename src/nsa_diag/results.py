@@ -14,25 +14,29 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from nsa_diag import artifacts
-from nsa_diag.classify import Evidence, classify
+from nsa_diag.classify import Evidence, classify, pause_reason
 from nsa_diag.evidence import stacks
 from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
+    BUSY_WORKER_CPU,
     HangEvidence,
     StallLimit,
     WatchResult,
     configured_limit,
+    is_job,
     progress_rate,
     step_limit,
     steps_done,
 )
-from nsa_diag.worker.beacon import read_beacon
+from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 STDERR_TAIL_BYTES = 4096
 _CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE, artifacts.STACK_REQUEST}
@@ -105,37 +109,48 @@ def _layers(spec: CaseSpec) -> int | None:
         return None
 
 
-def unit_result(
+def _steps(spec: CaseSpec, report: WorkerReport | None, last: BeaconState | None) -> int:
+    """Steps done: our worker's own count, else the beacon's; a user's job counts its optimizer steps as
+    the probe saw them (its report, written from its exit status, knows none)."""
+    if is_job(spec):
+        return max(report.steps_done if report else 0, steps_done(last, sys.maxsize))
+    return report.steps_done if report else steps_done(last, spec.steps)
+
+
+def unit_evidence(
     spec: CaseSpec,
     unit_dir: Path,
     watched: WatchResult,
     hang: HangEvidence | None,
-    stop: dict[str, Any],
-    elapsed: float,
-) -> CaseResult:
-    """The classified result of one unit, from its watch record, its hang evidence and its files."""
+    *,
+    exit_code: int | None = None,
+    elapsed: float = 0.0,
+    workers: dict[str, str | None] | None = None,
+) -> Evidence:
+    """What `classify` looks at for one unit: its watch record, its hang evidence and its files."""
     last = watched.last_state
-    where = Where(**last.where()) if last is not None else None
-    code = stop.get("exit_code")
     report = read_worker_report(unit_dir)
+    if report is None and is_job(spec) and exit_code == 0:  # a process of a user's job that ended well
+        report = WorkerReport(status="ok", reason="exited with code 0")
     stack_file = stacks.read_stacks(Path(unit_dir) / artifacts.STACKS)
     decision = watched.decision
     now = watched.history[-1].t
     rate = progress_rate(watched.history, now, spec, _layers(spec)) if watched.outcome == "timeout" else None
-    ev = Evidence(
+    return Evidence(
         outcome=watched.outcome,
-        exit_code=code,
-        signal=signal_name(code) if watched.outcome == "exited" else None,
+        exit_code=exit_code,
+        signal=signal_name(exit_code) if watched.outcome == "exited" else None,
         worker_result=report,
         stack_samples=hang.samples if hang else (),
         fatal_stack=stack_file.fatal,
         pyspy=hang.pyspy_text if hang else None,
+        pyspy_second=hang.pyspy_second if hang else None,
         cpu_percent=hang.cpu_percent if hang else None,
         heartbeat_advancing=hang.heartbeat_advancing if hang else None,
         gpu_utilization=hang.gpu_utilization if hang else None,
         main_wchan=hang.main_wchan if hang else None,
         main_state=hang.main_state if hang else None,
-        where=where,
+        where=Where(**last.where()) if last is not None else None,
         stalled_for_s=decision.idle_s if decision is not None else None,
         elapsed_s=elapsed,
         timeout_s=spec.timeout,
@@ -144,7 +159,58 @@ def unit_result(
         longest_gap_s=watched.longest_gap_s,
         source_lines=stacks.source_lines(stack_file.threads()),
         stderr_tail=stderr_tail(unit_dir),
+        io_bytes=hang.io_bytes if hang else None,
+        work=watched.work,
+        workers=workers or {},
     )
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One unit as the executor saw it at a stall: its folder, watch record and hang evidence."""
+
+    label: str
+    folder: Path
+    watched: WatchResult
+    hang: HangEvidence | None
+
+
+def worker_activity(spec: CaseSpec, worker: Observed) -> str | None:
+    """What a DataLoader worker is doing, when it is producing a batch (not idle, not stuck): its pause or
+    work (`classify.pause_reason`, the liveness window), or its CPU; None when it is idle or stuck."""
+    ev = unit_evidence(spec, worker.folder, worker.watched, worker.hang)
+    why = pause_reason(ev)
+    if why is None and worker.watched.work is not None and worker.watched.work.working:
+        why = worker.watched.work.describe()
+    if why is None and worker.hang is not None and (worker.hang.cpu_percent or 0.0) >= BUSY_WORKER_CPU:
+        why = f"CPU {worker.hang.cpu_percent:.0f}%"
+    return why
+
+
+def stalled_pause(spec: CaseSpec, stalled: Observed, workers: list[Observed]) -> str | None:
+    """Why the unit that stalled is not stuck (`classify.pause_reason`, with its DataLoader workers' own
+    activity), or None: then it is hung."""
+    activity = {w.label: worker_activity(spec, w) for w in workers}
+    return pause_reason(unit_evidence(spec, stalled.folder, stalled.watched, stalled.hang, workers=activity))
+
+
+def unit_result(
+    spec: CaseSpec,
+    unit_dir: Path,
+    watched: WatchResult,
+    hang: HangEvidence | None,
+    stop: dict[str, Any],
+    elapsed: float,
+    workers: dict[str, str | None] | None = None,
+) -> CaseResult:
+    """The classified result of one unit, from its watch record, its hang evidence and its files."""
+    last = watched.last_state
+    where = Where(**last.where()) if last is not None else None
+    code = stop.get("exit_code")
+    decision = watched.decision
+    ev = unit_evidence(spec, unit_dir, watched, hang, exit_code=code, elapsed=elapsed, workers=workers)
+    report, rate = ev.worker_result, ev.rate
+    stack_file = stacks.read_stacks(Path(unit_dir) / artifacts.STACKS)
     verdict = classify(ev)
     evidence: dict[str, Any] = {"outcome": watched.outcome, "stop": stop}
     if hang is not None:
@@ -160,8 +226,14 @@ def unit_result(
             stack_samples=len(hang.samples),
             progressed_during_evidence=hang.progressed,
             longest_progress_gap_s=watched.longest_gap_s,
+            io_bytes_during_evidence=hang.io_bytes,
             **hang.notes,
         )
+    if watched.work is not None:
+        evidence["work"] = watched.work.to_json()
+    if hang is not None:  # what it was doing, when that was not being stuck (a DataLoader worker reading)
+        working = watched.work is not None and watched.work.working
+        evidence["activity"] = pause_reason(ev) or (watched.work.describe() if working else None)
     if stack_file.fatal:
         evidence["fatal_error"] = stacks.fatal_error(stack_file.fatal)
     # The limit that decided a stall or timeout; for a worker that exited, the one its steps ran under.
@@ -184,7 +256,7 @@ def unit_result(
         device=(report.device if report else None) or device_from_progress(unit_dir),
         exit_code=code,
         signal=signal_name(code),
-        steps_done=report.steps_done if report else steps_done(last, spec.steps),
+        steps_done=_steps(spec, report, last),
         metrics=report.metrics if report else {},
         rate=rate,
         missing_grads=list(report.missing_grads) if report else [],

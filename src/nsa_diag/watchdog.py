@@ -1,12 +1,19 @@
 """The watchdog: pure decisions over beacon reads, the short polling loop, and stopping a case's processes.
 
-`decide` looks at the history of beacon reads and says whether the worker is running, stalled (no new
-progress event for the stall limit; heartbeat ticks are not progress) or past ``spec.timeout`` while
-still making progress (slow). The stall limit is ``spec.stall`` seconds, or with ``--stall auto`` (the
-default) derived from the measured first step (`stall_limit`). `progress_rate` gives the rate and the
-time a slow case would still need.
-Both are pure functions of `Observation` lists, tested without processes. `watch` is the polling loop, over
-the beacons of every unit of a job (one for a worker, one per local rank under torchrun).
+`decide` looks at the history of beacon reads and says whether the worker is running, stalled or past
+``spec.timeout`` while still making progress (slow). Stalled means no work, not only no progress event:
+no new event for the stall limit (heartbeat ticks are not progress) **and** none of the liveness signals
+below the block events moved in the recent past (`work_in`): the CUDA caching allocator's allocations, the
+main thread's innermost Python frame or line moving while it uses the CPU, bytes read or written
+(`nsa_diag.probe.liveness` writes the first two into the beacon; the loop reads /proc for the others). A
+unit that works past its stall limit is still running, and `slow` when its time runs out, with what showed
+the work. The stall limit is ``spec.stall`` seconds, or with ``--stall auto`` (the default) derived from
+the steps measured so far, optimizer step to optimizer step (`stall_limit`). `progress_rate` gives the
+rate and the time a slow case would still need.
+Both are pure functions of `Observation` lists, tested without processes. `Watcher` is the polling loop, over
+the beacons of every unit of a job (one for a worker, one per local rank under torchrun); it can be resumed
+after the executor found a stalled unit only paused (a sleep, a checkpoint written, a DataLoader batch read),
+with that unit's stall clock started again (`Watcher.rearm`).
 `gather_hang_evidence` is the escalation before any kill: memory at the hang (asked of the worker's
 heartbeat thread), two faulthandler stack samples a second apart with the CPU% and heartbeat between them,
 ``/proc`` state, py-spy, GPU state. `terminate_group` is the end of every case: SIGTERM to the worker's
@@ -19,6 +26,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,7 +36,7 @@ from typing import Any, Literal, Protocol
 from nsa_diag import artifacts
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.spec import CaseSpec
-from nsa_diag.worker.beacon import BeaconState, read_beacon
+from nsa_diag.worker.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 
 Status = Literal["running", "stalled", "timeout"]
 POLL_S = 0.2
@@ -44,33 +52,121 @@ EXIT_STALL_S = 30.0
 # steps of m7c-125m on an H100). It gets the start-up limit.
 EXPORT_STALL_S = 120.0
 # --stall auto (the default). Progress events come per block, branch and phase, so what the limit bounds is
-# the gap since the last event, and any such gap of a later step is at most as long as the whole first step
-# (a later step does the same work as step 1, without its one-off costs: lazy imports, allocator growth,
-# CUDA/cuDNN/Triton warm-up, the reference check): factor x the first step is then safe by construction.
+# the gap since the last event, and any such gap of a step is at most as long as the whole step: factor x
+# the longest step so far is then safe by construction. A step runs from one optimizer step to the next
+# (data loading, checkpointing, evaluation and logging included); our worker's first step runs from the end
+# of its setup (it loads no data) and includes the one-off warm-up (lazy imports, allocator growth,
+# CUDA/cuDNN/Triton warm-up, the reference check).
 # - Before the first step (setup: torch import, model build, CUDA/NCCL init): AUTO_START_S.
-# - While step 1 runs nothing is measured yet: each gap gets AUTO_FIRST_STEP_S (a 125M-parameter block on
-#   the CPU at S=2048 takes seconds, not minutes; a wedged step 1 is still caught within two minutes).
-# - After step 1: max(AUTO_FLOOR_S, AUTO_FACTOR x the first step). The factor 3 absorbs a machine that gets
-#   loaded mid-run (another job, swapping, CPU frequency, a GC pause) slowing a step two- to threefold;
-#   the floor 10 s keeps a millisecond step of a tiny model from being called hung over a scheduling
-#   hiccup or a garbage-collection pause, while a hang is still reported within seconds, not minutes.
+# - Until a step has been measured: each gap gets AUTO_FIRST_STEP_S (a 125M-parameter block on the CPU at
+#   S=2048 takes seconds, not minutes; a wedged step 1 is still caught within two minutes). A user's job
+#   (`watch`) has no known start for its first step (its data loader starts before any hook sees it): its
+#   first measured step is the second.
+# - Then: max(floor, AUTO_FACTOR x the longest step). The factor 3 absorbs a machine that gets loaded
+#   mid-run (another job, swapping, CPU frequency, a GC pause) slowing a step two- to threefold. The floor of
+#   our worker's cases, AUTO_FLOOR_S 10 s, keeps a millisecond step of a tiny model from being called hung
+#   over a scheduling hiccup or a garbage-collection pause, while a hang is still reported within seconds;
+#   a user's job pauses between two steps in ways a case never does (a checkpoint save, an evaluation, a slow
+#   batch), so its floor is AUTO_JOB_FLOOR_S 60 s, and any pause longer than that is still not a hang while
+#   the liveness signals show work or the process sleeps (the executor's pause check).
 AUTO_START_S = 120.0
 AUTO_FIRST_STEP_S = 120.0
 AUTO_FACTOR = 3.0
 AUTO_FLOOR_S = 10.0
+AUTO_JOB_FLOOR_S = 60.0
+# Liveness below the block events (`work_in`): a unit past its stall limit that did work in the last
+# min(limit, WORK_WINDOW_S) seconds (at least WORK_WINDOW_MIN_S) is still running. Work is any of: a CUDA
+# allocation; WORK_IO_BYTES read or written (a checkpoint; a log line is far less); WORK_MOVES_MIN moves of
+# the main thread's innermost Python frame or line while the process used WORK_CPU_MIN % of a core (a
+# busy loop stays on one line; a wait uses no CPU; a poll loop that wakes now and then moves, but idles).
+WORK_WINDOW_S = 20.0
+WORK_WINDOW_MIN_S = 2.0
+WORK_CPU_MIN = 20.0
+WORK_MOVES_MIN = 2
+WORK_IO_BYTES = 1 << 20
+# A DataLoader worker using this much of a core while its training process waits for a batch is producing
+# it (reading, decoding): an idle worker waiting for indices uses none.
+BUSY_WORKER_CPU = 50.0
+PROC_EVERY_S = 0.5  # how often the polling loop reads /proc (CPU time, I/O bytes) of each unit
 HEARTBEAT_STALE_S = 1.0  # the heartbeat ticks every 0.1 s; this long without a tick: it cannot run
 GRACE_S = 3.0
 DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory evidence at a hang
 SAMPLE_INTERVAL_S = 1.0
-_KEEP_TAIL = 64  # observations kept verbatim at the end of a compacted history
+_KEEP_TAIL = 160  # observations kept verbatim at the end of a compacted history (32 s of polls: the window)
+
+
+@dataclass(frozen=True)
+class ProcRead:
+    """/proc of a unit's process at one read: CPU seconds and bytes read + written so far (None: unknown)."""
+
+    cpu_s: float | None
+    io_bytes: int | None
 
 
 @dataclass(frozen=True)
 class Observation:
-    """One beacon read: the wall-clock time of the read and what it said (None: no beacon yet)."""
+    """One beacon read: the wall-clock time of the read and what it said (None: no beacon yet), with /proc of
+    the process when the loop read it then."""
 
     t: float
     state: BeaconState | None
+    proc: ProcRead | None = None
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a unit did between progress events over the last ``window_s`` seconds (`work_in`)."""
+
+    window_s: float
+    moves: int = 0  # of the main thread's innermost Python frame or line (heartbeat ticks, 10 a second)
+    allocs: int = 0  # CUDA caching allocator allocations
+    cpu_s: float | None = None
+    io_bytes: int | None = None
+    frame: str | None = None  # where the main thread last moved to (``path:line function``)
+    flags: int = 0  # `nsa_diag.worker.beacon.FLAG_*` of its stack there
+
+    @property
+    def cpu_percent(self) -> float | None:
+        return procfs.cpu_percent(0.0, self.cpu_s, self.window_s) if self.cpu_s is not None else None
+
+    @property
+    def signals(self) -> list[str]:
+        """The signals that showed work: ``allocs``, ``io``, ``moves``."""
+        found = []
+        if self.allocs > 0:
+            found.append("allocs")
+        if (self.io_bytes or 0) >= WORK_IO_BYTES:
+            found.append("io")
+        if self.moves >= WORK_MOVES_MIN and (self.cpu_percent or 0.0) >= WORK_CPU_MIN:
+            found.append("moves")
+        return found
+
+    @property
+    def working(self) -> bool:
+        return bool(self.signals)
+
+    def describe(self) -> str:
+        """``"412 CUDA allocations, 37 moves of the innermost Python frame at 98% CPU in the last 20 s"``."""
+        parts = []
+        if "allocs" in self.signals:
+            parts.append(f"{self.allocs} CUDA allocations")
+        if "io" in self.signals:
+            parts.append(f"{(self.io_bytes or 0) / 2**20:.1f} MiB read or written")
+        if "moves" in self.signals:
+            parts.append(f"{self.moves} moves of the innermost Python frame at {self.cpu_percent:.0f}% CPU")
+        if not parts:
+            cpu = "unknown" if self.cpu_percent is None else f"{self.cpu_percent:.0f}%"
+            return f"no work in the last {self.window_s:.0f} s ({self.moves} frame moves, CPU {cpu})"
+        return ", ".join(parts) + f" in the last {self.window_s:.0f} s"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "window_s": round(self.window_s, 3), "working": self.working, "signals": self.signals,
+            "moves": self.moves, "allocs": self.allocs, "cpu_percent": self.cpu_percent,
+            "io_bytes": self.io_bytes, "frame": self.frame,
+            "waits_for_batch": bool(self.flags & FLAG_DATALOADER), "saving": bool(self.flags & FLAG_SAVING),
+            "text": self.describe(),
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,7 +175,8 @@ class Decision:
     elapsed_s: float  # since the worker started
     idle_s: float  # since the last progress event
     stall_limit_s: float  # the limit that applied (spec.stall or auto's, longer during setup and exit)
-    limit_reason: str = ""  # how that limit came about, e.g. "auto: 3 x first step 2.10 s = 6.3 s ..."
+    limit_reason: str = ""  # how that limit came about, e.g. "auto: 3 x longest step 2.10 s = 6.3 s ..."
+    work: Work | None = None  # past the stall limit: the work that kept it running (or its absence)
 
 
 @dataclass(frozen=True)
@@ -99,41 +196,63 @@ def in_setup(state: BeaconState | None) -> bool:
     return state is None or (state.phase == "setup" and state.event != "end")
 
 
-def first_step_s(history: Sequence[Observation]) -> float | None:
-    """Seconds step 1 took, from the beacon's event times: from the end of setup (else, when no read caught
-    it, the first event of step 1 seen) to the first read that shows step 1 ended; None until then.
+def is_job(spec: CaseSpec) -> bool:
+    """A user's own command (`watch`), not our worker: its steps load data, and it may checkpoint."""
+    return spec.command is not None
 
-    Reads come every `POLL_S`, so the start can be late and the end late by up to one poll; the floor of
-    the auto limit covers both."""
-    setup_t: float | None = None
+
+def step_intervals(history: Sequence[Observation], *, from_first_event: bool = True) -> list[float]:
+    """Seconds each measured step took, optimizer step to optimizer step, from the beacon's event times.
+
+    The first step starts at the end of setup; when no read caught that, at the first event of step 1
+    seen (``from_first_event``: our worker, which loads no data) or it is not measured (a user's job, whose
+    data loading comes before any hook). A step ends at the first read that shows it ended (its own event
+    time when the read caught the step's end, else the read's time: late by up to one poll). Where several
+    steps ended between two reads, the interval is unknown and left out."""
+    out: list[float] = []
     start: float | None = None
+    done = 0
     for obs in history:
         s = obs.state
         if s is None:
             continue
-        if start is None and s.phase == "setup":
-            setup_t = s.time if s.event == "end" else None
-        elif s.step is not None:
-            if start is None:
-                start = setup_t if setup_t is not None else s.time
-            if steps_done(s, 1) >= 1:
-                return max(s.time - start, 0.0)
-    return None
+        if done == 0 and s.phase == "setup":
+            start = s.time if s.event == "end" else None
+            continue
+        if done == 0 and start is None and from_first_event and s.step is not None:
+            start = s.time
+        d = steps_done(s, sys.maxsize)
+        if d > done:
+            exact = (s.phase == "step" and s.event == "end") or s.phase == "done"
+            t = s.time if exact else obs.t
+            if start is not None and d == done + 1:
+                out.append(max(t - start, 0.0))
+            start, done = t, d
+    return out
+
+
+def first_step_s(history: Sequence[Observation]) -> float | None:
+    """Seconds step 1 took (our worker: from the end of setup); None until it ended (`step_intervals`)."""
+    intervals = step_intervals(history)
+    return intervals[0] if intervals else None
 
 
 def step_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
     """The stall limit for the training steps: ``spec.stall`` seconds, or auto's (module constants)."""
     if spec.stall != "auto":
         return StallLimit(float(spec.stall), f"--stall {spec.stall:g} s")
-    first = first_step_s(history)
-    if first is None:
-        return StallLimit(
-            AUTO_FIRST_STEP_S, f"auto: first-step limit {AUTO_FIRST_STEP_S:g} s (step 1 not finished yet)"
-        )
-    scaled = AUTO_FACTOR * first
-    reason = f"auto: {AUTO_FACTOR:g} x first step {first:.2f} s = {scaled:.1f} s"
-    if scaled < AUTO_FLOOR_S:
-        return StallLimit(AUTO_FLOOR_S, reason + f" -> floor {AUTO_FLOOR_S:g} s")
+    job = is_job(spec)
+    intervals = step_intervals(history, from_first_event=not job)
+    if not intervals:
+        pending = "no step measured yet: a job's first is its second" if job else "step 1 not finished yet"
+        return StallLimit(AUTO_FIRST_STEP_S, f"auto: first-step limit {AUTO_FIRST_STEP_S:g} s ({pending})")
+    longest = max(intervals)
+    scaled = AUTO_FACTOR * longest
+    reason = f"auto: {AUTO_FACTOR:g} x longest step {longest:.2f} s = {scaled:.1f} s"
+    floor = AUTO_JOB_FLOOR_S if job else AUTO_FLOOR_S
+    if scaled < floor:
+        why = " (a job's floor: a checkpoint save or a slow batch between two steps)" if job else ""
+        return StallLimit(floor, reason + f" -> floor {floor:g} s{why}")
     return StallLimit(scaled, reason)
 
 
@@ -167,20 +286,68 @@ def configured_limit(spec: CaseSpec) -> StallLimit | None:
     return None if spec.stall == "auto" else StallLimit(float(spec.stall), f"--stall {spec.stall:g} s")
 
 
-def decide(history: Sequence[Observation], now: float, spec: CaseSpec) -> Decision:
-    """running | stalled | timeout, from the beacon reads so far (``history[0]`` is the worker's start)."""
+def work_window(limit_s: float) -> float:
+    """How far back `work_in` looks for a unit whose stall limit is ``limit_s``."""
+    return max(WORK_WINDOW_MIN_S, min(limit_s, WORK_WINDOW_S))
+
+
+def work_in(history: Sequence[Observation], now: float, window_s: float) -> Work:
+    """The liveness signals' growth over the reads of the last ``window_s`` seconds (`Work`); the first read
+    in the window and the last are compared (a beacon of another process, after an exec, counts nothing)."""
+    recent = [o for o in history if o.t >= now - window_s and o.state is not None]
+    if len(recent) < 2:
+        return Work(0.0)
+    first, last = recent[0], recent[-1]
+    b0, b1 = first.state, last.state
+    assert b0 is not None
+    assert b1 is not None
+    same = b0.pid == b1.pid
+    procs = [o for o in recent if o.proc is not None]
+    cpu = io = None
+    if len(procs) >= 2:
+        p0, p1 = procs[0].proc, procs[-1].proc
+        assert p0 is not None
+        assert p1 is not None
+        if p0.cpu_s is not None and p1.cpu_s is not None:
+            cpu = max(p1.cpu_s - p0.cpu_s, 0.0)
+        if p0.io_bytes is not None and p1.io_bytes is not None:
+            io = max(p1.io_bytes - p0.io_bytes, 0)
+        span = procs[-1].t - procs[0].t
+    else:
+        span = last.t - first.t
+    return Work(
+        window_s=max(span, 1e-9),
+        moves=max(b1.moves - b0.moves, 0) if same else 0,
+        allocs=max(b1.allocs - b0.allocs, 0) if same else 0,
+        cpu_s=cpu,
+        io_bytes=io,
+        frame=b1.frame,
+        flags=b1.flags,
+    )
+
+
+def decide(
+    history: Sequence[Observation], now: float, spec: CaseSpec, since: float | None = None
+) -> Decision:
+    """running | stalled | timeout, from the beacon reads so far (``history[0]`` is the worker's start).
+
+    ``since``: the unit's stall clock starts no earlier than this (`Watcher.rearm`, after a pause)."""
     started = history[0].t
     state = _last_state(history)
     last_progress = started if state is None else min(max(state.time, started), now)
+    if since is not None:
+        last_progress = max(last_progress, min(since, now))
     idle = now - last_progress
     limit = stall_limit(history, spec)
     elapsed = now - started
     status: Status = "running"
+    work = None
     if idle >= limit.seconds:
-        status = "stalled"
-    elif elapsed > spec.timeout:
+        work = work_in(history, now, work_window(limit.seconds))
+        status = "running" if work.working else "stalled"
+    if status == "running" and elapsed > spec.timeout:
         status = "timeout"
-    return Decision(status, elapsed, idle, limit.seconds, limit.reason)
+    return Decision(status, elapsed, idle, limit.seconds, limit.reason, work)
 
 
 def heartbeat_alive(state: BeaconState | None, now: float) -> bool | None:
@@ -191,9 +358,9 @@ def heartbeat_alive(state: BeaconState | None, now: float) -> bool | None:
 
 
 def steps_done(state: BeaconState | None, steps: int) -> int:
-    """Completed training steps according to the beacon (steps are numbered from 1)."""
+    """Completed training steps according to the beacon (steps are numbered from 1), at most ``steps``."""
     if state is None or state.step is None:
-        return steps if state is not None and state.phase == "done" else 0
+        return steps if state is not None and state.phase == "done" and steps < sys.maxsize else 0
     if state.phase == "done" or (state.phase == "step" and state.event == "end"):
         return min(state.step, steps)
     return max(state.step - 1, 0)
@@ -298,6 +465,8 @@ class WatchResult:
     # one gap, so it errs long); None before two such events. At the timeout, an idle time longer than
     # any gap before is unprecedented: with a stuck stack, a hang rather than a slow step.
     longest_gap_s: float | None = None
+    # The unit's work over the last window when the loop ended (`work_in`); None when the job exited.
+    work: Work | None = None
 
     @property
     def last_state(self) -> BeaconState | None:
@@ -354,6 +523,100 @@ def _longest_gap(longest: float | None, before: BeaconState | None, now: BeaconS
     return gap if longest is None else max(longest, gap)
 
 
+def read_proc(pid: int) -> ProcRead:
+    """/proc of ``pid`` now: CPU seconds and I/O bytes so far."""
+    return ProcRead(procfs.cpu_seconds(pid), procfs.io_bytes(pid))
+
+
+class Watcher:
+    """The polling loop over a job (``proc``) and every unit's beacon: `run` returns when the job exits, a
+    unit stalls or the timeout passes. A single worker is one unit; torchrun's local ranks are one each.
+    Every unit is judged by `decide`; the first unit to stall (the longest idle) decides, else the first
+    past the timeout. ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds
+    since ``started``. Each unit's process (the beacon's pid) has its /proc read every `PROC_EVERY_S`.
+
+    ``beacons`` may be a function, asked at every poll, for a job whose processes appear over time (a
+    user's command: torchrun starts its ranks later, a DataLoader forks workers): its list only grows, and
+    `Watched.units` follows its last answer. ``optional_beacons``: see `reports_progress`.
+
+    After a stall that the executor found to be a pause, `rearm` starts that unit's stall clock again and
+    `run` goes on where it stopped (the histories are kept)."""
+
+    def __init__(
+        self,
+        proc: ProcessHandle,
+        beacons: BeaconSource,
+        spec: CaseSpec,
+        started: float,
+        on_progress: Callable[[BeaconState | None, float], None] | None = None,
+        poll_s: float = POLL_S,
+        optional_beacons: bool = False,
+    ) -> None:
+        self.proc, self.beacons, self.spec, self.started = proc, beacons, spec, started
+        self.on_progress, self.poll_s, self.optional = on_progress, poll_s, optional_beacons
+        self.histories: list[list[Observation]] = []
+        self.gaps: list[float | None] = []
+        self.since: list[float | None] = []
+        self.proc_read_at: list[float] = []
+
+    def rearm(self, index: int, now: float | None = None) -> None:
+        """Unit ``index``'s stall clock starts again at ``now`` (it paused; it did not hang)."""
+        self.since[index] = time.time() if now is None else now
+
+    def _read(self, now: float) -> list[Path | None]:
+        current = list(self.beacons() if callable(self.beacons) else self.beacons)
+        new = current[len(self.histories) :]
+        self.histories += [[Observation(self.started, None)] for _ in new]
+        self.gaps += [None for _ in new]
+        self.since += [None for _ in new]
+        self.proc_read_at += [0.0 for _ in new]
+        for i, beacon in enumerate(current):
+            state = read_beacon(beacon) if beacon is not None else None
+            proc = None
+            if state is not None and state.pid > 0 and now - self.proc_read_at[i] >= PROC_EVERY_S:
+                proc, self.proc_read_at[i] = read_proc(state.pid), now
+            self.gaps[i] = _longest_gap(self.gaps[i], _last_state(self.histories[i]), state)
+            self.histories[i] = compact([*self.histories[i], Observation(now, state, proc)])
+        return current
+
+    def run(self) -> Watched:
+        spec = self.spec
+        while True:
+            code = self.proc.poll()
+            now = time.time()
+            beacons_now = self._read(now)
+            histories = self.histories
+            if self.on_progress is not None:
+                states = [h[-1].state for h in histories if h[-1].state is not None]
+                behind = min(states, key=lambda s: s.seq) if states else None
+                self.on_progress(behind, now - self.started)
+            if code is not None:
+                units = [
+                    WatchResult("exited", list(h), None, code, g)
+                    for h, g in zip(histories, self.gaps, strict=True)
+                ]
+                return Watched("exited", units, None)
+            decisions = [
+                _judge(decide(h, now, spec, since), reports_progress(beacon, h, self.optional), spec)
+                for h, beacon, since in zip(histories, beacons_now, self.since, strict=True)
+            ]
+            # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
+            stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]
+            timed_out = [i for i, d in enumerate(decisions) if d.status == "timeout"]
+            if not decisions and now - self.started > spec.timeout:  # no unit (yet): the job's own limit
+                return Watched("timeout", [], None)
+            if stalled or timed_out:
+                status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
+                first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
+                units = []
+                for h, d, g in zip(histories, decisions, self.gaps, strict=True):
+                    # since the last progress event only: the work of a unit that made progress is that
+                    work = d.work or work_in(h, now, min(work_window(d.stall_limit_s), d.idle_s))
+                    units.append(WatchResult(status, list(h), d, None, g, work))
+                return Watched(status, units, first)
+            time.sleep(self.poll_s)
+
+
 def watch(
     proc: ProcessHandle,
     beacons: BeaconSource,
@@ -363,51 +626,8 @@ def watch(
     poll_s: float = POLL_S,
     optional_beacons: bool = False,
 ) -> Watched:
-    """Poll the job (``proc``) and every unit's beacon until the job exits, a unit stalls or the timeout
-    passes. A single worker is one unit; torchrun's local ranks are one each. Every unit is judged by
-    `decide`; the first unit to stall (the longest idle) decides, else the first past the timeout.
-    ``on_progress`` gets the unit furthest behind (lowest beacon seq) and the seconds since ``started``.
-
-    ``beacons`` may be a function, asked at every poll, for a job whose processes appear over time (a
-    user's command: torchrun starts its ranks later, a DataLoader forks workers): its list only grows, and
-    `Watched.units` follows its last answer. ``optional_beacons``: see `reports_progress`."""
-    histories: list[list[Observation]] = []
-    gaps: list[float | None] = []
-    while True:
-        code = proc.poll()
-        now = time.time()
-        current = list(beacons() if callable(beacons) else beacons)
-        histories += [[Observation(started, None)] for _ in current[len(histories) :]]
-        gaps += [None for _ in current[len(gaps) :]]
-        beacons_now = current
-        for i, beacon in enumerate(beacons_now):
-            state = read_beacon(beacon) if beacon is not None else None
-            gaps[i] = _longest_gap(gaps[i], _last_state(histories[i]), state)
-            histories[i] = compact([*histories[i], Observation(now, state)])
-        if on_progress is not None:
-            states = [h[-1].state for h in histories if h[-1].state is not None]
-            behind = min(states, key=lambda s: s.seq) if states else None
-            on_progress(behind, now - started)
-        if code is not None:
-            units = [WatchResult("exited", h, None, code, g) for h, g in zip(histories, gaps, strict=True)]
-            return Watched("exited", units, None)
-        decisions = [
-            _judge(decide(h, now, spec), reports_progress(beacon, h, optional_beacons), spec)
-            for h, beacon in zip(histories, beacons_now, strict=True)
-        ]
-        # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
-        stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]
-        timed_out = [i for i, d in enumerate(decisions) if d.status == "timeout"]
-        if not decisions and now - started > spec.timeout:  # no unit (yet): the job's own time limit
-            return Watched("timeout", [], None)
-        if stalled or timed_out:
-            status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
-            first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
-            units = [
-                WatchResult(status, h, d, None, g) for h, d, g in zip(histories, decisions, gaps, strict=True)
-            ]
-            return Watched(status, units, first)
-        time.sleep(poll_s)
+    """`Watcher.run` once (a job watched to its first exit, stall or timeout)."""
+    return Watcher(proc, beacons, spec, started, on_progress, poll_s, optional_beacons).run()
 
 
 def _signal_session(session: int, sig: signal.Signals) -> list[int]:
@@ -478,6 +698,8 @@ class HangEvidence:
     main_wchan: str | None = None
     main_state: str | None = None
     pyspy_text: str | None = None
+    pyspy_second: str | None = None  # a second dump when the unit used the CPU (`classify.pause_reason`)
+    io_bytes: int | None = None  # read + written between the two samples (/proc)
     # Whether a progress event came while the evidence was taken (after the watchdog's last read): a slow
     # step goes on, a stuck one does not. None: the worker never wrote its beacon.
     progressed: bool | None = None
@@ -525,7 +747,9 @@ def gather_hang_evidence(
     last: BeaconState | None,
     may_signal: str | None = None,
 ) -> HangEvidence:
-    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy.
+    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy (twice for a
+    unit that uses the CPU). Called again for a unit that paused (`Watcher.rearm`): each call's samples are
+    numbered after those already in stacks.txt, and ``samples`` holds this call's alone.
 
     ``may_signal``: None when the process's SIGUSR1 is faulthandler's (our worker, a probed process);
     else why no SIGUSR1 may be sent (a process of a user's job with its own handler, or no probe):
@@ -548,13 +772,15 @@ def gather_hang_evidence(
         ev.notes["stack_samples_why"] = f"no SIGUSR1 ({may_signal}): {how}"
 
     signal_ok = may_signal is None
+    before = len(stacks.read_stacks(stacks_path).samples)
+    first = before + 1
     t0 = time.monotonic()
-    cpu0 = procfs.cpu_seconds(pid)
+    cpu0, io0 = procfs.cpu_seconds(pid), procfs.io_bytes(pid)
     beat0 = _heartbeat(case_dir)
     writers = []  # who wrote each stack sample
     if sampling:
         writers.append(
-            stacks.take_sample(pid, case_dir, stacks_path, 1, ev.heartbeat_before, signal_ok=signal_ok)
+            stacks.take_sample(pid, case_dir, stacks_path, first, ev.heartbeat_before, signal_ok=signal_ok)
         )
     snapshot = (
         gpu.nvml_snapshot()
@@ -563,16 +789,19 @@ def gather_hang_evidence(
     )
     time.sleep(max(0.0, t0 + SAMPLE_INTERVAL_S - time.monotonic()))
     # CPU time, heartbeat and thread states before the second signal, whose handler runs for a moment.
-    cpu1, t1 = procfs.cpu_seconds(pid), time.monotonic()
+    cpu1, io1, t1 = procfs.cpu_seconds(pid), procfs.io_bytes(pid), time.monotonic()
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:
         writers.append(
-            stacks.take_sample(pid, case_dir, stacks_path, 2, ev.heartbeat_before, signal_ok=signal_ok)
+            stacks.take_sample(
+                pid, case_dir, stacks_path, first + 1, ev.heartbeat_before, signal_ok=signal_ok
+            )
         )
         if "heartbeat thread" in writers:
             ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
+    ev.io_bytes = io1 - io0 if io0 is not None and io1 is not None else None
     if beat0 is not None and beat1 is not None and beat0 > 0:
         ev.heartbeat_between = beat1 > beat0
     ev.notes["heartbeat_ticks_between_samples"] = None if beat0 is None or beat1 is None else beat1 - beat0
@@ -590,10 +819,14 @@ def gather_hang_evidence(
     ev.notes["pyspy"] = pyspy
     if pyspy.get("taken"):
         ev.pyspy_text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
+        if (ev.cpu_percent or 0.0) >= WORK_CPU_MIN:  # computing in C, or spinning in a wait: a second look
+            second = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY_SECOND)
+            if second.get("taken"):
+                ev.pyspy_second = (case_dir / artifacts.PYSPY_SECOND).read_text(errors="replace")
 
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes["gpu"] = _gpu_files(case_dir, snapshot)
-    ev.samples = list(stacks.read_stacks(stacks_path).samples)
+    ev.samples = list(stacks.read_stacks(stacks_path).samples[before:])
     after = read_beacon(case_dir / artifacts.BEACON)
     if after is not None:
         ev.progressed = last is None or after.seq > last.seq

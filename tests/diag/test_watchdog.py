@@ -244,7 +244,7 @@ def test_auto_after_a_fast_first_step_is_the_floor() -> None:
     assert decide(h, last + AUTO_FLOOR_S - 0.1, auto_spec()).status == "running"
     d = decide(h, last + AUTO_FLOOR_S + 0.1, auto_spec())
     assert (d.status, d.stall_limit_s) == ("stalled", AUTO_FLOOR_S)
-    assert d.limit_reason == f"auto: 3 x first step 0.50 s = 1.5 s -> floor {AUTO_FLOOR_S:g} s"
+    assert d.limit_reason == f"auto: 3 x longest step 0.50 s = 1.5 s -> floor {AUTO_FLOOR_S:g} s"
 
 
 def test_auto_after_a_slow_first_step_is_factor_times_it() -> None:
@@ -255,7 +255,7 @@ def test_auto_after_a_slow_first_step_is_factor_times_it() -> None:
     assert decide(h, last + limit - 1, auto_spec()).status == "running"  # a fixed 30 s would call it hung
     d = decide(h, last + limit + 0.1, auto_spec())
     assert (d.status, d.stall_limit_s) == ("stalled", pytest.approx(limit))
-    assert d.limit_reason == "auto: 3 x first step 20.00 s = 60.0 s"
+    assert d.limit_reason == "auto: 3 x longest step 20.00 s = 60.0 s"
 
 
 def test_auto_first_step_end_seen_only_as_step_2_and_exit_after_done() -> None:
@@ -269,7 +269,7 @@ def test_auto_first_step_end_seen_only_as_step_2_and_exit_after_done() -> None:
     done = [*h, Observation(T0 + 12.0, beacon(20, T0 + 12.0, phase="done", step=None, event="end"))]
     d = decide(done, T0 + 12.0 + EXIT_STALL_S - 1, auto_spec())
     assert (d.status, d.stall_limit_s) == ("running", EXIT_STALL_S)
-    assert d.limit_reason.startswith("auto: 3 x first step 6.00 s")
+    assert d.limit_reason.startswith("auto: 3 x longest step 6.00 s")
 
 
 def test_a_number_is_the_limit_and_says_so() -> None:
@@ -298,7 +298,7 @@ def test_compact_keeps_the_first_step_measurement() -> None:
 
 # End to end: a real worker of the tiny model on the CPU under --stall auto.
 
-_MEASURED = re.compile(r"first step (\d+\.\d+) s")
+_MEASURED = re.compile(r"longest step (\d+\.\d+) s")
 _IDLE = re.compile(r"no progress for (\d+\.\d+) s")
 
 

@@ -71,6 +71,20 @@ def cpu_seconds(pid: int) -> float | None:
     return None if stat is None else stat["utime_s"] + stat["stime_s"]
 
 
+def io_bytes(pid: int) -> int | None:
+    """Bytes ``pid`` has read and written so far through read/write system calls (``rchar`` + ``wchar`` of
+    ``/proc/<pid>/io``: files, pipes and sockets, whether or not they reached a disk); None where /proc does
+    not say (gone, or not ours to read)."""
+    text = _read(PROC / str(pid) / "io")
+    if not text:
+        return None
+    values = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    try:
+        return int(values["rchar"]) + int(values["wchar"])
+    except (KeyError, ValueError):
+        return None
+
+
 def cpu_percent(cpu_before: float | None, cpu_after: float | None, wall_s: float) -> float | None:
     """CPU% over a wall-clock interval (100 = one core busy; threads add up)."""
     if cpu_before is None or cpu_after is None or wall_s <= 0:

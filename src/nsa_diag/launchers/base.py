@@ -63,6 +63,10 @@ class Unit:
     beacon: Path | None
     # Why no SIGUSR1 may be sent to this process for stack samples (its own handler, no probe); None: may.
     no_signal: str | None = None
+    # What the process is (`nsa_diag.evidence.roles`): None for our own worker and ranks (training).
+    role: str | None = None
+    # The key of the unit it was forked from (a DataLoader worker's training process), or None.
+    parent: int | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import psutil
 from nsa_diag import artifacts
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
+from nsa_diag.evidence.roles import ProcessFacts, Role, assign_roles
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
 from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
@@ -146,6 +147,8 @@ class CommandLauncher(Launcher):
         self.stop_report: dict[str, Any] | None = None
         self.rates: dict[int, dict[str, Any]] = {}  # unit key -> progress rate (past the timeout)
         self.folders: dict[int, Path] = {}
+        self.exited_by_itself = False  # the command had exited when the case came to stop it
+        self.alive_at_evidence: list[int] = []  # pids alive when the evidence was taken (the last time)
 
     # --- starting ------------------------------------------------------------------------------------
 
@@ -236,21 +239,58 @@ class CommandLauncher(Launcher):
         self._scan(case_dir)
         root = self._root_folder(case_dir)
         self._see(self.proc.pid, root).read_info()
+        for pid in self.order:
+            self.procs[pid].read_info()
+        roles = self.roles()
         found = [
-            Unit(self.proc.pid, root, root / artifacts.BEACON, job.no_signal(self.procs[self.proc.pid].info))
-        ]
+            Unit(
+                self.proc.pid, root, root / artifacts.BEACON, job.no_signal(self.procs[self.proc.pid].info),
+                role=roles.get(self.proc.pid),
+            )
+        ]  # fmt: skip
         for pid in self.order:
             proc = self.procs[pid]
             assert proc.folder is not None
+            parent = proc.info.get("forked_from")
             found.append(
                 Unit(
                     self.keys[pid],
                     proc.folder,
                     proc.folder / artifacts.BEACON,
-                    job.no_signal(proc.read_info()),
+                    job.no_signal(proc.info),
+                    role=roles.get(pid),
+                    parent=self.keys.get(parent, parent) if isinstance(parent, int) else None,
                 )
             )
         return found
+
+    def facts(self) -> list[ProcessFacts]:
+        """What is known of each process seen: its probe's record, else /proc (`evidence.roles`)."""
+        found = []
+        for pid, proc in self.procs.items():
+            info = proc.info
+            if info:
+                rank, forked = info.get("rank"), info.get("forked_from")
+                found.append(
+                    ProcessFacts(
+                        pid, info.get("ppid"), tuple(info.get("argv") or ()), True,
+                        rank if isinstance(rank, int) else None, info.get("role"),
+                        forked if isinstance(forked, int) else None,
+                    )
+                )  # fmt: skip
+                continue
+            try:
+                assert proc.handle is not None
+                ppid, argv = proc.handle.ppid(), tuple(proc.handle.cmdline())
+            except (AssertionError, psutil.Error):
+                ppid, argv = None, ()
+            exe = os.path.basename(argv[0]) if argv else ""
+            found.append(ProcessFacts(pid, ppid, argv, exe.startswith(("python", "pypy"))))
+        return found
+
+    def roles(self) -> dict[int, Role]:
+        """Each seen process's role, by pid (`nsa_diag.evidence.roles.assign_roles`)."""
+        return assign_roles(self.facts())
 
     def pid_of(self, key: int) -> int:
         assert self.proc is not None
@@ -277,7 +317,8 @@ class CommandLauncher(Launcher):
             if proc.alive()
         }
         artifacts.write_json(case_dir / TREE_JSON, tree)
-        notes: dict[str, Any] = {"processes_alive": sorted(int(p) for p in tree)}
+        self.alive_at_evidence = sorted(int(p) for p in tree)
+        notes: dict[str, Any] = {"processes_alive": self.alive_at_evidence}
         if self.ranks():
             notes["flight_recorder"] = self._flight_recorder(case_dir)
         return notes
@@ -327,6 +368,7 @@ class CommandLauncher(Launcher):
     def stop(self) -> dict[str, Any]:
         if self.proc is None:
             return {"started": False}
+        self.exited_by_itself = self.proc.poll() is not None
         if self.cmd.keep_alive and self.evidence_taken and not self.force_stop:
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
             report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
@@ -356,7 +398,7 @@ class CommandLauncher(Launcher):
         root = self._root_folder(case_dir)
         root.mkdir(parents=True, exist_ok=True)
         code = self.proc.poll()
-        if code is not None and not self.evidence_taken:  # the job ended by itself: its own account
+        if code is not None and self.exited_by_itself:  # the job ended by itself: its own account
             infos = {pid: p.read_info() for pid, p in self.procs.items() if p.folder is not None}
             report = job.job_report(code, case_dir, infos)
             if report is not None:
@@ -383,9 +425,18 @@ class CommandLauncher(Launcher):
         infos = {
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
+        roles = {self.keys.get(pid, pid): role for pid, role in self.roles().items()}
+        parents = {}
+        for pid, info in ((pid, p.info) for pid, p in self.procs.items()):
+            forked = info.get("forked_from")
+            parents[self.keys.get(pid, pid)] = (
+                self.keys.get(forked, forked) if isinstance(forked, int) else None
+            )
+        alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
         return job.combine(
             self.spec, end,
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
+            roles=roles, parents=parents, alive=alive,
         )  # fmt: skip
 
 

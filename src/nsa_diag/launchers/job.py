@@ -29,8 +29,9 @@ import psutil
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
-from nsa_diag.classify import focus_thread
+from nsa_diag.classify import focus_thread, waits_on_dataloader
 from nsa_diag.evidence import procfs
+from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
 from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
@@ -216,12 +217,14 @@ def unit_ends(
     ends = {}
     for i, (unit, w) in enumerate(zip(units, watched, strict=True)):
         info = _info(unit.folder)
+        own = info.get("exit_code") if isinstance(info.get("exit_code"), int) else None  # os._exit's
+        normal = own if own is not None else (0 if info.get("exited") else None)
         if i == 0:
             code = stop.get("exit_code")
         elif unit.key in ranks:
-            code = codes.get(unit.key, 0 if info.get("exited") else None)
+            code = codes.get(unit.key, normal)
         else:
-            code = 0 if info.get("exited") else None
+            code = normal
         if w.outcome != "exited" and unit.key not in hangs and i != 0:
             w = replace(w, outcome="exited", decision=None, exit_code=code)
         ends[unit.key] = (w, {**stop, "exit_code": code if w.outcome == "exited" else stop.get("exit_code")})
@@ -269,20 +272,27 @@ def _focus(folder: Path) -> ThreadStack | None:
     return None
 
 
-def _top(thread: ThreadStack | None) -> str | None:
-    """The innermost frame outside Python's library and torch: the job's own line."""
-    frames = thread.python_frames if thread else ()
-    for frame in frames:
-        path = frame.file.replace("\\", "/")
-        if "/lib/python3" not in path and "/torch/" not in path and "/nsa_diag/" not in path:
-            return frame.short()
-    return frames[0].short() if frames else None
+_CHILD_WAITS = ("subprocess.py", "multiprocessing/popen_fork.py", "multiprocessing/connection.py",
+                "multiprocessing/queues.py", "concurrent/futures/")  # fmt: skip
 
 
-def _waits_on_dataloader(thread: ThreadStack | None) -> bool:
-    return thread is not None and any(
-        "torch/utils/data/" in f.file.replace("\\", "/") for f in thread.python_frames
-    )
+def _waited_on(
+    key: int,
+    thread: ThreadStack | None,
+    per_unit: Mapping[int, CaseResult],
+    roles: Mapping[int, str],
+    parents: Mapping[int, int | None],
+) -> list[int]:
+    """The processes the stalled unit ``key`` waits on: its DataLoader workers when its stack waits inside
+    the DataLoader, its other children when it waits in subprocess or multiprocessing; else none (a process
+    stuck on its own lock waits on no one)."""
+    children = [k for k in per_unit if k != key and parents.get(k) == key]
+    if waits_on_dataloader(thread):
+        return [k for k in children if roles.get(k) == "dataloader-worker"]
+    files = [f.file.replace("\\", "/") for f in thread.python_frames[:6]] if thread else []
+    if any(f.endswith(w) or w in f for f in files for w in _CHILD_WAITS):
+        return [k for k in children if roles.get(k) != "dataloader-worker"]
+    return []
 
 
 def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> dict[str, Any]:
@@ -301,9 +311,18 @@ def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> dict[str, Any
     return rate
 
 
-def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str) -> str:
+def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str, evidence: Mapping[str, Any]) -> str:
+    """A slow job's reason: what showed it still worked (the liveness signals) or the pause it was in
+    (``evidence``'s ``work`` and ``activity``), its steps and rate, and its ETA."""
+    work, activity = evidence.get("work") or {}, evidence.get("activity")
+    if work.get("working"):
+        still = f"still working past the {timeout:g} s timeout ({work['text']})"
+    elif activity:
+        still = f"not stuck when the {timeout:g} s timeout ran out ({activity})"
+    else:
+        still = f"progress continued past the {timeout:g} s timeout"
     text = (
-        f"progress continued past the {timeout:g} s timeout: {rate.get('steps_done', 0)} step(s) done "
+        f"{still}: {rate.get('steps_done', 0)} step(s) done "
         f"at {rate.get('steps_per_s', 0):g} steps/s, now at {where}"
     )
     if rate.get("eta_s") is not None:
@@ -312,6 +331,77 @@ def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str) -> str:
             f"~{rate.get('estimated_total_s'):g} s in all)"
         )
     return text + "; ETA unknown (total steps unknown)"
+
+
+def _worker_idle(thread: ThreadStack | None) -> bool:
+    """A DataLoader worker waiting for its next indices (in torch's worker loop, not in a sample's read)."""
+    if thread is None:
+        return False
+    names = [(f.file.replace("\\", "/"), f.func) for f in thread.python_frames]
+    in_loop = any(path.endswith("torch/utils/data/_utils/worker.py") for path, _ in names)
+    reading = any(path.endswith("torch/utils/data/_utils/fetch.py") for path, _ in names)
+    return in_loop and not reading
+
+
+def process_state(
+    key: int, res: CaseResult, role: str | None, info: Mapping[str, Any], folder: Path | None, alive: bool
+) -> str:
+    """What one process of the job was doing when the case ended, true of it whatever its role (module
+    docstring): exited normally, killed, idle, waiting on its ranks, working, stuck, or its own verdict."""
+    if not alive:
+        if res.signal:
+            return f"killed by {res.signal}"
+        code = res.exit_code if res.exit_code is not None else info.get("exit_code")
+        if code == 0 or (code is None and info.get("exited")):
+            return "exited normally" + (f" (code {code})" if code is not None else "")
+        if code is not None:
+            return f"exited with code {code}"
+        return "ended (exit status unknown: not nsa-diag's child, and its probe saw no normal exit)"
+    thread = _focus(folder) if folder is not None else None
+    activity = res.evidence.get("activity")
+    if role == "dataloader-worker":
+        if activity:
+            return f"working: {activity}"
+        if _worker_idle(thread):
+            return "idle: waiting for indices from the training process"
+        return f"stuck: {res.reason}" if res.verdict == "hang" else "waiting (its stacks say no more)"
+    if role == "launcher":
+        return "waiting on its ranks (torch's launcher)"
+    if role == "shell":
+        return "waiting for its child process"
+    if activity:
+        return f"working: {activity}"
+    if res.verdict == "hang":
+        return f"stuck ({res.hang_kind}): {res.reason}"
+    return res.verdict
+
+
+def _record(
+    key: int,
+    res: CaseResult,
+    role: str | None,
+    info: Mapping[str, Any],
+    ranks: Mapping[int, int],
+    root: int,
+    folder: Path | None,
+    alive: bool,
+) -> dict[str, Any]:
+    training = role in TRAINING_ROLES or role is None
+    return {
+        "label": _label(key, info, ranks, root), "role": role,
+        "state": process_state(key, res, role, info, folder, alive),
+        "verdict": res.verdict if training else None, "hang_kind": res.hang_kind if training else None,
+        "reason": res.reason, "where": location(res, key if key in ranks else None),
+        "exit_code": res.exit_code,
+    }  # fmt: skip
+
+
+def _timeout_decider(per_unit: Mapping[int, CaseResult], training: Sequence[int], fallback: int) -> int:
+    """At the timeout every unit's time ran out at once: the verdict is about the training process furthest
+    behind (fewest steps), not whichever process came first (torchrun's agent)."""
+    if not training:
+        return fallback
+    return min(training, key=lambda k: (per_unit[k].steps_done, k))
 
 
 def combine(
@@ -323,19 +413,25 @@ def combine(
     ranks: Mapping[int, int],
     rates: Mapping[int, dict[str, Any]],
     folders: Mapping[int, Path],
+    roles: Mapping[int, str] | None = None,
+    parents: Mapping[int, int | None] | None = None,
+    alive: Sequence[int] = (),
 ) -> CaseResult:
-    """The job's result from its units' (module docstring)."""
+    """The job's result from its units' (module docstring). ``roles`` and ``parents`` (by unit key): what
+    each process is and which unit it was forked from; ``alive``: the unit keys still running when the
+    evidence was taken."""
     outcome, per_unit, decider, stop = end.outcome, end.per_unit, end.decider, end.stop
+    roles, parents = roles or {}, parents or {}
+    running = set(alive) if outcome != "exited" else set()
     processes = {
-        str(key): {
-            "label": _label(key, infos.get(key, {}), ranks, root),
-            "verdict": res.verdict, "hang_kind": res.hang_kind, "reason": res.reason,
-            "where": location(res, key if key in ranks else None), "exit_code": res.exit_code,
-        }
+        str(key): _record(
+            key, res, roles.get(key), infos.get(key, {}), ranks, root, folders.get(key), key in running
+        )
         for key, res in per_unit.items()
-    }  # fmt: skip
+    }
     evidence: dict[str, Any] = {"stop": stop, **end.notes, "processes": processes}
-    steps = max((r.steps_done for r in per_unit.values()), default=0)
+    training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
+    steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
     if outcome == "exited":
         source = root
         crashed = [k for k in ranks if k in per_unit and per_unit[k].verdict == "crash"]
@@ -349,6 +445,8 @@ def combine(
         return base.model_copy(update=update)
 
     key = decider if decider is not None else root
+    if outcome == "timeout":
+        key = _timeout_decider(per_unit, training, key)
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
@@ -356,7 +454,7 @@ def combine(
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
-        reason = _slow_reason(rate, spec.timeout, where)
+        reason = _slow_reason(rate, spec.timeout, where, base.evidence)
         if stop.get("kept_alive"):
             reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
         update.update(rate=rate, reason=reason)
@@ -365,14 +463,14 @@ def combine(
     if len(ranks) > 1:
         kind, reason = _rank_hang(per_unit, ranks, folders, key, evidence, reason, kind)
     thread = _focus(folders[key]) if key in folders else None
-    waited = [
-        k for k in per_unit
-        if k != key and k not in ranks and infos.get(k, {}).get("ppid") == ranks.get(key, key)
-        and (folders.get(k) is not None and _focus(folders[k]) is not None)
-    ]  # fmt: skip
+    waited = _waited_on(key, thread, per_unit, roles, parents)
     if waited:
-        texts = [f"{_label(k, infos.get(k, {}), ranks, root)} at {_top(_focus(folders[k]))}" for k in waited]
-        what = "its DataLoader worker" if _waits_on_dataloader(thread) else "its child process"
+        texts = [f"{_label(k, infos.get(k, {}), ranks, root)}: {processes[str(k)]['state']}" for k in waited]
+        what = (
+            "its next batch from its DataLoader worker(s)"
+            if waits_on_dataloader(thread)
+            else "its child process"
+        )
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
         evidence["waits_on"] = waited
     where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {where}"

@@ -30,6 +30,7 @@ import contextlib
 import faulthandler
 import importlib.abc
 import importlib.machinery
+import itertools
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nsa_diag.probe.liveness import LivenessSampler
 from nsa_diag.redact import env_secret_values, redact_argv
 from nsa_diag.worker.beacon import PHASES, BeaconWriter
 
@@ -175,8 +177,10 @@ class Probe:
             "world_size": _int_env("WORLD_SIZE"),
             "sigusr1": "probe",
             "torch": False,
+            "role": "launcher" if launcher_argv(list(getattr(sys, "orig_argv", None) or sys.argv)) else None,
         }
         self.beacon = BeaconWriter(self.folder / BEACON)
+        self.liveness = LivenessSampler(self.beacon, threading.get_ident())
         if sink is None:
             sink = Sink(self.beacon)
         else:  # a forked child keeps the parent's sink (the hooks hold it), pointed at its own beacon
@@ -234,6 +238,8 @@ class Probe:
         while not self._heartbeat_stop:
             time.sleep(HEARTBEAT_S)
             self.beacon.tick()
+            with contextlib.suppress(Exception):  # the liveness counts are evidence, never the job's problem
+                self.liveness.sample()
             if not answered and request.exists():
                 answered = True
                 try:
@@ -278,6 +284,23 @@ class Probe:
         child.info["torch"] = self.info.get("torch", False)
         child.save()
         _probe = child
+        _wrap_os_exit()
+
+
+def _wrap_os_exit() -> None:
+    """In a forked child (a DataLoader worker: multiprocessing ends it with ``os._exit(code)``, past atexit),
+    note the exit code first, so that its end is known to be normal."""
+    original = getattr(os._exit, "__wrapped__", os._exit)
+
+    def _exit(code: int) -> None:
+        if _probe is not None and _probe.info["pid"] == os.getpid():
+            with contextlib.suppress(Exception):
+                _probe.info["exit_code"] = code
+                _probe.note("exited", time.time())
+        original(code)
+
+    _exit.__wrapped__ = original  # type: ignore[attr-defined]
+    os._exit = _exit  # type: ignore[assignment]
 
 
 def memory_now() -> dict[str, Any]:
@@ -346,6 +369,8 @@ def install_torch_hooks(torch: Any) -> None:
             _probe.sink.optimizer_end(opt)
 
     _wrap_collectives(torch)
+    _wrap_dataloader_worker(torch)
+    _wrap_init_process_group(torch)
     optim.register_optimizer_step_pre_hook(step_begin)
     optim.register_optimizer_step_post_hook(step_end)
     finder = _ModelFinder()
@@ -386,6 +411,68 @@ def _wrap_collectives(torch: Any) -> None:
         fn = getattr(dist, name, None)
         if callable(fn):
             setattr(dist, name, wrap(name, fn))
+
+
+def _wrap_dataloader_worker(torch: Any) -> None:
+    """A DataLoader worker process notes its role (``role``, ``worker_id``) when its loop starts: at a hang
+    it is reported as what it is (idle, or busy reading a sample), never as the training process."""
+    import functools
+
+    worker = getattr(getattr(getattr(torch.utils, "data", None), "_utils", None), "worker", None)
+    loop = getattr(worker, "_worker_loop", None)
+    if loop is None or getattr(loop, "_nsa_diag_probe", False):
+        return
+
+    @functools.wraps(loop)
+    def _worker_loop(*args: Any, **kwargs: Any) -> Any:
+        if _probe is not None:
+            worker_id = kwargs.get("worker_id", args[7] if len(args) > 7 else None)
+            with contextlib.suppress(Exception):
+                _probe.info["worker_id"] = worker_id if isinstance(worker_id, int) else None
+                _probe.note("role", "dataloader-worker")
+        return loop(*args, **kwargs)
+
+    _worker_loop._nsa_diag_probe = True  # type: ignore[attr-defined]
+    worker._worker_loop = _worker_loop
+
+
+def _wrap_init_process_group(torch: Any) -> None:
+    """A process that joins a process group notes its rank (``torch.multiprocessing.spawn``'s workers have
+    no RANK variable): it is a rank of the job."""
+    import functools
+
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return
+    init = getattr(dist, "init_process_group", None)
+    if init is None or getattr(init, "_nsa_diag_probe", False):
+        return
+
+    @functools.wraps(init)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = init(*args, **kwargs)
+        if _probe is not None:
+            with contextlib.suppress(Exception):
+                _probe.info["world_size"] = dist.get_world_size()
+                _probe.note("rank", dist.get_rank())
+        return result
+
+    init_process_group._nsa_diag_probe = True  # type: ignore[attr-defined]
+    dist.init_process_group = init_process_group
+
+
+def launcher_argv(argv: list[str]) -> bool:
+    """Whether ``argv`` is torch's launcher (torchrun, ``python -m torch.distributed.run|launch``, or either
+    file run as a script): a process that starts the ranks and waits on them, not one that trains."""
+    if not argv:
+        return False
+    if argv[0].replace("\\", "/").rsplit("/", 1)[-1] == "torchrun":
+        return True
+    modules = ("torch.distributed.run", "torch.distributed.launch")
+    if any(a == "-m" and b in modules for a, b in itertools.pairwise(argv)):
+        return True
+    files = ("torch/distributed/run.py", "torch/distributed/launch.py")
+    return any(a.replace("\\", "/").endswith(files) for a in argv[:3])
 
 
 class _ModelFinder:

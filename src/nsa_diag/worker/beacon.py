@@ -5,6 +5,11 @@ the version is odd while a write is under way), and a heartbeat thread bumps a c
 The watchdog maps the same file read-only. Reading needs nothing from the worker: it works while the worker
 is wedged in C++ or holds the GIL, which is exactly when a pipe or a log line would fall silent. A
 heartbeat that stops while the event counter also stops means the GIL is held (no Python thread can run).
+
+Below the progress events, the heartbeat thread also writes what shows work between two events
+(`nsa_diag.probe.liveness`): how often the main thread's innermost Python frame or line moved, the CUDA
+caching allocator's cumulative allocation count, each with the time it last changed, and where the main
+thread is (``frame``: ``path:line function``) with a few facts about its stack (``FLAG_*``).
 """
 
 from __future__ import annotations
@@ -20,11 +25,20 @@ PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", 
 BRANCHES = ("", "cmp", "sel", "win")
 EVENTS = ("", "begin", "end")
 MODULE_BYTES = 96
+FRAME_BYTES = 200
 MODULE_NAMES_KEPT = 4096  # module names whose beacon bytes are kept (a model's hooked modules: ~5 a layer)
-# version, seq, time, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time, module
-_FORMAT = f"<QQdiiiiiiQd{MODULE_BYTES}s"
+# Facts about the main thread's stack where the heartbeat last saw it move (`BeaconState.flags`).
+FLAG_DATALOADER = 1  # a frame of torch/utils/data/dataloader.py: the step waits for its next batch
+FLAG_SAVING = 2  # a frame of torch/serialization.py: a checkpoint is written or read
+FLAG_DISTRIBUTED = 4  # a frame of torch/distributed/: a collective or a rendezvous
+# version, seq, time, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time,
+# moves, move_time, allocs, alloc_time, flags, (pad), module, frame
+_FORMAT = f"<QQdiiiiiiQdQdQdII{MODULE_BYTES}s{FRAME_BYTES}s"
 SIZE = struct.calcsize(_FORMAT)
 _HEARTBEAT_OFFSET = struct.calcsize("<QQdiiiiii")  # heartbeat and its time live after the event fields
+_LIVENESS = struct.Struct("<QdQdI")  # moves .. flags, after the heartbeat
+_LIVENESS_OFFSET = _HEARTBEAT_OFFSET + struct.calcsize("<Qd")
+_MODULE_OFFSET = SIZE - MODULE_BYTES - FRAME_BYTES
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,16 @@ class BeaconState:
     heartbeat: int  # heartbeat-thread ticks so far
     heartbeat_time: float
     module: str | None
+    # Work between progress events (the heartbeat thread's, `nsa_diag.probe.liveness`): moves of the main
+    # thread's innermost Python frame or line seen so far and the time of the last; the CUDA caching
+    # allocator's allocations so far (0: no CUDA) and when that count last changed; where the main thread
+    # was when it last moved, and `FLAG_*` facts about its stack there.
+    moves: int = 0
+    move_time: float = 0.0
+    allocs: int = 0
+    alloc_time: float = 0.0
+    flags: int = 0
+    frame: str | None = None
 
     def where(self) -> dict[str, object]:
         return {
@@ -99,7 +123,7 @@ class BeaconWriter:
             name = (module or "").encode()[:MODULE_BYTES].ljust(MODULE_BYTES, b"\0")
             if len(self._names) < MODULE_NAMES_KEPT:
                 self._names[module] = name
-        self._map[SIZE - MODULE_BYTES : SIZE] = name
+        self._map[_MODULE_OFFSET : _MODULE_OFFSET + MODULE_BYTES] = name
         self._version += 1  # even: consistent
         _VERSION.pack_into(self._map, 0, self._version)
         return self._seq
@@ -108,6 +132,15 @@ class BeaconWriter:
         """One heartbeat (from the heartbeat thread): proves a Python thread can still run."""
         self._heartbeat += 1
         struct.pack_into("<Qd", self._map, _HEARTBEAT_OFFSET, self._heartbeat, time.time())
+
+    def liveness(self, moves: int, move_time: float, allocs: int, alloc_time: float, flags: int) -> None:
+        """The heartbeat thread's record of work between progress events (`BeaconState.moves` ...)."""
+        _LIVENESS.pack_into(self._map, _LIVENESS_OFFSET, moves, move_time, allocs, alloc_time, flags)
+
+    def frame(self, text: str) -> None:
+        """Where the main thread is (``path:line function``), cut to `FRAME_BYTES` keeping the end."""
+        raw = text.encode(errors="replace")[-FRAME_BYTES:]
+        self._map[SIZE - FRAME_BYTES : SIZE] = raw.ljust(FRAME_BYTES, b"\0")
 
     def close(self) -> None:
         self._map.close()
@@ -133,7 +166,8 @@ def read_beacon(path: Path, retries: int = 50) -> BeaconState | None:
             raw = f.read(SIZE)
     else:
         return None
-    _, seq, t, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time, module = values
+    (_, seq, t, step, layer, phase, branch, event, pid, heartbeat, heartbeat_time,
+     moves, move_time, allocs, alloc_time, flags, _pad, module, frame) = values  # fmt: skip
     return BeaconState(
         seq=seq,
         time=t,
@@ -146,4 +180,10 @@ def read_beacon(path: Path, retries: int = 50) -> BeaconState | None:
         heartbeat=heartbeat,
         heartbeat_time=heartbeat_time,
         module=module.rstrip(b"\0").decode(errors="replace") or None,
+        moves=moves,
+        move_time=move_time,
+        allocs=allocs,
+        alloc_time=alloc_time,
+        flags=flags,
+        frame=frame.rstrip(b"\0").decode(errors="replace") or None,
     )

@@ -22,6 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from nsa_diag import artifacts
 from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions, on_backward
+from nsa_diag.probe.liveness import LivenessSampler
 from nsa_diag.worker.beacon import BeaconWriter
 
 __all__ = ["LAYER_LAYOUTS", "attach_progress", "find_blocks", "nsa_attentions"]  # from nsa_diag.probe.hooks
@@ -339,6 +340,7 @@ class Heartbeat(threading.Thread):
         self.on_dump = on_dump
         self.stacks = stacks
         self.stopped = False
+        self.liveness = LivenessSampler(beacon, threading.get_ident())  # made by the training thread
 
     def run(self) -> None:
         self._heartbeat_loop()
@@ -351,6 +353,7 @@ class Heartbeat(threading.Thread):
         while not self.stopped:
             time.sleep(0.1)
             self.beacon.tick()
+            self.liveness.sample()
             if self.progress is not None:
                 self.progress.flush()
             if not answered and self.request.exists():

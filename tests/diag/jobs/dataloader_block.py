@@ -1,10 +1,13 @@
-"""A DataLoader with two worker processes; reading sample 9 blocks forever (a stuck network read)."""
+"""A DataLoader with two worker processes; reading sample 9 waits forever for a server that never answers
+(a stuck network read: the socket's other end never writes)."""
 
-import time
+import socket
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+
+server, client = socket.socketpair()  # the "storage server" end (server) never sends anything
 
 
 class Samples(Dataset):
@@ -13,7 +16,7 @@ class Samples(Dataset):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if index == 9:
-            time.sleep(3600)  # the read that never returns
+            client.recv(1 << 16)  # the read that never returns
         return torch.full((8,), float(index))
 
 
