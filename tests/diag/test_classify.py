@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nsa_diag import artifacts
-from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind
+from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind, pause_reason
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
 from nsa_diag.spec import Where, WorkerReport
@@ -514,3 +514,87 @@ def test_a_sample_the_signal_handler_does_not_write_comes_from_the_heartbeat_thr
         assert any(f.func == "_deadlock_here" for t in threads for f in t.frames), path.read_text()
         # with the heartbeat stopped (a held GIL) nobody else is asked: the sample stays empty
         assert stack_samples.take_sample(child.pid, tmp_path, path, 2, False) is None
+
+
+# --- pauses: not stuck, whatever the stall limit says ---------------------------------------------------
+
+
+def dump(*frames: tuple[str, int, str]) -> str:
+    """A faulthandler dump of the main thread, innermost frame first."""
+    lines = ["Current thread 0x00007f0000000001 (most recent call first):"]
+    lines += [f'  File "{file}", line {line} in {func}' for file, line, func in frames]
+    return "\n".join(lines) + "\n"
+
+
+TRAIN = "/home/me/project/train.py"
+SLEEP = dump((TRAIN, 33, "save_checkpoint"), (TRAIN, 50, "main"), (TRAIN, 54, "<module>"))
+GETITEM = dump((TRAIN, 15, "__getitem__"), ("/x/torch/utils/data/_utils/fetch.py", 52, "fetch"))
+WAITS_FOR_BATCH = dump(
+    ("/usr/lib/python3.11/selectors.py", 415, "select"),
+    ("/usr/lib/python3.11/multiprocessing/connection.py", 930, "wait"),
+    ("/x/torch/utils/data/dataloader.py", 1291, "_try_get_data"),
+    (TRAIN, 25, "main"),
+)
+
+
+def test_a_sleep_is_a_pause_not_a_deadlock() -> None:
+    ev = Evidence(
+        outcome="stalled", stack_samples=[SLEEP, SLEEP], cpu_percent=0.0, heartbeat_advancing=True,
+        source_lines={f"{TRAIN}:33": "time.sleep(PAUSE_S)"}, where=WHERE,
+    )  # fmt: skip
+    assert pause_reason(ev) == (
+        "sleeping at `time.sleep(PAUSE_S)` at train.py:33 in save_checkpoint: a sleep ends by itself"
+    )
+    kind, why = hang_kind(ev)
+    assert kind != "python-deadlock"
+    assert "a sleep is not a deadlock" in why
+    slow = classify(replace(ev, outcome="timeout", progressed=False, timeout_s=300, stalled_for_s=200.0))
+    assert slow.verdict == "slow"
+    assert "paused for 200 s, not stuck (sleeping at `time.sleep(PAUSE_S)`" in slow.reason
+
+
+def test_frames_that_move_between_samples_with_cpu_are_work() -> None:
+    a = dump((TRAIN, 19, "forward"), (TRAIN, 40, "main"))
+    b = dump((TRAIN, 21, "forward"), (TRAIN, 40, "main"))
+    moving = Evidence(outcome="stalled", stack_samples=[a, b], cpu_percent=97.0, heartbeat_advancing=True)
+    assert pause_reason(moving) == (
+        "its innermost frame moved between the stack samples (train.py:19 in forward -> train.py:21 in "
+        "forward) at CPU 97%"
+    )
+    assert pause_reason(replace(moving, cpu_percent=2.0)) is None  # a poll loop waking now and then
+    spin = replace(moving, stack_samples=[a, a])
+    assert pause_reason(spin) is None
+    assert hang_kind(spin)[0] == "python-busy"
+    assert hang_kind(moving)[0] == "unknown"  # busy, but not on one frame: never python-busy
+
+
+def test_a_batch_its_dataloader_worker_produces_is_a_pause_an_idle_or_stuck_worker_is_not() -> None:
+    main = Evidence(
+        outcome="stalled", stack_samples=[WAITS_FOR_BATCH, WAITS_FOR_BATCH], cpu_percent=0.0,
+        heartbeat_advancing=True,
+    )  # fmt: skip
+    assert pause_reason(main) is None
+    producing = replace(main, workers={"pid 12": "CPU 98%", "pid 13": None})
+    assert pause_reason(producing) == (
+        "waiting for its next batch, which its DataLoader worker is producing (pid 12: CPU 98%)"
+    )
+    assert pause_reason(replace(main, workers={"pid 12": None, "pid 13": None})) is None
+
+
+def test_checkpoint_io_and_a_progress_event_are_pauses() -> None:
+    saving = dump(("/x/torch/serialization.py", 900, "_save"), (TRAIN, 31, "save_checkpoint"))
+    ev = Evidence(
+        outcome="stalled", stack_samples=[saving, saving], cpu_percent=3.0, heartbeat_advancing=True
+    )
+    assert (pause_reason(ev) or "").startswith("reading or writing a checkpoint (torch.serialization")
+    quiet = Evidence(outcome="stalled", stack_samples=[SLEEP, SLEEP], cpu_percent=1.0, io_bytes=50 << 20)
+    assert pause_reason(quiet) == "it read or wrote 50.0 MiB while the evidence was taken"
+    assert pause_reason(Evidence(outcome="stalled", progressed=True)) == (
+        "a progress event came while the evidence was taken"
+    )
+
+
+def test_a_deadlock_is_no_pause() -> None:
+    ev = stalled("deadlock", "lock.acquire()")
+    assert pause_reason(ev) is None
+    assert hang_kind(ev)[0] == "python-deadlock"

@@ -139,6 +139,7 @@ def test_plain_loop_passes(tmp_path: Path) -> None:
     assert "training done" in proc.stdout  # streamed to the terminal
     result = _result(out)
     assert result["verdict"] == "pass"
+    assert result["steps_done"] == 5  # the job's optimizer steps
     case = _case(out)
     assert "training done" in (case / "stdout.log").read_text()
     spec = json.loads((case / "spec.json").read_text())
@@ -242,7 +243,116 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
     assert "interrupted" in _result(out)["reason"]
 
 
+def test_a_checkpoint_pause_past_a_short_stall_is_a_pause_and_the_job_passes(tmp_path: Path) -> None:
+    """The job sleeps 6 s after step 3 (its checkpoint's slow storage); a 3 s stall finds it asleep, which
+    is not a deadlock: the watch goes on, the job passes, the pause is on record."""
+    env = {"CHECKPOINT_PAUSE_S": "6"}
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "checkpoint_pause.py"], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 8
+    pauses = result["evidence"]["pauses"]
+    assert "sleeping at `time.sleep(PAUSE_S)` at checkpoint_pause.py" in pauses[0]["why"], pauses
+    (record,) = result["evidence"]["processes"].values()
+    assert (record["role"], record["state"]) == ("training", "exited normally (code 0)")
+
+
 # --- slow: one job each -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_checkpoint_pause_under_the_default_stall_passes(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "checkpoint_pause.py"])  # a 15 s pause, --stall auto
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 8
+    assert "pauses" not in result["evidence"]  # within the limit: auto's floor for a job is 60 s
+
+
+@pytest.mark.slow
+def test_slow_dataloader_items_are_a_pause_while_the_workers_read_them(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "slow_batches.py"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 3
+    whys = [p["why"] for p in result["evidence"]["pauses"]]
+    assert any("its DataLoader worker is producing" in why and "slow_batches.py" in why for why in whys), whys
+    records = result["evidence"]["processes"].values()
+    workers = [r for r in records if r["role"] == "dataloader-worker"]
+    assert len(workers) == 2
+    assert all(r["state"] == "exited normally (code 0)" and r["verdict"] is None for r in workers), workers
+
+
+@pytest.mark.slow
+def test_a_layer_whose_per_token_loop_outlasts_the_stall_is_slow_not_hung(tmp_path: Path) -> None:
+    job = [PY, "per_token_layer.py", "--seq-len", "8192", "--layers", "2"]  # layer 0's forward: ~30 s
+    proc, out = _watch(tmp_path, "--stall", "5", "--timeout", "25", job=job)
+    assert proc.returncode == 1
+    result = _result(out)
+    assert result["verdict"] == "slow", result["reason"]
+    assert "moves of the innermost Python frame" in result["reason"]
+    assert "layers.0" in result["reason"]
+    assert result["evidence"]["work"]["working"] is True
+
+
+@pytest.mark.slow
+def test_a_deadlock_with_idle_dataloader_workers_names_the_main_process(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "deadlock_workers.py"])
+    result = _result(out)
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
+    assert result["evidence"]["location"] == "step 3, backward, layers.1"
+    assert "deadlock_workers.py:16" in result["reason"]
+    assert "stats_lock" in result["reason"]
+    assert "selectors.py" not in result["reason"]
+    assert "waits for" not in result["reason"]
+    records = result["evidence"]["processes"].values()
+    workers = [r for r in records if r["role"] == "dataloader-worker"]
+    assert [r["state"] for r in workers] == ["idle: waiting for indices from the training process"] * 2
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
+def test_a_nan_loss_is_nonfinite_without_a_code_change(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "nan_loss.py"])
+    assert "done" in proc.stdout  # the job ran to its end, unchanged
+    result = _result(out)
+    assert result["verdict"] == "nonfinite", result["reason"]
+    assert (result["nonfinite"]["step"], result["nonfinite"]["value"]) == (3, "nan")
+    assert "the tensor backward() was called on" in result["reason"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_watch_keeps_where_the_job_was_and_its_stacks(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    nsa = subprocess.Popen(
+        [PY, "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "slow_steps.py"],
+        env=cli_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = list(out.glob("*/cases/watch/stdout.log"))
+            if logs and "step 4\n" in logs[0].read_text():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job never logged 4 steps")
+        nsa.send_signal(signal.SIGINT)
+        nsa.communicate(timeout=60)
+    finally:
+        if nsa.poll() is None:
+            nsa.kill()
+    assert nsa.returncode == 130
+    result = _result(out)
+    assert result["verdict"] == "error"
+    assert "interrupted by SIGINT" in result["reason"]
+    assert "unknown place" not in result["reason"]
+    assert result["where"]["step"] >= 4, result["reason"]
+    (stacks,) = result["evidence"]["stacks"]
+    assert "slow_steps.py" in (_case(out) / stacks).read_text()
 
 
 @pytest.mark.slow

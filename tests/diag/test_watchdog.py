@@ -24,21 +24,24 @@ import pytest
 
 from nsa_diag import artifacts
 from nsa_diag.executor import run_case
-from nsa_diag.spec import CaseSpec, Injection
+from nsa_diag.spec import CaseSpec, CommandSpec, Injection
 from nsa_diag.watchdog import (
     AUTO_FACTOR,
     AUTO_FIRST_STEP_S,
     AUTO_FLOOR_S,
+    AUTO_JOB_FLOOR_S,
     AUTO_START_S,
     EXIT_STALL_S,
     EXPORT_STALL_S,
     SETUP_STALL_S,
     Observation,
+    ProcRead,
     compact,
     decide,
     first_step_s,
     heartbeat_alive,
     progress_rate,
+    step_intervals,
     steps_done,
     terminate_group,
 )
@@ -398,3 +401,99 @@ def test_terminate_group_after_a_clean_exit_sends_nothing() -> None:
     proc.wait()
     report = terminate_group(proc, grace_s=0.5)
     assert report == {"sigterm": False, "sigkill": False}
+
+
+# --- work below the block events (liveness), steps of a user's job, pauses -----------------------------
+
+
+def live(seq: int, t: float, *, moves: int = 0, allocs: int = 0, flags: int = 0, **kw: object) -> BeaconState:
+    """A beacon whose heartbeat thread reports liveness counters (`nsa_diag.probe.liveness`)."""
+    from dataclasses import replace
+
+    return replace(beacon(seq, t, **kw), moves=moves, allocs=allocs, flags=flags)  # type: ignore[arg-type]
+
+
+def stuck_in_layer(*, moves_per_read: int = 0, allocs_per_read: int = 0, cpu_per_read: float = 0.0) -> list:
+    """Layer 0's forward began at T0 + 1 and no event came since; 30 reads 0.2 s apart with the given growth
+    of the liveness counters and of the process's CPU seconds."""
+    reads = []
+    for i in range(1, 31):
+        t = 1.0 + 0.2 * i
+        state = live(5, T0 + 1.0, layer=0, moves=moves_per_read * i, allocs=allocs_per_read * i)
+        reads.append(Observation(T0 + t, state, ProcRead(cpu_per_read * i, 1000)))
+    return [Observation(T0, None), *reads]
+
+
+def test_a_unit_that_works_past_its_stall_limit_is_running_and_slow_at_the_timeout() -> None:
+    cases = {
+        "allocs": stuck_in_layer(allocs_per_read=12),  # a GPU loop of small ops: each allocates
+        "moves": stuck_in_layer(moves_per_read=1, cpu_per_read=0.19),  # a Python per-token loop at 95%
+    }
+    for signal_name, h in cases.items():
+        d = decide(h, T0 + 7.0, spec(stall=3.0, timeout=100))
+        assert d.status == "running", signal_name
+        assert d.work is not None
+        assert d.work.signals == [signal_name]
+        assert "in the last 3 s" in d.work.describe()
+        assert decide(h, T0 + 7.0, spec(stall=3.0, timeout=5)).status == "timeout"  # slow, not hang
+
+
+def test_cpu_alone_or_a_still_frame_is_no_work_and_a_moving_frame_without_cpu_is_a_poll() -> None:
+    for h in (
+        stuck_in_layer(cpu_per_read=0.2),  # busy, but on one line: a spin
+        stuck_in_layer(moves_per_read=1),  # moves, no CPU: a loop that sleeps between polls
+        stuck_in_layer(),
+    ):
+        d = decide(h, T0 + 7.0, spec(stall=3.0, timeout=100))
+        assert d.status == "stalled"
+        assert d.work is not None
+        assert not d.work.working
+        assert d.work.describe().startswith("no work in the last 3 s")
+
+
+def test_io_bytes_are_work() -> None:
+    h = [Observation(T0, None)] + [
+        Observation(T0 + 1 + 0.2 * i, live(5, T0 + 1.0), ProcRead(0.0, i * (1 << 19))) for i in range(1, 31)
+    ]
+    d = decide(h, T0 + 7.0, spec(stall=3.0, timeout=100))
+    assert d.status == "running"
+    assert d.work is not None
+    assert d.work.signals == ["io"]
+
+
+def test_rearm_starts_the_stall_clock_again() -> None:
+    h = stuck_in_layer()
+    assert decide(h, T0 + 7.0, spec(stall=3.0, timeout=100)).status == "stalled"
+    d = decide(h, T0 + 7.0, spec(stall=3.0, timeout=100), since=T0 + 5.0)
+    assert (d.status, d.idle_s) == ("running", pytest.approx(2.0))
+
+
+def job_spec(**kwargs: object) -> CaseSpec:
+    return spec(command=CommandSpec(argv=("python", "train.py"), cwd="/tmp"), **kwargs)
+
+
+def test_a_jobs_steps_run_optimizer_step_to_optimizer_step_and_its_floor_covers_a_checkpoint() -> None:
+    # The first hook of step 1 comes after the DataLoader's first batch: a job's step 1 is not measured.
+    h = history(
+        (0.5, beacon(2, T0 + 0.4, step=1)),
+        (0.6, beacon(9, T0 + 0.55, phase="step", event="end", step=1)),
+        (3.7, beacon(10, T0 + 3.6, step=2)),  # 3 s reading the next batch
+        (3.8, beacon(19, T0 + 3.75, phase="step", event="end", step=2)),
+    )
+    assert step_intervals(h, from_first_event=False) == [pytest.approx(3.2)]
+    assert step_intervals(h)[0] == pytest.approx(0.15)  # our worker's rule: from step 1's first event
+    d = decide(h, T0 + 4.0, job_spec(stall="auto", timeout=600))
+    assert d.stall_limit_s == AUTO_JOB_FLOOR_S
+    assert d.limit_reason == (
+        "auto: 3 x longest step 3.20 s = 9.6 s -> floor 60 s (a job's floor: a checkpoint save or a slow "
+        "batch between two steps)"
+    )
+    before = decide(h[:3], T0 + 1.0, job_spec(stall="auto", timeout=600))
+    assert before.stall_limit_s == AUTO_FIRST_STEP_S
+    assert "a job's first is its second" in before.limit_reason
+
+
+def test_steps_done_of_a_job_are_not_capped_by_the_cases_steps() -> None:
+    state = beacon(400, T0, phase="step", event="end", step=20)
+    assert steps_done(state, 1) == 1
+    assert steps_done(state, sys.maxsize) == 20

@@ -38,13 +38,16 @@ import psutil
 from nsa_diag import artifacts
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
-from nsa_diag.evidence.roles import ProcessFacts, Role, assign_roles
+from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles
+from nsa_diag.evidence.stacks import read_stacks, take_sample
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
 from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
-from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec
+from nsa_diag.results import interrupted_result
+from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
+from nsa_diag.worker.beacon import read_beacon
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -380,8 +383,48 @@ class CommandLauncher(Launcher):
         return report
 
     def sample_on_interrupt(self, case_dir: Path) -> bool:
-        self.force_stop = True  # Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not
-        return False
+        """Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not; but first one stack sample of
+        each training process whose probe takes SIGUSR1, so that the case says where the job was."""
+        self.force_stop = True
+        if self.proc is None:
+            return False
+        taken = False
+        for unit in self.units(case_dir):
+            pid = self.pid_of(unit.key)
+            if unit.role not in TRAINING_ROLES or unit.no_signal is not None or not self.procs[pid].alive():
+                continue
+            path = unit.folder / artifacts.STACKS
+            number = len(read_stacks(path).samples) + 1
+            taken |= (
+                take_sample(pid, unit.folder, path, number, None, note="nsa-diag interrupted") is not None
+            )
+        return taken
+
+    def interrupted(
+        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+    ) -> CaseResult:
+        """The job's result when nsa-diag was interrupted: where each training process was (its beacon),
+        and which stacks were taken."""
+        units = [u for u in self.units(case_dir) if u.role in TRAINING_ROLES] if self.proc else []
+        if not units:
+            return super().interrupted(case_dir, by, elapsed, stop, sampled)
+        ranks = self.ranks()
+        places = []
+        for unit in units:
+            state = read_beacon(unit.beacon) if unit.beacon is not None else None
+            where = Where(**state.where()) if state is not None else None
+            places.append((unit, where, job.place(where, unit.key if unit.key in ranks else None)))
+        first = places[0]
+        result = interrupted_result(self.spec, first[0].folder, by, elapsed, stop, sampled)
+        at = "; ".join(text if len(places) > 1 else text.removeprefix("rank 0, ") for _, _, text in places)
+        stacks_taken = [
+            f"{u.folder.relative_to(case_dir)}/{artifacts.STACKS}"
+            for u, _, _ in places
+            if (u.folder / artifacts.STACKS).exists()
+        ]
+        reason = f"interrupted by {by} after {elapsed:.1f} s at {at}"
+        evidence = {**result.evidence, "location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}  # type: ignore[union-attr]
+        return result.model_copy(update={"reason": reason, "where": first[1], "evidence": evidence})
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         if self.stop_report is not None and self.stop_report.get("kept_alive"):

@@ -35,7 +35,7 @@ from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
 from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
-from nsa_diag.spec import CaseResult, CaseSpec, WorkerException, WorkerReport
+from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 
 __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]
@@ -108,7 +108,8 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]
     if nonfinite is not None:
         reason = (
             f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} "
-            f"(pid {nonfinite['pid']}, told to nsa_diag.probe.loss); the job exited with code {code}"
+            f"(pid {nonfinite['pid']}, {nonfinite.get('seen') or 'told to nsa_diag.probe.loss'}); the job exited "
+            f"with code {code}"
         )
         return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
     if code == 0:
@@ -240,8 +241,12 @@ def _info(folder: Path) -> dict[str, Any]:
 
 def location(result: CaseResult, rank: int | None) -> str:
     """``"rank 1, step 5, backward, layers.7"``: where a unit was, as far as its probe could know."""
+    return place(result.where, rank)
+
+
+def place(w: Where | None, rank: int | None) -> str:
+    """`location` of a beacon's position ``w``."""
     parts = [f"rank {rank}"] if rank is not None else []
-    w = result.where
     if w is not None and w.phase == "step" and w.event == "end" and w.step is not None:
         parts.append(f"step {w.step + 1}, before any hooked block (step {w.step}'s optimizer step done)")
     elif w is not None:

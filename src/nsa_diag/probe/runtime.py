@@ -139,6 +139,8 @@ class Sink:
     def optimizer_end(self, optimizer: object) -> None:
         if id(optimizer) != self.optimizer:
             return
+        if _probe is not None and _probe.loss_watch is not None and _probe.loss_watch.pending:
+            _probe.loss_watch.check_pending()
         self.in_backward = False
         self.event("step" if not self.explicit else "optimizer", "end", module=type(optimizer).__name__)
         if not self.explicit:
@@ -188,6 +190,7 @@ class Probe:
         self.sink = sink
         self.stacks = open(self.folder / STACKS, "ab")  # noqa: SIM115 - kept open for the process's life
         self.nonfinite_seen = False
+        self.loss_watch: LossWatch | None = None
         self._heartbeat_stop = False
         self._setup_signals()
         self.save()
@@ -257,14 +260,19 @@ class Probe:
 
     # --- the job's own reports ----------------------------------------------------------------------
 
-    def record_loss(self, value: Any) -> None:
+    def record_loss(
+        self, value: Any, step: int | None = None, seen: str = "told to nsa_diag.probe.loss"
+    ) -> None:
         try:
             number = float(value.item() if hasattr(value, "item") else value)
         except (TypeError, ValueError, RuntimeError):
             return
         if not math.isfinite(number) and not self.nonfinite_seen:
             self.nonfinite_seen = True
-            record = {"where": "loss", "value": str(number), "step": self.sink.step, "time": time.time()}
+            record = {
+                "where": "loss", "value": str(number), "step": self.sink.step if step is None else step,
+                "time": time.time(), "seen": seen,
+            }  # fmt: skip
             _write_json(self.folder / NONFINITE_JSON, record)
 
     def set_total_steps(self, n: int) -> None:
@@ -371,6 +379,7 @@ def install_torch_hooks(torch: Any) -> None:
     _wrap_collectives(torch)
     _wrap_dataloader_worker(torch)
     _wrap_init_process_group(torch)
+    _wrap_backward(torch)
     optim.register_optimizer_step_pre_hook(step_begin)
     optim.register_optimizer_step_post_hook(step_end)
     finder = _ModelFinder()
@@ -411,6 +420,65 @@ def _wrap_collectives(torch: Any) -> None:
         fn = getattr(dist, name, None)
         if callable(fn):
             setattr(dist, name, wrap(name, fn))
+
+
+class LossWatch:
+    """The loss of every step, seen where the job calls ``backward()`` on it (no code change): a one-element
+    floating tensor's value is checked for NaN/Inf. On the CPU at once; on a GPU without waiting for it:
+    the value is copied into pinned memory behind an event and read at a later backward (or step) once the
+    event has completed, so the check adds two small asynchronous operations to a step and no sync."""
+
+    PENDING_MAX = 4  # GPU values not yet read; beyond this the oldest is dropped (a stalled stream)
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.pending: list[tuple[int, Any, Any]] = []  # (step, pinned value, event)
+
+    def seen(self, tensor: Any, torch: Any) -> None:
+        if self.probe.nonfinite_seen or tensor.numel() != 1 or not tensor.is_floating_point():
+            return
+        step = self.probe.sink.step
+        self.check_pending()
+        if tensor.device.type == "cpu":
+            self.probe.record_loss(tensor.detach(), step, seen="the tensor backward() was called on")
+            return
+        if tensor.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        value = torch.empty(1, dtype=torch.float32, pin_memory=True)
+        value.copy_(tensor.detach().reshape(1), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, value, event))
+        del self.pending[: -self.PENDING_MAX]
+
+    def check_pending(self) -> None:
+        while self.pending and self.pending[0][2].query():
+            step, value, _ = self.pending.pop(0)
+            self.probe.record_loss(float(value[0]), step, seen="the tensor backward() was called on")
+
+
+def _wrap_backward(torch: Any) -> None:
+    """`LossWatch` on ``Tensor.backward`` (what training loops, Accelerate and Lightning call on the loss)."""
+    import functools
+
+    original = torch.Tensor.backward
+    if getattr(original, "_nsa_diag_probe", False):
+        return
+
+    @functools.wraps(original)
+    def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _probe is not None:
+            try:
+                if _probe.loss_watch is None:
+                    _probe.loss_watch = LossWatch(_probe)
+                _probe.loss_watch.seen(self, torch)
+            except Exception as exc:  # never the job's problem; said once
+                if _probe.loss_watch is not None and not _probe.info.get("loss_watch_error"):
+                    _probe.note("loss_watch_error", f"{type(exc).__name__}: {exc}")
+        return original(self, *args, **kwargs)
+
+    backward._nsa_diag_probe = True  # type: ignore[attr-defined]
+    torch.Tensor.backward = backward
 
 
 def _wrap_dataloader_worker(torch: Any) -> None:

@@ -1,0 +1,139 @@
+"""What shows work between progress events, and who is who in a job's process tree.
+
+- `nsa_diag.probe.liveness.LivenessSampler`, run by a real thread against a real main-thread loop: moves
+  while the loop computes across lines, none while it sleeps or waits on a lock;
+- the probe's `LossWatch`: a NaN loss is recorded at the backward it was called on (CPU);
+- `nsa_diag.evidence.roles.assign_roles` on the trees real jobs have (a script with DataLoader workers,
+  torchrun with ranks and their workers, a shell that starts Python, torch.multiprocessing.spawn).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsa_diag.evidence.roles import ProcessFacts, assign_roles, describe, training_pids
+from nsa_diag.probe import runtime
+from nsa_diag.probe.liveness import LivenessSampler, stack_flags
+from nsa_diag.worker.beacon import FLAG_DATALOADER, BeaconWriter, read_beacon
+
+
+def _sample_while(work: object, tmp_path: Path, seconds: float = 1.0) -> tuple[int, str | None]:
+    """Run ``work()`` in this (the main) thread while a sampler thread ticks every 10 ms; moves, frame."""
+    beacon = BeaconWriter(tmp_path / "beacon.bin")
+    sampler = LivenessSampler(beacon, threading.get_ident())
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            time.sleep(0.01)
+            sampler.sample()
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        work()  # type: ignore[operator]
+    stop.set()
+    thread.join()
+    state = read_beacon(tmp_path / "beacon.bin")
+    assert state is not None
+    return state.moves, state.frame
+
+
+def test_a_loop_of_small_ops_moves_a_sleep_does_not(tmp_path: Path) -> None:
+    q = torch.randn(1, 64, 32)
+
+    def per_token() -> None:
+        for t in range(64):
+            scores = q[:, t : t + 1] @ q[:, : t + 1].transpose(1, 2)
+            weights = torch.softmax(scores, dim=-1)
+            weights @ q[:, : t + 1]
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    moves, frame = _sample_while(per_token, tmp_path / "a")
+    assert moves >= 5, moves
+    assert frame is not None  # where it was at the last tick (here: joining the sampler)
+    still, _ = _sample_while(lambda: time.sleep(0.3), tmp_path / "b")
+    assert still <= 5, still  # the loop's own line between sleeps, now and then, and the join
+
+
+def test_the_flags_say_the_main_thread_waits_for_a_batch() -> None:
+    code = compile("import sys; frame = sys._getframe()", "/x/torch/utils/data/dataloader.py", "exec")
+    scope: dict[str, object] = {}
+    exec(code, scope)
+    assert stack_flags(scope["frame"]) & FLAG_DATALOADER  # type: ignore[arg-type]
+    assert not stack_flags(None)
+
+
+def test_a_nan_loss_is_recorded_where_backward_is_called(tmp_path: Path) -> None:
+    probe = runtime.Probe(tmp_path)
+    try:
+        watch = runtime.LossWatch(probe)
+        weight = torch.ones(2, requires_grad=True)
+        watch.seen((weight * 2).sum(), torch)  # finite: nothing recorded
+        assert not (probe.folder / runtime.NONFINITE_JSON).exists()
+        probe.sink.step = 3
+        watch.seen(torch.log(weight.sum() - 10), torch)
+        record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+        assert (record["value"], record["step"]) == ("nan", 3)
+        assert record["seen"] == "the tensor backward() was called on"
+        watch.seen(torch.ones(3, requires_grad=True), torch)  # not a loss (3 elements): ignored
+    finally:
+        probe._heartbeat_stop = True
+
+
+# --- roles ---------------------------------------------------------------------------------------------
+
+
+def test_a_script_with_dataloader_workers() -> None:
+    roles = assign_roles([
+        ProcessFacts(10, 1, ("python", "train.py")),
+        ProcessFacts(11, 10, ("python", "train.py"), forked_from=10, role="dataloader-worker"),
+        ProcessFacts(12, 10, ("python", "train.py"), forked_from=10, stacks=(
+            'File "/x/torch/utils/data/_utils/worker.py", line 300 in _worker_loop'
+        )),
+        ProcessFacts(13, 10, ("python", "-c", "from multiprocessing.resource_tracker import main")),
+    ])  # fmt: skip
+    assert roles == {10: "training", 11: "dataloader-worker", 12: "dataloader-worker", 13: "helper"}
+    assert training_pids(roles) == [10]
+
+
+def test_torchrun_its_ranks_and_their_workers() -> None:
+    roles = assign_roles([
+        ProcessFacts(20, 1, ("/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"), role="launcher"),
+        ProcessFacts(21, 20, ("python", "-u", "train.py"), rank=0),
+        ProcessFacts(22, 20, ("python", "-u", "train.py"), rank=1),
+        ProcessFacts(23, 21, ("python", "-u", "train.py"), rank=0, forked_from=21, role="dataloader-worker"),
+        ProcessFacts(24, 21, ("python", "-u", "train.py"), rank=0, forked_from=21),
+    ])  # fmt: skip
+    assert roles == {20: "launcher", 21: "rank", 22: "rank", 23: "dataloader-worker", 24: "helper"}
+    assert describe("rank", 1) == "rank 1"
+    assert describe("launcher") == "torch's launcher (torchrun's agent)"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("python", "-m", "torch.distributed.run", "t.py"), ("python", "/v/torch/distributed/launch.py", "t.py")],
+)
+def test_torch_launchers_by_command_line(argv: tuple[str, ...]) -> None:
+    assert assign_roles([ProcessFacts(30, 1, argv)]) == {30: "launcher"}
+
+
+def test_a_shell_that_starts_python_and_spawned_ranks() -> None:
+    assert assign_roles([
+        ProcessFacts(40, 1, ("bash", "-c", "python train.py"), python=False),
+        ProcessFacts(41, 40, ("python", "train.py")),
+    ]) == {40: "shell", 41: "training"}  # fmt: skip
+    # torch.multiprocessing.spawn: the parent waits on children that joined a process group
+    assert assign_roles([
+        ProcessFacts(50, 1, ("python", "spawn.py")),
+        ProcessFacts(51, 50, ("python", "-c", "from multiprocessing.spawn import spawn_main"), rank=0),
+        ProcessFacts(52, 50, ("python", "-c", "from multiprocessing.spawn import spawn_main"), rank=1),
+    ]) == {50: "launcher", 51: "rank", 52: "rank"}  # fmt: skip
