@@ -265,7 +265,8 @@ _SEQ_LEN_HELP = (
     "m7c-125m 2048), so that selection is sparse and S exceeds the window."
 )
 _STALL_HELP = (
-    "No progress for this long: hang. auto: 120 s until step 1 ends, then 3x its duration, at least 10 s; "
+    "No progress and no work for this long: hang. auto: 120 s until a step (optimizer step to optimizer "
+    "step) is measured, then 3x the longest, at least 10 s (a watched job: 60 s); "
     f"SECONDS: at least {MIN_STALL_S:g}."
 )
 
@@ -344,8 +345,8 @@ class CaseSpec(BaseModel):
         float | Literal["auto"], Opt("--stall", str, _STALL_HELP, metavar="auto|SECONDS", replay="always")
     ] = Field(
         "auto",
-        description="seconds without progress that make a hang; auto: from the first step's duration "
-        "(nsa_diag.watchdog.stall_limit)",
+        description="seconds without progress or work that make a hang; auto: from the steps measured "
+        "so far (nsa_diag.watchdog.stall_limit)",
     )
     inject: Annotated[
         tuple[Injection, ...], Opt("--inject", list[str], _inject_help(), (), metavar="KIND[:k=v,...]")

@@ -108,8 +108,8 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]
     if nonfinite is not None:
         reason = (
             f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} "
-            f"(pid {nonfinite['pid']}, {nonfinite.get('seen') or 'told to nsa_diag.probe.loss'}); the job exited "
-            f"with code {code}"
+            f"(pid {nonfinite['pid']}, {nonfinite.get('seen') or 'told to nsa_diag.probe.loss'}); "
+            f"the job exited with code {code}"
         )
         return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
     if code == 0:
