@@ -1,8 +1,146 @@
-"""DDP's own errors explained (`nsa_diag.analysis.ddp_errors`), without processes."""
+"""A rank's exception, told apart in a torchrun job's stderr and explained, without processes.
+
+The stderr texts under ``recorded/`` are real: 2-rank gloo jobs of tests/diag/jobs/ run by ``nsa-diag watch
+-- torchrun`` on torch 2.13 (``recorded/record_ddp_stderr.py`` regenerates them, with each rank's probe
+record of DDP's parameter order in ``<name>.meta.json``); ``ddp_interleaved`` is the tee run's two ranks
+merged line by line.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
+from nsa_diag.analysis.ranks import rank_exit_codes
+from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
+from nsa_diag.launchers import job
+
+RECORDED = Path(__file__).resolve().parent / "recorded"
+AUX = ["aux_head.weight", "aux_head.bias"]
+
+
+def _stderr(name: str) -> str:
+    return (RECORDED / f"{name}.stderr.txt").read_text()
+
+
+def _meta(name: str) -> dict[str, Any]:
+    return json.loads((RECORDED / f"{name}.meta.json").read_text())
+
+
+# --- the stderr, per rank ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ddp_unused", "ddp_unused_info", "ddp_unused_tee", "ddp_interleaved"])
+def test_each_rank_gets_its_own_exception_whatever_the_prefixes_and_interleaving(name: str) -> None:
+    text = _stderr(name)
+    found = rank_exceptions(text, (0, 1), rank_exit_codes(text))
+    assert sorted(found) == [0, 1]
+    for rank, tb in found.items():
+        assert (tb.type, tb.found_by) == ("RuntimeError", "prefix")
+        assert tb.first_line.startswith("Expected to have finished reduction in the prior iteration")
+        # the message runs over torch's further lines, up to the rank's own indices
+        assert f"Parameter indices which did not receive grad for rank {rank}: 20 21" in tb.message
+        assert 'ddp_unused_param.py", line 52, in main' in tb.text
+        assert "[rank" not in tb.text
+        assert "[default" not in tb.text
+        assert "ChildFailedError" not in tb.text
+
+
+def test_interleaved_ranks_read_as_the_ranks_apart() -> None:
+    apart = rank_exceptions(_stderr("ddp_unused_tee"), (0, 1))
+    together = rank_exceptions(_stderr("ddp_interleaved"), (0, 1))
+    assert {r: (tb.message, tb.text) for r, tb in apart.items()} == {
+        r: (tb.message, tb.text) for r, tb in together.items()
+    }
+
+
+def test_two_prefixed_tracebacks_merged_line_by_line_keep_their_ranks() -> None:
+    lines = _stderr("ddp_reentrant").splitlines()
+    rank0 = [line for line in lines if line.startswith("[rank0]:")]
+    rank1 = [line for line in lines if line.startswith("[rank1]:")]
+    merged = "\n".join(line for pair in zip(rank1, rank0, strict=True) for line in pair)
+    found = rank_exceptions(merged, (0, 1))
+    assert sorted(found) == [0, 1]
+    for tb in found.values():
+        assert "Parameter at index 19 with name layers.2.mlp.2.bias" in tb.message
+        assert "utils/checkpoint.py" in tb.text
+
+
+def test_torchrun_summary_is_never_the_exception() -> None:
+    text = _stderr("ddp_reentrant")
+    assert "ChildFailedError" in text
+    last = last_exception(text)
+    assert last is not None
+    assert last.type == "RuntimeError"
+    assert job.last_traceback(text).type == "RuntimeError"  # type: ignore[union-attr]
+
+
+def test_bare_tracebacks_go_to_the_failed_ranks() -> None:
+    text = _stderr("early_unprefixed")
+    found = rank_exceptions(text, (0, 1), rank_exit_codes(text))
+    assert sorted(found) == [0, 1]
+    assert {tb.found_by for tb in found.values()} == {"order"}
+    assert {tb.type for tb in found.values()} == {"FileNotFoundError"}
+    # one failed rank without a prefixed traceback: the bare one is its
+    only = "\n".join([
+        "[rank0]: Traceback (most recent call last):", '[rank0]:   File "t.py", line 1, in <module>',
+        "[rank0]: ValueError: bad",
+        "Traceback (most recent call last):", '  File "t.py", line 3, in <module>', "KeyError: 'x'",
+    ])  # fmt: skip
+    found = rank_exceptions(only, (0, 1), {0: 1, 1: 1})
+    assert (found[0].type, found[1].type, found[1].found_by) == ("ValueError", "KeyError", "only rank")
+    # a message that names its rank
+    named = (
+        'Traceback (most recent call last):\n  File "t.py", line 3, in f\nRuntimeError: no grad for rank 1'
+    )
+    assert rank_exceptions(named, (0, 1))[1].found_by == "message"
+    # a single process: no rank to give it to
+    assert rank_exceptions(named.replace("for rank 1", "here")) == {}
+    assert last_exception(named) is not None
+
+
+def test_message_ends_at_a_log_record_and_a_chained_exception_is_the_last() -> None:
+    text = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "t.py", line 1, in <module>',
+        "[rank0]: KeyError: 'step'",
+        "",
+        "[rank0]: During handling of the above exception, another exception occurred:",
+        "",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "t.py", line 4, in <module>',
+        "[rank0]: RuntimeError: checkpoint has no step",
+        "[rank0]: (saved by an older version)",
+        "[rank0]:[W1127 12:45:03.970983715 ProcessGroupNCCL.cpp:1538] Warning: destroy_process_group() ...",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 9, in <module>',
+    ])  # fmt: skip
+    (tb,) = rank_exceptions(text, (0,)).values()
+    assert (tb.type, tb.message) == ("RuntimeError", "checkpoint has no step\n(saved by an older version)")
+    ranks, bare = split_by_rank(text)
+    assert list(ranks) == [0]
+    assert len(bare) == 4  # two empty lines and the traceback that was cut short
+
+
+_STDERR_CHARS = list("[]:rankdefault0123 \n\tTraceback(mostrecentcall)File:Err\x00é")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(_STDERR_CHARS)) | st.text())
+def test_bad_input_never_raises(text: str) -> None:
+    rank_exceptions(text, (0, 1), {0: 1})
+    last_exception(text)
+    explain_ddp_error(text, ["a"], traceback=text)
+    job.last_traceback(text)
+
+
+# --- DDP's errors explained --------------------------------------------------------------------------
 
 
 def test_ddp_errors_explained_with_names_and_fix() -> None:
@@ -39,3 +177,36 @@ def test_ddp_errors_explained_with_names_and_fix() -> None:
     assert changed is not None
     assert (changed.kind, changed.params) == ("static-graph-changed", ("embed.weight",))
     assert explain_ddp_error("CUDA out of memory", names) is None
+
+
+def test_unused_parameters_named_by_index_by_torch_or_not_at_all() -> None:
+    tb = rank_exceptions(_stderr("ddp_unused"), (0, 1))[0]
+    names = _meta("ddp_unused")["ranks"]["0"]["ddp_params"]
+    assert explain_ddp_error(tb.message, names).params == tuple(AUX)  # type: ignore[union-attr]
+    unnamed = explain_ddp_error(tb.message)
+    assert unnamed is not None
+    assert unnamed.params == ("#20", "#21")
+    assert "TORCH_DISTRIBUTED_DEBUG=INFO" in unnamed.explanation
+    info = rank_exceptions(_stderr("ddp_unused_info"), (0, 1))[0]
+    assert set(explain_ddp_error(info.message).params) == set(AUX)  # type: ignore[union-attr]
+    enabled = explain_ddp_error(
+        "Expected to have finished reduction in the prior iteration before starting a new one. ... Since "
+        "`find_unused_parameters=True` is enabled, this likely  means that not all `forward` outputs "
+        "participate in computing loss."
+    )
+    assert enabled is not None
+    assert "every output of forward" in enabled.fix
+
+
+def test_reentrant_checkpointing_is_named_from_the_traceback() -> None:
+    tb = rank_exceptions(_stderr("ddp_reentrant"), (0, 1))[1]
+    cases = [(True, "find_unused_parameters=True took its parameters for unused"),
+             (False, "a module checkpointed twice"), (None, "use_reentrant=True")]  # fmt: skip
+    for find_unused, says in cases:
+        explained = explain_ddp_error(tb.message, traceback=tb.text, find_unused=find_unused)
+        assert explained is not None
+        assert explained.params == ("layers.2.mlp.2.bias",)
+        assert "reentrant activation checkpointing" in explained.cause
+        assert says in explained.cause
+    plain = explain_ddp_error(tb.message)  # without the traceback: a cause among others
+    assert "reentrant activation checkpointing (use_reentrant=True)" in plain.cause  # type: ignore[union-attr]
