@@ -3,16 +3,20 @@
 The stderr texts under ``recorded/`` are real: 2-rank gloo jobs of tests/diag/jobs/ run by ``nsa-diag watch
 -- torchrun`` on torch 2.13 (``recorded/record_ddp_stderr.py`` regenerates them, with each rank's probe
 record of DDP's parameter order in ``<name>.meta.json``); ``ddp_interleaved`` is the tee run's two ranks
-merged line by line.
+merged line by line. One test runs the probe in a real (single-rank) DDP process to check the order it
+records against DDP's own.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from diag_cli import cli_env
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,6 +35,22 @@ def _stderr(name: str) -> str:
 
 def _meta(name: str) -> dict[str, Any]:
     return json.loads((RECORDED / f"{name}.meta.json").read_text())
+
+
+def _case(tmp_path: Path, name: str, *, probe: bool = True) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """A watched case's folder as the job left it: its stderr.log and each rank's probe.json (with its
+    record of DDP's parameter order unless ``probe`` is False); the infos by pid."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stderr.log").write_text(_stderr(name))
+    infos = {}
+    for info in _meta(name)["ranks"].values():
+        if not probe:
+            info = {k: v for k, v in info.items() if not k.startswith("ddp_")}
+        folder = tmp_path / "procs" / f"pid-{info['pid']}"
+        folder.mkdir(parents=True)
+        (folder / "probe.json").write_text(json.dumps(info))
+        infos[info["pid"]] = info
+    return tmp_path, infos
 
 
 # --- the stderr, per rank ------------------------------------------------------------------------------
@@ -210,3 +230,51 @@ def test_reentrant_checkpointing_is_named_from_the_traceback() -> None:
         assert says in explained.cause
     plain = explain_ddp_error(tb.message)  # without the traceback: a cause among others
     assert "reentrant activation checkpointing (use_reentrant=True)" in plain.cause  # type: ignore[union-attr]
+
+
+# --- the probe's record of DDP's parameter order ------------------------------------------------------
+
+_DDP_ORDER_JOB = """
+import json, tempfile
+import torch, torch.distributed as dist
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))           # the root's own, registered first
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.b[0].weight = self.a.weight                   # shared: counted once, where first seen
+        self.skip = nn.Linear(4, 4)
+        self.last = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.b(self.a(x * self.scale)) + self.last
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+net = Net()
+net._ddp_params_and_buffers_to_ignore = ["skip.weight", "skip.bias"]
+ddp = nn.parallel.DistributedDataParallel(net)
+params, _ = ddp._build_params_for_reducer()  # DDP's index order, as its reducer got it
+aliases = [[n for n, q in net.named_parameters(remove_duplicate=False) if q is p] for p in params]
+print(json.dumps(aliases))
+dist.destroy_process_group()
+"""
+
+
+def test_probe_records_ddps_parameter_order(tmp_path: Path) -> None:
+    from nsa_diag.launchers.command import probe_env
+
+    env = {**cli_env(), **probe_env(tmp_path, cli_env()), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run([sys.executable, "-c", _DDP_ORDER_JOB], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    aliases = json.loads(proc.stdout.strip().splitlines()[-1])  # per DDP index: every name of its parameter
+    (probe_json,) = (tmp_path / "procs").glob("pid-*/probe.json")
+    info = json.loads(probe_json.read_text())
+    assert len(info["ddp_params"]) == len(aliases)
+    assert all(name in names for name, names in zip(info["ddp_params"], aliases, strict=True))
+    assert info["ddp_params"] == ["scale", "last", "a.weight", "a.bias", "b.0.bias"]
+    assert info["ddp_options"] == {"find_unused_parameters": False, "static_graph": False}
