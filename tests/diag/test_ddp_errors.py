@@ -24,6 +24,8 @@ from nsa_diag.analysis.ddp_errors import explain_ddp_error
 from nsa_diag.analysis.ranks import rank_exit_codes
 from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
 from nsa_diag.launchers import job
+from nsa_diag.launchers.base import Ending
+from nsa_diag.spec import CaseResult, CaseSpec
 
 RECORDED = Path(__file__).resolve().parent / "recorded"
 AUX = ["aux_head.weight", "aux_head.bias"]
@@ -230,6 +232,89 @@ def test_reentrant_checkpointing_is_named_from_the_traceback() -> None:
         assert says in explained.cause
     plain = explain_ddp_error(tb.message)  # without the traceback: a cause among others
     assert "reentrant activation checkpointing (use_reentrant=True)" in plain.cause  # type: ignore[union-attr]
+
+
+# --- the job's account and its verdict ----------------------------------------------------------------
+
+
+def test_job_report_names_the_unused_parameters_and_the_fix(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_unused")
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "grad-missing"
+    assert report.missing_grads == AUX
+    assert report.reason.startswith(
+        "ranks 0, 1: DDP: parameters aux_head.weight, aux_head.bias got no gradient"
+    )
+    assert "find_unused_parameters=True" in report.reason
+    assert "called from ddp_unused_param.py:52 in main; exit code 1)" in report.reason
+    assert report.exception is not None
+    assert "Parameter indices which did not receive grad" in report.exception.message
+
+
+def test_job_report_without_the_probes_order_keeps_torchs_indices(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_unused", probe=False)
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "grad-missing"
+    assert report.missing_grads == ["#20", "#21"]
+
+
+def test_job_report_names_reentrant_checkpointing(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_reentrant")
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "error"
+    assert report.reason.startswith("ranks 0, 1: DDP: parameter layers.2.mlp.2.bias marked ready twice")
+    assert "find_unused_parameters=True took its parameters for unused" in report.reason
+    assert "use_reentrant=False" in report.reason
+    assert "ddp_reentrant_checkpoint.py:59 in main" in report.reason
+
+
+def _unit(verdict: str, reason: str, code: int | None, signal: str | None = None) -> CaseResult:
+    return CaseResult(
+        name="watch", spec_hash="0", verdict=verdict, reason=reason, exit_code=code, signal=signal
+    )  # type: ignore[arg-type]
+
+
+def _combine(case: Path, name: str, per_rank: dict[int, CaseResult], root_result: CaseResult) -> CaseResult:
+    ranks = {int(r): info["pid"] for r, info in _meta(name)["ranks"].items()}
+    infos = {int(r): info for r, info in _meta(name)["ranks"].items()}
+    end = Ending(case, "exited", {99: root_result, **per_rank}, None, {"exit_code": 1}, 1.0, {})
+    return job.combine(CaseSpec(name="watch"), end, root=99, infos=infos, ranks=ranks, rates={}, folders={})
+
+
+def test_a_rank_that_raised_is_the_cause_not_the_rank_torchrun_stopped(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_reentrant")
+    codes = rank_exit_codes(_stderr("ddp_reentrant"))
+    per_rank = {
+        r: _unit("crash", "killed by SIGTERM" if c < 0 else "exited with code 1 without a result", c,
+                 "SIGTERM" if c < 0 else None)
+        for r, c in codes.items()
+    }  # fmt: skip
+    root = _unit("crash", "exited with code 1 without a result", 1)  # as if job_report had found nothing
+    result = _combine(case, "ddp_reentrant", per_rank, root)
+    assert result.verdict == "error", result.reason
+    assert result.reason.startswith("ranks 0, 1: DDP: parameter layers.2.mlp.2.bias marked ready twice")
+    for r in ("0", "1"):
+        record = result.evidence["processes"][r]
+        assert record["verdict"] == "error"
+        assert record["reason"].startswith("DDP: parameter layers.2.mlp.2.bias marked ready twice")
+        assert result.evidence["rank_exceptions"][r]["ddp_error"]["kind"] == "marked-ready-twice"
+    case, _ = _case(tmp_path / "unused", "ddp_unused")
+    result = _combine(case, "ddp_unused", {0: _unit("crash", "-", 1), 1: _unit("crash", "-", 1)}, root)
+    assert (result.verdict, result.missing_grads) == ("grad-missing", AUX)
+
+
+def test_a_rank_killed_by_a_signal_of_its_own_stays_the_cause(tmp_path: Path) -> None:
+    case, _ = _case(tmp_path, "ddp_unused")
+    only_rank1 = [line for line in _stderr("ddp_unused").splitlines() if not line.startswith("[rank0]")]
+    (case / "stderr.log").write_text("\n".join(only_rank1))
+    per_rank = {0: _unit("crash", "killed by SIGSEGV", -11, "SIGSEGV"), 1: _unit("crash", "-", 1)}
+    result = _combine(case, "ddp_unused", per_rank, _unit("error", "-", 1))
+    assert result.verdict == "crash"
+    assert result.reason == "rank 0: killed by SIGSEGV"
+    assert result.evidence["processes"]["1"]["verdict"] == "grad-missing"  # its own exception still shown
 
 
 # --- the probe's record of DDP's parameter order ------------------------------------------------------
