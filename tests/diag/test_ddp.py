@@ -1,7 +1,8 @@
 """`nsa-diag ddp` on the CPU: 2 ranks through real torchrun on gloo, the tiny preset, and no process left.
 
 The process tests run real torchrun jobs (a few seconds each); the rest checks the pure pieces (cross-rank
-stack diff, DDP error explanations, pre-flight verdict, torchrun's failure summary) on recorded input.
+stack diff, pre-flight verdict, torchrun's failure summary) on recorded input; DDP's error explanations are
+tested in test_ddp_errors.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from nsa_diag.app import run_cli
 from nsa_diag.evidence.stacks import parse_faulthandler
 from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, DdpSpec, Injection
-from nsa_diag.worker.ddp import explain_ddp_error, preflight_verdict
+from nsa_diag.worker.ddp import preflight_verdict
 
 RANK_FILES = ("progress.jsonl", "stdout.log", "stderr.log", "stacks.txt", "worker_result.json")
 
@@ -210,32 +211,6 @@ def test_cross_rank_diff_same_place_names_no_minority() -> None:
     diff = cross_rank_diff(_threads(r0=_IN_ALL_REDUCE, r1=_IN_ALL_REDUCE), {})
     assert diff["minority_ranks"] == []
     assert diff["basis"] == "every rank is at the same frame"
-
-
-def test_ddp_errors_explained_with_names_and_fix() -> None:
-    names = ["embed.weight", "blocks.0.attn.kv_win.weight", "lm_head.weight"]
-    unfinished = (
-        "Expected to have finished reduction in the prior iteration before starting a new one. ... "
-        "Parameter indices which did not receive grad for rank 1: 1"
-    )
-    explained = explain_ddp_error(unfinished, names)
-    assert explained is not None
-    assert explained["kind"] == "unused-parameters"
-    assert explained["params"] == ["blocks.0.attn.kv_win.weight"]
-    assert "find_unused_parameters=True" in explained["explanation"]
-    twice = explain_ddp_error(
-        "Expected to mark a variable ready only once. ... "
-        "Parameter at index 2 has been marked as ready twice.",
-        names,
-    )
-    assert twice is not None
-    assert twice["kind"] == "marked-ready-twice"
-    assert twice["params"] == ["lm_head.weight"]
-    assert "use_reentrant=False" in twice["explanation"]
-    changed = explain_ddp_error("Your training graph has changed in this iteration, e.g., ...", names)
-    assert changed is not None
-    assert changed["kind"] == "static-graph-changed"
-    assert explain_ddp_error("CUDA out of memory", names) is None
 
 
 def test_preflight_verdicts() -> None:

@@ -4,7 +4,8 @@ nsa_diag imported), run by nsa-diag in a subprocess as a user would, each judged
 The default set keeps one pass, one hang (deadlock in backward), bad input, Ctrl-C and the pure parts
 (the probe's import cost, traceback parsing, collective counts); the other jobs are marked slow (each
 10-40 s on a loaded 2-core machine: nsa-diag's and the job's torch imports, the stall limits).
-GPU jobs (a CUDA kernel that spins, a 2-GPU NCCL job that skips a collective) skip without CUDA.
+GPU jobs (a CUDA kernel that spins, 2-GPU NCCL jobs that skip a collective or fail in DDP) skip without CUDA.
+DDP's errors on recorded stderr, without processes: test_ddp_errors.py.
 """
 
 from __future__ import annotations
@@ -389,8 +390,7 @@ def test_segfault_is_a_crash(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_rank_1(tmp_path: Path) -> None:
-    job = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
-           "ddp_skip_allreduce.py"]  # fmt: skip
+    job = _torchrun("ddp_skip_allreduce.py")
     proc, out = _watch(tmp_path, "--stall", "3", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
@@ -399,6 +399,39 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     case = _case(out)
     assert sorted(p.name for p in (case / "ranks").iterdir()) == ["0", "1"]
     assert not any(_alive(p) for p in _job_pids(case))
+
+
+def _torchrun(script: str, *args: str) -> list[str]:
+    return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_unused_parameters_are_grad_missing_by_name_with_the_fix(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=_torchrun("ddp_unused_param.py"), env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "grad-missing", result["reason"]
+    assert result["missing_grads"] == ["aux_head.weight", "aux_head.bias"]  # DDP's indices 20 21, named
+    assert result["reason"].startswith("ranks 0, 1: DDP: parameters aux_head.weight, aux_head.bias")
+    assert "fix: find_unused_parameters=True" in result["reason"]
+    assert "ddp_unused_param.py:52 in main" in result["reason"]
+    for rank in ("0", "1"):  # each rank's record says its own exception, also the one torchrun stopped
+        assert result["evidence"]["processes"][rank]["verdict"] == "grad-missing"
+        assert result["evidence"]["rank_exceptions"][rank]["found_by"] == "prefix"
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
+def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Path) -> None:
+    job = _torchrun("ddp_reentrant_checkpoint.py")
+    proc, out = _watch(tmp_path, job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    result = _result(out)
+    assert result["verdict"] == "error", result["reason"]
+    assert "DDP: parameter layers.2.mlp.2.bias marked ready twice" in result["reason"]
+    assert "reentrant activation checkpointing" in result["reason"]
+    assert "find_unused_parameters=True took its parameters" in result["reason"]  # the probe's record
+    assert "use_reentrant=False" in result["reason"]
+    assert {result["evidence"]["processes"][r]["verdict"] for r in ("0", "1")} == {"error"}
 
 
 @pytest.mark.slow
@@ -477,6 +510,21 @@ def test_gpu_kernel_spin_is_a_cuda_kernel_hang(tmp_path: Path) -> None:
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "cuda-kernel", result["reason"]
+
+
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize(
+    ("script", "verdict", "says"),
+    [
+        pytest.param("ddp_unused_param.py", "grad-missing", "aux_head.weight", id="unused"),
+        pytest.param("ddp_reentrant_checkpoint.py", "error", "marked ready twice", id="reentrant"),
+    ],
+)
+def test_nccl_ddp_errors_are_named(tmp_path: Path, script: str, verdict: str, says: str) -> None:
+    proc, out = _watch(tmp_path, job=_torchrun(script, "--nccl"))
+    result = _result(out)
+    assert result["verdict"] == verdict, result["reason"]
+    assert says in result["reason"]
 
 
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA devices")

@@ -1,12 +1,14 @@
 """A user's job judged as a whole (`nsa_diag.launchers.command`): its own account, its stop, its verdict.
 
 - `job_report`: when the job exited by itself, its account as our worker would have written it
-  (``worker_result.json`` of the command's unit), from its exit status, the last traceback on its stderr
-  (torchrun's own ``ChildFailedError`` skipped: the rank's traceback is the cause) and a non-finite loss
-  the job told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash.
+  (``worker_result.json`` of the command's unit), from its exit status, the exceptions on its stderr
+  (each rank's, `rank_errors`: torchrun's own ``ChildFailedError`` is never the cause; DDP's own errors
+  explained with the parameters' names, `nsa_diag.analysis.ddp_errors`) and a non-finite loss the job
+  told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash.
 - `stop_tree`: SIGTERM to the command's process group and to every process of the job nsa-diag saw
   (torchrun's ranks and DataLoader workers may live in sessions of their own), a grace period, SIGKILL.
-- `combine`: the case's verdict. Exited: the command's unit (a rank killed by a signal first). Stalled or
+- `combine`: the case's verdict. Exited: a rank killed by a signal of its own, else the ranks' exceptions
+  (`rank_errors`, each also in that rank's record), else the command's unit. Stalled or
   past the timeout: the unit that decided, where it was ("rank 1, step 5, backward, layers.7"), the ranks'
   minority (`nsa_diag.analysis.ranks.cross_rank_diff`), the processes it waits on (a DataLoader worker).
 """
@@ -21,14 +23,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
 from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
+from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
 from nsa_diag.classify import focus_thread, waits_on_dataloader
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
@@ -41,9 +45,6 @@ from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]
 
 STDERR_READ_BYTES = 256 * 1024
-_TRACEBACK = "Traceback (most recent call last):"
-_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]: ?")
-_LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
 
 
 def no_signal(info: Mapping[str, Any]) -> str | None:
@@ -69,28 +70,17 @@ def _stderr(case_dir: Path) -> str:
 
 
 def last_traceback(text: str) -> WorkerException | None:
-    """The last Python traceback in ``text`` (a job's stderr) that is not a launcher's summary."""
-    lines = [_RANK_PREFIX.sub("", line) for line in text.splitlines()]
-    found = None
-    for i, line in enumerate(lines):
-        if line.strip() != _TRACEBACK:
-            continue
-        body = [line.strip()]
-        for nxt in lines[i + 1 :]:
-            body.append(nxt)
-            if nxt and not nxt[0].isspace():
-                break
-        exc_line = body[-1].strip() if len(body) > 1 else ""
-        if not exc_line or any(name in exc_line for name in _LAUNCHER_ERRORS):
-            continue
-        kind, _, message = exc_line.partition(": ")
-        if " " in kind:  # not "Type: message": some other line ended the frames
-            continue
-        found = WorkerException(type=kind, message=message, traceback="\n".join(body))
-    return found
+    """The last Python traceback in ``text`` (a job's stderr), whoever printed it, that is not a
+    launcher's summary (`nsa_diag.analysis.tracebacks`)."""
+    tb = last_exception(text)
+    return _worker_exception(tb) if tb is not None else None
 
 
-def _is_oom(exc: WorkerException) -> bool:
+def _worker_exception(tb: Traceback) -> WorkerException:
+    return WorkerException(type=tb.type, message=tb.message, traceback=tb.text)
+
+
+def _is_oom(exc: WorkerException | Traceback) -> bool:
     return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in exc.message
 
 
@@ -103,7 +93,8 @@ def _nonfinite(case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> dict[s
 
 
 def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> WorkerReport | None:
-    """The job's account (module docstring); None when its exit status alone tells (a crash)."""
+    """The job's account (module docstring); None when its exit status alone tells (a crash).
+    ``infos``: every probed process's ``probe.json``, by pid."""
     nonfinite = _nonfinite(case_dir, infos)
     if nonfinite is not None:
         reason = (
@@ -116,24 +107,151 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]
         return WorkerReport(status="ok", reason="the job exited with code 0")
     if code < 0:
         return None
-    exc = last_traceback(_stderr(case_dir))
-    if exc is None:
+    text = _stderr(case_dir)
+    errors = rank_errors(text, rank_infos(infos))
+    if errors:
+        return raised_report(errors, text, code)
+    tb = last_exception(text)
+    if tb is None:
         return None
-    status = "oom" if _is_oom(exc) else "error"
-    frame = _last_frame(exc.traceback)
-    at = f" at {frame}" if frame else ""
-    reason = f"{exc.type}: {exc.message}{at} (exit code {code})"
-    return WorkerReport(status=status, reason=reason, exception=exc)
+    ddp = [i for i in infos.values() if i.get("ddp_params")]
+    error = _explain(tb, ddp[0] if len(ddp) == 1 else {})
+    return WorkerReport(
+        status=error.status,
+        reason=error.reason(code),
+        exception=_worker_exception(tb),
+        missing_grads=list(error.missing_grads),
+    )
+
+
+@dataclass(frozen=True)
+class RankError:
+    """An exception a process of the job raised (as its stderr shows it) and what it means: the
+    verdict's status (error, grad-missing or oom), the missing gradients, DDP's own error explained."""
+
+    exception: Traceback
+    status: str
+    missing_grads: tuple[str, ...] = ()
+    ddp_error: DdpError | None = None
+
+    def reason(self, code: int | None = None) -> str:
+        """One line: what happened, where it was raised (and the exit ``code``)."""
+        exc = self.exception
+        at = _frames(exc.text)
+        place = f"{exc.type} at {at}" if at else exc.type
+        exit_code = f"exit code {code}" if code is not None else ""
+        if self.ddp_error is not None:
+            return f"{self.ddp_error.explanation} ({'; '.join(filter(None, [place, exit_code]))})"
+        text = f"{exc.type}: {exc.first_line}" + (f" at {at}" if at else "")
+        return text + (f" ({exit_code})" if exit_code else "")
+
+
+# A rank whose peer died raises too (gloo: "Connection closed by peer"): the peer's failure is the cause.
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe", re.IGNORECASE)
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):\s*\n\[\d+\]:(?:\n[^\n]*){0,4}?\n\s*rank\s*:\s*(\d+)"
+)
+_OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+
+
+def rank_infos(infos: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    """rank -> ``probe.json`` of the job's rank processes, from every probed process's (by pid): a
+    process with a rank that is neither a fork (a DataLoader worker) nor the child of one of that rank."""
+    by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
+    ranks = {}
+    for info in infos.values():
+        rank, parent = info.get("rank"), by_pid.get(info.get("ppid"), {})
+        if isinstance(rank, int) and not info.get("forked_from") and parent.get("rank") != rank:
+            ranks[rank] = info
+    return ranks
+
+
+def rank_errors(text: str, infos: Mapping[int, Mapping[str, Any]]) -> dict[int, RankError]:
+    """Each rank's exception on the job's stderr ``text`` (`nsa_diag.analysis.tracebacks`), explained
+    with that rank's ``probe.json`` (``infos``, by rank: DDP's parameter order)."""
+    found = rank_exceptions(text, infos.keys(), rank_exit_codes(text))
+    return {rank: _explain(tb, infos.get(rank, {})) for rank, tb in found.items()}
+
+
+def _explain(tb: Traceback, info: Mapping[str, Any]) -> RankError:
+    names = info.get("ddp_params")
+    options = info.get("ddp_options")
+    find_unused = options.get("find_unused_parameters") if isinstance(options, dict) else None
+    explained = explain_ddp_error(
+        tb.message,
+        [str(n) for n in names] if isinstance(names, list) else [],
+        traceback=tb.text,
+        find_unused=find_unused if isinstance(find_unused, bool) else None,
+    )
+    if explained is not None:
+        unused = explained.kind == "unused-parameters"
+        status = "grad-missing" if unused else "error"
+        return RankError(tb, status, explained.params if unused else (), explained)
+    return RankError(tb, "oom" if _is_oom(tb) else "error")
+
+
+def cause_rank(errors: Mapping[int, RankError], text: str) -> int:
+    """The rank whose exception is the job's: not one that only lost its peer, torchrun's first observed
+    failure where that rank raised, else the lowest rank."""
+    own = [r for r, e in errors.items() if not _PEER_LOST.search(e.exception.message)] or list(errors)
+    first = _ROOT_CAUSE.search(text)
+    if first is not None and int(first.group(1)) in own:
+        return int(first.group(1))
+    return min(own)
+
+
+def raised_report(errors: Mapping[int, RankError], text: str, code: int | None) -> WorkerReport:
+    """The job's account when ranks raised: the cause's exception (`cause_rank`), the ranks that raised
+    the same, one line for each rank that raised something else."""
+    rank = cause_rank(errors, text)
+    error = errors[rank]
+    same = sorted(r for r, e in errors.items() if _gist(e) == _gist(error))
+    reason = f"{_ranks_text(same)}: {error.reason(code)}"
+    others = [r for r in sorted(errors) if r not in same]
+    for other in others[:3]:
+        reason += f"; rank {other}: {errors[other].reason()}"
+    if len(others) > 3:
+        reason += f"; {len(others) - 3} more rank(s) raised"
+    if others and any(e.exception.found_by == "order" for e in errors.values()):
+        reason += f"; {GUESSED}"
+    return WorkerReport(
+        status=error.status,
+        reason=reason,
+        exception=_worker_exception(error.exception),
+        missing_grads=list(error.missing_grads),
+    )
+
+
+GUESSED = "which rank printed which traceback is a guess from their order (no [rankN]: prefix)"
+
+
+def _gist(error: RankError) -> str:
+    """The error without its numbers: ranks that raised it "for rank 0" and "for rank 1" raised the same."""
+    return re.sub(r"\d+", "#", error.reason())
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
-def _last_frame(traceback: str) -> str | None:
-    frames = [m for m in (_FRAME.match(line) for line in traceback.splitlines()) if m]
+def _frames(traceback: str) -> str | None:
+    """``"distributed.py:1775 in _pre_forward, called from train.py:52 in main"``: the innermost frame,
+    and the innermost of the job's own code (outside Python's library and installed packages)."""
+    frames = [m.groups() for m in (_FRAME.match(line) for line in traceback.splitlines()) if m]
     if not frames:
         return None
-    file, line, func = frames[-1].groups()
+    text = _frame_text(frames[-1])
+    own = [f for f in frames if not any(part in f[0].replace("\\", "/") for part in _OWN_CODE_SKIPS)]
+    if own and own[-1] != frames[-1]:
+        text += f", called from {_frame_text(own[-1])}"
+    return text
+
+
+def _frame_text(frame: tuple[str, ...]) -> str:
+    file, line, func = frame
     return f"{os.path.basename(file)}:{line} in {func}"
 
 
@@ -438,8 +556,20 @@ def combine(
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
     if outcome == "exited":
+        text = _stderr(end.case_dir) if ranks else ""
+        raised = rank_errors(text, {r: infos.get(r, {}) for r in ranks}) if ranks else {}
+        _note_raised(raised, processes, evidence)
+        crashed = [k for k in ranks if k in per_unit and per_unit[k].verdict == "crash" and k not in raised]
+        signalled = [k for k in crashed if per_unit[k].signal not in (None, "SIGTERM")]
+        if raised and not signalled and per_unit[root].verdict in ("crash", "error", "oom", "grad-missing"):
+            # A rank's exception is the cause; the ranks torchrun stopped after it (SIGTERM) are not, nor
+            # those that exited without a traceback. A rank killed by a signal of its own still is.
+            report = raised_report(raised, text, per_unit[root].exit_code)
+            base, found = per_unit[root], {"verdict": report.status, "missing_grads": report.missing_grads}
+            update = {**found, "reason": report.reason, "steps_done": steps,
+                      "evidence": {**base.evidence, **evidence}}  # fmt: skip
+            return base.model_copy(update=update)
         source = root
-        crashed = [k for k in ranks if k in per_unit and per_unit[k].verdict == "crash"]
         if crashed and per_unit[root].verdict in ("crash", "error"):
             source = min(crashed, key=lambda k: (per_unit[k].signal == "SIGTERM", k))
         base = per_unit[source]
@@ -483,6 +613,30 @@ def combine(
         reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
     update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
     return base.model_copy(update=update)
+
+
+def _note_raised(
+    raised: Mapping[int, RankError], processes: dict[str, dict[str, Any]], evidence: dict[str, Any]
+) -> None:
+    """Each rank that raised: its own exception in its record of ``processes`` and in the evidence."""
+    for rank, error in raised.items():
+        record = processes.get(str(rank))
+        if record is not None:
+            guessed = f" ({GUESSED})" if error.exception.found_by == "order" else ""
+            reason = error.reason() + guessed
+            state = f"raised {error.exception.type}" + (
+                f" ({error.status})" if error.status != "error" else ""
+            )
+            record.update(verdict=error.status, hang_kind=None, reason=reason, state=state)
+    if raised:
+        evidence["rank_exceptions"] = {
+            str(rank): {
+                "type": e.exception.type, "message": e.exception.first_line[:500],
+                "found_by": e.exception.found_by,
+                **({"ddp_error": e.ddp_error.as_dict()} if e.ddp_error is not None else {}),
+            }
+            for rank, e in sorted(raised.items())
+        }  # fmt: skip
 
 
 def _rank_hang(

@@ -380,6 +380,7 @@ def install_torch_hooks(torch: Any) -> None:
     _wrap_dataloader_worker(torch)
     _wrap_init_process_group(torch)
     _wrap_backward(torch)
+    _wrap_ddp(torch)
     optim.register_optimizer_step_pre_hook(step_begin)
     optim.register_optimizer_step_post_hook(step_end)
     finder = _ModelFinder()
@@ -541,6 +542,51 @@ def launcher_argv(argv: list[str]) -> bool:
         return True
     files = ("torch/distributed/run.py", "torch/distributed/launch.py")
     return any(a.replace("\\", "/").endswith(files) for a in argv[:3])
+
+
+def _wrap_ddp(torch: Any) -> None:
+    """After each ``DistributedDataParallel.__init__``: the names of the parameters DDP reduces, in the
+    order of its indices, into ``probe.json`` (``ddp_params``; with ``ddp_options``: its
+    find_unused_parameters and static_graph), for DDP's errors name parameters by index. The order is
+    torch 2.13's ``_build_params_for_reducer``: module by module (``named_modules()``), each module's own
+    parameters that require a gradient and whose ``"<module>.<param>"`` is not in
+    ``parameters_to_ignore``, a parameter shared by several modules once, where first seen. The last DDP
+    model built wins. DDP runs exactly as it would: the original ``__init__`` first, and nothing of ours
+    raises into the job."""
+    import functools
+
+    parallel = getattr(getattr(torch, "nn", None), "parallel", None)
+    ddp = getattr(parallel, "DistributedDataParallel", None)
+    original = getattr(ddp, "__init__", None)
+    if ddp is None or original is None or getattr(original, "_nsa_diag_probe", False):
+        return
+
+    @functools.wraps(original)
+    def ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if _probe is None:
+            return
+        try:
+            ignored = getattr(self, "parameters_to_ignore", set())
+            seen: set[int] = set()
+            names = []
+            for module_name, module in self.module.named_modules():
+                for param_name, param in module.named_parameters(recurse=False):
+                    if not param.requires_grad or f"{module_name}.{param_name}" in ignored:
+                        continue
+                    if id(param) not in seen:
+                        seen.add(id(param))
+                        names.append(f"{module_name}.{param_name}" if module_name else param_name)
+            _probe.info["ddp_options"] = {
+                "find_unused_parameters": bool(getattr(self, "find_unused_parameters", False)),
+                "static_graph": bool(getattr(self, "static_graph", False)),
+            }
+            _probe.note("ddp_params", names)
+        except Exception as exc:  # never the job's problem
+            _probe.note("ddp_params_error", f"{type(exc).__name__}: {exc}")
+
+    ddp_init._nsa_diag_probe = True  # type: ignore[attr-defined]
+    ddp.__init__ = ddp_init
 
 
 class _ModelFinder:

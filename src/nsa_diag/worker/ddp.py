@@ -31,7 +31,6 @@ import datetime
 import faulthandler
 import hashlib
 import os
-import re
 import signal
 import sys
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
+from nsa_diag.analysis.ddp_errors import explain_ddp_error
 from nsa_diag.spec import TRAIN_GROUP
 from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.contract import build_model
@@ -63,13 +63,6 @@ FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat t
 # still hung (not torn down by torch) when the watchdog takes its evidence.
 PG_TIMEOUT_MARGIN_S = 600.0
 
-_UNFINISHED = re.compile(r"Expected to have finished reduction in the prior iteration")
-_READY_TWICE = re.compile(r"mark(?:ed)? (?:a variable )?(?:as )?ready (?:only once|twice)", re.IGNORECASE)
-_GRAPH_CHANGED = re.compile(r"training graph has changed", re.IGNORECASE)
-_INDICES = re.compile(r"Parameter indices which did not receive grad for rank (\d+):\s*([\d ]+)")
-_NAMES = re.compile(r"Parameters which did not receive grad for rank (\d+):\s*([^\n]+)")
-_AT_INDEX = re.compile(r"Parameter at index (\d+)(?: with name ([\w.]+))?")
-
 
 def rank_dir(case_dir: Path, rank: int) -> Path:
     return Path(case_dir) / RANKS_DIR / str(rank)
@@ -79,45 +72,6 @@ def pg_timeout_s(spec: CaseSpec) -> float:
     """Seconds before torch gives up on a collective: the case's timeout and stall, plus a margin."""
     stall = 120.0 if spec.stall == "auto" else float(spec.stall)
     return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
-
-
-def explain_ddp_error(message: str, names: list[str]) -> dict[str, Any] | None:
-    """DDP's own error ``message`` in one line with the parameter names (``names``: the model's parameters
-    in DDP's index order) and the fix; None when it is not one of DDP's."""
-    params: list[str] = []
-    for _rank, indices in _INDICES.findall(message):
-        params += [names[int(i)] if int(i) < len(names) else f"#{i}" for i in indices.split()]
-    for _rank, listed in _NAMES.findall(message):
-        params += [n.strip() for n in listed.split(",") if n.strip()]
-    for index, name in _AT_INDEX.findall(message):
-        params.append(name or (names[int(index)] if int(index) < len(names) else f"#{index}"))
-    params = list(dict.fromkeys(params))
-    named = ", ".join(params[:4]) + (" ..." if len(params) > 4 else "") if params else "(names not given)"
-    if _UNFINISHED.search(message):
-        return {
-            "kind": "unused-parameters",
-            "params": params,
-            "explanation": f"DDP: parameter(s) {named} got no gradient in the previous iteration, so their "
-            "bucket was never reduced; fix: find_unused_parameters=True (nsa-diag ddp --find-unused), "
-            "or make them take part in the loss",
-        }
-    if _READY_TWICE.search(message):
-        return {
-            "kind": "marked-ready-twice",
-            "params": params,
-            "explanation": f"DDP: parameter(s) {named} were marked ready twice in one backward (reentrant "
-            "checkpointing re-runs their forward, or a module is used twice); fix: non-reentrant "
-            "checkpointing (use_reentrant=False, --gc without --gc-reentrant) or static_graph=True "
-            "(--static-graph)",
-        }
-    if _GRAPH_CHANGED.search(message):
-        return {
-            "kind": "static-graph-changed",
-            "params": params,
-            "explanation": f"DDP: the set of parameters used changed between iterations under "
-            f"static_graph=True ({named}); fix: drop static_graph and use find_unused_parameters=True",
-        }
-    return None
 
 
 def preflight_verdict(unused: dict[int, list[str]]) -> dict[str, Any]:
@@ -395,13 +349,19 @@ class DdpTrainer(Trainer):
 
     def _exception_outcome(self, exc: Exception) -> Outcome:
         outcome = super()._exception_outcome(exc)
-        names = [n for n, _ in self.loaded.model.named_parameters()] if self.loaded is not None else []
-        explained = explain_ddp_error(str(exc), names)
+        # DDP's index order: named_parameters() keeps DDP's module-by-module order and its dedup; our
+        # models ignore no parameter (nsa_diag.analysis.ddp_errors).
+        model = self.loaded.model if self.loaded is not None else None
+        names = [n for n, p in model.named_parameters() if p.requires_grad] if model is not None else []
+        traceback = outcome.exception.traceback if outcome.exception is not None else ""
+        explained = explain_ddp_error(
+            str(exc), names, traceback=traceback, find_unused=self.ddp_spec.find_unused, cli=True
+        )
         if explained is not None:
-            self.report["ddp_error"] = explained
-            outcome.reason = f"{explained['explanation']} (at {outcome.reason})"
-            if explained["kind"] == "unused-parameters":
-                outcome.status, outcome.missing_grads = "grad-missing", explained["params"]
+            self.report["ddp_error"] = explained.as_dict()
+            outcome.reason = f"{explained.explanation} (at {outcome.reason})"
+            if explained.kind == "unused-parameters":
+                outcome.status, outcome.missing_grads = "grad-missing", list(explained.params)
         return outcome
 
     def _ddp_report(self) -> dict[str, Any]:

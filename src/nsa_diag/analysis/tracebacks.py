@@ -1,0 +1,166 @@
+"""Python tracebacks in a job's stderr, told apart by rank (pure, standard library only).
+
+A torchrun job's ranks write into one stderr (``nsa-diag watch`` keeps it as the case's ``stderr.log``):
+
+- once a rank has joined its process group, torch prints its uncaught exception through an excepthook
+  that puts ``[rank<N>]: `` before every line (empty lines stay bare); ``torchrun --tee`` puts
+  ``[default<local rank>]:`` before every line of a rank's output, and ``[rank<N>]:[W... ]`` lines are
+  torch's C++ log. So a line with a prefix belongs to that rank (``[rank<N>]`` over ``[default<N>]``),
+  whatever the order in which the ranks' lines interleave;
+- a rank that raises before it joins (a missing file, a bad argument) prints a bare traceback, as a
+  single process does, and torchrun's agent prints its own (``ChildFailedError``: the summary of the
+  ranks' failures, never the cause).
+
+`parse` reads every traceback of one stream of lines: the frames (indented), the exception line
+(``Type: message``), then the message's further lines (torch's messages run over several, unindented)
+up to an empty line, the next traceback, a chained exception's header or a log record. `rank_exceptions`
+gives each rank its last exception; bare tracebacks go, in this order of evidence, to the rank the
+message names ("... for rank 1"), to the only rank that failed without one, or to the failed ranks in
+order (``found_by`` says which).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+TRACEBACK = "Traceback (most recent call last):"
+_PREFIX = re.compile(r"^\[(rank|default)(\d+)\]: ?")
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# glog-style records: torch's C++ warnings ("[W1127 12:34:46.85 ...]") and torchrun's logging.
+_LOG_RECORD = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::(?: (.*)|$))?$")
+_NAMES_RANK = re.compile(r"\bfor rank (\d+)\b")
+LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
+MAX_MESSAGE_LINES = 80
+
+
+@dataclass(frozen=True)
+class Traceback:
+    """One exception as printed. ``order``: the log line it starts at; ``rank``: whose it is (None: no
+    rank could be told); ``found_by``: how (``prefix``, ``message``, ``only rank``, ``order`` or "")."""
+
+    type: str
+    message: str  # every line of it, prefixes removed
+    text: str  # the whole traceback as printed, prefixes removed
+    order: int
+    rank: int | None = None
+    found_by: str = ""
+
+    @property
+    def first_line(self) -> str:
+        return self.message.split("\n", 1)[0].strip()
+
+    @property
+    def is_launcher(self) -> bool:
+        return self.type.rsplit(".", 1)[-1] in LAUNCHER_ERRORS
+
+
+Line = tuple[int, str]  # (position in the log, text without prefixes)
+
+
+def split_by_rank(text: str) -> tuple[dict[int, list[Line]], list[Line]]:
+    """Each rank's lines (prefixes removed) and the lines that carry no prefix, with their positions."""
+    ranks: dict[int, list[Line]] = {}
+    bare: list[Line] = []
+    for i, line in enumerate(text.splitlines()):
+        rank, kind = None, None
+        while (m := _PREFIX.match(line)) is not None:
+            if kind != "rank":  # [rankN] names the global rank; [defaultN] the local one
+                kind, rank = m.group(1), int(m.group(2))
+            line = line[m.end() :]
+        (ranks.setdefault(rank, []) if rank is not None else bare).append((i, line))
+    return ranks, bare
+
+
+def _ends_message(line: str) -> bool:
+    stripped = line.strip()
+    return (
+        not stripped
+        or stripped == TRACEBACK
+        or stripped.startswith(_CHAINED)
+        or _LOG_RECORD.match(stripped) is not None
+    )
+
+
+def parse(lines: Sequence[Line]) -> list[Traceback]:
+    """Every complete traceback in ``lines`` (one stream: one rank's, or the bare lines), in order."""
+    found = []
+    i, n = 0, len(lines)
+    while i < n:
+        start, line = lines[i]
+        if line.strip() != TRACEBACK:
+            i += 1
+            continue
+        body = [TRACEBACK]
+        j = i + 1
+        while j < n and lines[j][1][:1].isspace() and lines[j][1].strip():
+            body.append(lines[j][1])
+            j += 1
+        m = _EXCEPTION.match(lines[j][1].rstrip()) if j < n else None
+        if m is None:  # cut short (the process died, another traceback began): not an exception
+            i = j
+            continue
+        message = [m.group(2) or ""]
+        body.append(lines[j][1].rstrip())
+        k = j + 1
+        while k < n and len(message) < MAX_MESSAGE_LINES and not _ends_message(lines[k][1]):
+            message.append(lines[k][1].rstrip())
+            body.append(lines[k][1].rstrip())
+            k += 1
+        text = "\n".join(message).strip()
+        found.append(Traceback(type=m.group(1), message=text, text="\n".join(body), order=start))
+        i = k
+    return found
+
+
+def _named_rank(tb: Traceback, ranks: Collection[int]) -> int | None:
+    named = {int(r) for r in _NAMES_RANK.findall(tb.message)}
+    if len(named) == 1:
+        (rank,) = named
+        if not ranks or rank in ranks:
+            return rank
+    return None
+
+
+def rank_exceptions(
+    text: str, ranks: Collection[int] = (), exit_codes: Mapping[int, int] | None = None
+) -> dict[int, Traceback]:
+    """Each rank's last exception in ``text`` (a job's stderr; module docstring). ``ranks``: the job's
+    ranks, where known; ``exit_codes``: the failed ranks' exit codes (torchrun's summary): a bare
+    traceback goes only to a rank that failed without a prefixed one, those that exited with a code
+    (not a signal) first."""
+    streams, bare = split_by_rank(text)
+    out: dict[int, Traceback] = {}
+    for rank, lines in streams.items():
+        own = [tb for tb in parse(lines) if not tb.is_launcher]
+        if own:
+            out[rank] = replace(own[-1], rank=rank, found_by="prefix")
+    unplaced = []
+    for tb in parse(bare):
+        if tb.is_launcher:
+            continue
+        rank = _named_rank(tb, ranks)
+        if rank is not None and rank not in out:
+            out[rank] = replace(tb, rank=rank, found_by="message")
+        else:
+            unplaced.append(tb)
+    codes = dict(exit_codes or {})
+    known = set(ranks) | set(codes)
+    failed = sorted((r for r in known if r not in out), key=lambda r: (not codes.get(r, 0) > 0, r))
+    if codes:  # a rank torchrun saw exit 0 raised nothing
+        failed = [r for r in failed if r in codes]
+    if unplaced and len(failed) == 1:
+        out[failed[0]] = replace(unplaced[-1], rank=failed[0], found_by="only rank")
+    elif unplaced and failed:
+        for tb, rank in zip(unplaced, failed, strict=False):
+            out[rank] = replace(tb, rank=rank, found_by="order")
+    return out
+
+
+def last_exception(text: str) -> Traceback | None:
+    """The last exception in ``text``, whoever printed it, torchrun's summary aside."""
+    streams, bare = split_by_rank(text)
+    found = [tb for lines in [*streams.values(), bare] for tb in parse(lines) if not tb.is_launcher]
+    return max(found, key=lambda tb: tb.order, default=None)

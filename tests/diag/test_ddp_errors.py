@@ -1,0 +1,365 @@
+"""A rank's exception, told apart in a torchrun job's stderr and explained, without processes.
+
+The stderr texts under ``recorded/`` are real: 2-rank gloo jobs of tests/diag/jobs/ run by ``nsa-diag watch
+-- torchrun`` on torch 2.13 (``recorded/record_ddp_stderr.py`` regenerates them, with each rank's probe
+record of DDP's parameter order in ``<name>.meta.json``); ``ddp_interleaved`` is the tee run's two ranks
+merged line by line. One test runs the probe in a real (single-rank) DDP process to check the order it
+records against DDP's own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from diag_cli import cli_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nsa_diag.analysis.ddp_errors import explain_ddp_error
+from nsa_diag.analysis.ranks import rank_exit_codes
+from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
+from nsa_diag.launchers import job
+from nsa_diag.launchers.base import Ending
+from nsa_diag.spec import CaseResult, CaseSpec
+
+RECORDED = Path(__file__).resolve().parent / "recorded"
+AUX = ["aux_head.weight", "aux_head.bias"]
+
+
+def _stderr(name: str) -> str:
+    return (RECORDED / f"{name}.stderr.txt").read_text()
+
+
+def _meta(name: str) -> dict[str, Any]:
+    return json.loads((RECORDED / f"{name}.meta.json").read_text())
+
+
+def _case(tmp_path: Path, name: str, *, probe: bool = True) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """A watched case's folder as the job left it: its stderr.log and each rank's probe.json (with its
+    record of DDP's parameter order unless ``probe`` is False); the infos by pid."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "stderr.log").write_text(_stderr(name))
+    infos = {}
+    for info in _meta(name)["ranks"].values():
+        if not probe:
+            info = {k: v for k, v in info.items() if not k.startswith("ddp_")}
+        folder = tmp_path / "procs" / f"pid-{info['pid']}"
+        folder.mkdir(parents=True)
+        (folder / "probe.json").write_text(json.dumps(info))
+        infos[info["pid"]] = info
+    return tmp_path, infos
+
+
+# --- the stderr, per rank ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ddp_unused", "ddp_unused_info", "ddp_unused_tee", "ddp_interleaved"])
+def test_each_rank_gets_its_own_exception_whatever_the_prefixes_and_interleaving(name: str) -> None:
+    text = _stderr(name)
+    found = rank_exceptions(text, (0, 1), rank_exit_codes(text))
+    assert sorted(found) == [0, 1]
+    for rank, tb in found.items():
+        assert (tb.type, tb.found_by) == ("RuntimeError", "prefix")
+        assert tb.first_line.startswith("Expected to have finished reduction in the prior iteration")
+        # the message runs over torch's further lines, up to the rank's own indices
+        assert f"Parameter indices which did not receive grad for rank {rank}: 20 21" in tb.message
+        assert 'ddp_unused_param.py", line 52, in main' in tb.text
+        assert "[rank" not in tb.text
+        assert "[default" not in tb.text
+        assert "ChildFailedError" not in tb.text
+
+
+def test_interleaved_ranks_read_as_the_ranks_apart() -> None:
+    apart = rank_exceptions(_stderr("ddp_unused_tee"), (0, 1))
+    together = rank_exceptions(_stderr("ddp_interleaved"), (0, 1))
+    assert {r: (tb.message, tb.text) for r, tb in apart.items()} == {
+        r: (tb.message, tb.text) for r, tb in together.items()
+    }
+
+
+def test_two_prefixed_tracebacks_merged_line_by_line_keep_their_ranks() -> None:
+    lines = _stderr("ddp_reentrant").splitlines()
+    rank0 = [line for line in lines if line.startswith("[rank0]:")]
+    rank1 = [line for line in lines if line.startswith("[rank1]:")]
+    merged = "\n".join(line for pair in zip(rank1, rank0, strict=True) for line in pair)
+    found = rank_exceptions(merged, (0, 1))
+    assert sorted(found) == [0, 1]
+    for tb in found.values():
+        assert "Parameter at index 19 with name layers.2.mlp.2.bias" in tb.message
+        assert "utils/checkpoint.py" in tb.text
+
+
+def test_torchrun_summary_is_never_the_exception() -> None:
+    text = _stderr("ddp_reentrant")
+    assert "ChildFailedError" in text
+    last = last_exception(text)
+    assert last is not None
+    assert last.type == "RuntimeError"
+    assert job.last_traceback(text).type == "RuntimeError"  # type: ignore[union-attr]
+
+
+def test_bare_tracebacks_go_to_the_failed_ranks() -> None:
+    text = _stderr("early_unprefixed")
+    found = rank_exceptions(text, (0, 1), rank_exit_codes(text))
+    assert sorted(found) == [0, 1]
+    assert {tb.found_by for tb in found.values()} == {"order"}
+    assert {tb.type for tb in found.values()} == {"FileNotFoundError"}
+    # one failed rank without a prefixed traceback: the bare one is its
+    only = "\n".join([
+        "[rank0]: Traceback (most recent call last):", '[rank0]:   File "t.py", line 1, in <module>',
+        "[rank0]: ValueError: bad",
+        "Traceback (most recent call last):", '  File "t.py", line 3, in <module>', "KeyError: 'x'",
+    ])  # fmt: skip
+    found = rank_exceptions(only, (0, 1), {0: 1, 1: 1})
+    assert (found[0].type, found[1].type, found[1].found_by) == ("ValueError", "KeyError", "only rank")
+    # a message that names its rank
+    named = (
+        'Traceback (most recent call last):\n  File "t.py", line 3, in f\nRuntimeError: no grad for rank 1'
+    )
+    assert rank_exceptions(named, (0, 1))[1].found_by == "message"
+    # a single process: no rank to give it to
+    assert rank_exceptions(named.replace("for rank 1", "here")) == {}
+    assert last_exception(named) is not None
+
+
+def test_message_ends_at_a_log_record_and_a_chained_exception_is_the_last() -> None:
+    text = "\n".join([
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "t.py", line 1, in <module>',
+        "[rank0]: KeyError: 'step'",
+        "",
+        "[rank0]: During handling of the above exception, another exception occurred:",
+        "",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "t.py", line 4, in <module>',
+        "[rank0]: RuntimeError: checkpoint has no step",
+        "[rank0]: (saved by an older version)",
+        "[rank0]:[W1127 12:45:03.970983715 ProcessGroupNCCL.cpp:1538] Warning: destroy_process_group() ...",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 9, in <module>',
+    ])  # fmt: skip
+    (tb,) = rank_exceptions(text, (0,)).values()
+    assert (tb.type, tb.message) == ("RuntimeError", "checkpoint has no step\n(saved by an older version)")
+    ranks, bare = split_by_rank(text)
+    assert list(ranks) == [0]
+    assert len(bare) == 4  # two empty lines and the traceback that was cut short
+
+
+_STDERR_CHARS = list("[]:rankdefault0123 \n\tTraceback(mostrecentcall)File:Err\x00é")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(_STDERR_CHARS)) | st.text())
+def test_bad_input_never_raises(text: str) -> None:
+    rank_exceptions(text, (0, 1), {0: 1})
+    last_exception(text)
+    explain_ddp_error(text, ["a"], traceback=text)
+    job.last_traceback(text)
+
+
+# --- DDP's errors explained --------------------------------------------------------------------------
+
+
+def test_ddp_errors_explained_with_names_and_fix() -> None:
+    names = ["embed.weight", "blocks.0.attn.kv_win.weight", "lm_head.weight"]
+    unfinished = (
+        "Expected to have finished reduction in the prior iteration before starting a new one. ... "
+        "Parameter indices which did not receive grad for rank 1: 1"
+    )
+    explained = explain_ddp_error(unfinished, names)
+    assert explained is not None
+    assert (explained.kind, explained.params, explained.ranks) == (
+        "unused-parameters", ("blocks.0.attn.kv_win.weight",), (1,)
+    )  # fmt: skip
+    assert "find_unused_parameters=True" in explained.explanation
+    assert "--find-unused" not in explained.explanation  # our flag only for our own worker
+    assert "--find-unused" in explain_ddp_error(unfinished, names, cli=True).explanation  # type: ignore[union-attr]
+    twice = explain_ddp_error(
+        "Expected to mark a variable ready only once. ... Parameter at index 2 has been marked as ready "
+        "twice.",
+        names,
+    )
+    assert twice is not None
+    assert (twice.kind, twice.params) == ("marked-ready-twice", ("lm_head.weight",))
+    assert "use_reentrant=False" in twice.explanation
+    assert "static_graph=True" in twice.explanation
+    # torch's static-graph message begins with the unfinished-reduction one's words
+    changed = explain_ddp_error(
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+        "indicates that your training graph has changed in this iteration, e.g., one parameter is used in "
+        "first iteration, but then got unused in the second iteration. this is not compatible with "
+        "static_graph set to True.\nParameter indices which did not receive grad for rank 0: 0",
+        names,
+    )
+    assert changed is not None
+    assert (changed.kind, changed.params) == ("static-graph-changed", ("embed.weight",))
+    assert explain_ddp_error("CUDA out of memory", names) is None
+
+
+def test_unused_parameters_named_by_index_by_torch_or_not_at_all() -> None:
+    tb = rank_exceptions(_stderr("ddp_unused"), (0, 1))[0]
+    names = _meta("ddp_unused")["ranks"]["0"]["ddp_params"]
+    assert explain_ddp_error(tb.message, names).params == tuple(AUX)  # type: ignore[union-attr]
+    unnamed = explain_ddp_error(tb.message)
+    assert unnamed is not None
+    assert unnamed.params == ("#20", "#21")
+    assert "TORCH_DISTRIBUTED_DEBUG=INFO" in unnamed.explanation
+    info = rank_exceptions(_stderr("ddp_unused_info"), (0, 1))[0]
+    assert set(explain_ddp_error(info.message).params) == set(AUX)  # type: ignore[union-attr]
+    enabled = explain_ddp_error(
+        "Expected to have finished reduction in the prior iteration before starting a new one. ... Since "
+        "`find_unused_parameters=True` is enabled, this likely  means that not all `forward` outputs "
+        "participate in computing loss."
+    )
+    assert enabled is not None
+    assert "every output of forward" in enabled.fix
+
+
+def test_reentrant_checkpointing_is_named_from_the_traceback() -> None:
+    tb = rank_exceptions(_stderr("ddp_reentrant"), (0, 1))[1]
+    cases = [(True, "find_unused_parameters=True took its parameters for unused"),
+             (False, "a module checkpointed twice"), (None, "use_reentrant=True")]  # fmt: skip
+    for find_unused, says in cases:
+        explained = explain_ddp_error(tb.message, traceback=tb.text, find_unused=find_unused)
+        assert explained is not None
+        assert explained.params == ("layers.2.mlp.2.bias",)
+        assert "reentrant activation checkpointing" in explained.cause
+        assert says in explained.cause
+    plain = explain_ddp_error(tb.message)  # without the traceback: a cause among others
+    assert "reentrant activation checkpointing (use_reentrant=True)" in plain.cause  # type: ignore[union-attr]
+
+
+# --- the job's account and its verdict ----------------------------------------------------------------
+
+
+def test_job_report_names_the_unused_parameters_and_the_fix(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_unused")
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "grad-missing"
+    assert report.missing_grads == AUX
+    assert report.reason.startswith(
+        "ranks 0, 1: DDP: parameters aux_head.weight, aux_head.bias got no gradient"
+    )
+    assert "find_unused_parameters=True" in report.reason
+    assert "called from ddp_unused_param.py:52 in main; exit code 1)" in report.reason
+    assert report.exception is not None
+    assert "Parameter indices which did not receive grad" in report.exception.message
+
+
+def test_job_report_without_the_probes_order_keeps_torchs_indices(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_unused", probe=False)
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "grad-missing"
+    assert report.missing_grads == ["#20", "#21"]
+
+
+def test_job_report_names_reentrant_checkpointing(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_reentrant")
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.status == "error"
+    assert report.reason.startswith("ranks 0, 1: DDP: parameter layers.2.mlp.2.bias marked ready twice")
+    assert "find_unused_parameters=True took its parameters for unused" in report.reason
+    assert "use_reentrant=False" in report.reason
+    assert "ddp_reentrant_checkpoint.py:59 in main" in report.reason
+
+
+def _unit(verdict: str, reason: str, code: int | None, signal: str | None = None) -> CaseResult:
+    return CaseResult(
+        name="watch", spec_hash="0", verdict=verdict, reason=reason, exit_code=code, signal=signal
+    )  # type: ignore[arg-type]
+
+
+def _combine(case: Path, name: str, per_rank: dict[int, CaseResult], root_result: CaseResult) -> CaseResult:
+    ranks = {int(r): info["pid"] for r, info in _meta(name)["ranks"].items()}
+    infos = {int(r): info for r, info in _meta(name)["ranks"].items()}
+    end = Ending(case, "exited", {99: root_result, **per_rank}, None, {"exit_code": 1}, 1.0, {})
+    return job.combine(CaseSpec(name="watch"), end, root=99, infos=infos, ranks=ranks, rates={}, folders={})
+
+
+def test_a_rank_that_raised_is_the_cause_not_the_rank_torchrun_stopped(tmp_path: Path) -> None:
+    case, infos = _case(tmp_path, "ddp_reentrant")
+    codes = rank_exit_codes(_stderr("ddp_reentrant"))
+    per_rank = {
+        r: _unit("crash", "killed by SIGTERM" if c < 0 else "exited with code 1 without a result", c,
+                 "SIGTERM" if c < 0 else None)
+        for r, c in codes.items()
+    }  # fmt: skip
+    root = _unit("crash", "exited with code 1 without a result", 1)  # as if job_report had found nothing
+    result = _combine(case, "ddp_reentrant", per_rank, root)
+    assert result.verdict == "error", result.reason
+    assert result.reason.startswith("ranks 0, 1: DDP: parameter layers.2.mlp.2.bias marked ready twice")
+    for r in ("0", "1"):
+        record = result.evidence["processes"][r]
+        assert record["verdict"] == "error"
+        assert record["reason"].startswith("DDP: parameter layers.2.mlp.2.bias marked ready twice")
+        assert result.evidence["rank_exceptions"][r]["ddp_error"]["kind"] == "marked-ready-twice"
+    case, _ = _case(tmp_path / "unused", "ddp_unused")
+    result = _combine(case, "ddp_unused", {0: _unit("crash", "-", 1), 1: _unit("crash", "-", 1)}, root)
+    assert (result.verdict, result.missing_grads) == ("grad-missing", AUX)
+
+
+def test_a_rank_killed_by_a_signal_of_its_own_stays_the_cause(tmp_path: Path) -> None:
+    case, _ = _case(tmp_path, "ddp_unused")
+    only_rank1 = [line for line in _stderr("ddp_unused").splitlines() if not line.startswith("[rank0]")]
+    (case / "stderr.log").write_text("\n".join(only_rank1))
+    per_rank = {0: _unit("crash", "killed by SIGSEGV", -11, "SIGSEGV"), 1: _unit("crash", "-", 1)}
+    result = _combine(case, "ddp_unused", per_rank, _unit("error", "-", 1))
+    assert result.verdict == "crash"
+    assert result.reason == "rank 0: killed by SIGSEGV"
+    assert result.evidence["processes"]["1"]["verdict"] == "grad-missing"  # its own exception still shown
+
+
+# --- the probe's record of DDP's parameter order ------------------------------------------------------
+
+_DDP_ORDER_JOB = """
+import json, tempfile
+import torch, torch.distributed as dist
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))           # the root's own, registered first
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        self.b[0].weight = self.a.weight                   # shared: counted once, where first seen
+        self.skip = nn.Linear(4, 4)
+        self.last = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x):
+        return self.b(self.a(x * self.scale)) + self.last
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+net = Net()
+net._ddp_params_and_buffers_to_ignore = ["skip.weight", "skip.bias"]
+ddp = nn.parallel.DistributedDataParallel(net)
+params, _ = ddp._build_params_for_reducer()  # DDP's index order, as its reducer got it
+aliases = [[n for n, q in net.named_parameters(remove_duplicate=False) if q is p] for p in params]
+print(json.dumps(aliases))
+dist.destroy_process_group()
+"""
+
+
+def test_probe_records_ddps_parameter_order(tmp_path: Path) -> None:
+    from nsa_diag.launchers.command import probe_env
+
+    env = {**cli_env(), **probe_env(tmp_path, cli_env()), "GLOO_SOCKET_IFNAME": "lo"}
+    proc = subprocess.run([sys.executable, "-c", _DDP_ORDER_JOB], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    aliases = json.loads(proc.stdout.strip().splitlines()[-1])  # per DDP index: every name of its parameter
+    (probe_json,) = (tmp_path / "procs").glob("pid-*/probe.json")
+    info = json.loads(probe_json.read_text())
+    assert len(info["ddp_params"]) == len(aliases)
+    assert all(name in names for name, names in zip(info["ddp_params"], aliases, strict=True))
+    assert info["ddp_params"] == ["scale", "last", "a.weight", "a.bias", "b.0.bias"]
+    assert info["ddp_options"] == {"find_unused_parameters": False, "static_graph": False}
