@@ -111,7 +111,7 @@ class Evidence:
     stack_samples: Sequence[str] = ()  # faulthandler texts, one per sample, in order
     fatal_stack: str | None = None  # faulthandler's dump at a fatal signal (segfault, abort)
     pyspy: str | None = None  # py-spy dump text
-    pyspy_second: str | None = None  # a second py-spy dump a moment later (CPU-bound units only)
+    pyspy_more: Sequence[str] = ()  # further py-spy dumps a moment apart (CPU-bound units only)
     cpu_percent: float | None = None  # of the worker between the two samples (100 = one core)
     heartbeat_advancing: bool | None = None  # the heartbeat ticked before and between the samples
     gpu_utilization: float | None = None  # percent; None without NVML
@@ -323,19 +323,38 @@ def _saving(thread: ThreadStack | None) -> Frame | None:
     return None
 
 
-def _native_moved(first: ThreadStack | None, second: ThreadStack | None) -> tuple[str, str] | None:
-    """Two py-spy dumps of one thread in named native code that is no wait (no lock, sleep, I/O, GPU sync or
-    collective) at different innermost functions: C code that computes, not one that spins in a wait."""
-    tops = []
-    for thread in (first, second):
-        native = _innermost_native(thread)
-        named = [f for f in native if not f.func.startswith("0x")]
-        if not named or _native_match(native, _BLOCKING_NATIVE) or _cuda_sync(thread, native):
-            return None
-        if _distributed(thread, native):
-            return None
-        tops.append(named[0].func)
-    return (tops[0], tops[1]) if tops[0] != tops[1] else None
+_NATIVE_SIGNATURE = 4  # innermost native frames compared between two py-spy dumps
+
+
+def _native_signature(thread: ThreadStack | None) -> tuple[str, ...] | None:
+    """The innermost native frames of a py-spy thread, by function (an unnamed frame by its library, not
+    its address: a loop in one function shows different addresses), when none of them is a wait (a lock,
+    sleep, I/O, GPU sync or collective); None when there are none, or it waits."""
+    native = _innermost_native(thread)
+    if not native or _native_match(native, _BLOCKING_NATIVE) or _cuda_sync(thread, native):
+        return None
+    if _distributed(thread, native):
+        return None
+    return tuple(f.file if f.func.startswith("0x") else f.func for f in native[:_NATIVE_SIGNATURE])
+
+
+def _native_moved(threads: Sequence[ThreadStack | None]) -> tuple[str, str] | None:
+    """py-spy dumps of one thread in native code that is no wait, at different innermost functions: C code
+    that computes (a GEMM, then an add), not one that spins in one place; the two that differ, or None."""
+    signatures = [_native_signature(t) for t in threads]
+    known = [sig for sig in signatures if sig is not None]
+    for a in known:
+        for b in known:
+            if a != b:
+                i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), 0)
+                return _short_name(a[i] if i < len(a) else a[-1]), _short_name(b[i] if i < len(b) else b[-1])
+    return None
+
+
+def _short_name(func: str, width: int = 60) -> str:
+    """A C++ function's name without its template arguments, cut to ``width``."""
+    name = re.sub(r"<[^<>]*(?:<[^<>]*(?:<[^<>]*>[^<>]*)*>[^<>]*)*>", "<>", func)
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def pause_reason(ev: Evidence) -> str | None:
@@ -355,9 +374,8 @@ def pause_reason(ev: Evidence) -> str | None:
         if (a.file, a.line) != (b.file, b.line):
             moved = f"{a.short()} -> {b.short()}"
             return f"its innermost frame moved between the stack samples ({moved}) at CPU {cpu:.0f}%"
-    if ev.pyspy and ev.pyspy_second and cpu is not None and cpu >= WORK_CPU_MIN:
-        first, second = (_pyspy_match(parse_pyspy(text), last) for text in (ev.pyspy, ev.pyspy_second))
-        native_moved = _native_moved(first, second)
+    if ev.pyspy and ev.pyspy_more and cpu is not None and cpu >= WORK_CPU_MIN:
+        native_moved = _native_moved([_pyspy_match(parse_pyspy(t), last) for t in (ev.pyspy, *ev.pyspy_more)])
         if native_moved:
             moved = " -> ".join(native_moved)
             return f"its native frames moved between two py-spy dumps ({moved}) at CPU {cpu:.0f}%"

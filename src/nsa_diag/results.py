@@ -144,7 +144,7 @@ def unit_evidence(
         stack_samples=hang.samples if hang else (),
         fatal_stack=stack_file.fatal,
         pyspy=hang.pyspy_text if hang else None,
-        pyspy_second=hang.pyspy_second if hang else None,
+        pyspy_more=tuple(hang.pyspy_more) if hang else (),
         cpu_percent=hang.cpu_percent if hang else None,
         heartbeat_advancing=hang.heartbeat_advancing if hang else None,
         gpu_utilization=hang.gpu_utilization if hang else None,

@@ -92,6 +92,9 @@ HEARTBEAT_STALE_S = 1.0  # the heartbeat ticks every 0.1 s; this long without a 
 GRACE_S = 3.0
 DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory evidence at a hang
 SAMPLE_INTERVAL_S = 1.0
+# py-spy dumps after the first of a unit that uses the CPU at a stall (each takes ~0.1-0.5 s): C code that
+# computes (a CPU backward, a GEMM) shows different functions across them; one that spins, the same.
+PYSPY_MORE = 2
 _KEEP_TAIL = 160  # observations kept verbatim at the end of a compacted history (32 s of polls: the window)
 
 
@@ -698,7 +701,7 @@ class HangEvidence:
     main_wchan: str | None = None
     main_state: str | None = None
     pyspy_text: str | None = None
-    pyspy_second: str | None = None  # a second dump when the unit used the CPU (`classify.pause_reason`)
+    pyspy_more: list[str] = field(default_factory=list)  # dumps after the first, of a unit using the CPU
     io_bytes: int | None = None  # read + written between the two samples (/proc)
     # Whether a progress event came while the evidence was taken (after the watchdog's last read): a slow
     # step goes on, a stuck one does not. None: the worker never wrote its beacon.
@@ -819,10 +822,12 @@ def gather_hang_evidence(
     ev.notes["pyspy"] = pyspy
     if pyspy.get("taken"):
         ev.pyspy_text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
-        if (ev.cpu_percent or 0.0) >= WORK_CPU_MIN:  # computing in C, or spinning in a wait: a second look
-            second = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY_SECOND)
-            if second.get("taken"):
-                ev.pyspy_second = (case_dir / artifacts.PYSPY_SECOND).read_text(errors="replace")
+        if (ev.cpu_percent or 0.0) >= WORK_CPU_MIN:  # computing in C, or spinning in a wait: look again
+            for _ in range(PYSPY_MORE):
+                more = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY_MORE)
+                if not more.get("taken"):
+                    break
+                ev.pyspy_more.append((case_dir / artifacts.PYSPY_MORE).read_text(errors="replace"))
 
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes["gpu"] = _gpu_files(case_dir, snapshot)

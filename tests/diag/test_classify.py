@@ -598,3 +598,28 @@ def test_a_deadlock_is_no_pause() -> None:
     ev = stalled("deadlock", "lock.acquire()")
     assert pause_reason(ev) is None
     assert hang_kind(ev)[0] == "python-deadlock"
+
+
+def _pyspy_main(*native: str) -> str:
+    """A py-spy --native dump whose main thread is in ``native`` (innermost first) under a backward."""
+    lines = ["Process 1: python train.py", "", 'Thread 1 (active): "MainThread"']
+    lines += [f"    {func} (libtorch_cpu.so)" for func in native]
+    lines += ["    _engine_run_backward (torch/autograd/graph.py:979)", "    main (train.py:40)"]
+    return "\n".join(lines) + "\n"
+
+
+def test_native_frames_that_change_between_pyspy_dumps_are_work_a_native_spin_is_not() -> None:
+    main = dump(("/x/torch/autograd/graph.py", 979, "_engine_run_backward"), (TRAIN, 40, "main"))
+    ev = Evidence(
+        outcome="stalled", stack_samples=[main, main], cpu_percent=190.0, heartbeat_advancing=True,
+        pyspy=_pyspy_main("mkl_blas_avx512_sgemm_kernel_0", "at::native::addmm"),
+        pyspy_more=(_pyspy_main("at::native::add_kernel", "at::TensorIteratorBase::for_each"),),
+    )  # fmt: skip
+    assert pause_reason(ev) == (
+        "its native frames moved between two py-spy dumps (mkl_blas_avx512_sgemm_kernel_0 -> "
+        "at::native::add_kernel) at CPU 190%"
+    )
+    spin = replace(ev, pyspy_more=(ev.pyspy,))
+    assert pause_reason(spin) is None
+    waiting = replace(ev, pyspy_more=(_pyspy_main("pthread_cond_wait", "c10::Notifier"),))
+    assert pause_reason(waiting) is None  # a wait in one dump is no computation

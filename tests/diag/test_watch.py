@@ -289,13 +289,16 @@ def test_slow_dataloader_items_are_a_pause_while_the_workers_read_them(tmp_path:
 
 @pytest.mark.slow
 def test_a_layer_whose_per_token_loop_outlasts_the_stall_is_slow_not_hung(tmp_path: Path) -> None:
-    job = [PY, "per_token_layer.py", "--seq-len", "8192", "--layers", "2"]  # layer 0's forward: ~30 s
+    # each layer's forward: 6-20 s on a 2-core machine; the 25 s timeout comes in one of the eight forwards
+    # (the CPU backward of a per-token graph runs in C++ with no Python frame moving: py-spy's native
+    # frames tell it works, and this test does not need py-spy)
+    job = [PY, "per_token_layer.py", "--seq-len", "6144", "--layers", "8"]
     proc, out = _watch(tmp_path, "--stall", "5", "--timeout", "25", job=job)
     assert proc.returncode == 1
     result = _result(out)
     assert result["verdict"] == "slow", result["reason"]
     assert "moves of the innermost Python frame" in result["reason"]
-    assert "layers.0" in result["reason"]
+    assert "forward, layers." in result["reason"]
     assert result["evidence"]["work"]["working"] is True
 
 
