@@ -535,7 +535,10 @@ def launcher_argv(argv: list[str]) -> bool:
     file run as a script): a process that starts the ranks and waits on them, not one that trains."""
     if not argv:
         return False
-    if argv[0].replace("\\", "/").rsplit("/", 1)[-1] == "torchrun":
+    names = [a.replace("\\", "/").rsplit("/", 1)[-1] for a in argv[:2]]
+    # torchrun itself, or its script run by Python (a shebang's exec: /proc's cmdline and sys.orig_argv
+    # read ``python .../bin/torchrun ...``)
+    if names[0] == "torchrun" or (names[0].startswith("python") and names[1:] == ["torchrun"]):
         return True
     modules = ("torch.distributed.run", "torch.distributed.launch")
     if any(a == "-m" and b in modules for a, b in itertools.pairwise(argv)):
