@@ -315,6 +315,17 @@ def waits_on_dataloader(thread: ThreadStack | None) -> bool:
     )
 
 
+def dataloader_worker_idle(thread: ThreadStack | None) -> bool:
+    """Whether a DataLoader worker's thread waits for its next indices (in torch's worker loop, not in a
+    sample's read): idle by design, never the culprit."""
+    if thread is None:
+        return False
+    paths = [f.file.replace("\\", "/") for f in thread.python_frames]
+    in_loop = any(path.endswith("torch/utils/data/_utils/worker.py") for path in paths)
+    reading = any(path.endswith("torch/utils/data/_utils/fetch.py") for path in paths)
+    return in_loop and not reading
+
+
 def _saving(thread: ThreadStack | None) -> Frame | None:
     """The frame of torch.serialization (a checkpoint written or read) on the thread's stack, or None."""
     for frame in thread.python_frames if thread else ():

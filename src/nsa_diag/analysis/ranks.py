@@ -156,6 +156,68 @@ def cross_rank_diff(
     return out
 
 
+def minority_by_counts(diff: dict[str, Any], at_hang: Mapping[int, Mapping[str, Any]]) -> None:
+    """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in are the
+    minority: the others wait for them. ``at_hang``: each rank's probe counts at the hang (``at_hang.json``:
+    ``collectives`` per op, the call under way as ``waiting``). Sets ``minority_ranks``, ``majority_ranks``
+    and ``basis`` of ``diff`` (a `cross_rank_diff`) when the counts tell."""
+    counts = {r: a.get("collectives") or {} for r, a in at_hang.items()}
+    waiting = {w["op"]: w["n"] for a in at_hang.values() if (w := a.get("waiting"))}
+    ops = {op for c in counts.values() for op in c}
+    if not ops:
+        return
+    top = {op: max(c.get(op, 0) for c in counts.values()) for op in ops}
+    gap = {op: top[op] - min(c.get(op, 0) for c in counts.values()) for op in ops}
+    # The op most unevenly called; on a tie, the one a rank waits in (gloo blocks inside the call; NCCL
+    # returns at once and waits at a device sync), then the most called.
+    op = max(ops, key=lambda o: (gap[o], waiting.get(o, 0), top[o]))
+    if gap[op] == 0:
+        return
+    n, how = top[op], "wait in" if op in waiting else "called"
+    behind = sorted(r for r, c in counts.items() if c.get(op, 0) < n)
+    callers = sorted(r for r, c in counts.items() if c.get(op, 0))
+    if all(gap[o] == 0 for o in ops - {op}) and len(callers) * 2 <= len(counts):
+        # An op only some ranks ever called, all else even: they left the common path (a rank that took
+        # a barrier for a skipped all_reduce). Under NCCL the others' calls return at once and pair with
+        # whatever comes, so the others are not behind; these ranks are the odd ones.
+        majority = sorted(r for r in counts if r not in callers)
+        diff["minority_ranks"], diff["majority_ranks"] = callers, majority
+        diff["basis"] = (
+            f"collective counts: rank(s) {', '.join(map(str, callers))} {how} {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, majority))} never called; every other collective even"
+        )
+        return
+    if behind and len(behind) < len(counts):
+        majority = sorted(r for r in counts if r not in behind)
+        diff["minority_ranks"], diff["majority_ranks"] = behind, majority
+        diff["basis"] = (
+            f"collective counts: rank(s) {', '.join(map(str, majority))} {how} {op} #{n}, which rank(s) "
+            f"{', '.join(map(str, behind))} never reached"
+        )
+
+
+def minority_hang_kind(
+    kinds: Mapping[int, str | None], minority: Sequence[int], counted: bool, current: str | None
+) -> str | None:
+    """The hang kind of a stuck multi-rank job, from each rank's own kind (by rank) and the minority ranks:
+    what the minority is stuck in, unless that is only a wait for the others. ``counted``: the minority came
+    from the probe's collective counts (`minority_by_counts`); ``current``: the kind so far."""
+    own = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
+    if (
+        counted
+        and own <= {"cuda-kernel"}
+        and set(kinds.values()) <= {"cuda-kernel", "collective", "unknown", None}
+    ):
+        # The ranks' collectives disagree and they wait on the GPU: an NCCL collective that has no partner
+        # spins in its kernel (a device sync shows "waiting for the GPU"), so this is a collective hang.
+        return "collective"
+    if own:
+        return sorted(own)[0]  # type: ignore[type-var]
+    if "collective" in kinds.values():
+        return "collective"
+    return current
+
+
 def _in_torch_distributed(thread: ThreadStack) -> bool:
     return any("torch/distributed/" in f.file.replace("\\", "/") for f in thread.python_frames)
 

@@ -4,9 +4,14 @@ A process that runs with the probe (``NSA_DIAG_PROBE_DIR=<folder>`` in its envir
 ``sitecustomize`` on its path) writes into ``<folder>/pid-<pid>/``:
 
 - ``probe.json`` (written atomically): pid, ppid, argv, started (epoch s), rank, local_rank, world_size
-  (from RANK/LOCAL_RANK/WORLD_SIZE, null when absent), ``sigusr1`` (``"probe"``: the probe's faulthandler
-  handles SIGUSR1 and dumps into ``stacks.txt``; ``"user"``: the process had its own handler, which the
-  probe left alone) and ``torch`` (true once the torch hooks are in);
+  (from RANK/LOCAL_RANK/WORLD_SIZE, null when absent; the rank again after ``init_process_group``),
+  ``role`` (``"launcher"`` for torchrun, ``"dataloader-worker"`` once torch's worker loop starts, else
+  null), ``forked_from`` (the pid it was forked from: a DataLoader worker's training process),
+  ``sigusr1`` (``"probe"``: the probe's faulthandler handles SIGUSR1 and dumps into ``stacks.txt``;
+  ``"user"``: the process had its own handler, which the probe left alone) and ``torch`` (true once the
+  torch hooks are in);
+- ``at_hang.json``: the heartbeat thread's answer to a watchdog's request at a hang (memory, the
+  collectives called per op and the one under way); only where ``nsa-diag watch`` asked for it;
 - ``beacon.bin``: the progress beacon of `nsa_diag.worker.beacon`, read here with no help from the process;
 - ``stacks.txt``: faulthandler's all-threads dumps, appended on each SIGUSR1 (only with ``sigusr1 ==
   "probe"``).
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nsa_diag.probe.runtime import BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS
+from nsa_diag.probe.runtime import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS
 from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 # A probe.json whose start time is this much earlier than the process's own start was written by an
@@ -45,6 +50,12 @@ class ProbeInfo:
     world_size: int | None = None
     sigusr1: str | None = None  # "probe" | "user" | None (not said)
     torch: bool = False
+    role: str | None = None  # "launcher" | "dataloader-worker" | None
+    forked_from: int | None = None
+
+    @property
+    def at_hang_path(self) -> Path:
+        return self.folder / AT_HANG_JSON
 
     @property
     def beacon_path(self) -> Path:
@@ -58,7 +69,8 @@ class ProbeInfo:
         return {
             "folder": str(self.folder), "pid": self.pid, "ppid": self.ppid, "argv": list(self.argv),
             "started": self.started, "rank": self.rank, "local_rank": self.local_rank,
-            "world_size": self.world_size, "sigusr1": self.sigusr1, "torch": self.torch,
+            "world_size": self.world_size, "sigusr1": self.sigusr1, "torch": self.torch, "role": self.role,
+            "forked_from": self.forked_from,
         }  # fmt: skip
 
 
@@ -87,6 +99,7 @@ def parse_probe(folder: Path, data: Any) -> ProbeInfo | None:
     argv = data.get("argv")
     started = data.get("started")
     sigusr1 = data.get("sigusr1")
+    role = data.get("role")
     return ProbeInfo(
         folder=Path(folder),
         pid=data["pid"],
@@ -100,6 +113,8 @@ def parse_probe(folder: Path, data: Any) -> ProbeInfo | None:
         world_size=_int_or_none(data.get("world_size")),
         sigusr1=sigusr1 if isinstance(sigusr1, str) else None,
         torch=data.get("torch") is True,
+        role=role if isinstance(role, str) else None,
+        forked_from=_int_or_none(data.get("forked_from")),
     )
 
 
@@ -144,6 +159,16 @@ def find_probe(
 def read_probe_beacon(probe: ProbeInfo) -> BeaconState | None:
     """A consistent read of the probe's beacon, or None when it has none (yet)."""
     return read_beacon(probe.beacon_path)
+
+
+def read_at_hang(probe: ProbeInfo) -> dict[str, Any] | None:
+    """The probe's ``at_hang.json`` (collective counts per op, the one under way), or None where there is
+    none: it exists only after a watchdog asked for it."""
+    try:
+        data = json.loads(probe.at_hang_path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def location(probe: ProbeInfo | None, state: BeaconState | None) -> str | None:

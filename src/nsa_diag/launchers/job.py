@@ -31,9 +31,9 @@ import psutil
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
-from nsa_diag.analysis.ranks import cross_rank_diff, rank_exit_codes
+from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind, rank_exit_codes
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
-from nsa_diag.classify import focus_thread, waits_on_dataloader
+from nsa_diag.classify import dataloader_worker_idle, focus_thread, waits_on_dataloader
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
@@ -456,16 +456,6 @@ def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str, evidence: 
     return text + "; ETA unknown (total steps unknown)"
 
 
-def _worker_idle(thread: ThreadStack | None) -> bool:
-    """A DataLoader worker waiting for its next indices (in torch's worker loop, not in a sample's read)."""
-    if thread is None:
-        return False
-    names = [(f.file.replace("\\", "/"), f.func) for f in thread.python_frames]
-    in_loop = any(path.endswith("torch/utils/data/_utils/worker.py") for path, _ in names)
-    reading = any(path.endswith("torch/utils/data/_utils/fetch.py") for path, _ in names)
-    return in_loop and not reading
-
-
 def process_state(
     key: int, res: CaseResult, role: str | None, info: Mapping[str, Any], folder: Path | None, alive: bool
 ) -> str:
@@ -485,7 +475,7 @@ def process_state(
     if role == "dataloader-worker":
         if activity:
             return f"working: {activity}"
-        if _worker_idle(thread):
+        if dataloader_worker_idle(thread):
             return "idle: waiting for indices from the training process"
         return f"stuck: {res.reason}" if res.verdict == "hang" else "waiting (its stacks say no more)"
     if role == "launcher":
@@ -657,20 +647,8 @@ def _rank_hang(
     minority = diff.get("minority_ranks") or []
     evidence["minority_ranks"] = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
-    own = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
     counted = str(diff.get("basis", "")).startswith("collective counts")
-    if (
-        counted
-        and own <= {"cuda-kernel"}
-        and set(kinds.values()) <= {"cuda-kernel", "collective", "unknown", None}
-    ):
-        # The ranks' collectives disagree and they wait on the GPU: an NCCL collective that has no partner
-        # spins in its kernel (a device sync shows "waiting for the GPU"), so this is a collective hang.
-        kind = "collective"
-    elif own:
-        kind = sorted(own)[0]
-    elif "collective" in kinds.values():
-        kind = "collective"
+    kind = minority_hang_kind(kinds, minority, counted, kind)
     if minority:
         r = minority[0]
         div = (diff.get("first_divergent_frame") or {}).get(str(r)) or {}
@@ -685,41 +663,9 @@ def _rank_hang(
 
 def collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
-    probe's counts at the hang, ``at_hang.json``) are the minority: the others wait for them."""
+    probe's counts at the hang in each rank's ``at_hang.json``; `analysis.ranks.minority_by_counts`)."""
     at_hang = {}
     for r in ranks:
         with contextlib.suppress(OSError, ValueError):
             at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)
-    counts = {r: a.get("collectives") or {} for r, a in at_hang.items()}
-    waiting = {w["op"]: w["n"] for a in at_hang.values() if (w := a.get("waiting"))}
-    ops = {op for c in counts.values() for op in c}
-    if not ops:
-        return
-    top = {op: max(c.get(op, 0) for c in counts.values()) for op in ops}
-    gap = {op: top[op] - min(c.get(op, 0) for c in counts.values()) for op in ops}
-    # The op most unevenly called; on a tie, the one a rank waits in (gloo blocks inside the call; NCCL
-    # returns at once and waits at a device sync), then the most called.
-    op = max(ops, key=lambda o: (gap[o], waiting.get(o, 0), top[o]))
-    if gap[op] == 0:
-        return
-    n, how = top[op], "wait in" if op in waiting else "called"
-    behind = sorted(r for r, c in counts.items() if c.get(op, 0) < n)
-    callers = sorted(r for r, c in counts.items() if c.get(op, 0))
-    if all(gap[o] == 0 for o in ops - {op}) and len(callers) * 2 <= len(counts):
-        # An op only some ranks ever called, all else even: they left the common path (a rank that took
-        # a barrier for a skipped all_reduce). Under NCCL the others' calls return at once and pair with
-        # whatever comes, so the others are not behind; these ranks are the odd ones.
-        majority = sorted(r for r in counts if r not in callers)
-        diff["minority_ranks"], diff["majority_ranks"] = callers, majority
-        diff["basis"] = (
-            f"collective counts: rank(s) {', '.join(map(str, callers))} {how} {op} #{n}, which rank(s) "
-            f"{', '.join(map(str, majority))} never called; every other collective even"
-        )
-        return
-    if behind and len(behind) < len(counts):
-        majority = sorted(r for r in counts if r not in behind)
-        diff["minority_ranks"], diff["majority_ranks"] = behind, majority
-        diff["basis"] = (
-            f"collective counts: rank(s) {', '.join(map(str, majority))} {how} {op} #{n}, which rank(s) "
-            f"{', '.join(map(str, behind))} never reached"
-        )
+    minority_by_counts(diff, at_hang)
