@@ -35,7 +35,7 @@ from nsa_diag.redact import redact_argv
 SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
 DUMP_START_TIMEOUT_S = 3.0  # how long a sample waits for the worker's handler to start writing
-PYSPY_HINT = "install it for native frames: pip install 'nsa-diag[pyspy]'"
+PYSPY_HINT = "install it for native frames: pip install py-spy (a dependency of nsa-diag)"
 
 _THREAD_RE = re.compile(
     r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
