@@ -1,40 +1,84 @@
 """What a live process tree was doing while `nsa-diag attach` watched it (pure functions over the evidence).
 
-attach watches for a second or two, so it cannot say ``pass`` and it does not say ``hang`` (a verdict
-that needs the stall limit to pass): its answer is a **state**, attach's own field, per process and for
-the tree:
+attach watches for seconds, so it cannot say ``pass`` and it does not say ``hang`` (a verdict that needs
+the stall limit to pass): its answer is a **state**, attach's own field, and it never guesses one. CPU
+alone is never work: a computation and a spin both use a core. Each process gets, first match wins:
 
-- ``progressing``: the probe's beacon counted progress events while attach watched (with events/s, steps/s
-  and where), or, in a tree where no process has the probe, a process used CPU (>= 20% of a core) while
-  its stacks show no wait (a lock, a collective, a GPU sync). Without a beacon, useful work and a busy
-  loop look alike: the reason says which was measured.
-- ``stalled``: nothing moved: no progress event (with how long since the last one, from the beacon), or
-  no CPU, or CPU spent waiting. ``hang_kind`` then says how it is stuck, in `classify`'s words
-  (python-deadlock, python-busy, gil-held, cuda-kernel, collective, unknown): the hang kind it would get
-  if it stays so.
-- ``gone``: the process (the tree) ended while attach watched.
+- ``gone``: it ended while attach watched.
+- ``progressing``: it showed work: the probe's beacon counted progress events, or its liveness counters
+  moved (CUDA allocations; the main thread's innermost frame moving while it used the CPU:
+  `nsa_diag.watchdog.Work`); its stack samples (faulthandler or py-spy) have different innermost frames or
+  lines while it used `WORK_CPU_MIN` % of a core (or wanted to: runnable `RUNNABLE_BUSY_MIN` % of the time
+  on a loaded machine); it read or wrote `WORK_IO_BYTES` (/proc's I/O counters).
+- ``idle``: it waits by design and is reported as what it is: an idle DataLoader worker (waiting for
+  indices in torch's worker loop), torch's launcher (torchrun's agent) waiting on its ranks, a shell
+  waiting for its child.
+- ``paused``: it does no work and is not stuck (`classify.pause_reason`): **sleeping** (``time.sleep`` in
+  its stacks, or without a stack its main thread in the kernel's nanosleep in every round: a sleep ends
+  by itself, so it is never a python-deadlock), reading or writing a checkpoint, in a disk wait, waiting
+  for a batch its DataLoader worker is busy producing.
+- ``stalled``: its evidence shows it stuck: a wait at the same frame in every sample (``collective``,
+  ``cuda-kernel``, ``python-deadlock``), a held GIL (``gil-held``), or no CPU, no I/O and nothing else
+  moving at all (``unknown``, with its wait channel).
+- ``unclear``: it used the CPU and nothing tells work from a spin: no stack at all (no SIGUSR1 handler, no
+  py-spy), or the same frame busy in every sample (``python-busy``: one long computation and a busy loop
+  look alike from outside).
 
-Each process also gets ``kind``, what its stacks show whatever its state (a busy process: python-busy),
-from `classify.hang_kind` on the faulthandler dumps (or py-spy's dump where there are none), CPU%, the
-main thread's /proc state and wait channel, the beacon's heartbeat and GPU utilisation.
+``kind`` is what its stacks show whatever its state (`classify.hang_kind` on the faulthandler dumps, else
+py-spy's), from the samples, CPU%, the main thread's /proc state and wait channel, the beacon's heartbeat
+and GPU utilisation.
+
+The tree's state is about its **training processes** (the main process of a script, or each rank:
+`nsa_diag.evidence.roles`, from the probe's probe.json where there is one, else /proc: RANK, torchrun's
+command line, DataLoader worker stacks, parent and child), never about idle workers, launchers or helpers:
+
+- ``progressing``: a training process progressed (the others that did not are named);
+- ``stalled``: a training process is stuck on its own (python-deadlock, gil-held), or every training
+  process is stalled or paused and one is stalled. With stacks of several ranks the focus is the minority
+  rank, as `watch` names it (`nsa_diag.analysis.ranks.cross_rank_diff`, else the probe's collective counts
+  in ``at_hang.json``); ``hang_kind`` is the kind it would get if it stays so;
+- ``unclear``: a training process is unclear and none is stuck on its own, e.g. one rank at 100% CPU while
+  another sleeps, with no stack of either. The reason says what would settle it (py-spy installed, ptrace
+  allowed, signals allowed, or the job under `nsa-diag watch`); ``hang_kind`` is what the stacks show;
+- ``paused``: every training process paused;
+- ``gone``: the training processes (the tree) ended while attach watched.
+
+A tree without a training process among those watched (``--no-children`` on torchrun's agent or on a
+DataLoader worker) is ``unclear``, with what each process is and where to attach instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from nsa_diag.classify import DEADLOCK_CPU_MAX, Evidence, hang_kind
+from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind
+from nsa_diag.classify import (
+    DEADLOCK_CPU_MAX,
+    Evidence,
+    dataloader_worker_idle,
+    focus_thread,
+    hang_kind,
+    pause_reason,
+    waits_on_dataloader,
+)
 from nsa_diag.evidence import stacks
-from nsa_diag.evidence.live import ProcessObservation, TreeObservation
+from nsa_diag.evidence.live import ProcessInfo, ProcessObservation, TreeObservation
 from nsa_diag.evidence.probefiles import location
+from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
+from nsa_diag.evidence.stacks import ThreadStack
 from nsa_diag.spec import HangKind, Where
+from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Observation, ProcRead, Work, work_in
 from nsa_diag.worker.beacon import BeaconState
 
-State = Literal["progressing", "stalled", "gone"]
-# Kinds that are waits: CPU spent in them (a spinning sync, a polling collective) is not progress.
-WAITING_KINDS = ("collective", "cuda-kernel", "python-deadlock")
+State = Literal["progressing", "idle", "paused", "stalled", "unclear", "gone"]
+TreeState = Literal["progressing", "paused", "stalled", "unclear", "gone"]
+# Kinds of a wait at one frame: CPU spent in them (a spinning sync, a polling collective) is not work.
+STUCK_KINDS: tuple[HangKind, ...] = ("collective", "cuda-kernel", "gil-held", "python-deadlock")
+# Stuck whatever the other processes do: a lock or condition of its own, a held GIL. A rank in a collective
+# or a GPU wait may only be waiting for a rank that works.
+SELF_STUCK_KINDS: tuple[HangKind, ...] = ("gil-held", "python-deadlock")
 # Runnable (on a CPU or waiting for one) at least this much of the time: it wants to work, even where a
 # loaded machine gives it less than DEADLOCK_CPU_MAX of a core (seen: a busy loop at 12% CPU, load 16 on 2
 # cores). A blocked wait is runnable ~0% of the time.
@@ -44,6 +88,7 @@ RUNNABLE_BUSY_MIN = 50.0
 KIND_ORDER: tuple[HangKind | None, ...] = (
     "collective", "cuda-kernel", "gil-held", "python-deadlock", "python-busy", "unknown", None,
 )  # fmt: skip
+WATCH_HINT = "the job run under `nsa-diag watch` (its probe counts progress events, allocations, frame moves)"
 
 
 @dataclass(frozen=True)
@@ -53,8 +98,8 @@ class ProcessActivity:
     pid: int
     state: State
     kind: HangKind | None  # what the stacks show; None for a process attach cannot judge (not Python)
-    why: str  # the kind's reason, or what was seen
-    progress: dict[str, Any]  # by ("beacon" | "cpu" | None), events_per_s, steps_per_s, step_from/to ...
+    why: str  # what shows the state
+    progress: dict[str, Any]  # by ("beacon" | "liveness" | "stacks" | "io" | None), events_per_s, ...
     location: str | None  # "rank 1, step 5, backward, layers.7" from the beacon
     rank: int | None
     cpu_percent: float | None
@@ -63,30 +108,40 @@ class ProcessActivity:
     stalled_for_s: float | None  # since the beacon's last progress event
     python: bool
     leaf: bool  # no child in the observed tree
+    role: Role = "training"
+    stack_samples: int = 0  # faulthandler or py-spy samples of it (0: no stack at all)
+    thread: ThreadStack | None = field(default=None, compare=False)  # its focus thread, last sample
 
     def label(self) -> str:
-        return f"pid {self.pid}" + (f" (rank {self.rank})" if self.rank is not None else "")
+        if self.role == "rank" or (self.role == "training" and self.rank is not None):
+            return f"rank {self.rank} (pid {self.pid})"
+        if self.role == "training":
+            return f"pid {self.pid}"
+        return f"pid {self.pid} ({describe(self.role)})"
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "pid": self.pid, "state": self.state, "kind": self.kind, "why": self.why,
+            "pid": self.pid, "role": self.role, "state": self.state, "kind": self.kind, "why": self.why,
             "progress": self.progress, "location": self.location, "rank": self.rank,
             "cpu_percent": self.cpu_percent, "runnable_percent": self.runnable_percent,
-            "gpu_percent": self.gpu_percent,
-            "stalled_for_s": self.stalled_for_s,
+            "gpu_percent": self.gpu_percent, "stalled_for_s": self.stalled_for_s,
         }  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TreeActivity:
-    """The tree's state: progressing if any process progressed (a beacon, where the tree has one, decides);
-    stalled with the hang kind of the process that explains it best (`KIND_ORDER`); gone."""
+    """The tree's state (module docstring), the hang kind of its focus process, and one reason."""
 
-    state: State
-    hang_kind: HangKind | None  # only when stalled
+    state: TreeState
+    hang_kind: HangKind | None  # stalled or unclear: what the focus process's stacks show
     reason: str
     focus_pid: int | None
     processes: tuple[ProcessActivity, ...]
+    minority_ranks: tuple[int, ...] = ()
+    stack_diff: dict[str, Any] | None = None  # `cross_rank_diff` of the ranks, when stalled
+
+
+# --- one process ----------------------------------------------------------------------------------------
 
 
 def _pyspy_as_faulthandler(text: str) -> str:
@@ -100,6 +155,16 @@ def _pyspy_as_faulthandler(text: str) -> str:
     return "\n".join(lines)
 
 
+def stack_samples(ob: ProcessObservation) -> list[str]:
+    """The process's stack samples as faulthandler texts: its SIGUSR1 dumps, else the rounds' py-spy dumps,
+    else the final py-spy dump (one sample)."""
+    if ob.dumps:
+        return list(ob.dumps)
+    if ob.pyspy_samples:
+        return [_pyspy_as_faulthandler(text) for text in ob.pyspy_samples]
+    return [_pyspy_as_faulthandler(ob.pyspy_text)] if ob.pyspy_text else []
+
+
 def _gpu_percent(ob: ProcessObservation) -> float | None:
     values = [row["sm_util_percent"] for row in ob.gpu if row.get("sm_util_percent") is not None]
     return float(max(values)) if values else None
@@ -109,40 +174,19 @@ def _where(state: BeaconState | None) -> Where | None:
     return Where(**state.where()) if state is not None else None  # type: ignore[arg-type]
 
 
-def _kind(ob: ProcessObservation, cpu: float | None, heartbeat: bool | None) -> tuple[HangKind | None, str]:
-    """`classify.hang_kind` of the process's evidence; None for a process that is not Python."""
+def _rank_of(info: ProcessInfo) -> int | None:
+    """The process's rank: its probe's, else the RANK variable torchrun gives each worker."""
+    if info.probe is not None and info.probe.rank is not None:
+        return info.probe.rank
+    value = info.env_vars.get("RANK", "")
+    return int(value) if value.isdigit() else None
+
+
+def _waits(ob: ProcessObservation) -> str:
     thread = ob.main_thread() or {}
-    waits = f"main thread {thread.get('state', '?')}" + (
+    return f"main thread {thread.get('state', '?')}" + (
         f" in {thread['wchan']}" if thread.get("wchan") else ""
     )
-    if not ob.info.python:
-        return None, f"not a Python process; {waits}, CPU {cpu if cpu is not None else '?'}%"
-    samples = list(ob.dumps) or ([_pyspy_as_faulthandler(ob.pyspy_text)] if ob.pyspy_text else [])
-    threads = [t for text in samples for t in stacks.parse_faulthandler(text)]
-    beacons = ob.beacons()
-    ev = Evidence(
-        outcome="stalled",
-        stack_samples=samples,
-        pyspy=ob.pyspy_text,
-        cpu_percent=cpu,
-        heartbeat_advancing=heartbeat,
-        gpu_utilization=_gpu_percent(ob),
-        main_wchan=thread.get("wchan"),
-        main_state=thread.get("state"),
-        where=_where(beacons[-1] if beacons else None),
-        source_lines=stacks.source_lines(threads),
-    )
-    kind, why = hang_kind(ev)
-    runnable = ob.runnable_percent()
-    if kind == "unknown" and cpu is not None and runnable is not None and runnable >= RUNNABLE_BUSY_MIN:
-        # A busy loop that a loaded machine gives little CPU: judged by how much it wanted to run.
-        starved, starved_why = hang_kind(replace(ev, cpu_percent=runnable))
-        if starved == "python-busy":
-            loaded = f"CPU {cpu:.0f}% (runnable {runnable:.0f}% of the time: the machine is loaded)"
-            kind, why = starved, starved_why.replace(f"CPU {runnable:.0f}%", loaded)
-    if not samples:
-        why += f"; {waits} (no stack: no SIGUSR1 handler and no py-spy dump)"
-    return kind, why
 
 
 def _beacon_progress(ob: ProcessObservation) -> tuple[dict[str, Any], float | None, bool | None]:
@@ -169,6 +213,183 @@ def _beacon_progress(ob: ProcessObservation) -> tuple[dict[str, Any], float | No
     return record, max(0.0, last.wall - b1.time), heartbeat
 
 
+def _liveness(ob: ProcessObservation) -> Work | None:
+    """The probe's liveness counters over the rounds (`nsa_diag.watchdog.work_in`); None without a beacon."""
+    history = [
+        Observation(
+            s.at, s.beacon, ProcRead(s.proc.get("utime_s", 0.0) + s.proc.get("stime_s", 0.0), s.io_bytes)
+        )
+        for s in ob.samples
+        if s.beacon is not None and not s.proc.get("gone")
+    ]
+    if len(history) < 2:
+        return None
+    return work_in(history, history[-1].t, history[-1].t - history[0].t + 1.0)
+
+
+def _wants_cpu(cpu: float | None, runnable: float | None) -> bool:
+    return (cpu or 0.0) >= DEADLOCK_CPU_MAX or (runnable or 0.0) >= RUNNABLE_BUSY_MIN
+
+
+def _cpu_text(cpu: float | None, runnable: float | None) -> str:
+    text = f"CPU {cpu:.0f}%" if cpu is not None else "CPU ?%"
+    if runnable is not None and runnable >= RUNNABLE_BUSY_MIN and (cpu or 0.0) < DEADLOCK_CPU_MAX:
+        text += f" (runnable {runnable:.0f}% of the time: the machine is loaded)"
+    return text
+
+
+def _moved(focus: Sequence[ThreadStack | None], cpu: float | None, runnable: float | None) -> str | None:
+    """The innermost frames of two samples that differ while the process used (or wanted) the CPU."""
+    tops = [t.python_frames[0] for t in focus if t is not None and t.python_frames]
+    if len(tops) < 2 or not ((cpu or 0.0) >= WORK_CPU_MIN or (runnable or 0.0) >= RUNNABLE_BUSY_MIN):
+        return None
+    other = next((f for f in tops[1:] if (f.file, f.line) != (tops[0].file, tops[0].line)), None)
+    return f"{tops[0].short()} -> {other.short()}" if other is not None else None
+
+
+def _kind(ev: Evidence, runnable: float | None) -> tuple[HangKind, str]:
+    """`classify.hang_kind`, with a busy loop that a loaded machine gives little CPU judged by how much it
+    wanted to run."""
+    kind, why = hang_kind(ev)
+    cpu = ev.cpu_percent
+    if kind == "unknown" and cpu is not None and runnable is not None and runnable >= RUNNABLE_BUSY_MIN:
+        starved, starved_why = hang_kind(replace(ev, cpu_percent=runnable))
+        if starved == "python-busy":
+            kind, why = starved, starved_why.replace(f"CPU {runnable:.0f}%", _cpu_text(cpu, runnable))
+    return kind, why
+
+
+def _sleeping(ob: ProcessObservation, cpu: float | None) -> str | None:
+    """Without a stack: its main thread in the kernel's nanosleep (``time.sleep``) in every round."""
+    channels = [t.get("wchan") or "" for t in ob.main_threads()]
+    if len(channels) >= 2 and all("nanosleep" in c for c in channels) and (cpu or 0.0) < DEADLOCK_CPU_MAX:
+        return (
+            f"sleeping: its main thread in the kernel's {channels[-1]} in every round, "
+            f"{_cpu_text(cpu, None)} (no stack): a sleep ends by itself"
+        )
+    return None
+
+
+def judge_process(
+    ob: ProcessObservation, role: Role = "training", leaf: bool = True,
+    workers: Mapping[str, str | None] | None = None,
+) -> ProcessActivity:  # fmt: skip
+    """The state, kind and reason of one observed process (module docstring). ``workers``: what its
+    DataLoader workers are doing (a label -> what shows their work, None when they do none)."""
+    cpu, runnable = ob.cpu_percent(), ob.runnable_percent()
+    beacons = ob.beacons()
+    progress, stalled_for, heartbeat = _beacon_progress(ob)
+    samples = stack_samples(ob)
+    focus = [focus_thread(threads) for threads in map(stacks.parse_faulthandler, samples) if threads]
+
+    def act(
+        state: State, kind: HangKind | None, why: str, record: dict[str, Any] | None = None
+    ) -> ProcessActivity:
+        return ProcessActivity(
+            pid=ob.pid, state=state, kind=kind, why=why, progress=progress if record is None else record,
+            location=location(ob.info.probe, beacons[-1] if beacons else None), rank=_rank_of(ob.info),
+            cpu_percent=cpu, runnable_percent=runnable, gpu_percent=_gpu_percent(ob),
+            stalled_for_s=round(stalled_for, 3) if stalled_for is not None else None, python=ob.info.python,
+            leaf=leaf, role=role, stack_samples=len(focus), thread=focus[-1] if focus else None,
+        )  # fmt: skip
+
+    if ob.gone:
+        stalled_for = None
+        return act("gone", None, "it ended while attach watched", {})
+    thread = ob.main_thread() or {}
+    threads = [t for threads in map(stacks.parse_faulthandler, samples) for t in threads]
+    ev = Evidence(
+        outcome="stalled", stack_samples=samples, pyspy=ob.pyspy_text, cpu_percent=cpu,
+        heartbeat_advancing=heartbeat, gpu_utilization=_gpu_percent(ob), main_wchan=thread.get("wchan"),
+        main_state=thread.get("state"), where=_where(beacons[-1] if beacons else None),
+        source_lines=stacks.source_lines(threads), workers=dict(workers or {}),
+    )  # fmt: skip
+    if ob.info.python:
+        kind: HangKind | None
+        kind, why = _kind(ev, runnable)
+        if not samples:
+            seen = why if kind != "unknown" else f"nothing moved: {_cpu_text(cpu, runnable)}"
+            why = f"{seen}; {_waits(ob)} (no stack: no SIGUSR1 handler's dump and no py-spy dump)"
+    else:
+        kind, why = None, f"not a Python process; {_waits(ob)}, {_cpu_text(cpu, runnable)}"
+
+    # work
+    if progress.get("by") == "beacon":
+        return act("progressing", kind, why)
+    work = _liveness(ob)
+    if work is not None and work.working:
+        return act(
+            "progressing",
+            kind,
+            f"working: {work.describe()}",
+            {**progress, "by": "liveness", "work": work.to_json()},
+        )
+    moved = _moved(focus, cpu, runnable)
+    if moved:
+        text = f"its innermost frame moved between the stack samples ({moved}), {_cpu_text(cpu, runnable)}"
+        return act("progressing", kind, text, {"by": "stacks", "moved": moved, "cpu_percent": cpu})
+    io = ob.io_bytes()
+    if io is not None and io >= WORK_IO_BYTES:
+        return act(
+            "progressing",
+            kind,
+            f"it read or wrote {io / 2**20:.1f} MiB while watched",
+            {"by": "io", "io_bytes": io},
+        )
+
+    # waiting by design
+    last = focus[-1] if focus else None
+    if role == "dataloader-worker" and dataloader_worker_idle(last):
+        return act("idle", kind, "idle DataLoader worker: waiting for indices from its training process")
+    if role == "launcher":
+        return act("idle", kind, "torch's launcher (torchrun's agent): waiting on its ranks")
+    if role == "shell":
+        return act("idle", kind, "the shell command: waiting for its child process")
+
+    # not working, not stuck
+    pause = pause_reason(ev) if samples else _sleeping(ob, cpu)
+    if pause:
+        return act("paused", kind, pause)
+
+    stale = f"no progress event for {stalled_for:.1f} s; " if progress and stalled_for is not None else ""
+    if kind in STUCK_KINDS:
+        return act("stalled", kind, stale + why)
+    if _wants_cpu(cpu, runnable):
+        if not samples:
+            why = (
+                f"{_cpu_text(cpu, runnable)} of a core, and no stack to tell work from a spin: {_waits(ob)} "
+                "(no SIGUSR1 handler's dump and no py-spy dump)"
+            )
+        elif kind == "python-busy":
+            why += ": one long computation and a busy loop look alike from outside"
+        return act("unclear", kind, stale + why)
+    return act("stalled", kind, stale + why)
+
+
+# --- the tree -------------------------------------------------------------------------------------------
+
+
+def _facts(ob: ProcessObservation) -> ProcessFacts:
+    info = ob.info
+    texts = [*ob.dumps, *ob.pyspy_samples, *([ob.pyspy_text] if ob.pyspy_text else [])]
+    return replace(_info_facts(info), stacks="\n".join(texts))
+
+
+def _info_facts(info: ProcessInfo) -> ProcessFacts:
+    probe = info.probe
+    return ProcessFacts(
+        pid=info.pid, ppid=info.ppid, argv=info.cmdline, python=info.python, rank=_rank_of(info),
+        role=probe.role if probe is not None else None,
+        forked_from=probe.forked_from if probe is not None else None,
+    )  # fmt: skip
+
+
+def tree_roles(tree: TreeObservation) -> dict[int, Role]:
+    """What each process of the tree is (`nsa_diag.evidence.roles.assign_roles`), the unobserved
+    descendants (``--no-children``) included for what the observed ones are."""
+    return assign_roles([*map(_facts, tree.processes), *map(_info_facts, tree.relatives)])
+
+
 def _progress_text(act: ProcessActivity) -> str:
     p = act.progress
     if p.get("by") == "beacon":
@@ -177,60 +398,7 @@ def _progress_text(act: ProcessActivity) -> str:
             steps = f", step {p['step_from']} -> {p['step_to']} ({p.get('steps_per_s', 0):.3g} steps/s)"
         at = f", at {act.location}" if act.location else ""
         return f"{act.label()}: {p['events_per_s']:.3g} progress events/s{steps}{at}"
-    runnable = (
-        f", runnable {act.runnable_percent:.0f}% of the time" if act.runnable_percent is not None else ""
-    )
-    return (
-        f"{act.label()}: CPU {act.cpu_percent or 0:.0f}% of a core{runnable} (no beacon: useful work and a "
-        f"busy loop look alike; its stacks: {act.kind or 'none'}, {act.why})"
-    )
-
-
-def _rank(ob: ProcessObservation) -> int | None:
-    """The process's rank: its probe's, else the RANK variable torchrun gives each worker."""
-    if ob.info.probe is not None and ob.info.probe.rank is not None:
-        return ob.info.probe.rank
-    value = ob.info.env_vars.get("RANK", "")
-    return int(value) if value.isdigit() else None
-
-
-def judge_process(ob: ProcessObservation, leaf: bool = True) -> ProcessActivity:
-    """The state, kind and reason of one observed process."""
-    cpu = ob.cpu_percent()
-    progress, stalled_for, heartbeat = _beacon_progress(ob)
-    beacons = ob.beacons()
-    probe = ob.info.probe
-    common = {
-        "pid": ob.pid, "location": location(probe, beacons[-1] if beacons else None),
-        "rank": _rank(ob), "cpu_percent": cpu, "runnable_percent": ob.runnable_percent(),
-        "gpu_percent": _gpu_percent(ob),
-        "python": ob.info.python, "leaf": leaf,
-    }  # fmt: skip
-    if ob.gone:
-        return ProcessActivity(
-            state="gone", kind=None, why="it ended while attach watched", progress={}, stalled_for_s=None,
-            **common,
-        )  # fmt: skip
-    kind, why = _kind(ob, cpu, heartbeat)
-    if progress:  # a beacon decides
-        state: State = "progressing" if progress["by"] == "beacon" else "stalled"
-        if state == "stalled" and stalled_for is not None:
-            why = f"no progress event for {stalled_for:.1f} s; {why}"
-    else:
-        runnable = ob.runnable_percent()
-        wants_cpu = (cpu or 0.0) >= DEADLOCK_CPU_MAX or (runnable or 0.0) >= RUNNABLE_BUSY_MIN
-        busy = wants_cpu and kind not in WAITING_KINDS
-        state = "progressing" if busy and ob.info.python else "stalled"
-        progress = {
-            "by": "cpu" if state == "progressing" else None,
-            "cpu_percent": cpu,
-            "runnable_percent": runnable,
-        }
-        stalled_for = None
-    return ProcessActivity(
-        state=state, kind=kind, why=why, progress=progress,
-        stalled_for_s=round(stalled_for, 3) if stalled_for is not None else None, **common,
-    )  # fmt: skip
+    return f"{act.label()}: {act.why}"
 
 
 def _focus(candidates: Sequence[ProcessActivity]) -> ProcessActivity:
@@ -238,27 +406,154 @@ def _focus(candidates: Sequence[ProcessActivity]) -> ProcessActivity:
     return min(candidates, key=lambda a: (KIND_ORDER.index(a.kind), not a.leaf, a.pid))
 
 
+def _settle(tree: TreeObservation, unclear: Sequence[ProcessActivity]) -> str:
+    """What would settle an unclear state, from what was missing."""
+    caught = {ob.pid for ob in tree.processes if ob.info.sigusr1_caught}
+    parts = []
+    blind = [a for a in unclear if not a.stack_samples]
+    if blind and not tree.pyspy_installed:
+        parts.append(
+            "py-spy installed (`pip install py-spy`: the stack of every Python process, no handler needed)"
+        )
+    elif blind and tree.pyspy_refused:
+        parts.append("ptrace allowed for py-spy (the note below says how)")
+    handled = [a.pid for a in blind if a.pid in caught]
+    if handled and not tree.send_signal:
+        parts.append(
+            f"signals allowed (pid {', '.join(map(str, handled))} handles SIGUSR1: drop --no-signal)"
+        )
+    busy = [a for a in unclear if a.stack_samples]
+    if busy:
+        parts.append(f"`py-spy dump --native --pid {busy[0].pid}` a few times (whether it computes in C)")
+    parts.append(WATCH_HINT)
+    return " or ".join(parts)
+
+
+def _others(acts: Sequence[ProcessActivity], focus: ProcessActivity | None) -> list[str]:
+    """The other processes in a few words: training processes with their state, the rest as what they are."""
+    texts = []
+    for a in acts:
+        if a is focus or a.state == "gone":
+            continue
+        if a.role in TRAINING_ROLES:
+            kind = f" ({a.kind})" if a.kind and a.state in ("stalled", "unclear") else ""
+            texts.append(f"{a.label()}: {a.state}{kind}, {a.why}")
+        else:
+            texts.append(f"pid {a.pid}: {a.why}" if a.state == "idle" else f"{a.label()}: {a.state}, {a.why}")
+    return texts
+
+
+def _waits_for(
+    focus: ProcessActivity, acts: Sequence[ProcessActivity], parents: Mapping[int, int | None]
+) -> str:
+    """The DataLoader workers the focus process waits on for its next batch, with what they do."""
+    if not waits_on_dataloader(focus.thread):
+        return ""
+    workers = [a for a in acts if a.role == "dataloader-worker" and parents.get(a.pid) == focus.pid]
+    if not workers:
+        return ""
+    said = "; ".join(f"pid {a.pid}: {a.state}, {a.why}" for a in workers)
+    return f"; it waits for its next batch from its DataLoader worker(s): {said}"
+
+
+def _minority(
+    tree: TreeObservation, training: Sequence[ProcessActivity]
+) -> tuple[list[int], dict[str, Any] | None]:
+    """The ranks' minority from their focus threads (`cross_rank_diff`), else from the probe's collective
+    counts (``at_hang.json``, where a watchdog left one for every rank)."""
+    ranks = {a.rank: a for a in training if a.role == "rank" and a.rank is not None}
+    if len(ranks) < 2:
+        return [], None
+    diff = cross_rank_diff({r: a.thread for r, a in ranks.items()}, {})
+    if not diff.get("minority_ranks"):
+        at_hang = {ob.info.pid: ob.at_hang for ob in tree.processes if ob.at_hang}
+        by_rank = {r: at_hang[a.pid] for r, a in ranks.items() if a.pid in at_hang}
+        if len(by_rank) == len(ranks):
+            minority_by_counts(diff, by_rank)
+    return list(diff.get("minority_ranks") or []), diff
+
+
+def _no_training(acts: Sequence[ProcessActivity], parents: Mapping[int, int | None]) -> str:
+    texts = []
+    for a in acts:
+        if a.state == "gone":
+            continue
+        where = ""
+        if a.role == "dataloader-worker" and parents.get(a.pid):
+            where = f"; attach its training process, pid {parents[a.pid]}"
+        elif a.role == "launcher":
+            where = "; attach it without --no-children, or attach a rank"
+        said = a.why if a.state == "idle" else f"{a.state}, {a.why}"
+        texts.append(f"pid {a.pid}: {said}{where}")
+    return "no training process among the processes watched: " + "; ".join(texts)
+
+
 def judge_tree(tree: TreeObservation) -> TreeActivity:
-    """The tree's state, hang kind and one-line reason."""
-    parents = {ob.info.ppid for ob in tree.processes}
-    acts = tuple(judge_process(ob, leaf=ob.pid not in parents) for ob in tree.processes)
+    """The tree's state, hang kind and one-line reason (module docstring)."""
+    roles = tree_roles(tree)
+    parents = {ob.pid: ob.info.ppid for ob in tree.processes}
+    parents.update({info.pid: info.ppid for info in tree.relatives})
+    by_pid: dict[int, ProcessActivity] = {}
+    for ob in sorted(tree.processes, key=lambda ob: roles.get(ob.pid) != "dataloader-worker"):
+        workers = {
+            a.label(): (a.why if a.state == "progressing" else None)
+            for a in by_pid.values()
+            if a.role == "dataloader-worker" and parents.get(a.pid) == ob.pid
+        }
+        leaf = ob.pid not in parents.values()
+        by_pid[ob.pid] = judge_process(ob, roles.get(ob.pid, "training"), leaf, workers)
+    acts = tuple(by_pid[ob.pid] for ob in tree.processes)
     live = [a for a in acts if a.state != "gone"]
-    if not live:
-        return TreeActivity("gone", None, f"PID {tree.root} ended while attach watched", None, acts)
-    with_beacon = [a for a in live if a.progress.get("events") is not None]
-    movers = [a for a in (with_beacon or live) if a.state == "progressing"]
+    training = [a for a in acts if a.role in TRAINING_ROLES]
+    live_training = [a for a in training if a.state != "gone"]
+    if not live or (training and not live_training):
+        what = "its training processes" if live else f"PID {tree.root}"
+        return TreeActivity("gone", None, f"{what} ended while attach watched", None, acts)
+    if not live_training:
+        return TreeActivity("unclear", None, _no_training(acts, parents), None, acts)
+
+    movers = [a for a in live_training if a.state == "progressing"]
     if movers:
         text = "; ".join(_progress_text(a) for a in movers)
-        stalled = [a for a in live if a.state == "stalled" and (a in with_beacon or not with_beacon)]
+        rest = [a for a in live_training if a.state != "progressing"]
         also = (
-            f" (not progressing: {', '.join(a.label() for a in stalled)})" if stalled and with_beacon else ""
+            f" (not progressing: {'; '.join(f'{a.label()}: {a.state}, {a.why}' for a in rest)})"
+            if rest
+            else ""
         )
-        return TreeActivity("progressing", None, f"progressing: {text}{also}", movers[0].pid, acts)
-    python = [a for a in live if a.python]
-    focus = _focus(with_beacon or python or live)
-    at = f" at {focus.location}" if focus.location else ""
-    reason = f"not progressing while watched: {focus.label()}{at}: {focus.why}"
-    elsewhere = [a for a in live if a.rank is not None and a is not focus and a.kind != focus.kind]
-    if elsewhere:  # the ranks that are not where the focus rank is: the minority, or the cause
-        reason += "; " + "; ".join(f"{a.label()}: {a.kind}, {a.why}" for a in elsewhere)
-    return TreeActivity("stalled", focus.kind, reason, focus.pid, acts)
+        return TreeActivity("progressing", None, text + also, movers[0].pid, acts)
+
+    stalled = [a for a in live_training if a.state == "stalled"]
+    unclear = [a for a in live_training if a.state == "unclear"]
+    stuck = [a for a in stalled if a.kind in SELF_STUCK_KINDS]
+    if unclear and not stuck:
+        focus = max(unclear, key=lambda a: (a.cpu_percent or 0.0, -a.pid))
+        others = "; ".join(_others(acts, focus))
+        reason = f"{focus.label()}: {focus.why}" + (f"; {others}" if others else "")
+        reason += f"; what would settle it: {_settle(tree, unclear)}"
+        return TreeActivity("unclear", focus.kind, reason, focus.pid, acts)
+    if stalled:
+        minority, diff = _minority(tree, live_training)
+        ranks = {a.rank: a for a in live_training if a.role == "rank"}
+        focus = ranks[minority[0]] if minority and minority[0] in ranks else _focus(stuck or stalled)
+        kind = focus.kind
+        if minority:
+            counted = str((diff or {}).get("basis", "")).startswith("collective counts")
+            kinds = {r: a.kind for r, a in ranks.items() if r is not None}
+            kind = minority_hang_kind(kinds, minority, counted, kind)  # type: ignore[assignment]
+        at = f" at {focus.location}" if focus.location else ""
+        reason = f"{focus.label()}{at}: {focus.why}"
+        if minority:
+            div = ((diff or {}).get("first_divergent_frame") or {}).get(str(minority[0])) or {}
+            frame = f", first divergent frame {div['frame']}" if div.get("frame") else ""
+            reason += (
+                f"; minority rank(s) {', '.join(map(str, minority))}{frame} ({(diff or {}).get('basis')})"
+            )
+        reason += _waits_for(focus, acts, parents)
+        others = _others(acts, focus)
+        reason += f"; {'; '.join(others)}" if others else ""
+        return TreeActivity("stalled", kind, reason, focus.pid, acts, tuple(minority), diff)
+    focus = live_training[0]
+    others = _others(acts, focus)
+    reason = f"{focus.label()}: {focus.why}" + (f"; {'; '.join(others)}" if others else "")
+    return TreeActivity("paused", None, reason, focus.pid, acts)

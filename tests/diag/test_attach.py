@@ -1,11 +1,14 @@
 """`nsa-diag attach PID` on real running jobs (scripts in tests/diag/jobs/attach_*.py, written as a user
-writes them, importing nothing of nsa-diag): what it says about a deadlocked, a busy and a sleeping job,
-and that each job is left running and unchanged (it still finishes, exit code 0, the same output); a
-process without a SIGUSR1 handler gets no signal (it would die of it). Plus the probe's files read
+writes them, importing nothing of nsa-diag): what it says about a deadlocked, a busy-waiting and a sleeping
+job, a job stuck in backward beside its idle DataLoader workers, and two torchrun ranks (one spinning, one
+blocked), and that each job is left running and unchanged (it still finishes, exit code 0, the same
+output); a process without a SIGUSR1 handler gets no signal (it would die of it). attach never guesses:
+CPU alone is never progress. Plus the judgement alone on constructed evidence, the probe's files read
 through the contract, and bad PIDs (one line, exit 2)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,15 +16,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from diag_cli import cli_env, run_cli
 
-from nsa_diag.activity import judge_process, judge_tree
+from nsa_diag.activity import judge_process, judge_tree, tree_roles
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import probefiles
@@ -33,6 +37,7 @@ from nsa_diag.evidence.live import (
     check_target,
     process_info,
 )
+from nsa_diag.session.attach import summary_markdown
 from nsa_diag.worker.beacon import BeaconState, BeaconWriter
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -60,37 +65,60 @@ class Job:
 
 @pytest.fixture
 def start_job(tmp_path: Path) -> Iterator[Any]:
-    """Start a job script with stdin a pipe and stdout/stderr into files; wait for its "ready" line.
-    Every job still running at the end of the test is killed (by its pid)."""
+    """Start a job script (with ``launcher``, e.g. torchrun's arguments, before it) with stdin a pipe and
+    stdout/stderr into files; wait for ``ready_count`` "ready" lines. Every process of a job still running
+    at the end of the test is killed by its pid (torchrun's ranks live in sessions of their own)."""
     started: list[Job] = []
 
-    def start(name: str, *args: str, env: dict[str, str] | None = None) -> Job:
+    def start(
+        name: str, *args: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
+        ready_count: int = 1,
+    ) -> Job:  # fmt: skip
         out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(out, "w") as stdout, open(err, "w") as stderr:
             proc = subprocess.Popen(
-                [sys.executable, str(JOBS / f"{name}.py"), *args],
+                [*(launcher or (sys.executable,)), str(JOBS / f"{name}.py"), *args],
                 stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, text=True,
                 env={**os.environ, **(env or {})}, start_new_session=True,
             )  # fmt: skip
         job = Job(proc, out, err)
         started.append(job)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "ready" not in out.read_text():
+        deadline = time.monotonic() + READY_TIMEOUT_S * (3 if launcher else 1)
+        while out.read_text().count("ready") < ready_count:
             assert proc.poll() is None, f"{name} ended early: {err.read_text()}"
-            assert time.monotonic() < deadline, f"{name} did not get ready"
+            assert time.monotonic() < deadline, f"{name} did not get ready: {err.read_text()}"
             time.sleep(0.05)
         return job
 
     yield start
     for job in started:
         if job.proc.poll() is None:
-            os.killpg(job.pid, 9)
+            try:
+                tree = [job.proc.pid, *(p.pid for p in psutil.Process(job.pid).children(recursive=True))]
+            except psutil.Error:
+                tree = [job.proc.pid]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             job.proc.wait()
 
 
-def attach(pid: int, out: Path, *args: str) -> tuple[int, dict[str, Any], str]:
-    proc = run_cli("attach", str(pid), "--out", out, "--json", *args, timeout=120)
+# Rounds that settle the state of a job these tests start, quicker than the default watch of up to 10 s
+# (tested once, on the deadlocked job).
+QUICK = ("--samples", "3", "--interval", "0.5")
+
+
+def attach(
+    pid: int, out: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any], str]:
+    proc = run_cli("attach", str(pid), "--out", out, "--json", *args, timeout=120, env=env)
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+def path_without_pyspy() -> str:
+    """PATH with no folder that holds py-spy: what a machine without py-spy sees."""
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(f for f in folders if f and not (Path(f) / "py-spy").exists())
 
 
 def by_pid(record: dict[str, Any], pid: int) -> dict[str, Any]:
@@ -104,7 +132,7 @@ def test_no_file_records_a_secret_of_the_jobs_command_line_or_environment(
     job = start_job(
         "attach_sleep", "--api-key", "k-9f8e7d6c", "--hub", "tok-5a4b3c2d", env={"MY_TOKEN": "tok-5a4b3c2d"}
     )
-    code, record, err = attach(job.pid, tmp_path / "runs")
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
     assert code == 1, err
     assert "k-9f8e7d6c" not in json.dumps(record)  # nor on the console
     assert "tok-5a4b3c2d" not in json.dumps(record)
@@ -118,16 +146,22 @@ def test_no_file_records_a_secret_of_the_jobs_command_line_or_environment(
 
 
 def test_deadlocked_job_is_python_deadlock_and_finishes_unchanged(start_job: Any, tmp_path: Path) -> None:
+    """The default watch: nothing moves, so attach watches the whole 10 s (a round a second) and asks for
+    a dump at 0, 1, 4, 7 and 10 s: the same frame in all five."""
     job = start_job("attach_deadlock")
     code, record, err = attach(job.pid, tmp_path / "runs")
     assert code == 1, err
     assert (record["state"], record["hang_kind"]) == ("stalled", "python-deadlock"), record["reason"]
     assert "lock.acquire()" in record["reason"]
     assert "attach_deadlock.py:24" in record["reason"]
+    assert "in all 5 stack samples" in record["reason"]
+    assert 9.5 <= record["observed_s"] < 30, record["observed_s"]
+    assert record["samples"] == 11
     me = by_pid(record, job.pid)
+    assert (me["role"], me["state"]) == ("training", "stalled")
     assert me["sigusr1_caught"]
-    assert me["signals_sent"] == 2
-    assert me["stack_samples"] == 2
+    assert me["signals_sent"] == 5
+    assert me["stack_samples"] == 5
     run_dir = next((tmp_path / "runs").iterdir())
     for name in ("env.json", "result.json", "summary.md", f"processes/{job.pid}/proc.json"):
         assert (run_dir / name).is_file(), name
@@ -136,32 +170,44 @@ def test_deadlocked_job_is_python_deadlock_and_finishes_unchanged(start_job: Any
     code, stdout, stderr = job.finish()
     assert code == 0
     assert stdout == "step 1 loss 332.8335\nready\nstep 2 done\n"
-    # its own handler wrote the two dumps attach asked for into its stderr, and nothing else is there
-    assert stderr.count("most recent call first") == 4
+    # its own handler wrote the five dumps attach asked for into its stderr (two threads each), nothing else
+    assert stderr.count("most recent call first") == 10
     assert "Traceback" not in stderr
 
 
-def test_busy_job_is_progressing_and_finishes_unchanged(start_job: Any, tmp_path: Path) -> None:
+def test_busy_loop_at_one_frame_is_unclear_not_progressing(start_job: Any, tmp_path: Path) -> None:
+    """A job spinning on a flag uses a core with the same innermost frame in every sample. That is no proof
+    of work: one long computation looks the same from outside (attach once called it progressing from
+    its CPU alone). It is not proof of a hang either: unclear (exit 1), python-busy, and the reason says
+    what would tell."""
     job = start_job("attach_busy")
-    code, record, err = attach(job.pid, tmp_path / "runs")
-    assert code == 0, err
-    assert (record["state"], record["hang_kind"]) == ("progressing", None), record["reason"]
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
+    assert code == 1, err
+    assert (record["state"], record["hang_kind"]) == ("unclear", "python-busy"), record["reason"]
+    assert "`while not told: pass` at attach_busy.py:24" in record["reason"]
+    assert "look alike" in record["reason"]
+    assert "nsa-diag watch" in record["reason"]
     me = by_pid(record, job.pid)
-    assert me["progress"]["by"] == "cpu"
+    assert me["state"] == "unclear"
+    assert me["progress"].get("by") is None
     assert me["cpu_percent"] >= 20 or me["runnable_percent"] >= 50, me
-    assert me["kind"] == "python-busy", me["why"]
     code, stdout, _ = job.finish()
     assert (code, stdout) == (0, "ready\ndone\n")
 
 
 def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path) -> None:
-    """Neither process catches SIGUSR1: attach sends none (its default action would kill them), reports
-    both stalled without stacks, and both live on and finish normally."""
+    """Neither process catches SIGUSR1: attach sends none (its default action would kill them). The job
+    naps in time.sleep: paused, not stalled (a sleep ends by itself), seen in py-spy's samples or, without
+    py-spy, in its main thread's kernel wait channel; its child is a helper, never the culprit. Both live
+    on and finish normally."""
     job = start_job("attach_sleep")
-    code, record, err = attach(job.pid, tmp_path / "runs")
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
     assert code == 1, err
-    assert record["state"] == "stalled", record["reason"]
+    assert (record["state"], record["hang_kind"], record["focus_pid"]) == ("paused", None, job.pid), record
+    assert "sleeping" in record["reason"]
+    assert "a sleep ends by itself" in record["reason"]
     assert len(record["processes"]) == 2  # the job and its child
+    assert [p["role"] for p in record["processes"]] == ["training", "helper"]
     for p in record["processes"]:
         assert p["sigusr1_caught"] is False
         assert p["signals_sent"] == 0
@@ -169,9 +215,96 @@ def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path
         assert p["stack_samples"] == 0
         if not record["pyspy_installed"]:
             assert "no stack" in p["why"]
-    assert "py-spy" in by_pid(record, job.pid)["pyspy"].get("advice", "") or record["pyspy_installed"]
+    assert "py-spy" in (record["pyspy_advice"] or "") or record["pyspy_installed"]
     code, stdout, stderr = job.finish()
     assert (code, stdout, stderr) == (0, "ready\nchild done\nchild exited with 0\n", "")
+
+
+def test_deadlock_in_backward_names_the_training_process_not_its_idle_workers(
+    start_job: Any, tmp_path: Path
+) -> None:
+    """A job stuck in backward (its hook waits for a lock) with two DataLoader workers idle, waiting for
+    indices (they catch SIGUSR1 too: forked after the job registered faulthandler). The verdict, its focus
+    and its frame are the training process's; the workers are idle DataLoader workers, with or without
+    --no-children; attached alone, a worker is not judged as the job."""
+    job = start_job("attach_backward_workers")
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
+    assert code == 1, err
+    assert (record["state"], record["hang_kind"]) == ("stalled", "python-deadlock"), record["reason"]
+    assert record["focus_pid"] == job.pid
+    assert record["reason"].startswith(f"pid {job.pid}: blocked in ")
+    assert "`with stats_lock:` at attach_backward_workers.py:30 in record_grad" in record["reason"]
+    workers = [p for p in record["processes"] if p["pid"] != job.pid]
+    assert len(workers) == 2
+    for p in workers:
+        assert (p["role"], p["state"]) == ("dataloader-worker", "idle"), p
+        assert p["why"].startswith("idle DataLoader worker"), p["why"]
+        assert f"pid {p['pid']}: idle DataLoader worker" in record["reason"]
+
+    code, alone, err = attach(job.pid, tmp_path / "runs", *QUICK, "--no-children")
+    assert code == 1, err
+    assert (alone["state"], alone["focus_pid"], len(alone["processes"])) == ("stalled", job.pid, 1)
+    assert "`with stats_lock:`" in alone["reason"]
+
+    worker = workers[0]["pid"]
+    code, one, err = attach(worker, tmp_path / "runs", *QUICK, "--no-children")
+    assert code == 1, err
+    assert (one["state"], one["focus_pid"]) == ("unclear", None), one["reason"]
+    assert one["reason"].startswith("no training process among the processes watched")
+    assert f"attach its training process, pid {job.pid}" in one["reason"]
+
+    code, stdout, _ = job.finish(timeout=60)
+    assert code == 0
+    assert stdout.splitlines()[:4] == ["step 1 done", "step 2 done", "ready", "flushed 2 gradient norms"]
+    assert stdout.splitlines()[-1] == "step 4 done"
+
+
+@pytest.mark.slow
+def test_ranks_one_spinning_one_blocked_are_unclear_without_stacks_and_stalled_with(
+    start_job: Any, tmp_path: Path
+) -> None:
+    """Two gloo ranks under torchrun: rank 0 waits in all_reduce at 100% CPU (its progress thread
+    busy-waits), rank 1 is blocked on an event. Without any stack (no py-spy on PATH, --no-signal) one
+    rank's CPU proves nothing: unclear, saying what would settle it; with the ranks' own faulthandler
+    dumps: stalled, rank 1 the minority rank, blocked in `go.wait()`. torchrun's agent is the launcher."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    job = start_job(
+        "attach_ranks", launcher=(str(torchrun), "--standalone", "--nproc-per-node", "2"),
+        env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, ready_count=2,
+    )  # fmt: skip
+    blind = {"PATH": path_without_pyspy()}
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK, "--no-signal", env=blind)
+    assert code == 1, err
+    assert not record["pyspy_installed"]
+    assert record["state"] == "unclear", record["reason"]
+    roles = {p["rank"]: p["role"] for p in record["processes"]}
+    assert roles == {None: "launcher", 0: "rank", 1: "rank"}, record["processes"]
+    rank0 = next(p for p in record["processes"] if p["rank"] == 0)
+    assert record["focus_pid"] == rank0["pid"]
+    assert rank0["state"] == "unclear"
+    assert rank0["cpu_percent"] >= 20 or rank0["runnable_percent"] >= 50, rank0
+    assert "no stack to tell work from a spin" in record["reason"]
+    assert "what would settle it: py-spy installed" in record["reason"]
+    assert "drop --no-signal" in record["reason"]
+    assert "nsa-diag watch" in record["reason"]
+    assert "waiting on its ranks" in record["reason"]
+
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK, env=blind)
+    assert code == 1, err
+    assert (record["state"], record["hang_kind"]) == ("stalled", "python-deadlock"), record["reason"]
+    rank1 = next(p for p in record["processes"] if p["rank"] == 1)
+    assert (record["focus_pid"], record["minority_ranks"]) == (rank1["pid"], [1])
+    assert record["reason"].startswith(f"rank 1 (pid {rank1['pid']}): blocked in threading wait")
+    assert "`go.wait()` at attach_ranks.py" in record["reason"]
+    assert "minority rank(s) 1" in record["reason"]
+    assert "(collective)" in record["reason"]  # rank 0, named as what it is
+
+    code, stdout, _ = job.finish(timeout=60)
+    assert code == 0
+    assert sorted(line for line in stdout.splitlines() if "step 2" in line) == [
+        "rank 0 step 2 done: [4.0, 4.0, 4.0, 4.0]",
+        "rank 1 step 2 done: [4.0, 4.0, 4.0, 4.0]",
+    ]
 
 
 def _probe_folder(probe_dir: Path, pid: int, started: float, sigusr1: str) -> Path:
@@ -214,6 +347,7 @@ def test_probe_beacon_gives_progress_and_place_and_no_signal_without_handler(
         writer.close()
     assert code == 0, err
     assert record["state"] == "progressing", record["reason"]
+    assert record["observed_s"] < 5  # the default watch ends at the first round that shows work
     me = by_pid(record, job.pid)
     assert me["progress"]["by"] == "beacon"
     assert me["progress"]["events_per_s"] > 1
@@ -270,34 +404,51 @@ def test_signal_plan_of_this_process_follows_the_kernel() -> None:
 
 
 def _observation(
-    pid: int, cpu_s: tuple[float, float], dumps: list[str], beacons: tuple[Any, Any] = (None, None),
-    rank: str | None = None,
+    pid: int, cpu_s: Sequence[float], dumps: Sequence[str] = (), beacons: Sequence[Any] = (),
+    rank: str | None = None, ppid: int = 1, cmdline: tuple[str, ...] = ("python", "train.py"),
+    wchan: str | None = None, state: str = "R", pyspy: Sequence[str] = (), caught: bool = True,
 ) -> ProcessObservation:  # fmt: skip
+    """One process's rounds a second apart: its CPU seconds at each, its SIGUSR1 dumps (``dumps``) or
+    py-spy samples (``pyspy``), beacon reads, RANK, its main thread's /proc state and wait channel."""
     info = ProcessInfo(
-        pid=pid, ppid=1, cmdline=("python", "train.py"), python=True, started=0.0,
+        pid=pid, ppid=ppid, cmdline=cmdline, python=True, started=0.0,
         env_vars={"RANK": rank} if rank is not None else {}, env_vars_withheld=(), probe=None,
-        probe_note="", sigusr1_caught=True, signal_plan="", signalled=True,
+        probe_note="", sigusr1_caught=caught, signal_plan="", signalled=caught,
     )  # fmt: skip
     samples = [
         Sample(
             at=float(n),
             wall=1000.0 + n,
-            beacon=beacons[n],
+            beacon=beacons[n] if n < len(beacons) else None,
             proc={
                 "pid": pid,
                 "utime_s": cpu,
                 "stime_s": 0.0,
-                "threads": [{"tid": pid, "state": "R", "wchan": None}],
+                "threads": [{"tid": pid, "state": state, "wchan": wchan}],
             },
         )
         for n, cpu in enumerate(cpu_s)
     ]
-    return ProcessObservation(info, samples=samples, dumps=dumps)
+    return ProcessObservation(info, samples=samples, dumps=list(dumps), pyspy_samples=list(pyspy))
+
+
+def _tree(*processes: ProcessObservation, **facts: Any) -> TreeObservation:
+    return TreeObservation(
+        root=processes[0].pid, started=0.0, duration_s=1.0, gpu_snapshot={}, gpu_usage={},
+        pyspy_installed=facts.pop("pyspy_installed", False), ptrace={}, processes=list(processes), **facts,
+    )  # fmt: skip
 
 
 def _dump(frames: list[tuple[str, int, str]]) -> str:
     lines = [f'  File "{file}", line {line} in {func}' for file, line, func in frames]
     return "Current thread 0x00007f0000000001 (most recent call first):\n" + "\n".join(lines) + "\n"
+
+
+def _pyspy(frames: list[tuple[str, int, str]], pid: int = 7) -> str:
+    lines = [f"    {func} ({file}:{line})" for file, line, func in frames]
+    return (
+        f"Process {pid}: python train.py\nPython v3.11.7\n\nThread {pid} (idle)\n" + "\n".join(lines) + "\n"
+    )
 
 
 SYNC = _dump(
@@ -309,27 +460,148 @@ ALL_REDUCE = _dump(
         ("/x/train.py", 9, "<module>"),
     ]
 )
-SLEEP = _dump([("/usr/lib/python3.11/threading.py", 320, "wait"), ("/x/train.py", 12, "<module>")])
+CONDITION_WAIT = _dump([("/usr/lib/python3.11/threading.py", 320, "wait"), ("/x/train.py", 12, "<module>")])
+WORKER_IDLE = _dump(
+    [
+        ("/usr/lib/python3.11/selectors.py", 415, "select"),
+        ("/usr/lib/python3.11/multiprocessing/connection.py", 440, "_poll"),
+        ("/usr/lib/python3.11/multiprocessing/queues.py", 113, "get"),
+        ("/x/site-packages/torch/utils/data/_utils/worker.py", 308, "_worker_loop"),
+        ("/usr/lib/python3.11/multiprocessing/process.py", 108, "run"),
+        ("/x/train.py", 40, "<module>"),
+    ]
+)
+BACKWARD_LOCK = _dump(
+    [
+        ("/x/train.py", 81, "record_grad"),
+        ("/x/site-packages/torch/utils/hooks.py", 138, "hook"),
+        ("/x/site-packages/torch/autograd/graph.py", 825, "_engine_run_backward"),
+        ("/x/site-packages/torch/_tensor.py", 626, "backward"),
+        ("/x/train.py", 120, "<module>"),
+    ]
+)
 
 
-def test_cpu_spent_waiting_for_the_gpu_is_not_progress() -> None:
-    """A process spinning at 100% CPU inside torch.cuda.synchronize() (CUDA's default spin-wait) is
-    stalled in cuda-kernel, not progressing: CPU spent in a wait is not work."""
-    act = judge_process(_observation(7, (10.0, 11.0), [SYNC, SYNC]))
-    assert (act.state, act.kind, act.cpu_percent) == ("stalled", "cuda-kernel", 100.0)
+def test_cpu_alone_is_never_progress() -> None:
+    """At 100% CPU with no stack (no handler, no py-spy) attach cannot tell work from a spin: unclear, not
+    progressing. With the same frame in every sample it is still unclear (python-busy: a busy loop and one
+    long computation look alike), and CPU spent in a wait (torch.cuda.synchronize spins) is stalled."""
+    blind = judge_process(_observation(8, (10.0, 11.0, 12.0), caught=False))
+    assert (blind.state, blind.progress.get("by")) == ("unclear", None)
+    assert "no stack to tell work from a spin" in blind.why
     spin = _dump([("/x/train.py", 40, "<module>")])
     busy = judge_process(_observation(8, (10.0, 11.0), [spin, spin]))
-    assert (busy.state, busy.progress["by"]) == ("progressing", "cpu")
+    assert (busy.state, busy.kind, busy.progress.get("by")) == ("unclear", "python-busy", None)
+    wait = judge_process(_observation(7, (10.0, 11.0), [SYNC, SYNC]))
+    assert (wait.state, wait.kind, wait.cpu_percent) == ("stalled", "cuda-kernel", 100.0)
+    tree = judge_tree(_tree(_observation(8, (10.0, 11.0, 12.0), caught=False)))
+    assert (tree.state, tree.focus_pid) == ("unclear", 8)
+    assert "what would settle it: py-spy installed" in tree.reason
+    assert "nsa-diag watch" in tree.reason
 
 
-def test_beacon_decides_and_a_stopped_heartbeat_is_gil_held() -> None:
-    """With a beacon, CPU does not count: no new progress event is stalled (with the time since the last
-    one), and a heartbeat that did not tick either means a held GIL."""
+def test_moving_stacks_with_cpu_are_progress() -> None:
+    """Innermost frames that differ between samples while the process uses the CPU are work, from
+    faulthandler dumps or py-spy samples alike; the same moves without CPU (a poll that wakes) are not."""
+    forward = _dump(
+        [("/x/site-packages/torch/nn/functional.py", 2210, "linear"), ("/x/train.py", 60, "<module>")]
+    )
+    loss = _dump([("/x/train.py", 64, "<module>")])
+    act = judge_process(_observation(7, (10.0, 11.0, 12.0), [forward, forward, loss]))
+    assert (act.state, act.progress["by"]) == ("progressing", "stacks")
+    assert "functional.py:2210 in linear -> train.py:64 in <module>" in act.why
+    frames = [("/x/site-packages/torch/nn/functional.py", 2210, "linear")], [("/x/train.py", 64, "<module>")]
+    spied = judge_process(_observation(7, (10.0, 11.0), pyspy=[_pyspy(f) for f in frames], caught=False))
+    assert (spied.state, spied.progress["by"]) == ("progressing", "stacks")
+    idle = judge_process(_observation(7, (10.0, 10.0, 10.0), [forward, forward, loss]))
+    assert idle.state != "progressing"
+    tree = judge_tree(_tree(_observation(7, (10.0, 11.0, 12.0), [forward, forward, loss])))
+    assert (tree.state, tree.focus_pid) == ("progressing", 7)
+
+
+def test_sleeping_is_paused_not_deadlocked(tmp_path: Path) -> None:
+    """time.sleep is no deadlock (it ends by itself): paused, from its stacks (py-spy's here) or, with no
+    stack, from its main thread's wait channel in every round; a lock wait at 0% CPU is python-deadlock."""
+    script = tmp_path / "train.py"
+    script.write_text("import time\n\nwhile True:\n    time.sleep(30)\n")
+    naps = [_pyspy([(str(script), 4, "<module>")])] * 3
+    napping = judge_process(_observation(7, (1.0, 1.0, 1.0), pyspy=naps, caught=False, state="S"))
+    assert (napping.state, napping.kind) == ("paused", "unknown"), napping.why
+    assert "a sleep ends by itself" in napping.why
+    blind = judge_process(
+        _observation(7, (1.0, 1.0, 1.0), caught=False, state="S", wchan="hrtimer_nanosleep")
+    )
+    assert blind.state == "paused"
+    assert "hrtimer_nanosleep in every round" in blind.why
+    tree = judge_tree(
+        _tree(_observation(7, (1.0, 1.0, 1.0), caught=False, state="S", wchan="hrtimer_nanosleep"))
+    )
+    assert (tree.state, tree.hang_kind) == ("paused", None)
+    locked = judge_process(
+        _observation(7, (1.0, 1.0), [CONDITION_WAIT] * 2, state="S", wchan="futex_wait_queue")
+    )
+    assert (locked.state, locked.kind) == ("stalled", "python-deadlock")
+
+
+def test_idle_dataloader_workers_are_never_the_focus() -> None:
+    """The training process stuck in backward beside two idle DataLoader workers (all blocked: the
+    workers in poll, the leaves of the tree): the focus and the reason are the training process's; the
+    workers are idle DataLoader workers (their role from their stacks, with or without the training
+    process in the tree). Once the training process waits for a batch a worker is producing, it is
+    paused."""
+    main = _observation(100, (5.0, 5.0, 5.0), [BACKWARD_LOCK] * 3, state="S", wchan="futex_wait_queue")
+    workers = [
+        _observation(pid, (1.0, 1.0, 1.0), [WORKER_IDLE] * 3, ppid=100, state="S", wchan="do_sys_poll")
+        for pid in (101, 102)
+    ]
+    act = judge_tree(_tree(main, *workers))
+    assert (act.state, act.hang_kind, act.focus_pid) == ("stalled", "python-deadlock", 100), act.reason
+    assert act.reason.startswith("pid 100: blocked in futex wait")
+    assert "train.py:81 in record_grad" in act.reason
+    assert "selectors.py" not in act.reason.split(";")[0]
+    for a in act.processes[1:]:
+        assert (a.role, a.state) == ("dataloader-worker", "idle")
+        assert f"pid {a.pid}: idle DataLoader worker" in act.reason
+    alone = judge_tree(_tree(*workers))
+    assert (alone.state, alone.focus_pid) == ("unclear", None)
+    assert "no training process among the processes watched" in alone.reason
+    assert "attach its training process, pid 100" in alone.reason
+
+    next_batch = _dump(
+        [
+            ("/usr/lib/python3.11/threading.py", 327, "wait"),
+            ("/x/site-packages/torch/utils/data/dataloader.py", 1295, "_get_data"),
+            ("/x/train.py", 110, "<module>"),
+        ]
+    )
+    reading = [
+        _dump(
+            [
+                ("/x/data.py", line, "decode"),
+                ("/x/site-packages/torch/utils/data/_utils/fetch.py", 52, "fetch"),
+                ("/x/site-packages/torch/utils/data/_utils/worker.py", 349, "_worker_loop"),
+                ("/x/train.py", 40, "<module>"),
+            ]
+        )
+        for line in (10, 14, 18)
+    ]
+    waiting = _observation(100, (5.0, 5.0, 5.0), [next_batch] * 3, state="S", wchan="futex_wait_queue")
+    busy = _observation(101, (1.0, 2.0, 3.0), reading, ppid=100)
+    act = judge_tree(_tree(waiting, busy))
+    assert (act.state, act.focus_pid) == ("paused", 100), act.reason
+    assert "its DataLoader worker is producing" in act.reason
+
+
+def test_beacon_progress_and_a_stopped_heartbeat_is_gil_held() -> None:
+    """With a beacon, progress events are progress; none, with a heartbeat that did not tick either, is a
+    held GIL (with the time since the last event)."""
 
     def beacon(seq: int, heartbeat: int) -> BeaconState:
         return BeaconState(seq, 900.0, 5, 7, "backward", None, "begin", 7, heartbeat, 990.0, "layers.7")
 
-    act = judge_process(_observation(7, (10.0, 11.0), [SLEEP, SLEEP], (beacon(40, 900), beacon(40, 900))))
+    act = judge_process(
+        _observation(7, (10.0, 11.0), [CONDITION_WAIT] * 2, (beacon(40, 900), beacon(40, 900)))
+    )
     assert (act.state, act.kind) == ("stalled", "gil-held")
     assert act.stalled_for_s == 101.0
     assert "no progress event for 101.0 s" in act.why
@@ -338,18 +610,72 @@ def test_beacon_decides_and_a_stopped_heartbeat_is_gil_held() -> None:
     assert moving.location == "step 5, backward, layers.7"
 
 
-def test_tree_names_the_rank_in_a_collective_and_the_rank_elsewhere() -> None:
-    tree = TreeObservation(
-        root=1, started=0.0, duration_s=1.0, gpu_snapshot={}, gpu_usage={}, pyspy_installed=False, ptrace={},
-        processes=[
-            _observation(10, (1.0, 1.0), [ALL_REDUCE, ALL_REDUCE], rank="0"),
-            _observation(11, (1.0, 1.0), [SLEEP, SLEEP], rank="1"),
-        ],
-    )  # fmt: skip
+def test_tree_names_the_minority_rank() -> None:
+    """Rank 0 waits in all_reduce, rank 1 is blocked on a condition of its own: rank 1 is the minority
+    (`cross_rank_diff`: the rank outside the collective), the focus and the hang kind; rank 0 is named as
+    what it is. Without stacks, rank 0 spinning at 100% and rank 1 blocked is only unclear."""
+    tree = _tree(
+        _observation(10, (1.0, 1.0), [ALL_REDUCE] * 2, rank="0", state="S", wchan="futex_wait_queue"),
+        _observation(11, (1.0, 1.0), [CONDITION_WAIT] * 2, rank="1", state="S", wchan="futex_wait_queue"),
+    )
     act = judge_tree(tree)
-    assert (act.state, act.hang_kind, act.focus_pid) == ("stalled", "collective", 10)
-    assert "pid 10 (rank 0)" in act.reason
-    assert "pid 11 (rank 1): python-deadlock" in act.reason
+    assert (act.state, act.hang_kind, act.focus_pid, act.minority_ranks) == (
+        "stalled",
+        "python-deadlock",
+        11,
+        (1,),
+    )
+    assert act.reason.startswith("rank 1 (pid 11): blocked in threading wait")
+    assert "minority rank(s) 1" in act.reason
+    assert "rank 0 (pid 10): stalled (collective)" in act.reason
+    blind = judge_tree(
+        _tree(
+            _observation(10, (1.0, 2.0), rank="0", caught=False, state="S", wchan="futex_wait_queue"),
+            _observation(11, (1.0, 1.0), rank="1", caught=False, state="S", wchan="futex_wait_queue"),
+            _observation(
+                9,
+                (1.0, 1.0),
+                cmdline=("/v/bin/python", "/v/bin/torchrun", "--nproc-per-node", "2"),
+                caught=False,
+                state="S",
+                wchan="hrtimer_nanosleep",
+            ),
+        )
+    )
+    assert (blind.state, blind.focus_pid) == ("unclear", 10), blind.reason
+    assert "torch's launcher (torchrun's agent): waiting on its ranks" in blind.reason
+    assert "what would settle it: py-spy installed" in blind.reason
+
+
+def test_roles_of_a_torchrun_tree_from_proc_alone() -> None:
+    """torchrun run by Python (its script's shebang) is the launcher, also with --no-children (its ranks
+    then known only as relatives); a DataLoader worker forked from a rank (RANK inherited) is not a rank."""
+    launcher = _observation(
+        9, (1.0, 1.0), cmdline=("/v/bin/python", "/v/bin/torchrun", "--standalone", "t.py")
+    )
+    rank = _observation(10, (1.0, 1.0), rank="0", ppid=9)
+    worker = _observation(11, (1.0, 1.0), [WORKER_IDLE], rank="0", ppid=10)
+    assert tree_roles(_tree(launcher, rank, worker)) == {9: "launcher", 10: "rank", 11: "dataloader-worker"}
+    alone = _tree(launcher, relatives=[rank.info])
+    assert tree_roles(alone)[9] == "launcher"
+    act = judge_tree(alone)
+    assert (act.state, act.focus_pid) == ("unclear", None)
+    assert "attach it without --no-children, or attach a rank" in act.reason
+
+
+def test_refused_ptrace_is_said_once() -> None:
+    """Three processes py-spy could not dump: one note for the tree, in summary.md as on the console."""
+    record = {
+        "pid": 1, "state": "unclear", "hang_kind": None, "reason": "r", "no_verdict": "n", "observed_s": 1.0,
+        "pyspy_advice": "ptrace is not permitted: run `sudo py-spy dump --pid 5` (and likewise for pid 6, 7)",
+        "processes": [
+            {"pid": pid, "role": "rank", "rank": pid - 5, "cmdline": ["python"], "state": "unclear",
+             "kind": None, "cpu_percent": 0.0, "location": None, "stack_samples": 0,
+             "pyspy": {"taken": False}, "sigusr1": "not signalled"}
+            for pid in (5, 6, 7)
+        ],
+    }  # fmt: skip
+    assert summary_markdown(record).count("ptrace is not permitted") == 1
 
 
 def test_bad_pids_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,15 +17,18 @@ _OUTPUT = "Output"
 def attach(
     pid: Annotated[int, typer.Argument(metavar="PID", help="The process to look at (and its descendants).")],
     samples: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--samples",
             min=2,
-            max=20,
+            max=60,
+            show_default="rounds for up to 10 s",
             rich_help_panel=_WATCH,
-            help="Rounds of /proc, beacon and stack evidence (CPU time and progress are their differences).",
+            help="Take exactly this many rounds of /proc, beacon and stack evidence (CPU time and progress "
+            "are their differences). By default attach takes a round every --interval for up to 10 s and "
+            "ends at the first round that shows work.",
         ),
-    ] = 2,
+    ] = None,
     interval: Annotated[
         float,
         typer.Option(
@@ -34,7 +37,7 @@ def attach(
             max=60.0,
             metavar="SECONDS",
             rich_help_panel=_WATCH,
-            help="Seconds between two rounds.",
+            help="Seconds between two rounds (the default watch of up to 10 s keeps its length).",
         ),
     ] = 1.0,
     children: Annotated[
@@ -63,21 +66,26 @@ def attach(
 ) -> None:
     """Take evidence from a running job and say what it is doing, without stopping or changing it.
 
-    For PID and its descendants: two rounds a second apart of /proc state, kernel wait channel and CPU
-    time, the probe's beacon where the process runs under `nsa-diag watch` ("rank 1, step 5, backward,
-    layers.7", with progress events/s), a faulthandler dump from each Python process that handles
-    SIGUSR1 (the probe's, or its own `faulthandler.register`; /proc's SigCgt is checked first, since
-    SIGUSR1 kills a process without a handler: those get no signal), `py-spy dump` when installed (it
-    needs ptrace rights: attach says what to run when they are missing), NVML's GPU memory and
-    utilisation per process.
+    For PID and its descendants, a round every second for up to 10 s (ending at the first round that shows
+    work; --samples and --interval change that): /proc state, kernel wait channel, CPU time and I/O bytes,
+    the probe's beacon where the process runs under `nsa-diag watch` ("rank 1, step 5, backward,
+    layers.7", with progress events/s); at 0, 1, 4, 7 and 10 s a faulthandler dump from each Python process
+    that handles SIGUSR1 (the probe's, or its own `faulthandler.register`; /proc's SigCgt is checked first,
+    since SIGUSR1 kills a process without a handler: those get no signal) and a `py-spy dump` of each
+    other one (py-spy needs ptrace rights: attach says once what to run when they are missing); at the
+    end `py-spy dump --native`, NVML's GPU memory and utilisation per process.
 
-    The answer is a **state**, not a verdict: `progressing` (the beacon counted progress, or without a
-    beacon CPU was used outside any wait), `stalled` with the hang kind it would be (python-deadlock,
-    python-busy, gil-held, cuda-kernel, collective, unknown), or `gone`. Everything goes to
-    `<out>/<time>-attach/` (result.json, summary.md, env.json, processes/<pid>/).
+    The answer is a **state** of the training processes (the main process, or each rank; DataLoader
+    workers, torchrun's agent and helpers are shown as what they are), not a verdict, and CPU alone is
+    never progress: `progressing` (work seen: progress events, allocations, stacks that moved while using
+    CPU, I/O), `paused` (sleeping, a checkpoint, a batch being loaded), `stalled` with the hang kind it
+    would be (python-deadlock, gil-held, cuda-kernel, collective, unknown) and, for ranks, the minority
+    rank, `unclear` (CPU used and nothing to tell work from a spin; the reason says what would settle it),
+    or `gone`. Everything goes to `<out>/<time>-attach/` (result.json, summary.md, env.json,
+    processes/PID/).
 
-    Exit code 0 when the tree was progressing, 1 when it was stalled or ended, 2 for a PID that does not
-    exist, is not yours, is PID 1 or nsa-diag itself.
+    Exit code 0 when the tree was progressing; 1 when it was stalled, unclear, paused or ended; 2 for a PID
+    that does not exist, is not yours, is PID 1 or nsa-diag itself.
 
     Examples:
 

@@ -1,11 +1,15 @@
 """Evidence from a live process tree that nsa-diag did not start (`nsa-diag attach PID`), taken without
 stopping or changing it.
 
-For the process and its descendants (psutil), `observe_tree` takes ``samples`` rounds ``interval`` seconds
-apart of ``/proc`` state, wait channel and CPU time (`nsa_diag.evidence.procfs`) and of the probe's beacon
-where the process has the probe (`nsa_diag.evidence.probefiles`); after each round a faulthandler dump
-from each process that handles SIGUSR1; then one ``py-spy dump`` per Python process when py-spy is
-installed, and NVML's per-process GPU memory and utilisation.
+For the process and its descendants (psutil), `observe_tree` takes ``rounds`` rounds ``interval`` seconds
+apart of ``/proc`` state, wait channel, CPU time and I/O bytes (`nsa_diag.evidence.procfs`) and of the
+probe's beacon where the process has the probe (`nsa_diag.evidence.probefiles`), and stops early when the
+caller's ``until`` says the rounds so far settle it (attach: work was seen). Stack samples come at the first
+two rounds, then every `DUMP_EVERY_S` seconds and at the last round: a faulthandler dump from each process
+that handles SIGUSR1, a ``py-spy dump`` (Python frames) of each other Python process when py-spy is on
+PATH. At the end one ``py-spy dump --native`` per Python process, the probe's ``at_hang.json`` where a
+watchdog left one, and NVML's per-process GPU memory and utilisation. ptrace refused once is refused for
+all: py-spy is not tried again, and the advice (`pyspy_advice`) is said once for the tree.
 
 Signals: SIGUSR1's default action terminates a process, so it goes only to a Python process whose
 ``/proc/<pid>/status`` ``SigCgt`` mask says it catches SIGUSR1 (its own ``faulthandler.register``, or the
@@ -27,6 +31,7 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +42,19 @@ from nsa_diag import artifacts, redact
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
-from nsa_diag.evidence.probefiles import ProbeInfo, find_probe, read_probe_beacon
+from nsa_diag.evidence.probefiles import ProbeInfo, find_probe, read_at_hang, read_probe_beacon
 from nsa_diag.worker.beacon import BeaconState
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
 DUMP_SETTLE_S = 0.5  # after a dump starts to appear, how long it may keep growing
+# Stack samples (a SIGUSR1 dump, a py-spy dump) at the first two rounds, then once this long has passed
+# since the last, and at the last round: over attach's default 10 s, 5 samples (0, 1, 4, 7, 10 s). Each
+# dump of a job's own handler lands in its log; two a second apart show a moving frame, the later ones
+# that a stuck frame stayed.
+DUMP_EVERY_S = 3.0
 PROCESSES = "processes"  # run folder: processes/<pid>/ holds each process's evidence
+PYSPY_SAMPLES = "pyspy_samples.txt"  # processes/<pid>/: the rounds' py-spy dumps of a process without handler
 PTRACE_MEANING = {
     0: "any process of the same user may be traced",
     1: "only a parent may trace its descendants (or root / CAP_SYS_PTRACE)",
@@ -306,6 +317,7 @@ class Sample:
     proc: dict[str, Any]
     beacon: BeaconState | None
     sched: tuple[int, int] | None = None  # main thread's ns on a CPU and ns waiting for one (schedstat)
+    io_bytes: int | None = None  # read + written so far (/proc/<pid>/io)
 
 
 @dataclass
@@ -317,8 +329,11 @@ class ProcessObservation:
     dumps: list[str] = field(default_factory=list)  # faulthandler texts, one per signal that came back
     dump_notes: list[str] = field(default_factory=list)
     pyspy: dict[str, Any] = field(default_factory=dict)
-    pyspy_text: str | None = None
+    pyspy_text: str | None = None  # the final ``py-spy dump --native``
+    pyspy_samples: list[str] = field(default_factory=list)  # py-spy dumps of the rounds (no handler)
     gpu: list[dict[str, Any]] = field(default_factory=list)  # NVML rows of this pid, one per GPU it uses
+    at_hang: dict[str, Any] | None = None  # the probe's at_hang.json, where a watchdog left one
+    no_more_dumps: bool = False  # a signal's dump did not come back: not signalled again
 
     @property
     def pid(self) -> int:
@@ -347,6 +362,16 @@ class ProcessObservation:
         (run0, wait0), (run1, wait1) = live[0].sched, live[-1].sched  # type: ignore[misc]
         return round(100.0 * ((run1 - run0) + (wait1 - wait0)) / 1e9 / (live[-1].at - live[0].at), 1)
 
+    def io_bytes(self) -> int | None:
+        """Bytes read and written between the first and the last round (None where /proc did not say)."""
+        values = [s.io_bytes for s in self.samples if s.io_bytes is not None and not s.proc.get("gone")]
+        return max(values[-1] - values[0], 0) if len(values) >= 2 else None
+
+    def main_threads(self) -> list[dict[str, Any]]:
+        """The main thread's record in every round it was alive."""
+        found = [procfs.main_thread(s.proc) for s in self.samples if not s.proc.get("gone")]
+        return [t for t in found if t is not None]
+
     def main_thread(self) -> dict[str, Any] | None:
         live = [s for s in self.samples if not s.proc.get("gone")]
         return procfs.main_thread(live[-1].proc) if live else None
@@ -367,6 +392,11 @@ class TreeObservation:
     gpu_usage: dict[str, Any]
     pyspy_installed: bool
     ptrace: dict[str, Any]
+    # Descendants not observed (--no-children), for what the observed ones are (a launcher of ranks)
+    relatives: list[ProcessInfo] = field(default_factory=list)
+    send_signal: bool = True
+    pyspy_refused: bool = False  # ptrace was refused: py-spy was not tried again
+    pyspy_advice: str | None = None  # what to run for stacks py-spy could not take (once for the tree)
 
 
 def ptrace_facts() -> dict[str, Any]:
@@ -382,29 +412,36 @@ def ptrace_facts() -> dict[str, Any]:
     }
 
 
-def pyspy_advice(pid: int, note: dict[str, Any], ptrace: dict[str, Any]) -> str | None:
-    """What to run when py-spy could not dump ``pid`` (not installed, or ptrace not permitted)."""
-    if note.get("taken"):
+def ptrace_refused(why: str) -> bool:
+    """Whether a py-spy failure says ptrace was not permitted."""
+    return "ermission" in why or "not permitted" in why or "ptrace" in why
+
+
+def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: dict[str, Any]) -> str | None:
+    """What to run when py-spy could not dump the processes ``pids`` (not installed, or ptrace not
+    permitted); said once for the tree. None when neither."""
+    if not pids:
         return None
-    if shutil.which("py-spy") is None:
+    pid = pids[0]
+    others = f" (and likewise for pid {', '.join(map(str, pids[1:]))})" if len(pids) > 1 else ""
+    if not installed:
         scope = ptrace.get("ptrace_scope")
         then = (
-            f"; with kernel.yama.ptrace_scope={scope} it will need `sudo py-spy dump --pid {pid}`"
+            f"; with kernel.yama.ptrace_scope={scope} it will need `sudo py-spy dump --pid {pid}`{others}"
             if scope and not ptrace.get("root")
             else ""
         )
         return (
-            "py-spy is not installed: `pip install py-spy` adds the stack of every Python process "
-            f"(native frames too), handler or not{then}"
+            "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`): it adds the stack of "
+            f"every Python process (native frames too), handler or not{then}"
         )
-    why = str(note.get("why", ""))
-    if "ermission" in why or "not permitted" in why or "ptrace" in why:
+    if refused:
         scope = ptrace.get("ptrace_scope")
         said = f" (kernel.yama.ptrace_scope={scope}: {ptrace.get('meaning')})" if scope is not None else ""
         return (
-            f"ptrace is not permitted{said}: run `sudo py-spy dump --pid {pid}`, or allow tracing until the "
-            "next reboot with `echo 0 | sudo tee /proc/sys/kernel/yama/ptrace_scope`; in a container, "
-            "start it with `--cap-add SYS_PTRACE`"
+            f"ptrace is not permitted{said}: run `sudo py-spy dump --pid {pid}`{others}, or allow tracing "
+            "until the next reboot with `echo 0 | sudo tee /proc/sys/kernel/yama/ptrace_scope`; in a "
+            "container, start it with `--cap-add SYS_PTRACE`"
         )
     return None
 
@@ -424,68 +461,128 @@ def _round(observations: list[ProcessObservation]) -> None:
             continue
         beacon = read_probe_beacon(ob.info.probe) if ob.info.probe else None
         sched = _schedstat(ob.pid)
-        ob.samples.append(
-            Sample(time.monotonic(), time.time(), procfs.process_snapshot(ob.pid), beacon, sched)
-        )
+        snapshot = procfs.process_snapshot(ob.pid)
+        io = procfs.io_bytes(ob.pid)
+        ob.samples.append(Sample(time.monotonic(), time.time(), snapshot, beacon, sched, io))
 
 
 def _dumps(observations: list[ProcessObservation]) -> None:
     for ob in observations:
-        if ob.info.signalled and not ob.gone:
+        if ob.info.signalled and not ob.gone and not ob.no_more_dumps:
             text, note = take_dump(ob.pid)
             ob.dump_notes.append(note)
             if text:
                 ob.dumps.append(text)
+            else:
+                ob.no_more_dumps = True  # a handler that writes where attach cannot read, or none: once
+
+
+class _PySpy:
+    """py-spy for one tree: whether it is on PATH, and whether ptrace was refused (then never tried again)."""
+
+    def __init__(self) -> None:
+        self.installed = shutil.which("py-spy") is not None
+        self.refused = False
+
+    def sample(self, ob: ProcessObservation) -> None:
+        """A Python-frames dump of a process whose stacks no handler gives (a round's sample)."""
+        if not self.installed or self.refused or ob.gone or not ob.info.python:
+            return
+        if ob.info.signalled and not ob.no_more_dumps:
+            return
+        text, why = stacks.pyspy_sample(ob.pid)
+        if text:
+            ob.pyspy_samples.append(text)
+        elif ptrace_refused(why):
+            self.refused = True
+
+    def final(self, ob: ProcessObservation, folder: Path) -> None:
+        """The ``py-spy dump --native`` of a live Python process, into ``pyspy.txt``."""
+        if not self.installed:
+            ob.pyspy = {"taken": False, "why": f"py-spy is not on PATH; {stacks.PYSPY_HINT}"}
+        elif self.refused:
+            ob.pyspy = {"taken": False, "why": "not tried: ptrace was refused for this tree (see the advice)"}
+        else:
+            ob.pyspy = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY)
+            if ob.pyspy.get("taken"):
+                ob.pyspy_text = (folder / artifacts.PYSPY).read_text(errors="replace")
+            elif ptrace_refused(str(ob.pyspy.get("why", ""))):
+                self.refused = True
+
+
+def _relatives(pid: int, children: bool) -> list[ProcessInfo]:
+    """Without ``children``: the descendants attach does not watch, read once for what the watched process
+    is (the launcher of ranks, the parent of DataLoader workers); none are signalled."""
+    if children:
+        return []
+    found = (process_info(p, send_signal=False) for p in tree_pids(pid, children=True)[1:])
+    return [info for info in found if info is not None]
 
 
 def observe_tree(
-    pid: int, out_dir: Path, *, samples: int = 2, interval_s: float = 1.0, children: bool = True,
-    send_signal: bool = True,
+    pid: int, out_dir: Path, *, rounds: int = 2, interval_s: float = 1.0, children: bool = True,
+    send_signal: bool = True, until: Callable[[TreeObservation], bool] | None = None,
 ) -> TreeObservation:  # fmt: skip
-    """Observe ``pid`` and its descendants; each process's files go to ``out_dir/processes/<pid>/``."""
+    """Observe ``pid`` and its descendants for ``rounds`` rounds ``interval_s`` apart, fewer when ``until``
+    (asked after each round from the second on) says the rounds so far settle it; each process's files go
+    to ``out_dir/processes/<pid>/``."""
     started, t0 = time.time(), time.monotonic()
     infos = [process_info(p, send_signal) for p in tree_pids(pid, children)]
     observations = [ProcessObservation(info) for info in infos if info is not None]
-    for n in range(samples):
+    relatives = _relatives(pid, children)
+    spy = _PySpy()
+    ptrace = ptrace_facts()
+
+    def tree() -> TreeObservation:
+        return TreeObservation(
+            root=pid, processes=observations, started=started, duration_s=time.monotonic() - t0,
+            gpu_snapshot={}, gpu_usage={}, pyspy_installed=spy.installed, ptrace=ptrace,
+            relatives=relatives, send_signal=send_signal, pyspy_refused=spy.refused,
+        )  # fmt: skip
+
+    last_dump = -DUMP_EVERY_S
+    for n in range(rounds):
         round_start = time.monotonic()
         _round(observations)
-        _dumps(observations)
-        if n < samples - 1:
-            time.sleep(max(0.0, round_start + interval_s - time.monotonic()))
-    installed = shutil.which("py-spy") is not None
-    ptrace = ptrace_facts()
+        last = n == rounds - 1
+        if n < 2 or last or round_start - last_dump >= DUMP_EVERY_S - interval_s / 2:
+            last_dump = round_start
+            _dumps(observations)
+            for ob in observations:
+                spy.sample(ob)
+        if all(ob.gone for ob in observations) or (until is not None and n >= 1 and until(tree())):
+            break
+        if not last:
+            time.sleep(max(0.0, t0 + (n + 1) * interval_s - time.monotonic()))
+    without: list[int] = []
     for ob in observations:
         folder = out_dir / PROCESSES / str(ob.pid)
         if ob.info.python and not ob.gone:
-            if installed:
-                ob.pyspy = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY)
-                if ob.pyspy.get("taken"):
-                    ob.pyspy_text = (folder / artifacts.PYSPY).read_text(errors="replace")
-            else:
-                ob.pyspy = {"taken": False, "why": f"py-spy is not on PATH; {stacks.PYSPY_HINT}"}
-            advice = pyspy_advice(ob.pid, ob.pyspy, ptrace)
-            if advice:
-                ob.pyspy["advice"] = advice
+            spy.final(ob, folder)
+            if not ob.dumps and not ob.pyspy_samples and not ob.pyspy_text:
+                without.append(ob.pid)
+        if ob.info.probe is not None:
+            ob.at_hang = read_at_hang(ob.info.probe)
     live = [ob.pid for ob in observations]
     snapshot = gpu.nvml_snapshot()
     usage = gpu.process_usage(live) if snapshot.get("available") else snapshot
     for ob in observations:
         ob.gpu = usage.get("processes", {}).get(str(ob.pid), []) if usage.get("available") else []
     write_process_files(out_dir, observations)
-    return TreeObservation(
-        root=pid, processes=observations, started=started, duration_s=time.monotonic() - t0,
-        gpu_snapshot=snapshot, gpu_usage=usage, pyspy_installed=installed, ptrace=ptrace,
-    )  # fmt: skip
+    result = tree()
+    result.gpu_snapshot, result.gpu_usage = snapshot, usage
+    result.pyspy_advice = pyspy_advice(without, spy.installed, spy.refused, ptrace)
+    return result
 
 
 def write_process_files(out_dir: Path, observations: list[ProcessObservation]) -> None:
-    """``processes/<pid>/proc.json`` (every /proc sample) and ``stacks.txt`` (the dumps, in the sample
-    format `stacks.read_stacks` reads) of each process."""
+    """``processes/<pid>/proc.json`` (every /proc sample), ``stacks.txt`` (the dumps, in the sample format
+    `stacks.read_stacks` reads) and ``pyspy_samples.txt`` (the rounds' py-spy dumps) of each process."""
     for ob in observations:
         folder = out_dir / PROCESSES / str(ob.pid)
         artifacts.write_json(
             folder / artifacts.PROC,
-            {"samples": [{"wall_time": s.wall, **s.proc} for s in ob.samples]},
+            {"samples": [{"wall_time": s.wall, "io_bytes": s.io_bytes, **s.proc} for s in ob.samples]},
         )
         if ob.dumps:
             text = "".join(
@@ -493,3 +590,9 @@ def write_process_files(out_dir: Path, observations: list[ProcessObservation]) -
                 for n, dump in enumerate(ob.dumps, 1)
             )
             artifacts.write_text(folder / artifacts.STACKS, text)
+        if ob.pyspy_samples:
+            text = "".join(
+                f"=== py-spy sample {n} (a round's dump, Python frames)\n{dump}\n"
+                for n, dump in enumerate(ob.pyspy_samples, 1)
+            )
+            artifacts.write_text(folder / PYSPY_SAMPLES, text)

@@ -9,7 +9,9 @@ blocked on a lock, cause not found), `take_sample` asks the worker's heartbeat t
 to dump the same way from Python (``stack.request``).
 
 faulthandler shows Python frames only; ``py-spy dump --native`` adds the C/C++ frames (the lock, the CUDA
-sync, the collective the thread is blocked in) when py-spy is installed (``pip install 'nsa-diag[pyspy]'``).
+sync, the collective the thread is blocked in) when py-spy is on PATH (a dependency of nsa-diag; ``pip
+install py-spy`` where it is missing) and ptrace of the process is permitted. `pyspy_sample` takes a dump
+of the Python frames alone, for a process without a SIGUSR1 handler (`nsa-diag attach` samples it so).
 Parsing is pure: `parse_faulthandler` / `parse_pyspy` turn texts into `ThreadStack` records.
 `read_stacks` is the one reader of ``stacks.txt``: its samples, its fatal-error dump and their threads
 (`StackFile`), for the executor, the watchdog, the torchrun launcher and the reports alike.
@@ -348,6 +350,27 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
         attempts.append(f"py-spy {' '.join(args)} exited {done.returncode}: {said}")
     artifacts.write_text(out_path, "\n".join(attempts) + "\n")
     return {"taken": False, "why": "; ".join(attempts), "file": out_path.name}
+
+
+def pyspy_sample(pid: int, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str | None, str]:
+    """One ``py-spy dump --pid`` (Python frames only: quicker than ``--native``): (its text with its
+    command line's secrets withheld, or None; what happened)."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        return None, f"py-spy is not on PATH; {PYSPY_HINT}"
+    try:
+        done = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s,
+            stdin=subprocess.DEVNULL, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy dump did not finish within {timeout_s:g} s"
+    if done.returncode == 0 and parse_pyspy(done.stdout):
+        return _redact_header(done.stdout), "taken"
+    said = _last_line(done.stderr or done.stdout)
+    if "ermission" in said or "not permitted" in said:
+        said += " (py-spy needs ptrace rights: run as root or set kernel.yama.ptrace_scope=0)"
+    return None, f"py-spy dump exited {done.returncode}: {said}"
 
 
 def _redact_header(text: str) -> str:

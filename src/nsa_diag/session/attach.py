@@ -4,11 +4,17 @@
       env.json  result.json  summary.md  [gpu.json  nvidia-smi.txt]
       processes/<pid>/  proc.json  [stacks.txt  pyspy.txt]
 
-``result.json`` is attach's own record, not a case's: ``state`` (progressing | stalled | gone |
-interrupted, see `nsa_diag.activity`), ``hang_kind`` when stalled, ``reason``, the processes with their
-state, kind, location, CPU/GPU, what was signalled and why, and where each piece of evidence is. It has no
-``verdict``: attach watches for a second or two, too short for ``hang`` and unable to know ``pass``.
-Exit code 0 when the tree was progressing, 1 when it was stalled or ended, 130 when interrupted.
+``result.json`` is attach's own record, not a case's: ``state`` (progressing | paused | stalled | unclear |
+gone | interrupted, see `nsa_diag.activity`), ``hang_kind`` when stalled or unclear, ``reason``, the
+minority ranks, the processes with their role, state, kind, location, CPU/GPU, what was signalled and why,
+and where each piece of evidence is; ``pyspy_advice``, once for the tree, when py-spy could not give a
+stack. It has no ``verdict``: attach watches for seconds, too short for ``hang`` and unable to know
+``pass``.
+
+How long: by default up to `WATCH_S` seconds, a round every ``--interval`` (1 s), ending as soon as the
+rounds show work (`nsa_diag.activity`: the beacon progressed, stacks moved, I/O); ``--samples N`` takes
+exactly N rounds. Exit code 0 when the tree was progressing; 1 when it was stalled, unclear, paused or
+ended; 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ NO_VERDICT = (
     "attach watched for {s:.1f} s: it reports what the tree did then (state), never pass or hang, which "
     "need the job's end or a stall limit; `nsa-diag watch` gives verdicts"
 )
+# The default watch: long enough for a stuck frame to stay stuck and a moving one to move (a dump at 0, 1, 4,
+# 7 and 10 s: `nsa_diag.evidence.live.DUMP_EVERY_S`), short enough to wait for. It ends at the first round
+# that shows work.
+WATCH_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,7 @@ class AttachRequest:
     """What `nsa-diag attach` was asked, checked by `check`."""
 
     pid: int
-    samples: int = 2
+    samples: int | None = None  # None: up to WATCH_S, ending once work shows; N: exactly N rounds
     interval_s: float = 1.0
     children: bool = True
     send_signal: bool = True
@@ -49,12 +59,18 @@ class AttachRequest:
     tag: str | None = None
 
     def check(self) -> None:
-        if self.samples < 2:
+        if self.samples is not None and self.samples < 2:
             raise UsageError(f"--samples {self.samples}: at least 2 (CPU time and progress are differences)")
         if not 0.1 <= self.interval_s <= 60:
             raise UsageError(f"--interval {self.interval_s:g}: between 0.1 and 60 seconds")
         check_output(self.out, self.tag)
         check_target(self.pid)
+
+    @property
+    def rounds(self) -> int:
+        if self.samples is not None:
+            return self.samples
+        return max(2, round(WATCH_S / self.interval_s) + 1)
 
 
 def _iso(epoch: float) -> str:
@@ -80,6 +96,7 @@ def result_record(
                 "signals_sent": len(ob.dump_notes),
                 "dumps": ob.dump_notes,
                 "stack_samples": len(ob.dumps),
+                "pyspy_samples": len(ob.pyspy_samples),
                 "pyspy": ob.pyspy,
                 "gpu": ob.gpu,
                 "files": _files(run_dir, ob.pid),
@@ -92,10 +109,14 @@ def result_record(
         "hang_kind": act.hang_kind,
         "reason": act.reason,
         "focus_pid": act.focus_pid,
+        "minority_ranks": list(act.minority_ranks),
+        "stack_diff": act.stack_diff,
+        "pyspy_advice": tree.pyspy_advice,
         "no_verdict": NO_VERDICT.format(s=tree.duration_s),
         "started_at": _iso(tree.started),
         "observed_s": round(tree.duration_s, 3),
-        "samples": req.samples,
+        "samples": max((len(ob.samples) for ob in tree.processes), default=0),
+        "samples_asked": req.samples,
         "interval_s": req.interval_s,
         "children": req.children,
         "signal": req.send_signal,
@@ -125,19 +146,16 @@ def _short(cmdline: list[str], width: int = 60) -> str:
 def _stacks_cell(p: dict[str, Any]) -> str:
     """Where the process's stacks came from: faulthandler dumps, py-spy, or none."""
     parts = [f"{p['stack_samples']} dump(s)"] if p["stack_samples"] else []
+    if p.get("pyspy_samples"):
+        parts.append(f"{p['pyspy_samples']} py-spy sample(s)")
     if p.get("pyspy", {}).get("taken"):
-        parts.append("py-spy")
+        parts.append("py-spy --native")
     return " + ".join(parts) or "none"
 
 
 def _advice(record: dict[str, Any]) -> list[str]:
-    """The notes a user acts on: why there is no stack, what to run for one (once each)."""
-    notes: list[str] = []
-    for p in record["processes"]:
-        advice = p.get("pyspy", {}).get("advice")
-        if advice and advice not in notes and _stacks_cell(p) == "none":
-            notes.append(advice)
-    return notes
+    """The notes a user acts on, once for the tree: what to run for the stacks py-spy could not take."""
+    return [record["pyspy_advice"]] if record.get("pyspy_advice") else []
 
 
 def summary_markdown(record: dict[str, Any]) -> str:
@@ -150,12 +168,13 @@ def summary_markdown(record: dict[str, Any]) -> str:
         "",
         f"_{record['no_verdict']}_",
         "",
-        "| pid | rank | command | state | kind | CPU % | where | stacks | SIGUSR1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| pid | role | rank | command | state | kind | CPU % | where | stacks | SIGUSR1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in record["processes"]:
         cells = [
-            p["pid"], p["rank"] if p["rank"] is not None else "", _short(p["cmdline"]).replace("|", "\\|"),
+            p["pid"], p["role"], p["rank"] if p["rank"] is not None else "",
+            _short(p["cmdline"]).replace("|", "\\|"),
             p["state"], p["kind"] or "", p["cpu_percent"] if p["cpu_percent"] is not None else "?",
             p["location"] or "", _stacks_cell(p), p["sigusr1"],
         ]  # fmt: skip
@@ -170,15 +189,16 @@ def render_attach(record: dict[str, Any], run_dir: Path, console: Console | None
     from rich.table import Table
 
     console = console or render.stdout_console()
-    colour = {"progressing": "green", "stalled": "red"}.get(record["state"], "yellow")
+    colour = {"progressing": "green", "stalled": "red", "gone": "red"}.get(record["state"], "yellow")
     kind = f" ({record['hang_kind']})" if record["hang_kind"] else ""
     console.print(f"[bold {colour}]{record['state']}{kind}[/] {escape(record['reason'])}")
     table = Table(show_edge=False, pad_edge=False)
-    for column in ("pid", "rank", "command", "state", "kind", "CPU %", "GPU %", "where", "stacks"):
+    for column in ("pid", "role", "rank", "command", "state", "kind", "CPU %", "GPU %", "where", "stacks"):
         table.add_column(column)
     for p in record["processes"]:
         table.add_row(
-            str(p["pid"]), "" if p["rank"] is None else str(p["rank"]), escape(_short(p["cmdline"], 48)),
+            str(p["pid"]), p["role"], "" if p["rank"] is None else str(p["rank"]),
+            escape(_short(p["cmdline"], 48)),
             p["state"], p["kind"] or "-", "?" if p["cpu_percent"] is None else f"{p['cpu_percent']:.0f}",
             "-" if p["gpu_percent"] is None else f"{p['gpu_percent']:.0f}", escape(p["location"] or "-"),
             _stacks_cell(p),
@@ -205,8 +225,14 @@ def _interrupted(req: AttachRequest, run_dir: Path, exc: KeyboardInterrupt) -> i
     return EXIT_ABORTED
 
 
+def _shows_work(tree: TreeObservation) -> bool:
+    """Whether the rounds so far settle it: the tree progressed (or ended)."""
+    return judge_tree(tree).state in ("progressing", "gone")
+
+
 def run_attach(req: AttachRequest, *, json_output: bool = False) -> int:
-    """Check, observe, judge and write; the exit code (0 progressing, 1 stalled or gone, 130 interrupted).
+    """Check, observe, judge and write; the exit code (0 progressing; 1 stalled, unclear, paused or gone;
+    130 interrupted).
     Everything is checked before the run folder exists; once it does, result.json is always written."""
     from nsa_diag.evidence.env import collect_env
 
@@ -220,11 +246,13 @@ def run_attach(req: AttachRequest, *, json_output: bool = False) -> int:
         except OSError as exc:
             artifacts.remove_run_dir(run_dir)
             raise UsageError(f"{run_dir}: cannot write the run's files: {exc.strerror or exc}") from None
-        watched = req.interval_s * (req.samples - 1)
-        render.stderr_console().print(f"nsa-diag attach: watching PID {req.pid} for {watched:g} s")
+        watched = req.interval_s * (req.rounds - 1)
+        how = f"for {watched:g} s" if req.samples else f"for up to {watched:g} s (less once it shows work)"
+        render.stderr_console().print(f"nsa-diag attach: watching PID {req.pid} {how}")
         tree = observe_tree(
-            req.pid, run_dir, samples=req.samples, interval_s=req.interval_s,
+            req.pid, run_dir, rounds=req.rounds, interval_s=req.interval_s,
             children=req.children, send_signal=req.send_signal,
+            until=None if req.samples else _shows_work,
         )  # fmt: skip
         act = judge_tree(tree)
         record = artifacts.scrub_data(result_record(req, tree, act, run_dir))  # the console's too
