@@ -9,7 +9,8 @@ alone is never work: a computation and a spin both use a core. Each process gets
   moved (CUDA allocations; the main thread's innermost frame moving while it used the CPU:
   `nsa_diag.watchdog.Work`); its stack samples (faulthandler or py-spy) have different innermost frames or
   lines while it used `WORK_CPU_MIN` % of a core (or wanted to: runnable `RUNNABLE_BUSY_MIN` % of the time
-  on a loaded machine); it read or wrote `WORK_IO_BYTES` (/proc's I/O counters).
+  on a loaded machine); py-spy's native frames differ between its dumps while it used the CPU (C code
+  that computes: `classify.native_moved`); it read or wrote `WORK_IO_BYTES` (/proc's I/O counters).
 - ``idle``: it waits by design and is reported as what it is: an idle DataLoader worker (waiting for
   indices in torch's worker loop), torch's launcher (torchrun's agent) waiting on its ranks, a shell
   waiting for its child.
@@ -60,6 +61,7 @@ from nsa_diag.classify import (
     dataloader_worker_idle,
     focus_thread,
     hang_kind,
+    native_moved,
     pause_reason,
     waits_on_dataloader,
 )
@@ -299,10 +301,11 @@ def judge_process(
     thread = ob.main_thread() or {}
     threads = [t for threads in map(stacks.parse_faulthandler, samples) for t in threads]
     ev = Evidence(
-        outcome="stalled", stack_samples=samples, pyspy=ob.pyspy_text, cpu_percent=cpu,
-        heartbeat_advancing=heartbeat, gpu_utilization=_gpu_percent(ob), main_wchan=thread.get("wchan"),
-        main_state=thread.get("state"), where=_where(beacons[-1] if beacons else None),
-        source_lines=stacks.source_lines(threads), workers=dict(workers or {}),
+        outcome="stalled", stack_samples=samples, pyspy=ob.pyspy_text, pyspy_more=ob.pyspy_more,
+        cpu_percent=cpu, heartbeat_advancing=heartbeat, gpu_utilization=_gpu_percent(ob),
+        main_wchan=thread.get("wchan"), main_state=thread.get("state"),
+        where=_where(beacons[-1] if beacons else None), source_lines=stacks.source_lines(threads),
+        workers=dict(workers or {}),
     )  # fmt: skip
     if ob.info.python:
         kind: HangKind | None
@@ -328,6 +331,11 @@ def judge_process(
     if moved:
         text = f"its innermost frame moved between the stack samples ({moved}), {_cpu_text(cpu, runnable)}"
         return act("progressing", kind, text, {"by": "stacks", "moved": moved, "cpu_percent": cpu})
+    native = native_moved(ev)
+    if native:
+        cpu_text = _cpu_text(cpu, runnable)
+        text = f"its native frames moved between py-spy dumps ({native}), {cpu_text}: C code that computes"
+        return act("progressing", kind, text, {"by": "native", "moved": native, "cpu_percent": cpu})
     io = ob.io_bytes()
     if io is not None and io >= WORK_IO_BYTES:
         return act(
@@ -407,24 +415,22 @@ def _focus(candidates: Sequence[ProcessActivity]) -> ProcessActivity:
 
 
 def _settle(tree: TreeObservation, unclear: Sequence[ProcessActivity]) -> str:
-    """What would settle an unclear state, from what was missing."""
+    """What would settle an unclear state, from what was missing: a stack at all (py-spy, ptrace, signals),
+    native frames a few dumps apart for one busy at a frame (py-spy), the probe's counters (watch)."""
     caught = {ob.pid for ob in tree.processes if ob.info.sigusr1_caught}
     parts = []
-    blind = [a for a in unclear if not a.stack_samples]
-    if blind and not tree.pyspy_installed:
+    if not tree.pyspy_installed:
         parts.append(
-            "py-spy installed (`pip install py-spy`: the stack of every Python process, no handler needed)"
+            "py-spy installed (`pip install py-spy`: every Python process's stack and native frames)"
         )
-    elif blind and tree.pyspy_refused:
-        parts.append("ptrace allowed for py-spy (the note below says how)")
-    handled = [a.pid for a in blind if a.pid in caught]
+    elif tree.pyspy_refused:
+        parts.append("ptrace allowed for py-spy (the note says how)")
+    blind = [a.pid for a in unclear if not a.stack_samples]
+    handled = [pid for pid in blind if pid in caught]
     if handled and not tree.send_signal:
         parts.append(
             f"signals allowed (pid {', '.join(map(str, handled))} handles SIGUSR1: drop --no-signal)"
         )
-    busy = [a for a in unclear if a.stack_samples]
-    if busy:
-        parts.append(f"`py-spy dump --native --pid {busy[0].pid}` a few times (whether it computes in C)")
     parts.append(WATCH_HINT)
     return " or ".join(parts)
 

@@ -368,6 +368,18 @@ def _short_name(func: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+def native_moved(ev: Evidence) -> str | None:
+    """The innermost native frames of two py-spy dumps (``pyspy``, ``pyspy_more``) that differ while the
+    unit used the CPU, as ``"a -> b"``: C code that computes; None when there are not two such dumps."""
+    cpu = ev.cpu_percent
+    if not (ev.pyspy and ev.pyspy_more and cpu is not None and cpu >= WORK_CPU_MIN):
+        return None
+    samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
+    last = focus_thread(samples[-1]) if samples else None
+    moved = _native_moved([_pyspy_match(parse_pyspy(t), last) for t in (ev.pyspy, *ev.pyspy_more)])
+    return " -> ".join(moved) if moved else None
+
+
 def pause_reason(ev: Evidence) -> str | None:
     """Why a unit past its stall limit is not stuck (module docstring), or None when nothing says so."""
     if ev.progressed:
@@ -385,11 +397,9 @@ def pause_reason(ev: Evidence) -> str | None:
         if (a.file, a.line) != (b.file, b.line):
             moved = f"{a.short()} -> {b.short()}"
             return f"its innermost frame moved between the stack samples ({moved}) at CPU {cpu:.0f}%"
-    if ev.pyspy and ev.pyspy_more and cpu is not None and cpu >= WORK_CPU_MIN:
-        native_moved = _native_moved([_pyspy_match(parse_pyspy(t), last) for t in (ev.pyspy, *ev.pyspy_more)])
-        if native_moved:
-            moved = " -> ".join(native_moved)
-            return f"its native frames moved between two py-spy dumps ({moved}) at CPU {cpu:.0f}%"
+    moved_native = native_moved(ev)
+    if moved_native:
+        return f"its native frames moved between two py-spy dumps ({moved_native}) at CPU {cpu:.0f}%"
     if (ev.io_bytes or 0) >= WORK_IO_BYTES:
         return f"it read or wrote {(ev.io_bytes or 0) / 2**20:.1f} MiB while the evidence was taken"
     saving = _saving(last)

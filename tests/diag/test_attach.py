@@ -451,6 +451,14 @@ def _pyspy(frames: list[tuple[str, int, str]], pid: int = 7) -> str:
     )
 
 
+def _native_pyspy(*native: str) -> str:
+    """A py-spy --native dump whose main thread is in ``native`` (innermost first) under a backward."""
+    lines = ["Process 7: python train.py", "", 'Thread 7 (active): "MainThread"']
+    lines += [f"    {func} (libtorch_cpu.so)" for func in native]
+    lines += ["    _engine_run_backward (torch/autograd/graph.py:979)", "    main (train.py:40)"]
+    return "\n".join(lines) + "\n"
+
+
 SYNC = _dump(
     [("/x/site-packages/torch/cuda/__init__.py", 1080, "synchronize"), ("/x/train.py", 30, "<module>")]
 )
@@ -517,6 +525,19 @@ def test_moving_stacks_with_cpu_are_progress() -> None:
     assert idle.state != "progressing"
     tree = judge_tree(_tree(_observation(7, (10.0, 11.0, 12.0), [forward, forward, loss])))
     assert (tree.state, tree.focus_pid) == ("progressing", 7)
+
+    # One Python frame (a CPU backward), C code that computes: py-spy's native frames differ between dumps.
+    backward = _dump(
+        [("/x/torch/autograd/graph.py", 979, "_engine_run_backward"), ("/x/train.py", 40, "main")]
+    )
+    computing = _observation(7, (10.0, 11.0), [backward, backward])
+    computing.pyspy_text = _native_pyspy("mkl_blas_avx512_sgemm_kernel_0", "at::native::addmm")
+    computing.pyspy_more = [_native_pyspy("at::native::add_kernel", "at::TensorIteratorBase::for_each")]
+    act = judge_process(computing)
+    assert (act.state, act.progress["by"]) == ("progressing", "native"), act.why
+    assert "mkl_blas_avx512_sgemm_kernel_0 -> at::native::add_kernel" in act.why
+    computing.pyspy_more = [computing.pyspy_text]  # the same native frames: one place, no proof of work
+    assert judge_process(computing).state == "unclear"
 
 
 def test_sleeping_is_paused_not_deadlocked(tmp_path: Path) -> None:

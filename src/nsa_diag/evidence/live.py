@@ -7,7 +7,8 @@ probe's beacon where the process has the probe (`nsa_diag.evidence.probefiles`),
 caller's ``until`` says the rounds so far settle it (attach: work was seen). Stack samples come at the first
 two rounds, then every `DUMP_EVERY_S` seconds and at the last round: a faulthandler dump from each process
 that handles SIGUSR1, a ``py-spy dump`` (Python frames) of each other Python process when py-spy is on
-PATH. At the end one ``py-spy dump --native`` per Python process, the probe's ``at_hang.json`` where a
+PATH. At the end one ``py-spy dump --native`` per Python process (`PYSPY_MORE` more of one that used the
+CPU: C code that computes shows different functions across them), the probe's ``at_hang.json`` where a
 watchdog left one, and NVML's per-process GPU memory and utilisation. ptrace refused once is refused for
 all: py-spy is not tried again, and the advice (`pyspy_advice`) is said once for the tree.
 
@@ -53,6 +54,10 @@ DUMP_SETTLE_S = 0.5  # after a dump starts to appear, how long it may keep growi
 # dump of a job's own handler lands in its log; two a second apart show a moving frame, the later ones
 # that a stuck frame stayed.
 DUMP_EVERY_S = 3.0
+# A process that used this much of a core (watchdog.WORK_CPU_MIN) gets PYSPY_MORE more native dumps after
+# the first: C code that computes shows different functions across them, one that spins the same.
+PYSPY_MORE_CPU = 20.0
+PYSPY_MORE = 2
 PROCESSES = "processes"  # run folder: processes/<pid>/ holds each process's evidence
 PYSPY_SAMPLES = "pyspy_samples.txt"  # processes/<pid>/: the rounds' py-spy dumps of a process without handler
 PTRACE_MEANING = {
@@ -330,6 +335,7 @@ class ProcessObservation:
     dump_notes: list[str] = field(default_factory=list)
     pyspy: dict[str, Any] = field(default_factory=dict)
     pyspy_text: str | None = None  # the final ``py-spy dump --native``
+    pyspy_more: list[str] = field(default_factory=list)  # further native dumps of a process using the CPU
     pyspy_samples: list[str] = field(default_factory=list)  # py-spy dumps of the rounds (no handler)
     gpu: list[dict[str, Any]] = field(default_factory=list)  # NVML rows of this pid, one per GPU it uses
     at_hang: dict[str, Any] | None = None  # the probe's at_hang.json, where a watchdog left one
@@ -508,6 +514,12 @@ class _PySpy:
                 ob.pyspy_text = (folder / artifacts.PYSPY).read_text(errors="replace")
             elif ptrace_refused(str(ob.pyspy.get("why", ""))):
                 self.refused = True
+            busy = (ob.cpu_percent() or 0.0) >= PYSPY_MORE_CPU
+            for _ in range(PYSPY_MORE if ob.pyspy_text and busy else 0):
+                more = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY_MORE)
+                if not more.get("taken"):
+                    break
+                ob.pyspy_more.append((folder / artifacts.PYSPY_MORE).read_text(errors="replace"))
 
 
 def _relatives(pid: int, children: bool) -> list[ProcessInfo]:
