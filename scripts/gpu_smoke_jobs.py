@@ -8,8 +8,8 @@ knows the job would give. Prints one line per job and exits 1 when one is wrong.
   a short calibration run so that a layer's forward takes about 2 minutes.
 - ddp-unused (2+ GPUs): a DDP model with a head the loss never uses, on NCCL: `grad-missing`, the head's
   parameters named.
-- attach-nccl (2+ GPUs): a 2-rank NCCL job stuck because rank 1 skips an all_reduce, attached to with
-  py-spy: not `progressing`; the minority rank (1) named.
+- attach-nccl (2+ GPUs): a 2-rank NCCL job stuck because rank 1's prefetch thread died (rank 1 waits for
+  a batch, rank 0 in the barrier), attached to with py-spy: `stalled`, the minority rank (1) named.
 
 Usage: python3 scripts/gpu_smoke_jobs.py OUT_DIR [NSA_DIAG...]   (NSA_DIAG default: python3 -m nsa_diag)
 """
@@ -86,12 +86,14 @@ def ddp_unused(diag: list[str], out: Path) -> tuple[bool, str]:
 
 
 def attach_nccl(diag: list[str], out: Path) -> tuple[bool, str]:
+    """attach (with py-spy) to a 2-rank NCCL job whose rank 1 waits forever for a batch from a prefetch
+    thread that died, while rank 0 waits in a barrier: stalled, rank 1 the minority."""
     job = subprocess.Popen(
-        _torchrun("ddp_skip_allreduce.py", "--nccl"), cwd=JOBS, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
+        _torchrun("nccl_prefetch_dies.py"), cwd=JOBS, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )  # fmt: skip
     try:
-        time.sleep(45)  # both ranks past their start-up; rank 1 skipped its all_reduce at step 3
+        time.sleep(40)  # both ranks past their start-up and stuck at step 3 since
         proc = subprocess.run([*diag, "attach", str(job.pid), "--out", str(out), "--json"],
                               capture_output=True, text=True, check=False)  # fmt: skip
         record = json.loads(proc.stdout) if proc.stdout.strip() else {}
@@ -99,8 +101,8 @@ def attach_nccl(diag: list[str], out: Path) -> tuple[bool, str]:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
     state, reason = record.get("state"), record.get("reason", proc.stderr[-300:])
-    ok = state in ("stalled", "unclear") and "rank 1" in reason
-    return ok, f"{state} ({record.get('hang_kind')}): {reason[:300]}"
+    ok = state == "stalled" and "minority rank(s) 1" in reason
+    return ok, f"{state} ({record.get('hang_kind')}): {reason[:400]}"
 
 
 def main() -> int:
