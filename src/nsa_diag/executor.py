@@ -185,7 +185,13 @@ def _watch_and_judge(
             break
         notes.update(launcher.evidence_before_stop(case_dir))
         hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
-        paused = _pause(spec, units, watched, hangs)
+        # a job that ended by itself while its evidence was taken was not hung: its end decides
+        ended = launcher.proc.poll() is not None and watched.outcome == "stalled"
+        paused = (
+            "it ended by itself while the evidence was taken"
+            if ended
+            else _pause(spec, units, watched, hangs)
+        )
         if paused is None:
             break
         assert watched.decider is not None

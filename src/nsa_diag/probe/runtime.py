@@ -146,6 +146,13 @@ class Sink:
         if not self.explicit:
             self.step += 1
 
+    def exiting(self) -> None:
+        """The interpreter begins to exit: "done", with the steps completed (the watchdog then allows the
+        exit its own limit: joining DataLoader workers and torch's teardown take seconds)."""
+        done = self.step if self.explicit else self.step - 1
+        with self.lock:
+            self.beacon.update(phase="done", step=done if done > 0 else None, event="begin")
+
     def explicit_step(self, number: int) -> None:
         if self.explicit and number != self.step:
             self.event("step", "end")
@@ -196,6 +203,7 @@ class Probe:
         self.save()
         self._start_heartbeat()
         atexit.register(self._at_exit)
+        _at_shutdown(self._shutting_down)
 
     # --- files --------------------------------------------------------------------------------------
 
@@ -221,6 +229,11 @@ class Probe:
         if self.info["sigusr1"] == "probe":
             faulthandler.unregister(signal.SIGUSR1)
             self.note("sigusr1", "user")
+
+    def _shutting_down(self) -> None:
+        if self.info["pid"] == os.getpid():
+            with contextlib.suppress(Exception):
+                self.sink.exiting()
 
     def _at_exit(self) -> None:
         """A normal interpreter exit (not a signal, not ``os._exit``): its time, for the exit status of a
@@ -293,6 +306,18 @@ class Probe:
         child.save()
         _probe = child
         _wrap_os_exit()
+
+
+def _at_shutdown(func: Any) -> None:
+    """``func`` at the very start of the interpreter's exit, before threads are joined and atexit runs
+    (``threading._register_atexit``, Python 3.9+; else an atexit handler, which runs later)."""
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        if register is None:
+            raise RuntimeError("no threading._register_atexit")
+        register(func)
+    except RuntimeError:
+        atexit.register(func)
 
 
 def _wrap_os_exit() -> None:
