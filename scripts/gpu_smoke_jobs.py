@@ -11,7 +11,8 @@ knows the job would give. Prints one line per job and exits 1 when one is wrong.
 - attach-nccl (2+ GPUs): a 2-rank NCCL job stuck because rank 1's prefetch thread died (rank 1 waits for
   a batch, rank 0 in the barrier), attached to with py-spy: `stalled`, the minority rank (1) named.
 
-Usage: python3 scripts/gpu_smoke_jobs.py OUT_DIR [NSA_DIAG...]   (NSA_DIAG default: python3 -m nsa_diag)
+Usage: python3 scripts/gpu_smoke_jobs.py OUT_DIR [NSA_DIAG...]   (NSA_DIAG default: python3 -m nsa_diag;
+GPU_SMOKE_JOBS=per-token,ddp-unused,attach-nccl picks checks)
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def main() -> int:
     checks = [("per-token", per_token)]
     if _gpus() >= 2:
         checks += [("ddp-unused", ddp_unused), ("attach-nccl", attach_nccl)]
+    only = [name for name in os.environ.get("GPU_SMOKE_JOBS", "").split(",") if name]
+    checks = [(name, check) for name, check in checks if not only or name in only]
     failed = 0
     for name, check in checks:
         start = time.monotonic()

@@ -476,6 +476,18 @@ def _minority(
         by_rank = {r: at_hang[a.pid] for r, a in ranks.items() if a.pid in at_hang}
         if len(by_rank) == len(ranks):
             minority_by_counts(diff, by_rank)
+    if not diff.get("minority_ranks"):
+        # py-spy's native frames (not in the focus threads) showed some ranks waiting for the GPU: under
+        # NCCL, a collective whose partner never comes waits there; the ranks that do not are waited for
+        waiting = sorted(r for r, a in ranks.items() if a.kind in ("cuda-kernel", "collective"))
+        if waiting and len(waiting) < len(ranks):
+            odd = sorted(r for r in ranks if r not in waiting)
+            who = ", ".join(map(str, waiting))
+            diff.update(
+                minority_ranks=odd, majority_ranks=waiting,
+                basis=f"rank(s) {who} wait for the GPU or in a collective, the others do not (an NCCL "
+                "collective whose partner never comes waits on the device)",
+            )  # fmt: skip
     return list(diff.get("minority_ranks") or []), diff
 
 

@@ -38,7 +38,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nsa_diag.evidence.stacks import Frame, ThreadStack, fatal_error, parse_faulthandler, parse_pyspy
+from nsa_diag.evidence.stacks import (
+    Frame,
+    ThreadStack,
+    fatal_error,
+    gpu_wait,
+    innermost_native,
+    parse_faulthandler,
+    parse_pyspy,
+)
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
 
@@ -94,8 +102,6 @@ _BLOCKING_WCHAN = (
     ("sk_wait", "socket wait"),
     ("do_wait", "child wait"),
 )
-_CUDA_PY = (("torch/cuda/__init__.py", "synchronize"), ("torch/cuda/streams.py", "synchronize"))
-_CUDA_NATIVE = ("Synchronize", "cudaMemcpy", "cuMemcpy", "libcuda.so", "cudaStreamWait", "cuStreamWait")
 _CUDA_SOURCE = re.compile(r"\.(item|cpu|tolist|numpy|synchronize)\(|\.to\(\s*['\"]cpu|cuda\._sleep\(")
 _DIST_NATIVE = ("c10d::", "ProcessGroupNCCL", "ProcessGroupGloo", "gloo::", "nccl")
 
@@ -196,16 +202,6 @@ def _pyspy_match(pyspy_threads: Sequence[ThreadStack], focus: ThreadStack | None
     return None
 
 
-def _innermost_native(thread: ThreadStack | None) -> list[Frame]:
-    """The native frames above the innermost Python frame (what the Python line is blocked in)."""
-    frames: list[Frame] = []
-    for frame in thread.frames if thread else ():
-        if not frame.native:
-            break
-        frames.append(frame)
-    return frames
-
-
 def _frame_text(frame: Frame | None, sources: Mapping[str, str]) -> str:
     if frame is None:
         return "no Python frame"
@@ -287,14 +283,8 @@ def _distributed(focus: ThreadStack | None, native: Sequence[Frame]) -> Frame | 
 
 def _cuda_sync(focus: ThreadStack | None, native: Sequence[Frame]) -> str | None:
     """A device sync the focus thread waits in (Python or native frame), or None."""
-    for frame in focus.python_frames[:3] if focus else ():
-        path = frame.file.replace("\\", "/")
-        if any(path.endswith(suffix) and frame.func == func for suffix, func in _CUDA_PY):
-            return frame.short()
-    hit = next((f for f in native if any(n in f.func or n in f.file for n in _CUDA_NATIVE)), None)
-    if hit:
-        return hit.short()
-    return None
+    hit = gpu_wait(focus, native)
+    return hit.short() if hit is not None else None
 
 
 def _cuda_source(focus: ThreadStack | None, sources: Mapping[str, str]) -> str | None:
@@ -341,7 +331,7 @@ def _native_signature(thread: ThreadStack | None) -> tuple[str, ...] | None:
     """The innermost native frames of a py-spy thread, by function (an unnamed frame by its library, not
     its address: a loop in one function shows different addresses), when none of them is a wait (a lock,
     sleep, I/O, GPU sync or collective); None when there are none, or it waits."""
-    native = _innermost_native(thread)
+    native = innermost_native(thread)
     if not native or _native_match(native, _BLOCKING_NATIVE) or _cuda_sync(thread, native):
         return None
     if _distributed(thread, native):
@@ -409,7 +399,7 @@ def pause_reason(ev: Evidence) -> str | None:
     if ev.main_state == "D" and last is not None and last.is_main:
         return f"in a disk wait (state D: file I/O) at {_thread_text(last, sources)}"
     pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
-    native = _innermost_native(pyspy_focus)
+    native = innermost_native(pyspy_focus)
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if is_sleep(blocked) and _same_top(focus) and (cpu is None or cpu < DEADLOCK_CPU_MAX):
         return f"sleeping at {_thread_text(last, sources)}: a sleep ends by itself"
@@ -454,7 +444,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     focus = [focus_thread(threads) for threads in samples]
     last = focus[-1] if focus else None
     pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
-    native = _innermost_native(pyspy_focus)
+    native = innermost_native(pyspy_focus)
     sources = ev.source_lines
     at_top = _thread_text(last, sources)
     both = _samples_phrase(len(samples))

@@ -614,7 +614,8 @@ class Watcher:
                 units = []
                 for h, d, g in zip(histories, decisions, self.gaps, strict=True):
                     # since the last progress event only: the work of a unit that made progress is that
-                    work = d.work or work_in(h, now, min(work_window(d.stall_limit_s), d.idle_s))
+                    window = min(work_window(d.stall_limit_s), d.idle_s)
+                    work = d.work or (work_in(h, now, window) if window >= WORK_WINDOW_MIN_S else None)
                     units.append(WatchResult(status, list(h), d, None, g, work))
                 return Watched(status, units, first)
             time.sleep(self.poll_s)

@@ -668,6 +668,24 @@ def test_tree_names_the_minority_rank() -> None:
     assert "what would settle it: py-spy installed" in blind.reason
 
 
+def test_under_nccl_the_rank_not_waiting_for_the_gpu_is_the_minority() -> None:
+    """As seen on two H200s: rank 0 waits in loss.item() for an all_reduce whose partner never comes (py-spy:
+    a device sync in libcuda, 100% CPU), rank 1 in Condition.wait for a batch from a prefetch thread that
+    died. No collective frame on either stack: waiting for the GPU is what tells rank 0 waits for rank 1."""
+    item = _dump([("/x/train.py", 38, "main"), ("/x/train.py", 52, "<module>")])
+    rank0 = _observation(10, (1.0, 2.0), [item] * 2, rank="0")
+    rank0.pyspy_text = (
+        'Process 10: python train.py\n\nThread 10 (active): "MainThread"\n'
+        "    cuStreamSynchronize (libcuda.so.580)\n    0x7f5445e14820 (libcuda.so.580)\n"
+        "    main (train.py:38)\n    <module> (train.py:52)\n"
+    )
+    rank1 = _observation(11, (1.0, 1.0), [CONDITION_WAIT] * 2, rank="1", state="S", wchan="futex_wait_queue")
+    act = judge_tree(_tree(rank0, rank1))
+    assert (act.state, act.focus_pid, act.minority_ranks) == ("stalled", 11, (1,)), act.reason
+    assert "minority rank(s) 1" in act.reason
+    assert "wait for the GPU or in a collective" in act.reason
+
+
 def test_roles_of_a_torchrun_tree_from_proc_alone() -> None:
     """torchrun run by Python (its script's shebang) is the launcher, also with --no-children (its ranks
     then known only as relatives); a DataLoader worker forked from a rank (RANK inherited) is not a rank."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nsa_diag.evidence.stacks import ThreadStack
+from nsa_diag.evidence.stacks import ThreadStack, gpu_wait
 from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
 
 # A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
@@ -94,7 +94,8 @@ def cross_rank_diff(
 
     Largest cluster = majority. On a tie (two ranks, two places) the minority is the ranks that never
     entered the training-group collective another rank waits in (they are the ones waited for); failing
-    that, the ranks that wait in no collective at all.
+    that, the ranks that wait in no collective at all; failing that, the ranks that do not wait for the GPU
+    while the others do (NCCL: a rank whose collective has no partner waits in a device sync).
     """
     sigs = {r: _signature(t) for r, t in threads.items() if t is not None}
     clusters: dict[tuple[tuple[str, str], ...], list[int]] = {}
@@ -145,6 +146,14 @@ def cross_rank_diff(
             if in_collective and len(in_collective) < len(sigs):
                 majority = in_collective
                 out["basis"] = f"{_who(majority)} wait(s) in a collective, the others do not"
+        if not majority:
+            on_device = [r for r, t in threads.items() if t is not None and gpu_wait(t) is not None]
+            if on_device and len(on_device) < len(sigs):
+                majority = on_device
+                out["basis"] = (
+                    f"{_who(majority)} wait(s) for the GPU, the others do not (an NCCL collective whose "
+                    "partner never comes waits on the device)"
+                )
     if not majority:
         out["basis"] = "the ranks split evenly with nothing to tell the odd ones out"
         return out

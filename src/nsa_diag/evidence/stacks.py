@@ -27,7 +27,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +99,33 @@ class ThreadStack:
         return any(
             f.file.endswith("threading.py") and f.func.rpartition(".")[2] == "_bootstrap" for f in self.frames
         )
+
+
+# A thread waiting for the GPU: torch's Python synchronize, or a CUDA runtime/driver call that waits (the
+# driver's own frames, unnamed, are in libcuda).
+CUDA_SYNC_PY = (("torch/cuda/__init__.py", "synchronize"), ("torch/cuda/streams.py", "synchronize"))
+CUDA_SYNC_NATIVE = ("Synchronize", "cudaMemcpy", "cuMemcpy", "libcuda.so", "cudaStreamWait", "cuStreamWait")
+
+
+def innermost_native(thread: ThreadStack | None) -> list[Frame]:
+    """The native frames above the innermost Python frame (what the Python line is blocked in)."""
+    frames: list[Frame] = []
+    for frame in thread.frames if thread else ():
+        if not frame.native:
+            break
+        frames.append(frame)
+    return frames
+
+
+def gpu_wait(thread: ThreadStack | None, native: Sequence[Frame] | None = None) -> Frame | None:
+    """The frame of a device sync the thread waits in (one of its three innermost Python frames, or a
+    native frame above them: ``native``, default the thread's own), or None."""
+    for frame in thread.python_frames[:3] if thread else ():
+        path = frame.file.replace("\\", "/")
+        if any(path.endswith(suffix) and frame.func == func for suffix, func in CUDA_SYNC_PY):
+            return frame
+    frames = innermost_native(thread) if native is None else native
+    return next((f for f in frames if any(n in f.func or n in f.file for n in CUDA_SYNC_NATIVE)), None)
 
 
 def parse_faulthandler(text: str) -> list[ThreadStack]:
