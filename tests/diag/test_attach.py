@@ -220,6 +220,7 @@ def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path
     assert (code, stdout, stderr) == (0, "ready\nchild done\nchild exited with 0\n", "")
 
 
+@pytest.mark.slow
 def test_deadlock_in_backward_names_the_training_process_not_its_idle_workers(
     start_job: Any, tmp_path: Path
 ) -> None:

@@ -349,6 +349,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_probe_records_ddps_parameter_order(tmp_path: Path) -> None:
     from nsa_diag.launchers.command import probe_env
 

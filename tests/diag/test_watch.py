@@ -244,6 +244,7 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
     assert "interrupted" in _result(out)["reason"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_pause_past_a_short_stall_is_a_pause_and_the_job_passes(tmp_path: Path) -> None:
     """The job sleeps 6 s after step 3 (its checkpoint's slow storage); a 3 s stall finds it asleep, which
     is not a deadlock: the watch goes on, the job passes, the pause is on record."""
