@@ -30,6 +30,7 @@ from types import FrameType
 
 from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
+from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import Ending, Launcher, Unit, default_launcher, pinned_env
 from nsa_diag.results import Observed, case_files, error_result, stalled_pause, unit_result, worker_activity
@@ -86,6 +87,30 @@ class InterruptGuard:
     def close(self) -> None:
         """From now on signals are only noted: the cleanup after an interrupt runs to its end."""
         self._closing = True
+
+
+def _swept(result: CaseResult, launcher: Launcher, marker: str) -> CaseResult:
+    """After the job was stopped: stop what of it is left by the case's marker (a process that left the
+    job's session or process group: a daemon), and name it in the result. A job left running on purpose
+    (``watch --keep-alive``) is left alone."""
+    if launcher.kept_alive():
+        return result
+    swept = sweep(marker)
+    if not swept:
+        return result
+    stop = {**dict(result.evidence.get("stop") or {}), "swept": swept}
+    note = (
+        f"; nsa-diag also stopped pid(s) {', '.join(map(str, swept))} of the case, which had left the job's "
+        "process group or session (found by the case's marker in their environment)"
+    )
+    return result.model_copy(
+        update={"evidence": {**result.evidence, "stop": stop}, "reason": result.reason + note}
+    )
+
+
+def _release(guardian: Guardian | None) -> None:
+    if guardian is not None:
+        guardian.release()
 
 
 def _finish(case_dir: Path, result: CaseResult, launcher: Launcher) -> CaseResult:
@@ -250,6 +275,8 @@ def run_case(
     launcher = launcher if launcher is not None else default_launcher(spec)
     started, t0 = time.time(), time.monotonic()
     guard = InterruptGuard()
+    marker = str(case_dir.resolve())  # every process of the case carries it (`nsa_diag.guard`)
+    guardian: Guardian | None = None
     with guard:
         try:
             interrupts.check()  # noted before this case (e.g. while torch was imported): it never starts
@@ -258,19 +285,23 @@ def run_case(
             artifacts.write_json(home / artifacts.SPEC, spec)
             argv = launcher.command(case_dir)
             replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
-            env = launcher.child_env(case_dir, extra_env)
+            env = {**launcher.child_env(case_dir, extra_env), CASE_ENV: marker}
             replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
             artifacts.write_replay(home / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
             with guard.deferred():
+                guardian = Guardian(marker)
                 launcher.start(case_dir, argv, env)
             result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)
+            result = _swept(result, launcher, marker)
         except KeyboardInterrupt as exc:
             guard.close()
             by = getattr(exc, "signal_name", "SIGINT")
             sampled = launcher.sample_on_interrupt(case_dir)
             stop = launcher.stop()
             result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
+            result = _swept(result, launcher, marker)
             _finish(case_dir, result, launcher)
+            _release(guardian)
             raise
         except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
             guard.close()
@@ -281,7 +312,9 @@ def run_case(
                 time.monotonic() - t0,
                 {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
             )
+            result = _swept(result, launcher, marker)
         with guard.deferred():  # an interrupt now comes after the result is on disk
+            _release(guardian)
             return _finish(case_dir, result, launcher)
 
 

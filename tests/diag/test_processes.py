@@ -36,8 +36,7 @@ def nsa_diag(*args: str | Path, **popen: object) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=cli_env(),
-        cwd=ROOT,
-        **popen,  # type: ignore[arg-type]
+        **{"cwd": ROOT, **popen},  # type: ignore[arg-type]
     )
 
 
@@ -369,3 +368,131 @@ def test_an_error_an_interrupt_caused_is_the_interrupt_not_an_internal_error() -
     assert proc.stderr.strip() == (
         "nsa-diag: interrupted by SIGINT (ImportError: cannot load module more than once per process)"
     )
+
+
+# --- processes that leave the job's session, and a SIGKILLed watch (issue 27 #4, #5) --------------------
+
+
+def _marked(case_dir: Path) -> list[int]:
+    from nsa_diag.guard import marked
+
+    return marked(str(case_dir.resolve()))
+
+
+def test_a_daemon_that_leaves_the_jobs_session_is_stopped_with_the_case(tmp_path: Path) -> None:
+    """`setsid -f` puts the sleep in a session of its own: not the job's group, not its tree. The case's
+    marker finds it; the job passed, and the result names what was stopped."""
+    job = "setsid -f sleep 640; exit 0"
+    code, _, err = finish(nsa_diag("watch", "--out", tmp_path / "runs", "--", "sh", "-c", job))
+    assert code == 0, err[-2000:]
+    (case,) = (tmp_path / "runs").glob("*/cases/watch")
+    result = json.loads((case / "result.json").read_text())
+    assert result["verdict"] == "pass", result["reason"]
+    (swept,) = result["evidence"]["stop"]["swept"]
+    assert "left the job's process group or session" in result["reason"]
+    assert not psutil.pid_exists(swept) or psutil.Process(swept).status() == psutil.STATUS_ZOMBIE
+    assert _marked(case) == []
+
+
+def test_sigkill_of_nsa_diag_watch_takes_the_job_with_it_and_the_case_gets_a_result(tmp_path: Path) -> None:
+    """Nothing of nsa-diag runs after a SIGKILL: the case's guardian sees its pipe close and stops every
+    process of the case (the job's shell, its child), then writes the result nsa-diag could not."""
+    job = "sleep 623 & exec python3 -c 'import time; time.sleep(624)'"
+    cli = nsa_diag("watch", "--out", tmp_path / "runs", "--", "sh", "-c", job)
+    family: list[int] = []
+    try:
+
+        def started() -> bool:
+            """the job's two processes run"""
+            cases = list((tmp_path / "runs").glob("*/cases/watch"))
+            family[:] = _marked(cases[0]) if cases else []
+            return len(family) >= 2
+
+        wait_for(started)
+        cli.kill()
+        cli.communicate()
+        assert _gone_within(family, 10) == []
+        (case,) = (tmp_path / "runs").glob("*/cases/watch")
+        wait_for(lambda: (case / "result.json").exists(), timeout=10)
+        result = json.loads((case / "result.json").read_text())
+        assert result["verdict"] == "error"
+        assert result["reason"].startswith("nsa-diag ended while the case ran")
+    finally:
+        kill_all([cli.pid, *family])
+
+
+def test_a_model_factory_that_double_forks_a_daemon_leaves_nothing_behind(tmp_path: Path) -> None:
+    """`run --model` with a factory that starts a daemon (fork, setsid, fork): the case passes and the
+    daemon is stopped with it."""
+    (tmp_path / "daemonizing.py").write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import nsa_core
+
+            def build(spec):
+                if os.fork() == 0:
+                    os.setsid()
+                    if os.fork() == 0:
+                        time.sleep(650)
+                    os._exit(0)
+                return nsa_core.TinyLM(nsa_core.preset("tiny"))
+            """
+        )
+    )
+    cli = nsa_diag("run", "--model", "daemonizing:build", *CPU_CASE, "--out", tmp_path / "runs", cwd=tmp_path)
+    code, _, err = finish(cli, timeout=240)
+    (case,) = (tmp_path / "runs").glob("*/cases/*")
+    result = json.loads((case / "result.json").read_text())
+    assert _marked(case) == []
+    assert result["evidence"]["stop"].get("swept"), result["reason"]
+    assert code == 0, err[-2000:]
+
+
+_SLOW_FACTORY = """
+import time
+
+def build(spec):
+    time.sleep(3600)  # waits for a download that never comes
+"""
+
+
+@pytest.mark.slow
+def test_the_model_pre_flight_is_bounded_by_the_timeout_and_stopped_with_nsa_diag(tmp_path: Path) -> None:
+    """A factory that never returns: the pre-flight gives up at --timeout (one line, exit 2), not a fixed
+    600 s; and SIGINT during it is exit 130 with nothing of the pre-flight left (issue 27 #6)."""
+    (tmp_path / "stuck.py").write_text(_SLOW_FACTORY)
+    start = time.monotonic()
+    code, _, err = finish(
+        nsa_diag("run", "--model", "stuck:build", *CPU_CASE, "--timeout", "15", "--out", tmp_path / "a",
+                 cwd=tmp_path),
+        timeout=120,
+    )  # fmt: skip
+    assert code == 2, err[-2000:]
+    assert "took more than 15 s (pre-flight, bounded by --timeout)" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - start < 90
+    assert not (tmp_path / "a").exists()
+
+    cli = nsa_diag("run", "--model", "stuck:build", *CPU_CASE, "--out", tmp_path / "b", cwd=tmp_path)
+    try:
+
+        def building() -> bool:
+            """the pre-flight child runs the factory"""
+            return any("nsa_diag.worker.preflight" in " ".join(p.cmdline()) for p in _children(cli.pid))
+
+        wait_for(building)
+        family = [p.pid for p in _children(cli.pid)]
+        cli.send_signal(signal.SIGINT)
+        code, _, err = finish(cli, timeout=60)
+        assert code == 130, err[-2000:]
+        assert _gone_within(family, 10) == []
+    finally:
+        kill_all([cli.pid])
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []

@@ -245,6 +245,10 @@ class Launcher(ABC):
 
     # --- nsa-diag interrupted ------------------------------------------------------------------------
 
+    def kept_alive(self) -> bool:
+        """Whether the job was left running on purpose (`watch --keep-alive`): nothing of it is swept."""
+        return False
+
     def sample_on_interrupt(self, case_dir: Path) -> bool:
         """One quick stack sample when nsa-diag is interrupted, before the stop; whether one was taken."""
         return False

@@ -382,6 +382,9 @@ class CommandLauncher(Launcher):
         self.stop_report = report
         return report
 
+    def kept_alive(self) -> bool:
+        return bool(self.stop_report and self.stop_report.get("kept_alive"))
+
     def sample_on_interrupt(self, case_dir: Path) -> bool:
         """Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not; but first one stack sample of
         each training process whose probe takes SIGUSR1, so that the case says where the job was."""

@@ -9,6 +9,7 @@ directory (from which the worker imports the module too); it writes one `ModelFa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,12 +22,13 @@ from pathlib import Path
 from nsa_diag import artifacts
 from nsa_diag.cases import check_model_facts
 from nsa_diag.errors import ConfigError
+from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.launchers.base import python_env
 from nsa_diag.spec import CaseSpec, ModelFacts
 
 # Importing torch and the user's module, building the model and one short forward on the CPU: seconds for
 # the models we tried (GPT-2 small from its config: 6 s on 2 cores); a factory that downloads weights takes
-# longer, and the limit is generous.
+# longer, and the limit is generous, but never longer than the case's own --timeout.
 PREFLIGHT_TIMEOUT_S = 600.0
 
 
@@ -35,37 +37,53 @@ def _key(spec: CaseSpec) -> str:
     return spec.model_dump_json(include={"model", "preset", "overrides", "layers_attr", "seed", "device"})
 
 
-def model_facts(specs: Sequence[CaseSpec], timeout: float = PREFLIGHT_TIMEOUT_S) -> list[ModelFacts]:
-    """Build each spec's model in one child process; the facts in order. ConfigError when it cannot say."""
+def model_facts(specs: Sequence[CaseSpec], timeout: float | None = None) -> list[ModelFacts]:
+    """Build each spec's model in one child process; the facts in order. ConfigError when it cannot say.
+
+    The child is bounded by ``timeout`` (default: `PREFLIGHT_TIMEOUT_S`, or the cases' shortest
+    ``--timeout`` when shorter), and nothing it started outlives it: it carries a marker of its own
+    (`nsa_diag.guard`), swept when it ends, when nsa-diag is interrupted (then re-raised), and by its
+    guardian when nsa-diag is killed. Its output goes to a file, not a pipe that a daemon it forked could
+    hold open."""
     assert specs
     assert all(spec.model is not None for spec in specs)
     model = specs[0].model
+    limit = timeout if timeout is not None else min(PREFLIGHT_TIMEOUT_S, *(spec.timeout for spec in specs))
     with tempfile.TemporaryDirectory(prefix="nsa-diag-preflight-") as tmp:
         paths = []
         for i, spec in enumerate(specs):
             paths.append(artifacts.write_text(Path(tmp) / f"spec{i}.json", spec.model_dump_json()))
-        out = Path(tmp) / "facts.json"
+        out, err_path = Path(tmp) / "facts.json", Path(tmp) / "stderr.log"
         argv = [sys.executable, "-P", "-m", "nsa_diag.worker.preflight", str(out), *map(str, paths)]
-        proc = subprocess.Popen(
-            argv,
-            env=python_env(specs[0]),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        marker = str(Path(tmp).resolve())
+        guardian = Guardian(marker)
         try:
-            _, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise ConfigError(
-                f"--model {model}: building it and one forward took more than {timeout:g} s (pre-flight)"
-            ) from None
+            with open(err_path, "wb") as err:
+                proc = subprocess.Popen(
+                    argv,
+                    env={**python_env(specs[0]), CASE_ENV: marker},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                raise ConfigError(
+                    f"--model {model}: building it and one forward took more than {limit:g} s (pre-flight, "
+                    "bounded by --timeout)"
+                ) from None
+            finally:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                sweep(marker)
+        finally:
+            guardian.release()
         if not out.exists():
-            last = next(
-                (ln for ln in reversed(stderr.decode(errors="replace").splitlines()) if ln.strip()), ""
-            )
+            stderr = err_path.read_bytes()[-65536:].decode(errors="replace")
+            last = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
             raise ConfigError(
                 f"--model {model}: the pre-flight ended with exit code {proc.returncode}: {last}"
             )
