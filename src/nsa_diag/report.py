@@ -30,6 +30,7 @@ from nsa_diag.runfolder import (
     load_run,
     verdict_grids,
 )
+from nsa_diag.summary import status_text
 
 REPORT_MD = "report.md"
 PNG_PREFIX = "report-"
@@ -220,7 +221,7 @@ def _case_rows(run: RunFolder) -> tuple[list[str], list[list[str]]]:
         if expected:
             exp = case.entry.get("expected") or {}
             text = (exp.get("verdict") or "-") + (f" / {exp['hang_kind']}" if exp.get("hang_kind") else "")
-            row += [text, "yes" if case.entry.get("ok") else "**NO**"]
+            row += [text, render.ok_text(bool(case.entry.get("ok")), case.verdict)]
         if case.verdict in (NO_RESULT, NOT_RUN):
             row += [case.verdict, "-", case.entry.get("where") or "-", "-", "-", "-"] + (
                 ["-"] if parity else []
@@ -295,8 +296,13 @@ def _run_lines(run: RunFolder) -> list[str]:
             f"took {render.format_seconds(summary.get('elapsed_s'))}"
             f"; nsa-diag {summary.get('nsa_diag_version', '?')}"
         )
-        result = "all ok" if summary.get("ok") else "not all ok"
-        result += " (interrupted)" if summary.get("interrupted") else ""
+        counts, left_out = summary.get("counts"), summary.get("left_out")
+        result = status_text(
+            ok=bool(summary.get("ok")),
+            interrupted=bool(summary.get("interrupted")),
+            counts=counts if isinstance(counts, Mapping) else {},
+            left_out=left_out if isinstance(left_out, Mapping) else {},
+        )
         lines.append(f"- result: {result}, exit code {summary.get('exit_code', '?')}")
     elif (run.path / render.SUMMARY_JSON).exists():  # there, but not what nsa-diag writes
         lines.append(f"- {render.SUMMARY_JSON} could not be used (see Notes); read from cases/")

@@ -512,6 +512,8 @@ def test_compare_reports_environment_and_ratios_of_an_edited_copy(
         pytest.param(("pass", None, True), ("skipped", None, False), NOT_COMPARABLE, id="skipped"),
         pytest.param(("pass", None, True), (None, None, False), NOT_COMPARABLE, id="no-result"),
         pytest.param(("pass", None, True), ("not run", None, False), NOT_COMPARABLE, id="not-run"),
+        # issue 26: B's check did not run: whether B got worse is not known
+        pytest.param(("pass", None, True), ("unchecked", None, False), NOT_COMPARABLE, id="unchecked"),
         # selftest: a detected fault is ok; missing it is worse, although the verdict "passes"
         pytest.param(("hang", "python-deadlock", True), ("pass", None, False), WORSE, id="selftest-miss"),
     ],

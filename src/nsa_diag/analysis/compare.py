@@ -115,7 +115,7 @@ def verdict_change(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     va, vb = a.get("verdict"), b.get("verdict")
     if va == vb and a.get("hang_kind") == b.get("hang_kind"):
         return SAME
-    if va is None or vb is None or {va, vb} & {"skipped", "not run"}:
+    if va is None or vb is None or {va, vb} & {"skipped", "unchecked", "not run"}:
         return NOT_COMPARABLE
     ok_a, ok_b = bool(a.get("ok")), bool(b.get("ok"))
     if ok_a and not ok_b:

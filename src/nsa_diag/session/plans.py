@@ -44,13 +44,19 @@ class CaseList(Plan):
     An interrupted case is summarized with the result the runner wrote for it."""
 
     def __init__(
-        self, command: str, specs: Sequence[CaseSpec], expectations: Mapping[str, Expectation] | None = None
+        self,
+        command: str,
+        specs: Sequence[CaseSpec],
+        expectations: Mapping[str, Expectation] | None = None,
+        *,
+        left_out: Mapping[str, str] | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         assert len(set(names)) == len(names), f"case names must be unique: {names}"
         self.command = command
         self.cases = list(specs)
         self._expected = dict(expectations or {})
+        self.left_out = dict(left_out or {})  # checks the command left out here, with why (the summary's)
         self.repeat = 1
         self.runs, self.base_of = expand(self.cases, 1)
         self._results: list[CaseResult] = []
@@ -71,6 +77,11 @@ class CaseList(Plan):
     def begin(self, session: Session) -> None:
         times = f" x {self.repeat} repeats" if self.repeat > 1 else ""
         session.note(f"nsa-diag {self.command}: {len(self.cases)} case(s){times} into {session.run_dir}")
+        for name, why in self.left_out.items():
+            session.note(f"  not checked here: {name} ({why})", soft_wrap=True)
+
+    def extend(self, summary: RunSummary) -> None:
+        summary.left_out = self.left_out or None
 
     def execute(self, session: Session) -> None:
         try:
