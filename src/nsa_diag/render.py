@@ -678,6 +678,10 @@ def render_scale(report: dict[str, Any]) -> None:
                 markup=False,
                 highlight=False,
             )
+        elif a.get("estimate_not_compared"):
+            console.print(
+                f"  estimator: not compared: {a['estimate_not_compared']}", markup=False, highlight=False
+            )
         limit = a["memory_limit"]
         if limit:
             at = limit["seq_len"]
