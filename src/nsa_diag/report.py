@@ -449,6 +449,17 @@ def _spec_text(differences: Sequence[Mapping[str, Any]]) -> str:
     return "; ".join(f"{d['field']}: {_fact_text(d['a'])} -> {_fact_text(d['b'])}" for d in differences)
 
 
+RATIO_HEAD = ("case", "peak memory A", "peak memory B", "memory B/A", "step time B/A", "tokens/s B/A")
+
+
+def _ratio_cell(case: Mapping[str, Any], key: str) -> str:
+    """A B/A cell: the ratio, or "not comparable" (why is in the row's last cell), never a ratio of two
+    numbers that measure different things."""
+    if key in (case.get("not_comparable") or {}):
+        return "not comparable"
+    return _ratio_text(case["ratios"][key])
+
+
 def compare_tables(comparison: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """The comparison as (title, head, rows) tables: environment, verdicts, ratios."""
     env = comparison["environment"]
@@ -475,19 +486,18 @@ def compare_tables(comparison: Mapping[str, Any]) -> list[tuple[str, list[str], 
             c["name"],
             render.format_bytes(c["a"]["peak_memory_bytes"]),
             render.format_bytes(c["b"]["peak_memory_bytes"]),
-            _ratio_text(c["ratios"]["peak_memory"]),
-            _ratio_text(c["ratios"]["step_time"]),
-            _ratio_text(c["ratios"]["tokens_per_s"]),
+            *(_ratio_cell(c, key) for key in ("peak_memory", "step_time", "tokens_per_s")),
+            "; ".join(dict.fromkeys((c.get("not_comparable") or {}).values())) or "-",
         ]
         for c in comparison["cases"]
-        if any(v is not None for v in c["ratios"].values())
+        if any(v is not None for v in c["ratios"].values()) or c.get("not_comparable")
     ]
     return [
         ("environment differences", ["fact", "A", "B"], env_rows),
         ("verdicts", ["case", "A", "B", "change", "spec differs"], case_rows),
         (
             "B/A",
-            ["case", "peak memory A", "peak memory B", "memory B/A", "step time B/A", "tokens/s B/A"],
+            [*RATIO_HEAD, "not comparable"],
             ratio_rows,
         ),
     ]
@@ -512,6 +522,9 @@ def compare_lines(comparison: Mapping[str, Any]) -> list[str]:
         lines += [f"{side.upper()}: {note}" for note in comparison[side]["notes"]]
     counts = ", ".join(f"{n} {change}" for change, n in comparison["counts"].items() if n) or "no common case"
     lines.append(f"{len(comparison['cases'])} common case(s): {counts}")
+    apart = [c["name"] for c in comparison["cases"] if c.get("not_comparable")]
+    if apart:
+        lines.append(f"B/A not comparable (why: the table's last column): {', '.join(apart)}")
     if comparison["worse"]:
         lines.append(f"worse in B: {', '.join(comparison['worse'])} (exit code 1)")
     return lines
