@@ -45,7 +45,8 @@ reference. Each case runs a few real training steps of the NSA model of `nsa_cor
 `--model`) in a fresh worker process under a watchdog; every run leaves a folder with the verdicts,
 the evidence and a `replay.sh` per case.
 
-Verdicts: pass, hang, slow, oom, crash, error, nonfinite, grad-missing, mismatch, skipped.
+Verdicts: pass, hang, slow, oom, crash, error, nonfinite, grad-missing, mismatch, unchecked (a check
+that could not run: never a pass), skipped.
 
 Exit codes: 0 every case passed, 1 some case did not, 2 usage or configuration error, 3 internal error
 (`--debug` shows its traceback), 130 interrupted.

@@ -501,8 +501,8 @@ def selftest_specs(
     """One case per fault kind, injected in the backward of the last layer at step 1.
 
     `slow` sleeps `SLOW_SECONDS` per step in a case whose timeout is twice the stall and whose steps
-    would take four times that timeout, so the watchdog must call it slow, not hung. Without CUDA,
-    `gpu-spin` is expected to come back `skipped`. ``layers``: a ``--model``'s (its pre-flight's).
+    would take four times that timeout, so the watchdog must call it slow, not hung. `gpu-spin` needs CUDA
+    (the command leaves it out, or refuses it, without). ``layers``: a ``--model``'s (its pre-flight's).
     """
     layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
     expectations = {e.kind: e for e in SELFTEST_EXPECTATIONS}
@@ -519,8 +519,6 @@ def selftest_specs(
             timeout = 2 * float(stall)
             inject += f",seconds={seconds:g}"
             fields = {"timeout": timeout, "steps": max(options.steps, math.ceil(4 * timeout / seconds))}
-        if kind == "gpu-spin" and not cuda:
-            expected = Expectation(kind, "skipped")
         spec = build_spec(options.replace(inject=(inject,)), name=kind, **fields)
         cases.append((spec, expected))
     return cases

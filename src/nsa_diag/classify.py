@@ -3,8 +3,9 @@
 The executor records an `Evidence` (how the worker ended, its own result, stack samples, CPU%, heartbeat,
 GPU utilisation, where the beacon last was) and `classify` decides, without touching processes or files:
 
-- exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch, error,
-  skipped as they are); killed by a signal the runner did not send, or exited without a result -> crash.
+- exited: ``worker_result.json`` status (``ok`` -> pass; oom, nonfinite, grad-missing, mismatch,
+  unchecked, error, skipped as they are); killed by a signal the runner did not send, or exited without a
+  result -> crash.
 - timeout (``--timeout`` ran out) -> slow, with the rate and the time it would still need, and what showed
   work (`nsa_diag.watchdog.Work`) or the pause it was in (`pause_reason`); but a worker idle for longer
   than any gap between its progress events before, with no progress while the evidence was taken, no work
@@ -51,7 +52,7 @@ from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
-WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "error", "skipped")
+WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "unchecked", "error", "skipped")
 DEADLOCK_CPU_MAX = 20.0  # percent of one core: a blocked wait uses (almost) none
 BUSY_CPU_MIN = 50.0
 # Hang kinds that show a worker not working: past the timeout without progress, these are a hang, not slow.

@@ -4,9 +4,14 @@ One ``<testsuite>`` named after the command (or matrix), one ``<testcase>`` per 
 
 - verdict ``pass``: an empty test case (ok);
 - ``skipped``: ``<skipped message=reason>`` (e.g. no GPU here);
-- anything else (hang, slow, oom, crash, error, nonfinite, grad-missing, mismatch): ``<failure
+- anything else (hang, slow, oom, crash, error, nonfinite, grad-missing, mismatch, unchecked): ``<failure
   type=verdict message=reason>`` whose body says where the worker was, the hang kind, why it was judged
   a hang, and the result's exit code or signal.
+
+``unchecked`` (the case ran, the check it was asked for did not: a reference that would not fit) is a
+failure, not ``<skipped>``: CI systems count skipped tests as green, and the run exits 1 for it; the XML
+must not read as passing where the exit code does not. ``<skipped>`` stays for a case that could not
+start here at all (no GPU), which is the same on every run of that machine.
 
 Where a case is judged against an expectation (`selftest`'s injected faults, a matrix case's ``expect``),
 `ok` maps its name to the judgement and `expected` to what was expected ("hang / python-deadlock"): an
@@ -62,7 +67,7 @@ def _outcome(result: CaseResult, ok: Mapping[str, bool]) -> str:
     judged = ok.get(result.name)
     if result.verdict == "skipped" and judged is not False:
         return "skipped"
-    if judged is None:
+    if judged is None:  # unchecked included: a failure (see the module docstring)
         return "ok" if result.verdict == "pass" else "failure"
     if judged:
         return "ok"

@@ -93,6 +93,7 @@ VERDICT_COLOURS = {
     "nonfinite": "#f06292",
     "grad-missing": "#8d6e63",
     "mismatch": "#ff7043",
+    "unchecked": "#ce93d8",  # ran, but its check did not: neither a pass nor a failure of the check
 }
 _FAILED_COLOUR = "#b71c1c"
 

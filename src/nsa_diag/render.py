@@ -127,6 +127,7 @@ def render_env(snapshot: Mapping[str, Any], console: Console | None = None) -> N
 _VERDICT_STYLES = {
     "pass": "green",
     "skipped": "yellow",
+    "unchecked": "magenta",  # the case ran, a check it was asked for did not: not a pass
     "slow": "yellow",
     "hang": "bold red",
 }
@@ -193,6 +194,20 @@ def _cells(case: Mapping[str, Any] | CaseEntry) -> dict[str, str]:
     }
 
 
+def ok_text(ok: bool, verdict: str) -> str:
+    """A judged case's ok cell in markdown (summary.md, report.md): as `_ok_cell`."""
+    if ok and verdict == "skipped":
+        return "skipped"
+    return "yes" if ok else "**NO**"
+
+
+def _ok_cell(ok: bool, verdict: str) -> str:
+    """A judged case's ok cell: a case skipped here met its expectation without being checked: said so."""
+    if ok and verdict == "skipped":
+        return "[yellow]skipped[/yellow]"
+    return "[green]yes[/green]" if ok else "[bold red]NO[/bold red]"
+
+
 def _expected_text(case: CaseEntry) -> str:
     expected = case.expected
     assert expected is not None
@@ -226,7 +241,7 @@ def render_summary(summary: RunSummary, console: Console | None = None) -> None:
             row.append(_expected_text(case))
         row += [f"[{style}]{case.verdict}[/{style}]", case.hang_kind or "-"]
         if selftest:
-            row.append("[green]yes[/green]" if case.ok else "[bold red]NO[/bold red]")
+            row.append(_ok_cell(case.ok, case.verdict))
         cells = _cells(case)
         row += [escape(cells[column]) for column in columns]
         table.add_row(*row)
@@ -242,8 +257,10 @@ def render_summary(summary: RunSummary, console: Console | None = None) -> None:
                 console.print(f"    {escape(frame)}", highlight=False, soft_wrap=True)
     if summary.not_run:
         console.print(f"not run: {', '.join(summary.not_run)}")
+    for name, why in (summary.left_out or {}).items():
+        console.print(f"not checked here: {escape(name)} ({escape(why)})", soft_wrap=True, highlight=False)
     counts = ", ".join(f"{n} {verdict}" for verdict, n in summary.counts.items()) or "no case ran"
-    status = "interrupted" if summary.interrupted else ("all ok" if summary.ok else "not all ok")
+    status = "interrupted" if summary.interrupted else summary.status()
     console.print(f"{counts} ({status}) in {format_seconds(summary.elapsed_s)}", soft_wrap=True)
     console.print(f"run folder: {escape(summary.run_dir)}", soft_wrap=True)
     failed = [case for case in cases if not case.ok]
@@ -266,9 +283,7 @@ def summary_markdown(summary: RunSummary) -> str:
         f"- started {summary.started_at}, {format_seconds(summary.elapsed_s)}; "
         f"nsa-diag {summary.nsa_diag_version}",
         f"- command: `{' '.join(summary.argv)}`",
-        f"- result: {'all ok' if summary.ok else 'not all ok'}"
-        + (" (interrupted)" if summary.interrupted else "")
-        + f", exit code {summary.exit_code}",
+        f"- result: {summary.status()}, exit code {summary.exit_code}",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
@@ -279,7 +294,7 @@ def summary_markdown(summary: RunSummary) -> str:
         if selftest:
             row.append(_expected_text(case))
         row += [case.verdict, case.hang_kind or "-"]
-        row += (["yes" if case.ok else "**NO**"] if selftest else []) + [
+        row += ([ok_text(case.ok, case.verdict)] if selftest else []) + [
             cells[c] for c in ("where", "time", "tokens/s", "loss", "peak memory")
         ]
         row += [cells["parity"]] if with_parity else []
@@ -293,6 +308,8 @@ def summary_markdown(summary: RunSummary) -> str:
             lines += ["", "  ```", *(f"  {frame}" for frame in case.stack), "  ```", ""]
     if summary.not_run:
         lines += ["", f"Not run: {', '.join(summary.not_run)}."]
+    for name, why in (summary.left_out or {}).items():
+        lines += ["", f"Not checked here: {name} ({why})."]
     return "\n".join(lines) + "\n"
 
 
@@ -660,6 +677,10 @@ def render_scale(report: dict[str, Any]) -> None:
                 + (f"; of the growing part alone, per point: {_above_errors(a['points'])}" if above else ""),
                 markup=False,
                 highlight=False,
+            )
+        elif a.get("estimate_not_compared"):
+            console.print(
+                f"  estimator: not compared: {a['estimate_not_compared']}", markup=False, highlight=False
             )
         limit = a["memory_limit"]
         if limit:

@@ -30,6 +30,7 @@ from nsa_diag.runfolder import (
     load_run,
     verdict_grids,
 )
+from nsa_diag.summary import status_text
 
 REPORT_MD = "report.md"
 PNG_PREFIX = "report-"
@@ -220,7 +221,7 @@ def _case_rows(run: RunFolder) -> tuple[list[str], list[list[str]]]:
         if expected:
             exp = case.entry.get("expected") or {}
             text = (exp.get("verdict") or "-") + (f" / {exp['hang_kind']}" if exp.get("hang_kind") else "")
-            row += [text, "yes" if case.entry.get("ok") else "**NO**"]
+            row += [text, render.ok_text(bool(case.entry.get("ok")), case.verdict)]
         if case.verdict in (NO_RESULT, NOT_RUN):
             row += [case.verdict, "-", case.entry.get("where") or "-", "-", "-", "-"] + (
                 ["-"] if parity else []
@@ -295,8 +296,13 @@ def _run_lines(run: RunFolder) -> list[str]:
             f"took {render.format_seconds(summary.get('elapsed_s'))}"
             f"; nsa-diag {summary.get('nsa_diag_version', '?')}"
         )
-        result = "all ok" if summary.get("ok") else "not all ok"
-        result += " (interrupted)" if summary.get("interrupted") else ""
+        counts, left_out = summary.get("counts"), summary.get("left_out")
+        result = status_text(
+            ok=bool(summary.get("ok")),
+            interrupted=bool(summary.get("interrupted")),
+            counts=counts if isinstance(counts, Mapping) else {},
+            left_out=left_out if isinstance(left_out, Mapping) else {},
+        )
         lines.append(f"- result: {result}, exit code {summary.get('exit_code', '?')}")
     elif (run.path / render.SUMMARY_JSON).exists():  # there, but not what nsa-diag writes
         lines.append(f"- {render.SUMMARY_JSON} could not be used (see Notes); read from cases/")
@@ -443,6 +449,17 @@ def _spec_text(differences: Sequence[Mapping[str, Any]]) -> str:
     return "; ".join(f"{d['field']}: {_fact_text(d['a'])} -> {_fact_text(d['b'])}" for d in differences)
 
 
+RATIO_HEAD = ("case", "peak memory A", "peak memory B", "memory B/A", "step time B/A", "tokens/s B/A")
+
+
+def _ratio_cell(case: Mapping[str, Any], key: str) -> str:
+    """A B/A cell: the ratio, or "not comparable" (why is in the row's last cell), never a ratio of two
+    numbers that measure different things."""
+    if key in (case.get("not_comparable") or {}):
+        return "not comparable"
+    return _ratio_text(case["ratios"][key])
+
+
 def compare_tables(comparison: Mapping[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
     """The comparison as (title, head, rows) tables: environment, verdicts, ratios."""
     env = comparison["environment"]
@@ -469,19 +486,18 @@ def compare_tables(comparison: Mapping[str, Any]) -> list[tuple[str, list[str], 
             c["name"],
             render.format_bytes(c["a"]["peak_memory_bytes"]),
             render.format_bytes(c["b"]["peak_memory_bytes"]),
-            _ratio_text(c["ratios"]["peak_memory"]),
-            _ratio_text(c["ratios"]["step_time"]),
-            _ratio_text(c["ratios"]["tokens_per_s"]),
+            *(_ratio_cell(c, key) for key in ("peak_memory", "step_time", "tokens_per_s")),
+            "; ".join(dict.fromkeys((c.get("not_comparable") or {}).values())) or "-",
         ]
         for c in comparison["cases"]
-        if any(v is not None for v in c["ratios"].values())
+        if any(v is not None for v in c["ratios"].values()) or c.get("not_comparable")
     ]
     return [
         ("environment differences", ["fact", "A", "B"], env_rows),
         ("verdicts", ["case", "A", "B", "change", "spec differs"], case_rows),
         (
             "B/A",
-            ["case", "peak memory A", "peak memory B", "memory B/A", "step time B/A", "tokens/s B/A"],
+            [*RATIO_HEAD, "not comparable"],
             ratio_rows,
         ),
     ]
@@ -506,6 +522,9 @@ def compare_lines(comparison: Mapping[str, Any]) -> list[str]:
         lines += [f"{side.upper()}: {note}" for note in comparison[side]["notes"]]
     counts = ", ".join(f"{n} {change}" for change, n in comparison["counts"].items() if n) or "no common case"
     lines.append(f"{len(comparison['cases'])} common case(s): {counts}")
+    apart = [c["name"] for c in comparison["cases"] if c.get("not_comparable")]
+    if apart:
+        lines.append(f"B/A not comparable (why: the table's last column): {', '.join(apart)}")
     if comparison["worse"]:
         lines.append(f"worse in B: {', '.join(comparison['worse'])} (exit code 1)")
     return lines

@@ -134,6 +134,15 @@ def _last(values: Any) -> float | None:
     return None
 
 
+def _timed_steps(step_s: Any) -> int | None:
+    """The steps a case's step time and tokens/s are over, warm: steps 2.. (step 1 warms up: Triton
+    compiles, the allocator settles); 0 for a case of one step, whose timings are its warm-up's; None
+    without step times (a job under `watch`)."""
+    if not isinstance(step_s, list) or not step_s:
+        return None
+    return len(step_s) - 1
+
+
 def _last_progress(case_dir: Path) -> Where | None:
     """The last location in progress.jsonl: where a case that has no result.json had got to."""
     try:
@@ -186,6 +195,7 @@ def _entry(
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
     entry["step_s"] = _last(result.metrics.get("step_s"))
+    entry["timed_steps"] = _timed_steps(result.metrics.get("step_s"))
     entry["stall_limit_reason"] = result.stall_limit_reason
     return entry
 

@@ -46,8 +46,20 @@ from nsa_diag.options import (
     literal_of,
 )
 
+# `unchecked`: the case ran, but a check it was asked to make (a reference check, a correctness property)
+# could not run (the reference does not fit, nothing to compare): never a pass, counted apart.
 Verdict = Literal[
-    "pass", "hang", "slow", "oom", "crash", "error", "nonfinite", "grad-missing", "mismatch", "skipped"
+    "pass",
+    "hang",
+    "slow",
+    "oom",
+    "crash",
+    "error",
+    "nonfinite",
+    "grad-missing",
+    "mismatch",
+    "unchecked",
+    "skipped",
 ]
 HangKind = Literal["python-deadlock", "python-busy", "gil-held", "cuda-kernel", "collective", "unknown"]
 InjectKind = literal_of(FaultKind)
@@ -548,7 +560,8 @@ class WorkerReport(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    # ok, or the verdict the worker found itself: oom | nonfinite | grad-missing | mismatch | error | skipped
+    # ok, or the verdict the worker found itself: oom | nonfinite | grad-missing | mismatch | unchecked |
+    # error | skipped
     # (a plain str: `classify` reports a status it does not know rather than dropping the report)
     status: str
     reason: str = ""

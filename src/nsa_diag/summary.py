@@ -138,7 +138,9 @@ class RunSummary(_JsonRecord):
     """summary.json: the invocation, the exit code, one entry per case that has a result, and the
     sections of the plan (``matrix``, ``bisect``) and of the follow-ups."""
 
-    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("matrix", "bisect", "repeats", "minimize", "triage", "junit")
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = (
+        "left_out", "matrix", "bisect", "repeats", "minimize", "triage", "junit"
+    )  # fmt: skip
 
     command: str
     argv: list[str]
@@ -153,6 +155,8 @@ class RunSummary(_JsonRecord):
     counts: dict[str, int]
     not_run: list[str]
     cases: list[CaseEntry]
+    # checks the command left out because they cannot run here, with why (selftest's gpu-spin without CUDA)
+    left_out: dict[str, str] | None = None
     matrix: dict[str, Any] | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
     bisect: dict[str, Any] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
     repeats: dict[str, Any] | None = None  # --repeat (nsa_diag.analysis.repeat.repeats_section)
@@ -224,6 +228,12 @@ class RunSummary(_JsonRecord):
             self.exit_code = 0 if (self.ok if succeeded is None else succeeded) else 1
         return self.exit_code
 
+    def status(self) -> str:
+        """The outcome in words: all ok, not all ok or interrupted, and what was not checked."""
+        return status_text(
+            ok=self.ok, interrupted=self.interrupted, counts=self.counts, left_out=self.left_out or {}
+        )
+
     def mark_interrupted(self) -> None:
         """The run was interrupted after its cases (in a follow-up): not ok; `decide` then gives 130."""
         self.interrupted, self.ok = True, False
@@ -235,6 +245,23 @@ class RunSummary(_JsonRecord):
     def expected_text(self) -> dict[str, str]:
         """What each case with an expectation was expected to end as ("hang / python-deadlock")."""
         return {case.name: case.expected.describe() for case in self.cases if case.expected is not None}
+
+
+def status_text(
+    *, ok: bool, interrupted: bool, counts: Mapping[str, int], left_out: Mapping[str, str]
+) -> str:
+    """The run's outcome in words: "all ok" only when every case made its checks; cases whose check did
+    not run (`unchecked`), cases skipped here and checks left out are said after it, never folded in."""
+    if interrupted:
+        return "not all ok (interrupted)"
+    notes = []
+    if counts.get("unchecked"):
+        notes.append(f"{counts['unchecked']} check(s) did not run")
+    if counts.get("skipped"):
+        notes.append(f"{counts['skipped']} skipped here")
+    if left_out:
+        notes.append(f"not checked here: {', '.join(left_out)}")
+    return ("all ok" if ok else "not all ok") + (f"; {', '.join(notes)}" if notes else "")
 
 
 def peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:

@@ -1,4 +1,5 @@
-"""Models with a planted bug, for `nsa-diag verify` and `gc-bisect --grads` (``--model diag_planted:...``).
+"""Models with a planted bug, for `nsa-diag verify`, `gc-bisect --grads` and the reference check
+(``--model diag_planted:...``).
 
 Not a test module: the worker imports it from a subprocess with ``tests/diag`` on PYTHONPATH. Both are
 `nsa_core.TinyLM` subclasses built from the case's config, so the checks can rebuild them per variant.
@@ -55,3 +56,12 @@ def peeking_lm(spec: Any) -> TinyLM:
 
 def wrong_recompute_lm(spec: Any) -> TinyLM:
     return WrongRecomputeLM(spec.nsa_config())
+
+
+def no_room_lm(spec: Any) -> TinyLM:
+    """A TinyLM in a worker that sees no memory free for a parity check (a GPU the training step fills): the
+    reference fits at no size, so `--reference-check` and `backend` cases must end `unchecked`."""
+    from nsa_diag.worker.train import Trainer
+
+    Trainer._free_memory_bytes = lambda self: 0  # type: ignore[method-assign]
+    return TinyLM(spec.nsa_config())

@@ -75,6 +75,11 @@ BAD_INPUTS = [
     pytest.param(["branch", "--branch", "sel"], "No such option: --branch", id="branch-has-no-branch"),
     pytest.param(["selftest", "--kinds", "deadlock,hiccup"], "hiccup", id="selftest-kind"),
     pytest.param(["selftest", "--inject", "nan"], "No such option: --inject", id="selftest-inject"),
+    pytest.param(  # issue 26: a check that cannot run here is refused, not passed as "skipped"
+        ["selftest", "--kinds", "gpu-spin", "--device", "cpu"],
+        "it would check nothing",
+        id="selftest-gpu-spin",
+    ),
     pytest.param(["run", "--tag", "../x"], "--tag", id="tag"),
     pytest.param(["run", "--stall", "0"], "--stall 0", id="stall"),
     pytest.param(
@@ -306,12 +311,75 @@ def test_selftest_cases_expect_each_verdict() -> None:
     assert slow.timeout == 6.0
     assert slow.steps * slow.inject[0].seconds >= 4 * slow.timeout  # far too long to finish: slow, not pass
     assert slow.inject[0].seconds < slow.stall  # progress between sleeps: not a hang
-    assert by_name["gpu-spin"][1].verdict == "skipped"
+    assert (
+        by_name["gpu-spin"][1].describe() == "hang / cuda-kernel"
+    )  # never expected "skipped": a pass of nothing
     assert by_name["deadlock"][1].describe() == "hang / python-deadlock"
     assert by_name["gil-hog"][1].met_by("hang", "gil-held")
     assert not by_name["gil-hog"][1].met_by("hang", "python-deadlock")
     cuda_cases = {s.name: e for s, e in selftest_specs(cli.CaseOptions(), ["gpu-spin"], cuda=True)}
     assert cuda_cases["gpu-spin"].hang_kind == "cuda-kernel"
+
+
+def test_selftest_without_cuda_leaves_gpu_spin_out_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: without CUDA the default selftest runs every kind but gpu-spin and says that one was not
+    checked (summary.json's `left_out`, the table, the status line); it counted a skipped gpu-spin ok."""
+    from nsa_diag.session import Session
+
+    plans = []
+    monkeypatch.setattr(Session, "run", lambda self: plans.append(self.plan) or 0)
+    assert run_cli(["selftest", "--device", "cpu"]) == 0
+    (plan,) = plans
+    assert [spec.name for spec in plan.specs()] == [k for k in SELFTEST_KINDS if k != "gpu-spin"]
+    assert plan.left_out == {"gpu-spin": "it spins a CUDA kernel; --device cpu"}
+
+
+def test_unchecked_and_skipped_are_counted_apart(tmp_path: Path) -> None:
+    """Issue 26: a case whose check did not run is `unchecked`: not ok (exit 1), counted apart, a JUnit
+    failure; a case skipped here that met its expectation says "skipped", not "yes", and "all ok" says so."""
+    import xml.etree.ElementTree as ET
+
+    from rich.console import Console
+
+    from nsa_diag.junit import junit_xml
+
+    why = "reference check not run: the reference would not fit, at the case's size nor smaller: ..."
+    parity = {"checked": False, "why": "the reference would not fit"}
+    results = [_result("sel-masked", "pass"), _result("sel-triton", "unchecked", reason=why, parity=parity)]
+    specs = [CaseSpec(name=r.name) for r in results]
+    summary = build_summary("backend", tmp_path, specs, results, started_at=0.0)
+    assert (summary.ok, summary.exit_code, summary.counts) == (False, 1, {"pass": 1, "unchecked": 1})
+    assert summary.status() == "not all ok; 1 check(s) did not run"
+    buffer = io.StringIO()
+    render_summary(summary, Console(file=buffer, width=220, color_system=None))
+    text = buffer.getvalue()
+    assert "not run" in text  # the parity cell
+    assert f"sel-triton: {why}" in text
+    assert "1 pass, 1 unchecked (not all ok; 1 check(s) did not run)" in text
+    assert "- result: not all ok; 1 check(s) did not run, exit code 1" in summary_markdown(summary)
+    suite = ET.fromstring(junit_xml("backend", results)).find("testsuite")
+    assert suite is not None
+    assert (suite.get("failures"), suite.get("skipped")) == ("1", "0")
+    failure = suite.find("testcase[@name='sel-triton']/failure")
+    assert failure is not None
+    assert failure.get("type") == "unchecked"
+
+    from nsa_diag.cases import Expectation
+
+    skipped = [_result("gpu", "skipped", reason="needs CUDA"), _result("nan", "nonfinite")]
+    expected = {"gpu": Expectation("gpu", "skipped"), "nan": Expectation("nan", "nonfinite")}
+    summary = build_summary(
+        "matrix", tmp_path, [CaseSpec(name=r.name) for r in skipped], skipped, started_at=0.0,
+        expectations=expected,
+    )  # fmt: skip
+    assert summary.exit_code == 0  # a matrix case skipped for want of a GPU is ok (README), and said so
+    assert summary.status() == "all ok; 1 skipped here"
+    buffer = io.StringIO()
+    render_summary(summary, Console(file=buffer, width=220, color_system=None))
+    (gpu_row,) = [line for line in buffer.getvalue().splitlines() if line.startswith("│ gpu")]
+    assert "skipped" in gpu_row.split("│")[5]  # the ok column
+    assert "yes" not in gpu_row
+    assert "| gpu | skipped | skipped | - | skipped |" in summary_markdown(summary)
 
 
 def test_replay_argv_names_what_differs(tmp_path: Path) -> None:
@@ -680,6 +748,25 @@ def test_selftest_subset_is_all_correct(tmp_path: Path) -> None:
         ("exit", "crash", True),
         ("unused-param", "grad-missing", True),
     ]
+
+
+def test_backend_whose_reference_fits_nowhere_is_unchecked_not_pass(tmp_path: Path) -> None:
+    """Issue 26: `backend` on a GPU the training step fills said `sel-triton pass ... reference check NOT
+    run`, exit 0. A worker that sees no memory free for the check (diag_planted:no_room_lm) stands in."""
+    out, junit = tmp_path / "runs", tmp_path / "backend.xml"
+    done = run_cli_subprocess(
+        "backend", "--model", "diag_planted:no_room_lm", "--sel", "gather", "--device", "cpu",
+        "--out", str(out), "--junit", str(junit), timeout=CLI_TIMEOUT_S, planted=True,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "sel-gather: reference check not run: the reference would not fit" in done.stdout
+    assert "1 unchecked (not all ok; 1 check(s) did not run)" in done.stdout
+    assert " pass" not in done.stdout
+    result = json.loads((_only_run_dir(out) / "cases/sel-gather/result.json").read_text())
+    assert (result["verdict"], result["steps_done"], result["parity"]["checked"]) == ("unchecked", 1, False)
+    summary = json.loads((_only_run_dir(out) / "summary.json").read_text())
+    assert (summary["counts"], summary["exit_code"]) == ({"unchecked": 1}, 1)
+    assert '<failure type="unchecked"' in junit.read_text()
 
 
 def test_backend_checks_parity_against_the_reference(tmp_path: Path) -> None:

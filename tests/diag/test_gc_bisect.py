@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import run_cli_json
+from diag_cli import cli_env, run_cli_json
 
 from nsa_diag.analysis.bisect import STATE_FILE, smallest_range
+from nsa_diag.app import run_cli
+from nsa_diag.session.plans import grads_conclusion
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -93,3 +95,59 @@ def test_resume_of_a_corrupt_state_is_one_line_and_exit_2(content: str, tmp_path
     (line,) = err.splitlines()
     assert line.startswith(f"nsa-diag: --resume {tmp_path}: its {STATE_FILE} cannot be resumed: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(  # verify refuses this model for its gc property; gc-bisect --grads ran 3 errors
+            ["--model", "diag_user_model:build"],
+            "gc-bisect --grads with --model diag_user_model:build: the comparison rebuilds the model",
+            id="model",
+        ),
+        pytest.param(
+            ["--inject", "nan:layer=1", "--steps", "2"],
+            "--inject, --steps with gc-bisect --grads",
+            id="steps",
+        ),
+        pytest.param(["--reference-check"], "--reference-check with gc-bisect --grads", id="reference"),
+    ],
+)
+def test_grads_refuses_what_it_cannot_apply(
+    args: list[str],
+    says: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 26: one line, exit 2, nothing written, before any comparison (none would have run)."""
+    monkeypatch.setenv("PYTHONPATH", cli_env(planted=True)["PYTHONPATH"])  # the model's pre-flight
+    out = tmp_path / "runs"
+    code = run_cli(["gc-bisect", "--grads", *args, "--seq-len", "16", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert says in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("differ", "same", "failed", "conclusion"),
+    [
+        pytest.param([], [0, 1, 2], [], "checkpointing any single layer gives the gradients of no "
+                     "checkpointing", id="all-same"),
+        pytest.param([1], [0, 2], [], "gradients differ from no checkpointing when checkpointing layer(s) 1",
+                     id="one-differs"),
+        pytest.param([], [0, 2], ["layer 1: error (boom)"], "checkpointing layer(s) 0, 2 gives the gradients "
+                     "of no checkpointing; not compared: layer 1: error (boom)", id="some-not-compared"),
+        pytest.param([], [], ["layer 0: error (a)", "layer 1: error (b)", "layer 2: unchecked (c)"],
+                     "no layer's gradients were compared: layer 0: error (a); layer 1: error (b); layer 2: "
+                     "unchecked (c)", id="none-compared"),
+    ],
+)  # fmt: skip
+def test_grads_conclusion_claims_only_what_was_compared(
+    differ: list[int], same: list[int], failed: list[str], conclusion: str
+) -> None:
+    """Issue 26: three workers that all errored were headlined "checkpointing any single layer gives the
+    gradients of no checkpointing; not compared: ...": a claim of a comparison that never happened."""
+    assert grads_conclusion(3, differ, same, failed) == conclusion

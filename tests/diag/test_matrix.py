@@ -545,6 +545,8 @@ def test_resume_plan_keeps_only_finished_cases_of_the_same_spec(tmp_path: Path) 
         "done (hang)", "rerun", "rerun", "run", "skip: requires cuda: torch sees no CUDA device here",
     ]  # fmt: skip
     assert not finished(_result("e", e.spec, "skipped"), e)  # skipped for want of a GPU: run it where one is
+    # issue 26: a case whose check did not run (no memory for the reference) is checked again on --resume
+    assert not finished(_result("a", a.spec, "unchecked"), a)
     table = expectations(plan)
     assert table is not None
     assert table["e"].verdict == "skipped"

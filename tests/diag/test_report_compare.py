@@ -23,7 +23,16 @@ import pytest
 from diag_cli import cli_env, run_cli
 
 from nsa_diag import artifacts
-from nsa_diag.analysis.compare import BETTER, CHANGED, NOT_COMPARABLE, SAME, WORSE, verdict_change
+from nsa_diag.analysis.compare import (
+    BETTER,
+    CHANGED,
+    NOT_COMPARABLE,
+    RATIOS,
+    SAME,
+    WORSE,
+    not_comparable,
+    verdict_change,
+)
 from nsa_diag.errors import UsageError
 from nsa_diag.report import build_report
 from nsa_diag.runfolder import CaseRecord, RunFolder, load_run, verdict_grids
@@ -501,6 +510,81 @@ def test_compare_reports_environment_and_ratios_of_an_edited_copy(
     assert "alloc_conf: - -> max_split_size_mb:128" in table.stdout
 
 
+def _one_step(run_dir: Path, tokens_per_s: float) -> None:
+    """Make every case of a copied run folder a one-step case: its timings are its warm-up's."""
+    for result_path in run_dir.glob("cases/*/" + artifacts.RESULT):
+        result = json.loads(result_path.read_text())
+        first = result["metrics"]["step_s"][0]
+        _edit_json(
+            result_path,
+            **{"metrics.step_s": [first], "metrics.tokens_per_s": tokens_per_s, "steps_done": 1,
+               "metrics.tokens_per_s_steps": "1"},
+        )  # fmt: skip
+        _edit_json(result_path.with_name(artifacts.SPEC), steps=1)
+
+
+def test_compare_of_warm_up_timings_says_not_comparable(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 26: two identical runs of one-step cases showed "tokens/s B/A 10.79x", noise from the warm-up
+    (Triton compiles, the allocator settles): tokens/s over steps 2.. does not exist there."""
+    a, b = _copy(runs["scale"], tmp_path / "a"), _copy(runs["scale"], tmp_path / "b")
+    _one_step(a, 1000.0)
+    _one_step(b, 10790.0)
+    done = nsa_diag("compare", a, b, "--json")
+    assert done.returncode == 0, done.stderr
+    cases = {c["name"]: c for c in json.loads(done.stdout)["cases"]}
+    case = cases["all-L2-S48"]
+    assert case["ratios"]["tokens_per_s"] is None
+    assert case["ratios"]["step_time"] is None
+    assert case["ratios"]["peak_memory"] == pytest.approx(1.0)  # step 1 holds the peak: memory compares
+    assert set(case["not_comparable"]) == {"step_time", "tokens_per_s"}
+    assert case["not_comparable"]["tokens_per_s"].startswith("warm-up only: one step in A and B")
+
+    table = nsa_diag("compare", a, b, "--out", tmp_path / "compare.md")
+    assert table.returncode == 0
+    assert "10.79x" not in table.stdout
+    assert "not comparable" in table.stdout
+    assert "warm-up only: one step in A and B" in table.stdout
+    markdown = (tmp_path / "compare.md").read_text()
+    assert "| all-L2-S48 |" in markdown
+    assert "| 1.00x | not comparable | not comparable | warm-up only: one step in A and B" in markdown
+
+
+def test_compare_of_different_shapes_gives_no_ratio(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Cases of one name but another shape (S, backend) do different work: no ratio of their memory or
+    time, and the spec difference that makes them so is said."""
+    b = _copy(runs["scale"], tmp_path / "b")
+    _edit_json(b / "cases" / "all-L2-S48" / artifacts.SPEC, seq_len=96)
+    spec = json.loads((b / "cases" / "all-L2-S64" / artifacts.SPEC).read_text())
+    _edit_json(
+        b / "cases" / "all-L2-S64" / artifacts.SPEC, overrides={**spec["overrides"], "sel_backend": "gather"}
+    )
+    done = nsa_diag("compare", runs["scale"], b, "--json")
+    assert done.returncode == 0, done.stderr
+    cases = {c["name"]: c for c in json.loads(done.stdout)["cases"]}
+    assert cases["all-L2-S32"]["not_comparable"] == {}
+    assert cases["all-L2-S32"]["ratios"]["tokens_per_s"] == pytest.approx(1.0)
+    for name, why in (("all-L2-S48", "seq_len 48 -> 96"), ("all-L2-S64", "overrides.sel_backend")):
+        assert set(cases[name]["ratios"].values()) == {None}
+        assert cases[name]["not_comparable"]["peak_memory"].startswith("different shapes: ")
+        assert why in cases[name]["not_comparable"]["tokens_per_s"]
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "fields", "apart"),
+    [
+        pytest.param({"timed_steps": 3}, {"timed_steps": 3}, ["alloc_conf", "stall"], set(), id="same"),
+        pytest.param({"timed_steps": 0}, {"timed_steps": 3}, [], {"step_time", "tokens_per_s"}, id="warm-up"),
+        pytest.param({"timed_steps": None}, {"timed_steps": None}, [], set(), id="a-watched-job"),
+        pytest.param({}, {}, ["dtype"], set(RATIOS), id="dtype"),
+        pytest.param({}, {}, ["overrides.gc"], set(RATIOS), id="gc"),
+        pytest.param({"device": "cpu"}, {"device": "cuda:0"}, [], set(RATIOS), id="device"),
+    ],
+)  # fmt: skip
+def test_not_comparable(a: dict[str, Any], b: dict[str, Any], fields: list[str], apart: set[str]) -> None:
+    differences = [{"field": field, "a": 1, "b": 2} for field in fields]
+    assert set(not_comparable(a, b, differences)) == apart
+
+
 @pytest.mark.parametrize(
     ("a", "b", "change"),
     [
@@ -512,6 +596,8 @@ def test_compare_reports_environment_and_ratios_of_an_edited_copy(
         pytest.param(("pass", None, True), ("skipped", None, False), NOT_COMPARABLE, id="skipped"),
         pytest.param(("pass", None, True), (None, None, False), NOT_COMPARABLE, id="no-result"),
         pytest.param(("pass", None, True), ("not run", None, False), NOT_COMPARABLE, id="not-run"),
+        # issue 26: B's check did not run: whether B got worse is not known
+        pytest.param(("pass", None, True), ("unchecked", None, False), NOT_COMPARABLE, id="unchecked"),
         # selftest: a detected fault is ok; missing it is worse, although the verdict "passes"
         pytest.param(("hang", "python-deadlock", True), ("pass", None, False), WORSE, id="selftest-miss"),
     ],

@@ -324,3 +324,22 @@ def test_host_bound_points_are_left_out_of_the_time_fit() -> None:
     note = host_bound_note(series)
     assert note is not None
     assert "host-bound [4096, 8192]" in note
+
+
+def test_an_estimator_comparison_that_did_not_run_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 26: where the estimator's error was measured at no point (a --model has no estimate; on the
+    CPU it needs the memory fit), the sweep says so, with why, instead of leaving the line out."""
+    from nsa_diag.analysis.sweep import fit_points
+    from nsa_diag.render import render_scale
+
+    measured = [_point(x, [1, 0.1], [1, 0.2], None) for x in (64, 128)]
+    assert fit_points(measured, "seq_len", lambda device: None)["estimate_not_compared"] is None  # CUDA
+    points = [_point(x, [1, 0.1], [1, 0.2], None) for x in (64, 128)]
+    for p in points:
+        p["estimate"] = None  # as for a --model
+    series = fit_points(points, "seq_len", lambda device: None)
+    assert series["estimate_max_abs_rel_err"] is None
+    assert series["estimate_not_compared"].startswith("no estimate: the estimator models nsa_core's model")
+    head = {"name": "all", "branch": "all", "backend": None, "x": "seq_len", "points": points}
+    render_scale({"series": [{**head, "stopped_by": None, **series}], "culprits": []})
+    assert "estimator: not compared: no estimate" in capsys.readouterr().out

@@ -101,3 +101,27 @@ def test_the_replay_of_a_verify_case_checks_the_property_again(tmp_path: Path) -
     )  # fmt: skip
     assert again.returncode == 1, again.stderr
     assert [case["verdict"] for case in json.loads(again.stdout)["cases"]] == ["mismatch"]
+
+
+def test_a_property_that_compared_nothing_is_unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: a property with nothing to compare (no cut point, no backend) showed "largest relative
+    error 0 (bound 1e-9)" and passed; it is unchecked, with why, and its parity says not checked."""
+    from types import SimpleNamespace
+
+    from nsa_diag.worker import checks
+    from nsa_diag.worker.outcome import CaseFailed
+
+    def built(self: checks.Checker, trainer: Any) -> None:
+        self.precision = "float64"
+
+    monkeypatch.setattr(checks.Checker, "__init__", built)
+    monkeypatch.setattr(
+        checks.Checker, "causality", lambda self: {"max_err": 0.0, "where": "-", "bound": 1e-9, "errors": {}}
+    )
+    with pytest.raises(CaseFailed) as failed:
+        checks.run_check(SimpleNamespace(spec=SimpleNamespace(check="causality")))  # type: ignore[arg-type]
+    assert failed.value.status == "unchecked"
+    assert failed.value.reason == (
+        "causality: nothing to compare (no position t with 1 <= t < S to change the tokens from)"
+    )
+    assert failed.value.fields["parity"]["checked"] is False

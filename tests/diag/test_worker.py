@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from nsa_diag import artifacts
-from nsa_diag.spec import CaseSpec, Injection
-from nsa_diag.worker.beacon import BeaconState, read_beacon
+from nsa_diag.spec import CaseSpec, Injection, WorkerReport
+from nsa_diag.worker.beacon import BeaconState, BeaconWriter, read_beacon
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -377,12 +377,13 @@ def test_profile_trace_has_step_phase_layer_and_branch_ranges(cases: dict[str, C
 def test_user_model_factory(cases: dict[str, Case]) -> None:
     case = cases["user-model"]
     result = case.result()
-    assert result["status"] == "ok", result["reason"]
     assert result["steps_done"] == 2
     assert result["metrics"]["params"] > 0
-    # no NSAAttention inside: the command refuses --reference-check; the worker's safeguard says not run
+    # no NSAAttention inside: the command refuses --reference-check; the worker's safeguard says not run,
+    # and the case is unchecked: its steps passed, the check it was asked for did not run (issue 26)
+    assert result["status"] == "unchecked", result["reason"]
     assert result["parity"] == {"checked": False, "why": "UserLM holds no nsa_core NSAAttention module"}
-    assert "reference check NOT run" in result["reason"]
+    assert result["reason"].startswith("reference check not run: UserLM holds no nsa_core NSAAttention")
     layers = {e["module"] for e in case.progress() if e.get("layer") is not None}
     assert layers == {"layers.0", "layers.1", "layers.2"}
 
@@ -513,3 +514,65 @@ def test_cuda_oom_is_oom(cuda_cases: dict[str, Case]) -> None:
     assert result["status"] == "oom", result["reason"]
     assert result["exception"]["type"] == "OutOfMemoryError"
     assert "layer 1 forward" in result["reason"]
+
+
+# ------------------------------------------------------------ the reference check's size (in this process)
+
+
+def _trained(tmp_path: Path, budget: int | None, **fields: Any) -> WorkerReport:
+    """A reference-checked case run by the `Trainer` in this process, the memory a check may use set to
+    `budget` bytes (what a full GPU leaves it)."""
+    from nsa_diag.worker.probes import MemoryRecorder, Progress
+    from nsa_diag.worker.train import Trainer
+
+    spec = CaseSpec(name="check", reference_check=True, **{**TINY, **fields})
+    beacon = BeaconWriter(tmp_path / artifacts.BEACON)
+    with artifacts.open_append(tmp_path / artifacts.PROGRESS) as stream:
+        trainer = Trainer(spec, tmp_path, Progress(beacon, stream), MemoryRecorder(tmp_path))
+        trainer._free_memory_bytes = lambda: budget  # type: ignore[method-assign]
+        return trainer.run(time.perf_counter())
+
+
+def _need(seq_len: int, batch: int, **overrides: Any) -> int:
+    """What the reference check of the tiny preset needs at the case's size (bytes, margin included)."""
+    from nsa_diag.analysis.memory_model import plan_reference
+
+    cfg = CaseSpec(name="x", overrides=overrides).nsa_config()
+    plan = plan_reference(cfg, seq_len=seq_len, batch=batch, dtype="fp32", device="cpu", budget_bytes=None)
+    return int(plan.need_bytes * plan.margin)
+
+
+def test_a_reference_that_fits_only_smaller_is_checked_there_and_says_so(tmp_path: Path) -> None:
+    """Issue 26: the same weights, on the batch's first row and the model's first layer, beside a copy of
+    the model run again there: a pass that says at which size, never one at a size it did not check."""
+    report = _trained(tmp_path, int(0.7 * _need(128, 2)), seq_len=128, batch=2)
+    assert report.status == "ok", report.reason
+    parity = report.parity
+    assert parity is not None
+    assert parity["reduced"]["batch"] == 1
+    assert parity["reduced"]["what"] in report.reason
+    assert "reference would not fit" in parity["reduced"]["why"]
+    assert parity["grad_rel_err_max"] <= parity["grad_bound"]
+    assert "reference check at batch 1 of 2" in report.reason
+
+
+def test_a_reference_that_fits_at_no_size_is_unchecked(tmp_path: Path) -> None:
+    report = _trained(tmp_path, 0, seq_len=128)
+    assert report.status == "unchecked"
+    assert report.steps_done == 1  # the steps ran and passed: only the check did not
+    assert report.parity is not None
+    assert report.parity["checked"] is False
+    assert report.reason.startswith("reference check not run: the reference would not fit, at the case's")
+
+
+def test_smaller_check_sizes_keep_selection_sparse() -> None:
+    from nsa_diag.analysis.memory_model import CheckSize, smaller_sizes, smallest_sparse_seq_len
+
+    cfg = CaseSpec(name="x", preset="m7c-125m").nsa_config()
+    full = CheckSize(batch=2, seq_len=2048, layers=12)
+    sizes = smaller_sizes(full, min_seq_len=smallest_sparse_seq_len(cfg), fewer_layers=True)
+    assert sizes[0] == CheckSize(1, 2048, 12)  # rows first: each is computed as in the case
+    assert sizes[-1] == CheckSize(1, 1088, 1)  # n_sel·l' + l' = 1088 > window + block: still sparse
+    assert sizes[-1].describe(full) == "batch 1 of 2, the first 1 of 12 layers, the first 1088 of 2048 tokens"
+    user = smaller_sizes(full, min_seq_len=1088, fewer_layers=False)  # a --model keeps its layers
+    assert {size.layers for size in user} == {12}

@@ -3,9 +3,16 @@
 Pure functions over what `nsa_diag.runfolder.load_run` read; no processes, no files. Cases are matched by
 name. A case got *worse* when it was ok in A (passed, or met its expectation: selftest, a matrix case
 with `expect`) and is not ok in B; *better* the other way round; *changed* when both failed, in
-different ways; *not comparable* when either side was skipped or has no result (e.g. B ran where
-there is no GPU, or was killed). Ratios are B/A: peak memory (only when both measured the same thing:
-CUDA max allocated, or peak RSS), step time (the last step, warm) and tokens/s.
+different ways; *not comparable* when either side was skipped, is unchecked (its check did not run) or
+has no result (e.g. B ran where there is no GPU, or was killed). Ratios are B/A: peak memory (only when
+both measured the same thing: CUDA max allocated, or peak RSS), step time (the last step, warm) and
+tokens/s.
+
+A ratio is given only where the two numbers measure the same thing, else it is *not comparable* and says
+why (`not_comparable`): cases of different shapes (a spec field in `WORK_FIELDS` or a model override
+differs, or they ran on different devices) do different work, so neither memory nor time compare; the
+timings of a case of one step are its warm-up's (Triton compiles, the allocator settles: tokens/s over
+steps 2.. does not exist), so step time and tokens/s do not compare (memory does: step 1 holds the peak).
 """
 
 from __future__ import annotations
@@ -26,6 +33,14 @@ NOT_COMPARABLE = "not comparable"
 CHANGES = (WORSE, BETTER, CHANGED, NOT_COMPARABLE, SAME)
 
 _SPEC_IGNORED = {"name"}  # the case's folder name, already matched
+# spec.json fields that change the work a case does (besides every model override, ``overrides.*``): the
+# model and its shape, the tokens, the precision and device, a correctness check instead of steps, ranks,
+# a job's command, faults that sleep or allocate, a reference check that runs a second model.
+WORK_FIELDS = (
+    "preset", "model", "layers_attr", "seq_len", "batch", "dtype", "device", "check", "ddp", "command",
+    "inject", "reference_check",
+)  # fmt: skip
+RATIOS = ("peak_memory", "step_time", "tokens_per_s")
 
 
 def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -115,7 +130,7 @@ def verdict_change(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     va, vb = a.get("verdict"), b.get("verdict")
     if va == vb and a.get("hang_kind") == b.get("hang_kind"):
         return SAME
-    if va is None or vb is None or {va, vb} & {"skipped", "not run"}:
+    if va is None or vb is None or {va, vb} & {"skipped", "unchecked", "not run"}:
         return NOT_COMPARABLE
     ok_a, ok_b = bool(a.get("ok")), bool(b.get("ok"))
     if ok_a and not ok_b:
@@ -143,6 +158,33 @@ def ratios(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float | None
     }
 
 
+def _value(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def not_comparable(
+    a: Mapping[str, Any], b: Mapping[str, Any], differences: Sequence[Mapping[str, Any]]
+) -> dict[str, str]:
+    """Per ratio (`RATIOS`) that must not be given, why: different shapes (every ratio), or timings of
+    warm-up only (step time and tokens/s). Empty when every ratio compares like with like."""
+    shape = [
+        f"{d['field']} {_value(d['a'])} -> {_value(d['b'])}"
+        for d in differences
+        if d["field"] in WORK_FIELDS or d["field"].startswith("overrides.")
+    ]
+    if a.get("device") and b.get("device") and a["device"] != b["device"]:
+        shape.append(f"ran on {a['device']} -> {b['device']}")
+    if shape:
+        why = "different shapes: " + ", ".join(shape)
+        return dict.fromkeys(RATIOS, why)
+    warm_up = [side for side, s in (("A", a), ("B", b)) if s.get("timed_steps") == 0]
+    if warm_up:
+        # step 1 compiles kernels and settles the allocator: its time is no measure of the model's
+        why = f"warm-up only: one step in {' and '.join(warm_up)} (timing steps 2.. needs --steps 2+)"
+        return {"step_time": why, "tokens_per_s": why}
+    return {}
+
+
 _SIDE_KEYS = (
     "verdict",
     "hang_kind",
@@ -152,7 +194,9 @@ _SIDE_KEYS = (
     "peak_memory_bytes",
     "peak_memory_kind",
     "step_s",
+    "timed_steps",
     "tokens_per_s",
+    "device",
 )
 
 
@@ -169,14 +213,18 @@ def compare_cases(a_cases: Sequence[CaseRecord], b_cases: Sequence[CaseRecord]) 
         if case_b is None:
             continue
         side_a, side_b = _side(case_a), _side(case_b)
+        differences = spec_differences(case_a.spec, case_b.spec)
+        apart = not_comparable(side_a, side_b, differences)
+        given = ratios(side_a, side_b)
         records.append(
             {
                 "name": case_a.name,
                 "a": side_a,
                 "b": side_b,
                 "change": verdict_change(side_a, side_b),
-                "ratios": ratios(side_a, side_b),
-                "spec_differences": spec_differences(case_a.spec, case_b.spec),
+                "ratios": {key: None if key in apart else value for key, value in given.items()},
+                "not_comparable": apart,
+                "spec_differences": differences,
             }
         )
     return records

@@ -281,9 +281,13 @@ class ReferencePlan:
 
     def describe(self) -> str:
         names = ", ".join(f"{branch} {backend}" for branch, backend in self.backends.items())
-        budget = "" if self.budget_bytes is None else f" of {self.budget_bytes / 2**30:.1f} GiB free"
+        budget = "" if self.budget_bytes is None else f" of {_size(self.budget_bytes)} free"
         margin = f" (x{self.margin:g} margin)" if self.margin != 1 else ""
-        return f"reference backends {names}; about {self.need_bytes / 2**30:.1f} GiB{margin}{budget}"
+        return f"reference backends {names}; about {_size(self.need_bytes)}{margin}{budget}"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def plan_reference(
@@ -334,3 +338,97 @@ def reference_loops(cfg: Any, branch: str, seq_len: int, batch: int) -> int:
     if branch == "sel":
         per_layer *= cfg.kv_heads * max(1, seq_len // cfg.nsa.sel_block_len)
     return per_layer * cfg.layers
+
+
+# --- a parity check at a size that fits, with the same weights ------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckSize:
+    """The size a parity check runs at: the case's, or a reduction of it (same weights, same batch's first
+    rows, first layers and first tokens)."""
+
+    batch: int
+    seq_len: int
+    layers: int
+
+    def describe(self, full: CheckSize) -> str:
+        """What was reduced, against the case's size `full`: "batch 1 of 2, the first 1088 of 2048 tokens"."""
+        parts = []
+        if self.batch != full.batch:
+            parts.append(f"batch {self.batch} of {full.batch}")
+        if self.layers != full.layers:
+            parts.append(f"the first {self.layers} of {full.layers} layers")
+        if self.seq_len != full.seq_len:
+            parts.append(f"the first {self.seq_len} of {full.seq_len} tokens")
+        return ", ".join(parts) or "the case's size"
+
+
+def smallest_sparse_seq_len(cfg: Any) -> int:
+    """The shortest sequence on which a check still exercises what makes NSA what it is: more selection
+    blocks than are selected (one block more than n_sel·l') and longer than the sliding window."""
+    nsa = cfg.nsa
+    return max(nsa.n_sel * nsa.sel_block_len + nsa.sel_block_len, nsa.window + nsa.block_len)
+
+
+def smaller_sizes(full: CheckSize, *, min_seq_len: int, fewer_layers: bool) -> list[CheckSize]:
+    """Reductions of `full`, least first: the batch halved down to 1 (its rows are independent: each row is
+    computed as in the case), then the layers halved down to 1 (``fewer_layers``: a model rebuilt from its
+    config, its first layers, the same code), then the sequence halved down to `min_seq_len` (a causal
+    model's first tokens are computed as in the case; below it selection would no longer be sparse)."""
+    sizes, size = [], full
+    while True:
+        if size.batch > 1:
+            size = replace(size, batch=max(1, size.batch // 2))
+        elif fewer_layers and size.layers > 1:
+            size = replace(size, layers=max(1, size.layers // 2))
+        elif size.seq_len > min_seq_len:
+            size = replace(size, seq_len=max(min_seq_len, size.seq_len // 2))
+        else:
+            return sizes
+        sizes.append(size)
+
+
+def with_layers(cfg: Any, layers: int) -> Any:
+    """`cfg` with its first `layers` layers; checkpointing dropped where its range lies beyond them (it
+    changes no value, only what is recomputed)."""
+    if layers == cfg.layers:
+        return cfg
+    try:
+        return replace(cfg, layers=layers)
+    except ValueError:
+        return replace(cfg, layers=layers, gc="none")
+
+
+def check_plans(
+    cfg: Any,
+    *,
+    size: CheckSize,
+    dtype: str,
+    device: str,
+    budget_bytes: int | None,
+    fewer_layers: bool,
+) -> tuple[ReferencePlan, list[tuple[CheckSize, ReferencePlan]]]:
+    """The reference plan at the case's size, and the sizes at which the check fits, each with its plan: the
+    case's size first where it fits, then every smaller size (`smaller_sizes`) whose reference fits beside a
+    copy of the model under test at that size (its forward and backward are run again there, in the case's
+    dtype). A parity check tries them in order, the next one when the last ran out of memory anyway."""
+    full = plan_reference(
+        cfg, seq_len=size.seq_len, batch=size.batch, dtype=dtype, device=device, budget_bytes=budget_bytes
+    )
+    fitting = [(size, full)] if full.fits else []
+    for smaller in smaller_sizes(size, min_seq_len=smallest_sparse_seq_len(cfg), fewer_layers=fewer_layers):
+        small_cfg = with_layers(cfg, smaller.layers)
+        budget = budget_bytes
+        if budget is not None:
+            copy = estimate_check_memory(
+                small_cfg, seq_len=smaller.seq_len, batch=smaller.batch, dtype=dtype, device=device
+            )
+            budget = max(0, budget - copy)
+        plan = plan_reference(
+            small_cfg, seq_len=smaller.seq_len, batch=smaller.batch, dtype=dtype, device=device,
+            budget_bytes=budget,
+        )  # fmt: skip
+        if plan.fits:
+            fitting.append((smaller, plan))
+    return full, fitting

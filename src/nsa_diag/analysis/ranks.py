@@ -36,6 +36,7 @@ SEVERITY = (
     "mismatch",
     "slow",
     "hang",
+    "unchecked",
     "skipped",
     "pass",
 )

@@ -193,9 +193,24 @@ def fit_points(
         "memory_quadratic": bool(memory_fit and memory_fit.quadratic),
         "time_quadratic": bool(time_fit and time_fit.quadratic),
         "estimate_max_abs_rel_err": max(errors) if errors else None,
+        "estimate_not_compared": None if errors else _not_compared(points, passed, on_cuda),
         "estimate_above_fixed_max_abs_rel_err": max(above) if above else None,
         "memory_limit": limit,
     }
+
+
+def _not_compared(points: list[dict[str, Any]], passed: list[dict[str, Any]], on_cuda: bool) -> str:
+    """Why the estimator's error was measured at no point of a series (said, never left blank)."""
+    if not any(p.get("estimate") for p in points):
+        return "no estimate: the estimator models nsa_core's model, not a --model"
+    if not passed:
+        return "no point passed with a measured peak memory"
+    if not on_cuda:
+        return (
+            "on the CPU the estimate is compared above the memory fit's fixed part (peak RSS holds the "
+            "runtime), and there is no memory fit: it needs 3 passing points"
+        )
+    return "no point with both an estimate and a measured peak"
 
 
 def analyse_series(series: Series, total: Callable[[str | None], Budget | None]) -> dict[str, Any]:

@@ -32,8 +32,11 @@ def compare(
     `PYTORCH_*`, `TRITON_*` variable that is set on one side only or differs. Cases are matched by name:
     per common case the verdict in A and in B and the change (worse: ok in A, not ok in B; better;
     changed: failed differently; not comparable: skipped or no result on a side), the spec fields that
-    differ (e.g. alloc_conf), and B/A of peak memory, step time and tokens/s. Cases found on one side
-    only are listed.
+    differ (e.g. alloc_conf), and B/A of peak memory, step time and tokens/s. A ratio of numbers that
+    measure different things is shown as "not comparable", with why: cases of different shapes (model,
+    seq_len, batch, dtype, device, backends or any other model option, faults, checks) do different work;
+    the step time and tokens/s of a one-step case are its warm-up's (`--steps 2` or more times steps
+    2..). Cases found on one side only are listed.
 
     Exit code 0 when no case got worse, 1 when one did, 2 when A or B is not a run folder.
 

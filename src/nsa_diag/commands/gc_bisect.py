@@ -9,7 +9,26 @@ from typing import Annotated
 import typer
 
 from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
-from nsa_diag.options import EVIDENCE, FAULTS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
+from nsa_diag.options import CHECK_OMITS, EVIDENCE, FAULTS, MODEL, NSA, OUTPUT, TRAINING, WATCHDOG
+
+
+def check_grads_options(options: CaseOptions) -> None:
+    """`--grads` compares gradients without training: refuse the options that act on training steps (one
+    line, exit 2), as `verify` does not take them."""
+    from nsa_diag.cases import CASE_OPTIONS
+    from nsa_diag.errors import UsageError
+
+    def given(name: str) -> bool:
+        opt = CASE_OPTIONS[name]
+        return opt.from_command_line(getattr(options, name)) != opt.from_command_line(opt.default)
+
+    flags = [CASE_OPTIONS[name].flag for name in CHECK_OMITS if given(name)]
+    if flags:
+        raise UsageError(
+            f"{', '.join(flags)} with gc-bisect --grads: the gradient comparison runs no training step "
+            "(one forward and backward per checkpointed layer), so they would apply to nothing; "
+            "leave them out"
+        )
 
 
 # FOLLOW_UPS (--repeat, --minimize, --triage) is left out: a bisection is itself a minimization, and each of
@@ -39,7 +58,10 @@ def gc_bisect(
     them, and `--resume RUN_DIR` continues an interrupted bisection where it stopped.
 
     `--grads`: instead, for each single layer, compare every parameter's gradient with that layer
-    checkpointed against no checkpointing (float64 on the CPU) and name the layers whose gradients differ.
+    checkpointed against no checkpointing (float64 on the CPU) and name the layers whose gradients differ
+    (a `--model` must be an nsa_core.TinyLM or subclass; `--inject`, `--steps`, `--reference-check`,
+    `--profile` and `--memory-snapshot` are refused: no training step runs). A layer whose comparison
+    did not run is named as not compared, and the conclusion covers only the layers compared.
 
     Exit code 0 when a range is found (or, with `--grads`, no gradient differs), 1 when not, 2 for a bad
     option.
@@ -52,6 +74,7 @@ def gc_bisect(
         nsa-diag gc-bisect --layers 4 --gc all --inject nan:layer=1,phase=recompute --junit bisect.xml
     """
     from nsa_diag.cases import build_spec, check_options
+    from nsa_diag.errors import UsageError
     from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import Bisection, new_bisection, resumed_bisection
@@ -61,8 +84,16 @@ def gc_bisect(
         state = resumed_bisection(resume)
     else:
         check_options(options)
+        if grads:
+            check_grads_options(options)
         spec = build_spec(options, name="start")
         facts = check_user_model([spec])  # a --model: its own layer count is what gets bisected
+        if grads and facts is not None and not facts.self_checkpointing:
+            raise UsageError(
+                f"gc-bisect --grads with --model {spec.model}: the comparison rebuilds the model from its "
+                "nsa_core config with each layer checkpointed, which needs an nsa_core.TinyLM (or "
+                f"subclass); {facts.type} is not one (gc-bisect --gc all bisects a failure on any model)"
+            )
         state = new_bisection(spec, out=options.out, grads=grads, layers=facts.layers if facts else None)
     plan = Bisection(state, resume_dir=resume)
     session = Session(

@@ -65,7 +65,7 @@ def selftest(
     | segfault, abort, exit | crash | |
     | unused-param | grad-missing | |
     | gil-hog | hang | gil-held |
-    | gpu-spin | hang (skipped without CUDA) | cuda-kernel |
+    | gpu-spin | hang (CUDA only: left out without it, and said so) | cuda-kernel |
 
     `--ddp` (issue 6) runs the ddp kinds on 2 ranks instead: `skip-collective` on rank 1 (hang,
     collective, rank 1 named as the minority) and `unused-param` on every rank (grad-missing naming the
@@ -75,7 +75,8 @@ def selftest(
     stall and steps enough for four times that, so the watchdog has to tell it from a hang. The table
     shows expected and observed side by side.
 
-    Exit code 0 when every fault is classified as expected, 1 on any miss, 2 for a bad option.
+    Exit code 0 when every fault run is classified as expected, 1 on any miss, 2 for a bad option
+    (`--kinds gpu-spin` without CUDA among them: it would check nothing).
 
     Examples:
 
@@ -95,12 +96,24 @@ def selftest(
         selftest_specs,
         uses_cuda,
     )
+    from nsa_diag.errors import UsageError
     from nsa_diag.launchers.preflight import check_user_model
     from nsa_diag.session import Session, check_follow_ups
     from nsa_diag.session.plans import CaseList
 
     chosen = parse_kinds(kinds)
     cuda = options.device.value != "cpu" and uses_cuda(options)
+    left_out: dict[str, str] = {}
+    if not cuda and not ddp and "gpu-spin" in chosen:  # a check that cannot run here is not run, nor passed
+        here = "--device cpu" if options.device.value == "cpu" else "torch sees no CUDA device here"
+        if kinds is not None:
+            raise UsageError(
+                f"--kinds gpu-spin: the fault spins a CUDA kernel, and {here}: it would check nothing; "
+                "run it on a GPU"
+            )
+        why = f"it spins a CUDA kernel; {here}"
+        chosen = tuple(kind for kind in chosen if kind != "gpu-spin")
+        left_out["gpu-spin"] = why
     if options.stall is None:
         options = options.replace(stall=SELFTEST_CUDA_STALL_S if cuda else SELFTEST_STALL_S)
     check_options(options)
@@ -117,7 +130,10 @@ def selftest(
         if facts is not None:
             check_model_facts(spec, facts)
     plan = CaseList(
-        "selftest", [spec for spec, _ in cases], {spec.name: expected for spec, expected in cases}
+        "selftest",
+        [spec for spec, _ in cases],
+        {spec.name: expected for spec, expected in cases},
+        left_out=left_out,
     )
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

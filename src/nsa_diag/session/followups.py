@@ -180,12 +180,16 @@ def _failing(
     results: Sequence[CaseResult],
     base_of: Mapping[str, str],
 ) -> list[_Failing]:
-    """Per case, its first run that was not ok (nothing to reproduce in a skipped one) and its first oom."""
+    """Per case, its first run that was not ok (nothing to reproduce in a skipped one, nor in an unchecked
+    one: its steps passed) and its first oom."""
     ok = {entry.name: entry.ok for entry in summary.cases}
     found = []
     for spec in specs:
         runs = [r for r in results if base_of.get(r.name) == spec.name]
-        bad = next((r for r in runs if not ok.get(r.name, r.passed) and r.verdict != "skipped"), None)
+        bad = next(
+            (r for r in runs if not ok.get(r.name, r.passed) and r.verdict not in ("skipped", "unchecked")),
+            None,
+        )
         oom = next((r for r in runs if r.verdict == "oom"), None)
         first = bad or oom
         if first is not None:

@@ -4,8 +4,8 @@ The run folder is the usual one (``cases/<name>/``, ``env.json``, ``summary.json
 ``matrix.json`` (`Matrix.to_json`: the file, its axes, per case the tags, spec hash and axis values).
 
 - Resume: in the folder of an interrupted run, a case whose ``result.json`` carries the spec hash of the
-  case as the file now defines it is finished and not run again; a case that was interrupted, skipped, or
-  whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
+  case as the file now defines it is finished and not run again; a case that was interrupted, skipped,
+  unchecked, or whose spec changed runs again (its old folder is removed first, so no log mixes two runs).
 - Parallel: ``jobs`` threads each take the next case and run it through `Session.run_case` in its own
   worker process. Only the main thread handles signals (the executor installs its handlers only there): on
   Ctrl-C, SIGTERM or SIGHUP the main thread sets a flag that each running case's progress callback turns into
@@ -81,13 +81,18 @@ class ResumePlan:
 UNFINISHED_OUTCOMES = ("interrupted", "scheduler-ended")
 
 
+# Verdicts that say what this machine could not do rather than what the case did: rerun on --resume, where
+# a GPU (skipped) or the memory for the check (unchecked) may be there now.
+RERUN_VERDICTS = ("skipped", "unchecked")
+
+
 def finished(result: CaseResult | None, case: MatrixCase) -> bool:
     """Whether a result found on disk stands for `case`: same spec hash, and the case ran to a verdict
-    (not interrupted, not ended by the scheduler, not skipped for want of a GPU)."""
+    (not interrupted, not ended by the scheduler, not skipped for want of a GPU, not unchecked)."""
     return (
         result is not None
         and result.spec_hash == case.spec.spec_hash()
-        and result.verdict != "skipped"
+        and result.verdict not in RERUN_VERDICTS
         and result.evidence.get("outcome") not in UNFINISHED_OUTCOMES
     )
 

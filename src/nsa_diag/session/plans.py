@@ -44,13 +44,19 @@ class CaseList(Plan):
     An interrupted case is summarized with the result the runner wrote for it."""
 
     def __init__(
-        self, command: str, specs: Sequence[CaseSpec], expectations: Mapping[str, Expectation] | None = None
+        self,
+        command: str,
+        specs: Sequence[CaseSpec],
+        expectations: Mapping[str, Expectation] | None = None,
+        *,
+        left_out: Mapping[str, str] | None = None,
     ) -> None:
         names = [spec.name for spec in specs]
         assert len(set(names)) == len(names), f"case names must be unique: {names}"
         self.command = command
         self.cases = list(specs)
         self._expected = dict(expectations or {})
+        self.left_out = dict(left_out or {})  # checks the command left out here, with why (the summary's)
         self.repeat = 1
         self.runs, self.base_of = expand(self.cases, 1)
         self._results: list[CaseResult] = []
@@ -71,6 +77,11 @@ class CaseList(Plan):
     def begin(self, session: Session) -> None:
         times = f" x {self.repeat} repeats" if self.repeat > 1 else ""
         session.note(f"nsa-diag {self.command}: {len(self.cases)} case(s){times} into {session.run_dir}")
+        for name, why in self.left_out.items():
+            session.note(f"  not checked here: {name} ({why})", soft_wrap=True)
+
+    def extend(self, summary: RunSummary) -> None:
+        summary.left_out = self.left_out or None
 
     def execute(self, session: Session) -> None:
         try:
@@ -249,6 +260,32 @@ def _trial_spec(base: CaseSpec, name: str, overrides: dict[str, Any], **fields: 
     return CaseSpec.model_validate(data)
 
 
+def _short(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def grads_conclusion(layers: int, differ: list[int], same: list[int], failed: list[str]) -> str:
+    """gc-bisect --grads' one line: what the comparisons that ran showed, and only that (a layer whose
+    comparison ended otherwise is named as not compared; none compared is said as such, no headline)."""
+    parts = []
+    if differ:
+        parts.append(
+            "gradients differ from no checkpointing when checkpointing layer(s) "
+            + ", ".join(map(str, differ))
+        )
+    if same and not differ:
+        which = "any single layer" if len(same) == layers else "layer(s) " + ", ".join(map(str, same))
+        parts.append(f"checkpointing {which} gives the gradients of no checkpointing")
+    if failed:
+        parts.append(
+            ("no layer's gradients were compared" if not (differ or same) else "not compared")
+            + ": "
+            + "; ".join(failed)
+        )
+    return "; ".join(parts)
+
+
 def new_bisection(spec: CaseSpec, *, out: Path, grads: bool, layers: int | None = None) -> BisectState:
     """The state of a new bisection of `spec` (``--grads``: the per-layer gradient comparison); ``layers``:
     the layer count of a ``--model`` (its pre-flight's), else the spec's config's."""
@@ -354,7 +391,16 @@ class Bisection(Plan):
         if start.verdict == "pass":
             state.conclusion = f"the case passes with gc {self.base.overrides.get('gc')}: nothing to bisect"
             return False
+        if start.verdict == "unchecked":  # its check did not run: no failure to bisect, nor a pass
+            state.conclusion = f"the case's check did not run ({start.reason}): nothing to bisect"
+            return False
         none = self._trial("none", "gc-none", {"gc": "none", "gc_reentrant": False})
+        if none.verdict == "unchecked":
+            state.conclusion = (
+                f"without checkpointing the case's check did not run ({none.reason}): whether checkpointing "
+                f"causes {state.target} is not known"
+            )
+            return False
         if none.verdict != "pass":
             state.conclusion = (
                 f"fails without checkpointing too ({none.verdict}: {none.reason}): "
@@ -380,22 +426,18 @@ class Bisection(Plan):
         fields: dict[str, Any] = {"check": "gc", "inject": ()}
         if parse_stall(self.base.stall) == "auto":
             fields["stall"] = GRADS_STALL_S
-        differ, failed = [], []
+        differ, same, failed = [], [], []
         for layer in range(state.layers):
             gc = f"{layer}:{layer + 1}"
             trial = self._trial(gc, f"grads-L{layer}", {"gc": gc}, **fields)
             if trial.verdict == "mismatch":
                 differ.append(layer)
-            elif trial.verdict != "pass":
-                failed.append(f"layer {layer}: {trial.verdict}")
+            elif trial.verdict == "pass":
+                same.append(layer)
+            else:
+                failed.append(f"layer {layer}: {trial.verdict} ({_short(trial.reason)})")
         state.layers_differ = differ
-        text = (
-            "gradients differ from no checkpointing when checkpointing layer(s) "
-            + ", ".join(map(str, differ))
-            if differ
-            else "checkpointing any single layer gives the gradients of no checkpointing"
-        )
-        state.conclusion = text + (f"; not compared: {', '.join(failed)}" if failed else "")
+        state.conclusion = grads_conclusion(state.layers, differ, same, failed)
         return not (differ or failed)
 
     def extend(self, summary: RunSummary) -> None:

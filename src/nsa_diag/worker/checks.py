@@ -16,7 +16,9 @@ On the CPU everything runs in float64 and the bound is the spec's tolerance (def
 CUDA the computation under test runs in the case's dtype and the expected one in fp32; the bound is twice
 the error of the same computation made with the masked backends in that dtype, plus `LOW_FLOOR` (fp32:
 plus the spec's tolerance). A property that holds returns its errors (``parity`` of the result); one that
-does not raises ``CaseFailed("mismatch")`` naming the property, the largest error and where it is.
+does not raises ``CaseFailed("mismatch")`` naming the property, the largest error and where it is; one with
+nothing to compare (no backend to run, no cut point in a sequence too short) raises
+``CaseFailed("unchecked")``: a property not shown is never a pass.
 """
 
 from __future__ import annotations
@@ -40,6 +42,13 @@ CPU_TOLERANCE = 1e-9  # relative error, float64
 LOW_FLOOR = 1e-2  # added to the same-dtype bound in bf16/fp16
 MASKED = {"sel_backend": "masked", "cmp_backend": "masked", "win_backend": "masked"}
 REFERENCE = {"sel_backend": "reference", "cmp_backend": "reference", "win_backend": "reference"}
+# Why a property compared nothing (`run_check`): the case ends unchecked.
+NOTHING_TO_COMPARE = {
+    "backends": "no backend of the computed branches other than the one compared against",
+    "causality": "no position t with 1 <= t < S to change the tokens from",
+    "prefill": "no prefill mode to compare",
+    "gc": "no checkpointing range to compare",
+}
 REFERENCE_BUDGET = 2048  # batch x S x layers above which `backends` compares with masked, not reference
 
 
@@ -82,13 +91,14 @@ class Checker:
         self.rebuilds = self.cfg is not None and hasattr(self.base, "decode")
         if not self.rebuilds:
             self.cfg = nsa_config(self.base) if trainer.spec.check == "backends" else None
-        if self.cfg is None:
-            raise CaseFailed(
-                "error",
+        if self.cfg is None:  # refused before the case runs (`check_model_facts`); a safeguard
+            why = (
                 f"check {trainer.spec.check}: needs an nsa_core.TinyLM (or subclass) built from a config"
                 + (" or, for backends, a model holding nsa_core NSAAttention modules"
-                   if trainer.spec.check == "backends" else ""),
+                   if trainer.spec.check == "backends" else "")
             )  # fmt: skip
+            parity = {"property": trainer.spec.check, "checked": False, "why": why}
+            raise CaseFailed("unchecked", why, parity=parity)
         self.state = {k: v.detach().cpu() for k, v in self.base.state_dict().items()}
         self.tokens = trainer.batch(1)  # [B, S + 1], as the first training step would see
         self.cpu = self.device.type == "cpu"
@@ -378,6 +388,9 @@ def run_check(trainer: TrainingRun) -> tuple[dict[str, Any], str]:
     checker = Checker(trainer)
     result = getattr(checker, prop)()
     parity = _clean({"property": prop, "precision": checker.precision, **result})
+    if not result["errors"]:  # nothing was compared (no backend, no cut point): the property is not shown
+        why = f"{prop}: nothing to compare ({NOTHING_TO_COMPARE[prop]})"
+        raise CaseFailed("unchecked", why, parity={"property": prop, "checked": False, "why": why})
     err, bound = result["max_err"], result["bound"]
     text = f"{prop}: largest relative error {err:.3g} (bound {bound:.3g}, {checker.precision})"
     if not err <= bound:

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from nsa_diag.analysis.memory_model import CheckSize, ReferencePlan
+
 OOM_MESSAGES = ("out of memory", "can't allocate memory")
 ANOMALY_NAN = re.compile(r"Function '(\w+)' returned nan values")
 
@@ -117,6 +119,8 @@ class Trainer:
                         with self._range(f"step {step}"):
                             self._step(step)
                 outcome.reason = self._ok_reason()
+                if self.parity is not None and self.parity.get("checked") is False:
+                    outcome.status = "unchecked"  # the steps ran, the check asked for did not: not a pass
         except CaseFailed as failed:
             outcome = Outcome.failed(failed)
         except Exception as exc:
@@ -358,91 +362,161 @@ class Trainer:
         the bound is twice the error of the same computation with the reference backends in that dtype against
         the fp32 reference, plus the tolerance as a floor.
 
-        The reference is sized to the case (`plan_reference`): the dense reference backends where they fit
-        the free memory, else lean ones (sel gather, win chunked, cmp masked) that are not the backend under
-        test. A check that cannot run (no backend fits, or the reference runs out of memory) says so in
-        ``parity`` and the notes; the case's verdict stays that of its training steps.
+        The reference is sized to the case (`check_plans`): the dense reference backends where they fit the
+        free memory, else lean ones (sel gather, win chunked, cmp masked) that are not the backend under test.
+        Where no reference fits at the case's size, or it runs out of memory anyway, the check runs at a
+        smaller size with the same weights (`smaller_sizes`: fewer batch rows, then for nsa_core's model its
+        first layers, then the first tokens), the model under test run again there beside the reference;
+        ``parity["reduced"]`` says which. A check that runs at no size says so in ``parity`` (checked False)
+        and the case ends `unchecked`, never pass.
 
         A ``--model`` is compared with a copy of itself whose nsa_core NSAAttention modules run the reference
         backends (`nsa_diag.worker.nsa_variant`), sized by its first NSA module's config.
         """
-        import nsa_core
-        from nsa_diag.analysis.memory_model import ReferencePlan, plan_reference
+        from nsa_diag.analysis.memory_model import CheckSize, check_plans
 
         assert self.loaded is not None
         assert self.device is not None
-        progress, model = self.progress, self.loaded.model
+        model = self.loaded.model
         built = self.loaded.cfg  # None for a --model
         cfg = built if built is not None else nsa_config(model)
         if cfg is None:  # refused before the case runs (`check_model_facts`); a safeguard
             self._check_not_run(f"{type(model).__name__} holds no nsa_core NSAAttention module")
             return
-        plan = plan_reference(
-            cfg, seq_len=self.spec.seq_len, batch=self.spec.batch, dtype=self.spec.dtype,
-            device=str(self.device), budget_bytes=self._free_memory_bytes(),
+        full = CheckSize(batch=self.spec.batch, seq_len=self.spec.seq_len, layers=cfg.layers)
+        full_plan, attempts = check_plans(
+            cfg, size=full, dtype=self.spec.dtype, device=str(self.device),
+            budget_bytes=self._free_memory_bytes(), fewer_layers=built is not None,
         )  # fmt: skip
-        if not plan.fits:
-            self._check_not_run(f"the reference would not fit: {plan.describe()}")
+        if not attempts:
+            self._check_not_run(
+                f"the reference would not fit, at the case's size nor smaller: {full_plan.describe()}"
+            )
             return
-        progress.event("check", "begin", check="reference", backends=plan.backends)
-        low_precision = self.spec.dtype != "fp32"
-
-        def reference_of(backends: dict[str, str]) -> Callable[[bool], tuple[nn.Module, float]]:
-            nsa = replace(cfg.nsa, **{f"{branch}_backend": name for branch, name in backends.items()})
-
-            def reference(autocast: bool) -> tuple[nn.Module, float]:
-                if built is not None:
-                    ref = nsa_core.TinyLM(replace(cfg, nsa=nsa)).to(self.device)
-                    ref.load_state_dict(model.state_dict())
-                else:  # a --model: a copy of it whose NSA modules run the reference backends
-                    ref = with_nsa(model, **{f"{b}_backend": name for b, name in backends.items()})
-                handles = attach_progress(
-                    ref, progress, self.spec.layers_attr, branches=self.spec.branch_marks
-                )
-                progress.phase_override = "check"
-                try:
-                    if autocast:
-                        ref_loss = self._loss(ref, tokens)
-                    else:
-                        import torch.nn.functional as F
-
-                        logits = logits_of(ref(tokens[:, :-1])).float()
-                        ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-                    ref_loss.backward()
-                finally:
-                    progress.phase_override = None
-                    for handle in handles:
-                        handle.remove()
-                return ref, float(ref_loss.detach())
-
-            return reference
-
         tried: list[str] = []
-        candidate: ReferencePlan | None = plan
-        while candidate is not None:
-            try:
-                parity, bounds = self._parity(
-                    reference_of(candidate.backends), model, loss_value, low_precision
-                )
-                plan = candidate
-                break
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                self._release_memory()
-                tried.append(f"{candidate.describe()}: {_first_line(str(exc))}")
-                candidate = candidate.fallback if candidate.fallback and candidate.fallback.fits else None
-        else:
-            self._check_not_run("the reference ran out of memory (" + "; then ".join(tried) + ")")
-            return
+        for size, first in attempts:
+            candidate: ReferencePlan | None = first
+            while candidate is not None:
+                at = "" if size == full else f" at {size.describe(full)}"
+                try:
+                    parity, bounds = self._parity_at(size, full, candidate, tokens, loss_value)
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    self._release_memory()
+                    tried.append(f"{candidate.describe()}{at}: {_first_line(str(exc))}")
+                    candidate = candidate.fallback if candidate.fallback and candidate.fallback.fits else None
+                    continue
+                self._judge_parity(parity, bounds, candidate, size, full, tried, full_plan)
+                return
+        self._check_not_run("the reference ran out of memory (" + "; then ".join(tried) + ")")
+
+    def _parity_at(
+        self,
+        size: CheckSize,
+        full: CheckSize,
+        plan: ReferencePlan,
+        tokens: torch.Tensor,
+        loss_value: float,
+    ) -> tuple[dict[str, Any], tuple[float, float]]:
+        """The parity errors and bounds of `plan`'s reference at `size`: at the case's size against the
+        training step's own loss and gradients; smaller, against a copy of the model (same weights, its first
+        layers) run again on the batch's first rows and tokens."""
+        import nsa_core
+        from nsa_diag.analysis.memory_model import with_layers
+
+        assert self.loaded is not None
+        progress, model, built = self.progress, self.loaded.model, self.loaded.cfg
+        cfg = with_layers(built, size.layers) if built is not None else None
+        progress.event("check", "begin", check="reference", backends=plan.backends,
+                       size=None if size == full else size.describe(full))  # fmt: skip
+        if size != full:
+            tokens = tokens[: size.batch, : size.seq_len + 1]
+            if cfg is not None:  # nsa_core's model: rebuilt with its first layers
+                model = self._reduced_copy(nsa_core.TinyLM(cfg).to(self.device), model.state_dict())
+            else:  # a --model: a copy without nsa-diag's hooks, every layer
+                model = self._reduced_copy(with_nsa(model), None)
+            with self._checking(model):
+                loss = self._loss(model, tokens)
+                loss.backward()
+            loss_value = float(loss.detach())
+        low_precision = self.spec.dtype != "fp32"
+        source = model
+
+        def reference(autocast: bool) -> tuple[nn.Module, float]:
+            backends = {f"{branch}_backend": name for branch, name in plan.backends.items()}
+            if cfg is not None:
+                ref = nsa_core.TinyLM(replace(cfg, nsa=replace(cfg.nsa, **backends))).to(self.device)
+                ref.load_state_dict(source.state_dict())
+            else:  # a --model: a copy of it whose NSA modules run the reference backends
+                ref = with_nsa(source, **backends)
+            with self._checking(ref):
+                if autocast:
+                    ref_loss = self._loss(ref, tokens)
+                else:
+                    import torch.nn.functional as F
+
+                    logits = logits_of(ref(tokens[:, :-1])).float()
+                    ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+                ref_loss.backward()
+            return ref, float(ref_loss.detach())
+
+        return self._parity(reference, model, loss_value, low_precision)
+
+    def _reduced_copy(self, copy: nn.Module, state: dict[str, Any] | None) -> nn.Module:
+        """`copy`, without gradients, with the weights of `state` it has (its first layers): the model under
+        test of a reduced check."""
+        if state is not None:
+            own = copy.state_dict()
+            copy.load_state_dict({key: value for key, value in state.items() if key in own})
+        for param in copy.parameters():
+            param.grad = None
+        return copy
+
+    @contextlib.contextmanager
+    def _checking(self, model: nn.Module) -> Iterator[None]:
+        """Progress of `model`'s blocks in phase "check" while a parity check runs it."""
+        handles = attach_progress(
+            model, self.progress, self.spec.layers_attr, branches=self.spec.branch_marks
+        )
+        self.progress.phase_override = "check"
+        try:
+            yield
+        finally:
+            self.progress.phase_override = None
+            for handle in handles:
+                handle.remove()
+
+    def _judge_parity(
+        self,
+        parity: dict[str, Any],
+        bounds: tuple[float, float],
+        plan: ReferencePlan,
+        size: CheckSize,
+        full: CheckSize,
+        tried: list[str],
+        full_plan: ReferencePlan,
+    ) -> None:
+        """Record the check's errors (and the size it ran at); CaseFailed("mismatch") beyond the bounds."""
         if tried:
             parity["reference_out_of_memory"] = tried
         loss_bound, grad_bound = bounds
         parity["reference_backends"] = plan.backends
         if plan.lean:
             parity["reference_sized"] = plan.describe()
+        if size != full:
+            why = (
+                "ran out of memory" if tried and full_plan.fits else f"would not fit: {full_plan.describe()}"
+            )
+            parity["reduced"] = {
+                "batch": size.batch,
+                "seq_len": size.seq_len,
+                "layers": size.layers,
+                "what": size.describe(full),
+                "why": f"at the case's size the reference {why}",
+            }
         parity["loss_bound"], parity["grad_bound"] = loss_bound, grad_bound
-        progress.event("check", "end", check="reference", **parity)
+        self.progress.event("check", "end", check="reference", **parity)
         loss_ok = parity["loss_rel_err"] <= loss_bound  # NaN counts as a mismatch
         grad_ok = parity["grad_rel_err_max"] <= grad_bound
         if not (loss_ok and grad_ok):
@@ -451,9 +525,10 @@ class Trainer:
                 if not loss_ok
                 else (parity["worst_param"], parity["grad_rel_err_max"], grad_bound)
             )
+            at = f" (checked at {size.describe(full)})" if size != full else ""
             raise CaseFailed(
                 "mismatch",
-                f"{what} differs from the reference backends by {err:.3g} (relative; bound {bound:.3g})",
+                f"{what} differs from the reference backends by {err:.3g} (relative; bound {bound:.3g}){at}",
                 parity=sanitize_parity(parity),
             )
         self.parity = sanitize_parity(parity)
@@ -561,8 +636,11 @@ class Trainer:
         loss = self.losses[-1] if self.losses else None
         text = f"{self.steps_done} step(s) done"
         text += f", final loss {loss:.4f}" if loss is not None else ""
-        if self.parity is not None and self.parity.get("checked") is False:
-            text += f"; reference check NOT run: {self.parity['why']}"
+        parity = self.parity or {}
+        if parity.get("checked") is False:  # said first: it is the verdict (unchecked)
+            text = f"reference check not run: {parity['why']}; {text}"
+        elif parity.get("reduced"):
+            text += f"; reference check at {parity['reduced']['what']} ({parity['reduced']['why']})"
         return text + "".join(f"; warning {warning}" for warning in self.warnings)
 
     def _finish(self, outcome: Outcome) -> WorkerReport:
