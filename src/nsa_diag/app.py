@@ -12,9 +12,10 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Annotated, NoReturn, TextIO
+from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from nsa_diag import __version__, artifacts, interrupts, redact
 from nsa_diag._cli_utils import DebugOpt
@@ -59,7 +60,28 @@ two run folders. `attach PID` says what a job of yours that is already running i
 stopping it.
 """
 
+
+def _flags_without_metavar(params: list[Any]) -> list[Any]:
+    """A flag takes no value: Typer (0.29) still shows its type, `<bool>`, in the help's type column; an
+    empty metavar shows nothing there (also for Typer's own `--help` and completion flags)."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_metavar(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_metavar(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     name="nsa-diag",
     help=HELP,
     no_args_is_help=True,
@@ -87,21 +109,21 @@ def _root(
     pass
 
 
-app.command("run")(run)
-app.command("branch")(branch)
-app.command("backend")(backend)
-app.command("selftest")(selftest)
-app.command("scale")(scale)
-app.command("verify")(verify)
-app.command("gc-bisect")(gc_bisect)
-app.command("ddp")(ddp)
-app.command("matrix")(matrix)
-app.command("report")(report)
-app.command("compare")(compare)
-app.command("env")(env)
-app.command("watch", context_settings={"allow_interspersed_args": False})(watch)
-app.command("attach")(attach)
-app.command("schema")(schema)
+app.command("run", cls=_Command)(run)
+app.command("branch", cls=_Command)(branch)
+app.command("backend", cls=_Command)(backend)
+app.command("selftest", cls=_Command)(selftest)
+app.command("scale", cls=_Command)(scale)
+app.command("verify", cls=_Command)(verify)
+app.command("gc-bisect", cls=_Command)(gc_bisect)
+app.command("ddp", cls=_Command)(ddp)
+app.command("matrix", cls=_Command)(matrix)
+app.command("report", cls=_Command)(report)
+app.command("compare", cls=_Command)(compare)
+app.command("env", cls=_Command)(env)
+app.command("watch", cls=_Command, context_settings={"allow_interspersed_args": False})(watch)
+app.command("attach", cls=_Command)(attach)
+app.command("schema", cls=_Command)(schema)
 
 
 def report_error(exc: BaseException, *, debug: bool, stream: TextIO | None = None) -> int:
