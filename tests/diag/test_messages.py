@@ -9,6 +9,7 @@ under `watch` are read in test_watch.py's deadlock test, which runs the job anyw
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import typer
 
 from nsa_diag.app import app, run_cli
 from nsa_diag.cases import check_model_facts
-from nsa_diag.errors import UsageError
+from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, UsageError
 from nsa_diag.spec import CaseSpec, ModelFacts
 
 RECORDED = Path(__file__).resolve().parent / "recorded"
@@ -35,6 +36,66 @@ def _refusal(spec: CaseSpec, facts: ModelFacts, command: str | None = None) -> s
     with pytest.raises(UsageError) as info:
         check_model_facts(spec, facts, command)
     return str(info.value)
+
+
+# --- --json: errors as JSON on stdout too ---------------------------------------------------------------
+
+
+def _json_error(capsys: pytest.CaptureFixture[str]) -> tuple[dict[str, Any], list[str]]:
+    captured = capsys.readouterr()
+    (line,) = captured.out.strip().splitlines()
+    return json.loads(line), captured.err.strip().splitlines()
+
+
+def test_a_usage_error_with_json_is_a_json_object_on_stdout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: stdout empty (a script got no JSON)
+    assert run_cli(["run", "--json", "--seq-len", "0", "--out", str(tmp_path)]) == EXIT_USAGE
+    found, err = _json_error(capsys)
+    assert found["exit_code"] == EXIT_USAGE
+    assert found["kind"] == "usage"
+    assert "--seq-len" in found["error"]
+    assert err == [f"nsa-diag: {found['error']}"]
+    assert run_cli(["run", "--seq-len", "0", "--out", str(tmp_path)]) == EXIT_USAGE
+    assert capsys.readouterr().out == ""  # without --json, stdout stays empty
+    # watch's command after -- is the job's, its --json not nsa-diag's
+    assert run_cli(["watch", "--keep-alive", "--timeout", "soon", "--", "true", "--json"]) == EXIT_USAGE
+    assert capsys.readouterr().out == ""
+
+
+def test_a_bad_matrix_file_with_json_lists_its_problems(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("defaults: {seq_len: 0}\ncases:\n  - {dtype: fp8}\n")
+    assert run_cli(["matrix", str(path), "--json", "--out", str(tmp_path / "runs")]) == EXIT_USAGE
+    found, err = _json_error(capsys)
+    assert (found["exit_code"], found["kind"]) == (EXIT_USAGE, "config")
+    assert found["problems"] == [
+        f"{path}:1: defaults.seq_len: Input should be greater than or equal to 1",
+        f"{path}:3: cases[0].dtype: Input should be 'fp32', 'bf16' or 'fp16'",
+    ]
+    assert err[0] == f"nsa-diag: invalid matrix file {path} (2 problem(s)):"
+    assert len(err) == 3
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_internal_error_with_json_is_a_json_object_on_stdout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("nsa_diag.evidence.env.collect_env", broken)
+    assert run_cli(["env", "--json"]) == EXIT_INTERNAL
+    found, err = _json_error(capsys)
+    assert found == {
+        "error": "internal error: RuntimeError: boom",
+        "exit_code": EXIT_INTERNAL,
+        "kind": "internal",
+    }
+    assert err == ["nsa-diag: internal error: RuntimeError: boom (run again with --debug for the traceback)"]
 
 
 # --- --help: placeholders and flags ---------------------------------------------------------------------
