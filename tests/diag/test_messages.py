@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import typer
 
 from nsa_diag.app import app, run_cli
 from nsa_diag.cases import check_model_facts
+from nsa_diag.commands.verify import PROPERTIES, verify
 from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, UsageError
 from nsa_diag.spec import CaseSpec, ModelFacts
 
@@ -36,6 +38,76 @@ def _refusal(spec: CaseSpec, facts: ModelFacts, command: str | None = None) -> s
     with pytest.raises(UsageError) as info:
         check_model_facts(spec, facts, command)
     return str(info.value)
+
+
+# --- --model refusals name what the user asked for ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, says",
+    [
+        pytest.param(
+            "branch", "branch with --model mypkg.models:build: it runs each NSA branch alone", id="branch"
+        ),
+        pytest.param("scale --per-branch", "scale --per-branch with --model", id="scale-per-branch"),
+    ],
+)
+def test_a_branch_the_command_forced_is_said_as_the_commands(command: str, says: str) -> None:
+    # before: "--branch cmp: set nsa_core's NSA attention, ... leave them out", with no --branch given
+    message = _refusal(CaseSpec(model=MODEL, overrides={"force_branch": "cmp"}), PLAIN, command)
+    assert message.startswith(says), message
+    assert "--branch" not in message
+    assert "leave them out" not in message
+    assert "nsa-diag run --model mypkg.models:build runs the model whole" in message
+
+
+def test_a_branch_the_user_gave_is_still_said_as_the_flag() -> None:
+    message = _refusal(CaseSpec(model=MODEL, overrides={"force_branch": "cmp"}), PLAIN)
+    assert message.startswith("--branch cmp: set nsa_core's NSA attention"), message
+
+
+def test_the_reference_check_names_backend_or_the_flag() -> None:
+    spec = CaseSpec(
+        model=MODEL, reference_check=True, overrides={"force_branch": "sel", "sel_backend": "gather"}
+    )
+    assert _refusal(spec, PLAIN, "backend").startswith("backend with --model mypkg.models:build: the check")
+    assert _refusal(spec, PLAIN).startswith("--reference-check with --model mypkg.models:build: the check")
+
+
+def test_verify_without_only_names_the_property_not_an_only_flag() -> None:
+    # before: "verify --only backends with --model M: ..." for `verify --model M`
+    message = _refusal(CaseSpec(model=MODEL, check="backends"), PLAIN)
+    assert message.startswith("verify with --model mypkg.models:build: no property applies to PlainLM"), (
+        message
+    )
+    assert "--only" not in message
+    message = _refusal(CaseSpec(model=MODEL, check="causality"), WITH_NSA)
+    assert message.startswith("verify's causality property with --model mypkg.models:build:"), message
+    assert message.endswith(
+        "verify --only backends --model mypkg.models:build checks its NSAAttention modules"
+    )
+    assert "verify --only backends" not in _refusal(CaseSpec(model=MODEL, check="gc"), PLAIN)
+
+
+# Which model each --model example of `verify --help` names (its factory's name says which kind it is).
+_EXAMPLE_MODELS = {"build_with_nsa_attention": WITH_NSA, "build_tinylm_subclass": TINYLM}
+
+
+def test_verify_helps_model_examples_are_accepted_for_the_models_they_name() -> None:
+    # before: `verify --only causality,prefill --model mypkg.models:build`, refused for any plain model
+    lines = [line.strip() for line in (verify.__doc__ or "").splitlines()]
+    examples = [
+        shlex.split(line) for line in lines if line.startswith("nsa-diag verify") and "--model" in line
+    ]
+    assert len(examples) == 2, examples
+    for argv in examples:
+        factory = argv[argv.index("--model") + 1]
+        facts = _EXAMPLE_MODELS[factory.rpartition(":")[2]]
+        only = argv[argv.index("--only") + 1].split(",") if "--only" in argv else PROPERTIES
+        for prop in only:
+            check_model_facts(
+                CaseSpec(model=factory, check=prop), facts.model_copy(update={"model": factory})
+            )
 
 
 # --- --json: errors as JSON on stdout too ---------------------------------------------------------------
