@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,25 @@ def test_verify_helps_model_examples_are_accepted_for_the_models_they_name() -> 
             check_model_facts(
                 CaseSpec(model=factory, check=prop), facts.model_copy(update={"model": factory})
             )
+
+
+# --- watch: a command that cannot start says why -------------------------------------------------------
+
+
+def test_watch_of_a_missing_script_quotes_pythons_own_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # before: "exited with code 2 without a result at done", and Python's "can't open file" nowhere
+    monkeypatch.chdir(tmp_path)
+    code = run_cli(["watch", "--out", str(tmp_path / "runs"), "--json", "--", sys.executable, "nonexist.py"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    (case,) = json.loads(out)["cases"]
+    assert case["verdict"] == "crash"
+    assert case["reason"].startswith("exited with code 2 before its first step; its last stderr line: "), case
+    assert "can't open file" in case["reason"]
+    assert "nonexist.py" in case["reason"]
+    assert "without a result" not in case["reason"]
 
 
 # --- --json: errors as JSON on stdout too ---------------------------------------------------------------
