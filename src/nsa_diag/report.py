@@ -128,14 +128,15 @@ def _failure_markdown(record: Mapping[str, Any], case_dir: str) -> list[str]:
         lines += ["- " + "; ".join(facts), ""]
     if record["stack"]:
         lines += [
-            f"Main thread, last stack sample (`{case_dir}/stacks.txt`):",
+            f"Main thread, last stack sample (`{case_dir}/{record['stack_file']}`):",
             "",
             "```",
             *record["stack"],
             "```",
         ]
     if record["native_stack"]:
-        lines += ["", f"Main thread with native frames (`{case_dir}/pyspy.txt`):", "", "```"]
+        pyspy = Path(record["stack_file"]).parent / "pyspy.txt"
+        lines += ["", f"Main thread with native frames (`{case_dir}/{pyspy.as_posix()}`):", "", "```"]
         lines += [*record["native_stack"], "```"]
     return [*lines, ""]
 

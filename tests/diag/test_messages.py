@@ -19,11 +19,12 @@ from typing import Any
 import pytest
 import typer
 
+from nsa_diag import artifacts
 from nsa_diag.app import app, run_cli
 from nsa_diag.cases import check_model_facts
 from nsa_diag.commands.verify import PROPERTIES, verify
 from nsa_diag.errors import EXIT_INTERNAL, EXIT_USAGE, UsageError
-from nsa_diag.spec import CaseSpec, ModelFacts
+from nsa_diag.spec import CaseResult, CaseSpec, ModelFacts, Where
 
 RECORDED = Path(__file__).resolve().parent / "recorded"
 MODEL = "mypkg.models:build"
@@ -128,6 +129,48 @@ def test_watch_of_a_missing_script_quotes_pythons_own_line(
     assert "can't open file" in case["reason"]
     assert "nonexist.py" in case["reason"]
     assert "without a result" not in case["reason"]
+
+
+# --- report: a slow case's memory, a watched process's stacks -------------------------------------------
+
+
+def _watched_slow_run(run_dir: Path) -> None:
+    """A run folder as `watch` leaves it for a job past its timeout: the deciding process's stacks under
+    procs/pid-<pid>/, the peak memory only in memory_stats.json."""
+    case = run_dir / "cases" / "watch"
+    (case / "procs" / "pid-4242").mkdir(parents=True)
+    (case / "procs" / "pid-4242" / artifacts.STACKS).write_text(
+        (RECORDED / "deadlock.faulthandler.txt").read_text()
+    )
+    artifacts.write_json(case / artifacts.MEMORY_STATS, {"at_hang": {"cpu_peak_rss_bytes": 300 * 2**20}})
+    result = CaseResult(
+        name="watch",
+        spec_hash="0",
+        verdict="slow",
+        reason="still progressing when the 5 s timeout ran out, at step 2",
+        where=Where(phase="forward", step=2),
+        evidence={"outcome": "timeout", "stacks_file": "procs/pid-4242/stacks.txt"},
+    )
+    artifacts.write_json(case / artifacts.RESULT, result)
+
+
+def test_report_of_a_slow_watched_job_shows_its_frames(tmp_path: Path) -> None:
+    # before: no frames for a case whose stacks are a process's
+    run_dir = tmp_path / "run"
+    _watched_slow_run(run_dir)
+    assert run_cli(["report", str(run_dir)]) == 0
+    text = (run_dir / "report.md").read_text()
+    assert "Main thread, last stack sample (`cases/watch/procs/pid-4242/stacks.txt`):" in text
+    assert "record_stacks.py:34 in _fault" in text
+
+
+def test_the_stacks_of_a_verdict_are_its_processes() -> None:
+    def result(**evidence: Any) -> CaseResult:
+        return CaseResult(name="c", spec_hash="0", verdict="hang", reason="-", evidence=evidence)
+
+    assert result().stacks_file() == "stacks.txt"
+    assert result(rank_of_verdict=1).stacks_file() == "ranks/1/stacks.txt"
+    assert result(stacks_file="procs/pid-7/stacks.txt").stacks_file() == "procs/pid-7/stacks.txt"
 
 
 # --- --json: errors as JSON on stdout too ---------------------------------------------------------------

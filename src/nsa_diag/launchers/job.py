@@ -569,6 +569,7 @@ def combine(
             reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
         if base.signal == "SIGKILL" and not stop.get("sigkill"):
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
+        evidence.update(_stacks_file(folders.get(source), end.case_dir))
         update = {"reason": reason, "steps_done": steps, "evidence": {**base.evidence, **evidence}}
         return base.model_copy(update=update)
 
@@ -579,6 +580,7 @@ def combine(
     rank = key if key in ranks else None
     where = location(base, rank)
     evidence = {**base.evidence, **evidence, "location": where}
+    evidence.update(_stacks_file(folders.get(key), end.case_dir))
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
@@ -606,6 +608,17 @@ def combine(
         reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
     update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
     return base.model_copy(update=update)
+
+
+def _stacks_file(folder: Path | None, case_dir: Path) -> dict[str, str]:
+    """``stacks_file``: the deciding process's stacks.txt in the case folder (`CaseResult.stacks_file`),
+    where it took one."""
+    if folder is None or not (folder / artifacts.STACKS).is_file():
+        return {}
+    try:
+        return {"stacks_file": (folder / artifacts.STACKS).relative_to(case_dir).as_posix()}
+    except ValueError:
+        return {}
 
 
 _WORDLESS = re.compile(r"^[^A-Za-z0-9]*$")  # a rule of "=" or "-" (torchrun's summary) says nothing
