@@ -230,7 +230,7 @@ def _case_rows(run: RunFolder) -> tuple[list[str], list[list[str]]]:
             cells = render._cells({**_CELL_DEFAULTS, **case.entry})
             peak = cells["peak memory"]
             if case.entry.get("peak_memory_kind", "") and "memory_stats" in case.entry["peak_memory_kind"]:
-                peak += " (at hang)" if case.verdict in ("hang", "slow") else ""
+                peak += {"hang": " (at hang)", "slow": " (at timeout)"}.get(case.verdict, "")
             row += [case.verdict, case.entry.get("hang_kind") or "-", cells["where"], cells["time"]]
             row += [cells["tokens/s"], peak] + ([cells["parity"]] if parity else [])
         rows.append(row)

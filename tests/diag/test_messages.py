@@ -154,12 +154,14 @@ def _watched_slow_run(run_dir: Path) -> None:
     artifacts.write_json(case / artifacts.RESULT, result)
 
 
-def test_report_of_a_slow_watched_job_shows_its_frames(tmp_path: Path) -> None:
-    # before: no frames for a case whose stacks are a process's
+def test_report_of_a_slow_watched_job_says_at_timeout_and_shows_its_frames(tmp_path: Path) -> None:
+    # before: peak memory "(at hang)" for a slow case; no frames for a case whose stacks are a process's
     run_dir = tmp_path / "run"
     _watched_slow_run(run_dir)
     assert run_cli(["report", str(run_dir)]) == 0
     text = (run_dir / "report.md").read_text()
+    assert "300.0 MiB (at timeout)" in text
+    assert "(at hang)" not in text
     assert "Main thread, last stack sample (`cases/watch/procs/pid-4242/stacks.txt`):" in text
     assert "record_stacks.py:34 in _fault" in text
 
