@@ -175,6 +175,25 @@ def test_the_stacks_of_a_verdict_are_its_processes() -> None:
     assert result(stacks_file="procs/pid-7/stacks.txt").stacks_file() == "procs/pid-7/stacks.txt"
 
 
+# --- matrix --dry-run: a case's own model ---------------------------------------------------------------
+
+
+def test_matrix_dry_run_shows_a_cases_own_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # before: model "tiny" for a `model:` case
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "cases:\n  - {name: mine, model: 'diag_user_model:build', seq_len: 16}\n  - {name: ours}\n"
+    )
+    assert run_cli(["matrix", str(path), "--dry-run", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)["cases"]}
+    assert (rows["mine"]["model"], rows["ours"]["model"]) == ("diag_user_model:build", None)
+    assert run_cli(["matrix", str(path), "--dry-run"]) == 0
+    table = capsys.readouterr().out
+    (mine,) = [line for line in table.splitlines() if "│ mine" in line]
+    assert "diag_user_model:build" in mine
+    assert "tiny" not in mine
+
+
 # --- --json: errors as JSON on stdout too ---------------------------------------------------------------
 
 
