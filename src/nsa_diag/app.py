@@ -7,14 +7,16 @@ inside their functions, so `nsa-diag --help` never loads it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Annotated, NoReturn, TextIO
+from typing import Annotated, Any, NoReturn, TextIO
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 from nsa_diag import __version__, artifacts, interrupts, redact
 from nsa_diag._cli_utils import DebugOpt
@@ -33,7 +35,7 @@ from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
 from nsa_diag.commands.verify import verify
 from nsa_diag.commands.watch import watch
-from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error
+from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error, error_object
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
 HELP = """\
@@ -60,7 +62,28 @@ two run folders. `attach PID` says what a job of yours that is already running i
 stopping it.
 """
 
+
+def _flags_without_metavar(params: list[Any]) -> list[Any]:
+    """A flag takes no value: Typer (0.29) still shows its type, `<bool>`, in the help's type column; an
+    empty metavar shows nothing there (also for Typer's own `--help` and completion flags)."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_metavar(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_without_metavar(super().get_params(ctx))
+
+
 app = typer.Typer(
+    cls=_Group,
     name="nsa-diag",
     help=HELP,
     no_args_is_help=True,
@@ -88,30 +111,35 @@ def _root(
     pass
 
 
-app.command("run")(run)
-app.command("branch")(branch)
-app.command("backend")(backend)
-app.command("selftest")(selftest)
-app.command("scale")(scale)
-app.command("verify")(verify)
-app.command("gc-bisect")(gc_bisect)
-app.command("ddp")(ddp)
-app.command("matrix")(matrix)
-app.command("report")(report)
-app.command("compare")(compare)
-app.command("env")(env)
-app.command("watch", context_settings={"allow_interspersed_args": False})(watch)
-app.command("attach")(attach)
-app.command("schema")(schema)
+app.command("run", cls=_Command)(run)
+app.command("branch", cls=_Command)(branch)
+app.command("backend", cls=_Command)(backend)
+app.command("selftest", cls=_Command)(selftest)
+app.command("scale", cls=_Command)(scale)
+app.command("verify", cls=_Command)(verify)
+app.command("gc-bisect", cls=_Command)(gc_bisect)
+app.command("ddp", cls=_Command)(ddp)
+app.command("matrix", cls=_Command)(matrix)
+app.command("report", cls=_Command)(report)
+app.command("compare", cls=_Command)(compare)
+app.command("env", cls=_Command)(env)
+app.command("watch", cls=_Command, context_settings={"allow_interspersed_args": False})(watch)
+app.command("attach", cls=_Command)(attach)
+app.command("schema", cls=_Command)(schema)
 
 
-def report_error(exc: BaseException, *, debug: bool, stream: TextIO | None = None) -> int:
+def report_error(
+    exc: BaseException, *, debug: bool, stream: TextIO | None = None, json_stream: TextIO | None = None
+) -> int:
     """Print what went wrong to `stream` (stderr) and return the exit code from the error table.
 
     Without `debug` the report is the message alone: one line (pydantic: one line per invalid field).
+    `json_stream` (stdout under ``--json``) also gets the error as one JSON object (`error_object`).
     """
     stream = stream or sys.stderr
     code, message = describe_error(exc)
+    if json_stream is not None:
+        print(json.dumps(error_object(exc)), file=json_stream, flush=True)
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     elif code == EXIT_INTERNAL:
@@ -120,25 +148,41 @@ def report_error(exc: BaseException, *, debug: bool, stream: TextIO | None = Non
     return code
 
 
+def _options(args: Sequence[str]) -> Sequence[str]:
+    """The arguments before ``--`` (what follows is watch's command, not nsa-diag's)."""
+    return args[: args.index("--")] if "--" in args else args
+
+
 def _wants_debug(args: Sequence[str]) -> bool:
-    options = args[: args.index("--")] if "--" in args else args
-    return "--debug" in options
+    return "--debug" in _options(args)
+
+
+def _wants_json(args: Sequence[str]) -> bool:
+    return "--json" in _options(args)
 
 
 def run_cli(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI on `argv` (default: the process arguments) and return the exit code."""
+    """Run the CLI on `argv` (default: the process arguments) and return the exit code.
+
+    An error is one line on stderr (the error table, `nsa_diag.errors`); with ``--json`` also one JSON
+    object on stdout, so that a script gets JSON whatever happened."""
     args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
     # no file written will hold a secret of this environment or of the command line (watch's job's own)
     artifacts.withhold(redact.env_secret_values(os.environ) | redact.argv_secret_values([args]))
+    json_stream = sys.stdout if _wants_json(args) else None
     try:
         result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
     except Exception as exc:
         signum = interrupts.received()
         if signum is not None:  # an interrupt broke something mid-way (e.g. an import it cut short)
             name = signal.Signals(signum).name
-            print(f"nsa-diag: interrupted by {name} ({type(exc).__name__}: {exc})", file=sys.stderr)
+            message = f"interrupted by {name} ({type(exc).__name__}: {exc})"
+            if json_stream is not None:
+                found = {"error": message, "exit_code": EXIT_ABORTED, "kind": "interrupted"}
+                print(json.dumps(found), file=json_stream, flush=True)
+            print(f"nsa-diag: {message}", file=sys.stderr)
             return EXIT_ABORTED
-        return report_error(exc, debug=_wants_debug(args))
+        return report_error(exc, debug=_wants_debug(args), json_stream=json_stream)
     return result if isinstance(result, int) else 0
 
 

@@ -723,31 +723,32 @@ def _flags(spec: CaseSpec, keys: Iterable[str]) -> str:
     return ", ".join(f"{_OPTIONS_BY_KEY[k].flag} {spec.overrides[k]}" for k in keys)
 
 
-def check_model_facts(spec: CaseSpec, facts: ModelFacts) -> None:
+def check_model_facts(spec: CaseSpec, facts: ModelFacts, command: str | None = None) -> None:
     """Refuse, in one line, a ``--model`` that broke the contract and every option the model it builds would
-    not take: NSA options, backend parity (``--reference-check``, ``verify --only backends``) without
+    not take: NSA options, backend parity (``--reference-check``, ``verify``'s backends property) without
     nsa_core NSAAttention modules holding their values, model options the factory never reads (or whose
     value the model does not have), a fault on a layer it lacks or a recompute fault on a layer ``--gc``
-    does not cover, a correctness property that rebuilds an nsa_core.TinyLM from its config."""
+    does not cover, a correctness property that rebuilds an nsa_core.TinyLM from its config.
+
+    ``command``: the command (``branch``, ``backend``, ``scale --per-branch``) that forced each case's
+    branch or asked for the reference check itself; a refusal names it, not a flag the user never gave."""
     name = f"--model {spec.model}"
     if facts.problem:
         raise ConfigError(f"{name}: {facts.problem}")
     holds_nsa = bool(facts.nsa_layers) or facts.self_checkpointing
-    if spec.check == "backends" and not holds_nsa:
-        raise UsageError(
-            f"verify --only backends with {name}: the property compares the model's nsa_core NSAAttention "
-            f"modules on each backend, and {facts.type} holds none: there is nothing to check"
-        )
-    if spec.check is not None and spec.check != "backends" and not facts.self_checkpointing:
-        raise UsageError(
-            f"verify --only {spec.check} with {name}: the property rebuilds the model from its nsa_core "
-            f"config, which needs an nsa_core.TinyLM (or subclass); {facts.type} is not one"
-        )
+    if spec.check is not None:
+        _check_property(spec, facts, holds_nsa)
     if spec.reference_check and not holds_nsa:
+        asked = command if command is not None else "--reference-check"
         raise UsageError(
-            f"--reference-check (and nsa-diag backend) with {name}: the check runs the model's nsa_core "
-            f"NSAAttention modules on the reference backends, and {facts.type} holds none: there is "
-            "nothing to compare"
+            f"{asked} with {name}: the check runs the model's nsa_core NSAAttention modules on the reference "
+            f"backends, and {facts.type} holds none: there is nothing to compare"
+        )
+    if command is not None and "force_branch" in spec.overrides and not holds_nsa:
+        raise UsageError(
+            f"{command} with {name}: it runs each NSA branch alone through nsa_core's NSAAttention modules, "
+            f"and {facts.type} holds none: there is no branch to run alone (nsa-diag run --model "
+            f"{spec.model} runs the model whole)"
         )
     given = [key for key in spec.overrides if key not in _GC_KEYS]
     nsa = [k for k in given if k in _NSA_KEYS]
@@ -789,6 +790,25 @@ def check_model_facts(spec: CaseSpec, facts: ModelFacts) -> None:
                 f"--inject {inj}: phase=recompute fires only when layer {inj.layer} is checkpointed; "
                 f"add --gc all or --gc A:B covering it"
             )
+
+
+def _check_property(spec: CaseSpec, facts: ModelFacts, holds_nsa: bool) -> None:
+    """A ``verify`` property that cannot apply to the model (``spec.check``): the backends property needs
+    nsa_core NSAAttention modules, the others an nsa_core.TinyLM to rebuild from its config. Said as the
+    property's (``verify --only`` may not have been given), with the property that does apply, if any."""
+    name = f"--model {spec.model}"
+    if spec.check == "backends" and not holds_nsa:
+        raise UsageError(
+            f"verify with {name}: no property applies to {facts.type}: backends compares nsa_core "
+            "NSAAttention modules on each backend, and it holds none; causality, prefill and gc rebuild the "
+            "model from its nsa_core config, and it is no nsa_core.TinyLM"
+        )
+    if spec.check != "backends" and not facts.self_checkpointing:
+        other = f"; verify --only backends {name} checks its NSAAttention modules" if holds_nsa else ""
+        raise UsageError(
+            f"verify's {spec.check} property with {name}: the property rebuilds the model from its nsa_core "
+            f"config, which needs an nsa_core.TinyLM (or subclass), and {facts.type} is not one{other}"
+        )
 
 
 def _gc_layers(gc: str, layers: int) -> range:

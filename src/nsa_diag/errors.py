@@ -1,6 +1,8 @@
 """The toolkit's exceptions and the one table that turns any exception into an exit code and a message.
 
 Exit codes (DESIGN.md): 2 for a usage or configuration error, 3 for an internal error of the toolkit.
+Each row also names the error's ``kind`` (usage, config, internal, aborted): with ``--json``, `main()`
+prints `error_object` on stdout, so a script reads every outcome as JSON.
 `nsa_core` reports a broken contract (a bad shape, an invalid config) as `ValueError`; raised there it is
 the user's configuration that is wrong, so it maps to 2. A `ValueError` from anywhere else is a bug of the
 toolkit and maps to 3 like every other unexpected exception.
@@ -8,8 +10,9 @@ toolkit and maps to 3 like every other unexpected exception.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 
@@ -28,6 +31,16 @@ class UsageError(NsaDiagError):
 
 class ConfigError(UsageError):
     """A model, case or matrix configuration is invalid."""
+
+
+class ProblemsError(ConfigError):
+    """A configuration with several problems, said one per line under a headline (a matrix file:
+    ``file:line: where: what``). ``what``: what is invalid, e.g. ``matrix file cases.yaml``."""
+
+    def __init__(self, what: str, problems: Sequence[str]) -> None:
+        self.what = what
+        self.problems = list(problems)
+        super().__init__("; ".join(self.problems))
 
 
 class InternalError(NsaDiagError):
@@ -63,6 +76,12 @@ def _validation_message(exc: BaseException) -> str:
     return "\n".join(lines)
 
 
+def _problems_message(exc: BaseException) -> str:
+    assert isinstance(exc, ProblemsError)
+    head = f"invalid {exc.what} ({len(exc.problems)} problem(s)):"
+    return "\n".join([head, *(f"  {_one_line(problem)}" for problem in exc.problems)])
+
+
 def _cli_message(exc: BaseException) -> str:
     message = exc.format_message()  # type: ignore[attr-defined]
     ctx = getattr(exc, "ctx", None)
@@ -72,10 +91,12 @@ def _cli_message(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class ErrorMapping:
-    """One row of the table: which exceptions it matches, their exit code and how to say what happened."""
+    """One row of the table: which exceptions it matches, their exit code, their kind (`error_object`'s
+    ``kind``) and how to say what happened."""
 
     matches: Callable[[BaseException], bool]
     exit_code: int
+    kind: str
     message: Callable[[BaseException], str]
 
 
@@ -83,31 +104,56 @@ def _of_type(*types: type[BaseException]) -> Callable[[BaseException], bool]:
     return lambda exc: isinstance(exc, types)
 
 
-# First match wins. Every message is one line, except pydantic's: one line per invalid field.
+# First match wins. Every message is one line, except pydantic's (one line per invalid field) and a
+# ProblemsError's (one line per problem).
 ERROR_MAPPINGS: tuple[ErrorMapping, ...] = (
     # Typer's parsing errors: unknown option, missing or malformed value.
-    ErrorMapping(_of_type(typer.TyperException), EXIT_USAGE, _cli_message),
-    ErrorMapping(_of_type(typer.Abort), EXIT_ABORTED, lambda e: "aborted"),
-    ErrorMapping(_of_type(ConfigError), EXIT_USAGE, lambda e: f"invalid configuration: {_one_line(str(e))}"),
-    ErrorMapping(_of_type(UsageError), EXIT_USAGE, lambda e: _one_line(str(e))),
-    ErrorMapping(_is_validation_error, EXIT_USAGE, _validation_message),
+    ErrorMapping(_of_type(typer.TyperException), EXIT_USAGE, "usage", _cli_message),
+    ErrorMapping(_of_type(typer.Abort), EXIT_ABORTED, "aborted", lambda e: "aborted"),
+    ErrorMapping(_of_type(ProblemsError), EXIT_USAGE, "config", _problems_message),
+    ErrorMapping(
+        _of_type(ConfigError), EXIT_USAGE, "config", lambda e: f"invalid configuration: {_one_line(str(e))}"
+    ),
+    ErrorMapping(_of_type(UsageError), EXIT_USAGE, "usage", lambda e: _one_line(str(e))),
+    ErrorMapping(_is_validation_error, EXIT_USAGE, "config", _validation_message),
     ErrorMapping(
         lambda e: isinstance(e, ValueError) and _raised_in_nsa_core(e),
         EXIT_USAGE,
+        "config",
         lambda e: f"invalid configuration: {_one_line(str(e))}",
     ),
-    ErrorMapping(_of_type(NsaDiagError), EXIT_INTERNAL, lambda e: f"internal error: {_one_line(str(e))}"),
+    ErrorMapping(
+        _of_type(NsaDiagError), EXIT_INTERNAL, "internal", lambda e: f"internal error: {_one_line(str(e))}"
+    ),
     ErrorMapping(
         _of_type(BaseException),
         EXIT_INTERNAL,
+        "internal",
         lambda e: _one_line(f"internal error: {type(e).__name__}: {e}".removesuffix(": ")),
     ),
 )
 
 
-def describe_error(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the message for `exc`, from the first row of `ERROR_MAPPINGS` that matches."""
+def _mapping(exc: BaseException) -> ErrorMapping:
     for mapping in ERROR_MAPPINGS:
         if mapping.matches(exc):
-            return mapping.exit_code, mapping.message(exc)
+            return mapping
     raise AssertionError("the last row of ERROR_MAPPINGS matches every exception")
+
+
+def describe_error(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the message for `exc`, from the first row of `ERROR_MAPPINGS` that matches."""
+    mapping = _mapping(exc)
+    return mapping.exit_code, mapping.message(exc)
+
+
+def error_object(exc: BaseException) -> dict[str, Any]:
+    """What ``--json`` prints on stdout for `exc`: ``{"error": message, "exit_code": 2, "kind": "usage"}``
+    (the message as on stderr, without ``nsa-diag: ``), with ``problems`` (one per line) where there are
+    several."""
+    mapping = _mapping(exc)
+    found: dict[str, Any] = {"error": mapping.message(exc), "exit_code": mapping.exit_code}
+    found["kind"] = mapping.kind
+    if isinstance(exc, ProblemsError):
+        found["problems"] = list(exc.problems)
+    return found

@@ -66,7 +66,7 @@ from nsa_diag.cases import (
     default_seq_len,
     with_device_backends,
 )
-from nsa_diag.errors import ConfigError, UsageError
+from nsa_diag.errors import ProblemsError, UsageError
 from nsa_diag.options import CmpBackend, Prefill, SelBackend, WinBackend, literal_of
 from nsa_diag.slurm import SlurmSettings
 from nsa_diag.spec import CaseSpec, HangKind, Injection, Verdict
@@ -229,13 +229,12 @@ def matrix_json_schema() -> dict[str, Any]:
 # --- errors with file lines -------------------------------------------------------------------------------
 
 
-class MatrixFileError(ConfigError):
+class MatrixFileError(ProblemsError):
     """A matrix file that cannot run: one ``file:line: where: what`` line per problem."""
 
     def __init__(self, path: Path | str, problems: Sequence[str]) -> None:
         self.path = str(path)
-        self.problems = list(problems)
-        super().__init__("; ".join(self.problems))
+        super().__init__(f"matrix file {path}", problems)
 
 
 Loc = tuple[str | int, ...]

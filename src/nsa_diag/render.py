@@ -151,15 +151,15 @@ def format_seconds(value: float | None) -> str:
 STACK_DEPTH = 8
 
 
-def main_thread_stack(case_dir: Path, depth: int = STACK_DEPTH) -> list[str]:
-    """The innermost frames of the worker's main thread in its last stack sample (or fatal-error dump).
+def main_thread_stack(case_dir: Path, stacks_file: str = "stacks.txt", depth: int = STACK_DEPTH) -> list[str]:
+    """The innermost frames of the main thread in the last stack sample (or fatal-error dump) of
+    ``stacks_file`` in the case folder: the process the verdict is about (`CaseResult.stacks_file`).
 
-    Empty when ``stacks.txt`` holds no sample, e.g. for a case that ended normally.
+    Empty when it holds no sample, e.g. for a case that ended normally.
     """
-    from nsa_diag import artifacts
     from nsa_diag.evidence.stacks import parse_faulthandler, read_stacks
 
-    dump = read_stacks(Path(case_dir) / artifacts.STACKS).last_dump()
+    dump = read_stacks(Path(case_dir) / stacks_file).last_dump()
     if not dump:
         return []
     threads = parse_faulthandler(dump)
@@ -252,7 +252,7 @@ def render_summary(summary: RunSummary, console: Console | None = None) -> None:
             reason = f"[bold]{escape(case.name)}[/bold]: {escape(case.reason)}"
             console.print(reason, soft_wrap=True, highlight=False)
         if case.stack:
-            console.print(f"  main thread, last stack sample ({case.dir}/stacks.txt):", highlight=False)
+            console.print(f"  main thread, last stack sample ({case.stack_file}):", highlight=False)
             for frame in case.stack:
                 console.print(f"    {escape(frame)}", highlight=False, soft_wrap=True)
     if summary.not_run:
@@ -304,7 +304,7 @@ def summary_markdown(summary: RunSummary) -> str:
         lines.append(f"- **{case.name}** ({case.verdict}): {case.reason}")
         lines.append(f"  files: `{case.dir}/`; reproduce: `{case.replay}`")
         if case.stack:
-            lines.append(f"  main thread, last stack sample (`{case.dir}/stacks.txt`):")
+            lines.append(f"  main thread, last stack sample (`{case.stack_file}`):")
             lines += ["", "  ```", *(f"  {frame}" for frame in case.stack), "  ```", ""]
     if summary.not_run:
         lines += ["", f"Not run: {', '.join(summary.not_run)}."]

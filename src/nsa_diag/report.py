@@ -129,14 +129,15 @@ def _failure_markdown(record: Mapping[str, Any], case_dir: str) -> list[str]:
         lines += ["- " + "; ".join(facts), ""]
     if record["stack"]:
         lines += [
-            f"Main thread, last stack sample (`{case_dir}/stacks.txt`):",
+            f"Main thread, last stack sample (`{case_dir}/{record['stack_file']}`):",
             "",
             "```",
             *record["stack"],
             "```",
         ]
     if record["native_stack"]:
-        lines += ["", f"Main thread with native frames (`{case_dir}/pyspy.txt`):", "", "```"]
+        pyspy = Path(record["stack_file"]).parent / "pyspy.txt"
+        lines += ["", f"Main thread with native frames (`{case_dir}/{pyspy.as_posix()}`):", "", "```"]
         lines += [*record["native_stack"], "```"]
     return [*lines, ""]
 
@@ -230,7 +231,7 @@ def _case_rows(run: RunFolder) -> tuple[list[str], list[list[str]]]:
             cells = render._cells({**_CELL_DEFAULTS, **case.entry})
             peak = cells["peak memory"]
             if case.entry.get("peak_memory_kind", "") and "memory_stats" in case.entry["peak_memory_kind"]:
-                peak += " (at hang)" if case.verdict in ("hang", "slow") else ""
+                peak += {"hang": " (at hang)", "slow": " (at timeout)"}.get(case.verdict, "")
             row += [case.verdict, case.entry.get("hang_kind") or "-", cells["where"], cells["time"]]
             row += [cells["tokens/s"], peak] + ([cells["parity"]] if parity else [])
         rows.append(row)

@@ -191,7 +191,9 @@ def _entry(
         if isinstance(expected, Mapping) and expected.get("verdict")
         else None
     )
-    entry = CaseEntry.of(result, expectation, stack=lambda: render.main_thread_stack(case_dir)).to_json()
+    entry = CaseEntry.of(
+        result, expectation, stack=lambda stacks_file: render.main_thread_stack(case_dir, stacks_file)
+    ).to_json()
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
     entry["step_s"] = _last(result.metrics.get("step_s"))
@@ -521,6 +523,7 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
         where = _location(result) if result is not None else _last_progress(case.dir)
         evidence = result.evidence if result is not None else {}
         main_thread = evidence.get("main_thread") or {}
+        stacks_file = result.stacks_file() if result is not None else artifacts.STACKS
         records.append(
             {
                 "case": case.name,
@@ -536,8 +539,9 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
                 "stall_limit": result.stall_limit_reason if result is not None else None,
                 "cpu_percent": evidence.get("cpu_percent"),
                 "main_thread_state": main_thread.get("state"),
-                "stack": render.main_thread_stack(case.dir, STACK_FRAMES),
-                "native_stack": pyspy_main_frames(case.dir),
+                "stack": render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
+                "stack_file": stacks_file,
+                "native_stack": pyspy_main_frames(case.dir / Path(stacks_file).parent),
             }
         )
     return records

@@ -618,3 +618,13 @@ class CaseResult(BaseModel):
     @property
     def passed(self) -> bool:
         return self.verdict == "pass"
+
+    def stacks_file(self) -> str:
+        """The ``stacks.txt`` of the process this verdict is about, relative to the case folder: the
+        worker's own, a ddp rank's (``evidence.rank_of_verdict``) or, under ``watch``, the deciding
+        process's (``evidence.stacks_file``: ``procs/pid-<pid>/stacks.txt``)."""
+        named = self.evidence.get("stacks_file")
+        if isinstance(named, str) and named:
+            return named
+        rank = self.evidence.get("rank_of_verdict")
+        return f"ranks/{rank}/stacks.txt" if isinstance(rank, int) else "stacks.txt"

@@ -71,7 +71,7 @@ class CaseEntry(_JsonRecord):
     """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
     case or crash, the innermost frames of the worker's main thread."""
 
-    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("stack", "expected")
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("stack", "stack_file", "expected")
 
     name: str
     ok: bool
@@ -93,6 +93,7 @@ class CaseEntry(_JsonRecord):
     dir: str
     replay: str
     stack: list[str] | None = None
+    stack_file: str | None = None  # where `stack` was read: cases/<name>/stacks.txt, a rank's, a process's
     expected: ExpectedVerdict | None = None
 
     @classmethod
@@ -101,11 +102,13 @@ class CaseEntry(_JsonRecord):
         result: CaseResult,
         expected: Expectation | None = None,
         *,
-        stack: Callable[[], list[str]] | None = None,
+        stack: Callable[[str], list[str]] | None = None,
     ) -> CaseEntry:
-        """The entry of `result`; `stack()` gives the main thread's last frames, asked only for a
-        verdict that shows them (`SHOWS_STACK`)."""
+        """The entry of `result`; `stack(stacks_file)` gives the main thread's last frames in that file of
+        the case folder (`CaseResult.stacks_file`), asked only for a verdict that shows them
+        (`SHOWS_STACK`)."""
         metrics = result.metrics or {}
+        frames = stack(result.stacks_file()) if stack is not None and result.verdict in SHOWS_STACK else None
         peak, peak_kind = peak_memory(metrics)
         return cls(
             name=result.name,
@@ -127,7 +130,8 @@ class CaseEntry(_JsonRecord):
             nonfinite=result.nonfinite,
             dir=f"cases/{result.name}",
             replay=f"cases/{result.name}/replay.sh",
-            stack=stack() if stack is not None and result.verdict in SHOWS_STACK else None,
+            stack=frames,
+            stack_file=f"cases/{result.name}/{result.stacks_file()}" if frames else None,
             expected=ExpectedVerdict(verdict=expected.verdict, hang_kind=expected.hang_kind)
             if expected is not None
             else None,
@@ -175,19 +179,20 @@ class RunSummary(_JsonRecord):
         started_at: float,
         expectations: Mapping[str, Expectation] | None = None,
         interrupted: bool = False,
-        stack_of: Callable[[Path], list[str]] | None = None,
+        stack_of: Callable[[Path, str], list[str]] | None = None,
     ) -> RunSummary:
         """The summary of `results` (of the cases `specs`; those without a result are ``not_run``).
 
-        `stack_of(case_dir)`: the main thread's last frames of a case, for the verdicts that show them.
+        `stack_of(case_dir, stacks_file)`: the main thread's last frames of a case, for the verdicts that
+        show them.
         The exit code is `decide`d on every case being ok; a plan with another measure decides again.
         """
         expectations = expectations or {}
 
-        def stack(name: str) -> Callable[[], list[str]] | None:
+        def stack(name: str) -> Callable[[str], list[str]] | None:
             if stack_of is None:
                 return None
-            return lambda: stack_of(Path(run_dir) / "cases" / name)
+            return lambda stacks_file: stack_of(Path(run_dir) / "cases" / name, stacks_file)
 
         cases = [CaseEntry.of(r, expectations.get(r.name), stack=stack(r.name)) for r in results]
         done = {result.name for result in results}

@@ -58,17 +58,15 @@ REFUSED = [
     pytest.param(  # the same refusal as nsa-geometry, for the backends: make test-slow
         ["run", "--sel", "masked"], "holds no NSAAttention", id="nsa-backend", marks=pytest.mark.slow
     ),
-    pytest.param(["branch"], "--branch cmp: set nsa_core's NSA attention", id="branch"),
-    pytest.param(["backend"], "and UserLM holds none: there is nothing to compare", id="backend"),
+    pytest.param(["branch"], "branch with --model diag_user_model:build: it runs each NSA", id="branch"),
+    pytest.param(["backend"], "backend with --model diag_user_model:build: the check", id="backend"),
     pytest.param(  # the same refusal as `backend` above, through the run option: make test-slow
         ["run", "--reference-check"],
-        "--reference-check (and nsa-diag backend)",
+        "--reference-check with --model diag_user_model:build",
         id="reference",
         marks=pytest.mark.slow,
     ),
-    pytest.param(
-        ["verify", "--only", "backends"], "UserLM holds none: there is nothing to check", id="verify-backends"
-    ),
+    pytest.param(["verify", "--only", "backends"], "no property applies to UserLM", id="verify-backends"),
     pytest.param(["verify", "--only", "causality"], "needs an nsa_core.TinyLM", id="verify-causality"),
     pytest.param(["run", "--dim", "48"], "never reads it", id="model-option-unread"),
     pytest.param(["run", "--vocab", "100"], "built a model with vocab 64", id="model-option-differs"),

@@ -167,6 +167,12 @@ def test_deadlock_in_backward_is_a_python_deadlock_at_step_3(tmp_path: Path) -> 
     assert "deadlock_backward.py" in result["reason"]
     assert "stats_lock" in result["reason"]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
+    # the stalled process's frames, as `run` shows a worker's (report.md's: test_messages.py)
+    (pid,) = _job_pids(_case(out))
+    stacks = f"cases/watch/procs/pid-{pid}/stacks.txt"
+    assert result["evidence"]["stacks_file"] == f"procs/pid-{pid}/stacks.txt"
+    assert f"main thread, last stack sample ({stacks}):" in proc.stdout
+    assert "deadlock_backward.py:15 in summarize" in proc.stdout
 
 
 @pytest.mark.slow

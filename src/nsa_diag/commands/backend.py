@@ -84,7 +84,7 @@ def backend(
     }
     check_options(options)
     specs = backend_specs(options, {branch: names for branch, names in lists.items() if names})
-    check_user_model(specs)
+    check_user_model(specs, "backend")
     plan = CaseList("backend", specs)
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

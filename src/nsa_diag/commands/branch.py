@@ -35,7 +35,7 @@ def branch(options: CaseOptions, json_output: JsonOpt = False, debug: DebugOpt =
 
     check_options(options)
     specs = branch_specs(options)
-    check_user_model(specs)  # a --model: --branch applies only through its NSAAttention modules
+    check_user_model(specs, "branch")  # a --model: a branch runs alone only in its NSAAttention modules
     plan = CaseList("branch", specs)
     session = Session(
         plan, out=options.out, tag=options.tag, json_output=json_output, follow=check_follow_ups(options)

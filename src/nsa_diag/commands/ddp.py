@@ -105,7 +105,7 @@ def ddp(
         typer.Option(
             "--run-id",
             metavar="ID",
-            help="Several nodes: the rendezvous id and run folder <out>/ddp-<ID>, the same on every node "
+            help="Several nodes: the rendezvous id and run folder `<out>/ddp-<ID>`, the same on every node "
             "(default: the case name and a hash of its options, alike on every node).",
             rich_help_panel=_DDP,
         ),
@@ -165,8 +165,8 @@ def ddp(
         nsa-diag ddp --executor slurm --nnodes 2 --nproc 8 --backend nccl --gpus-per-node 8 --out /shared/runs
 
     Several nodes: run the command on every node, with the same options but --node-rank, and an --out on
-    a file system every node sees. The nodes share one run folder, <out>/ddp-<run id>: each node's ranks
-    write ranks/<global rank>/ of the case, node 0 writes the case's result.json (the cross-rank diff and
+    a file system every node sees. The nodes share one run folder, `<out>/ddp-<run id>`: each node's ranks
+    write `ranks/<global rank>/` of the case, node 0 writes the case's result.json (the cross-rank diff and
     minority ranks across nodes) and summary, every node ends with its exit code. Node 0 hosts the
     rendezvous on the endpoint's address only. With --executor slurm this command submits one job of
     --nnodes nodes, follows it, and reports the case's result (Ctrl-C cancels the job).

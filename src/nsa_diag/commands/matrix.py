@@ -168,9 +168,9 @@ def matrix(
 
     from nsa_diag import artifacts
     from nsa_diag.cases import check_output, runs_on_cuda
-    from nsa_diag.errors import EXIT_USAGE, UsageError
+    from nsa_diag.errors import UsageError
     from nsa_diag.matrices import resolve
-    from nsa_diag.matrix import MatrixFileError, load_matrix
+    from nsa_diag.matrix import load_matrix
     from nsa_diag.session import FollowUps, Session
     from nsa_diag.session.matrix import MatrixPlan, environment_gpus, make_plan, render_plan
 
@@ -188,13 +188,7 @@ def matrix(
     check_output(out, tag)
     if junit is not None and junit.is_dir():
         raise UsageError(f"--junit {junit}: is a folder; give a file name")
-    try:
-        loaded = load_matrix(resolve(file))
-    except MatrixFileError as exc:
-        print(f"nsa-diag: invalid matrix file {exc.path} ({len(exc.problems)} problem(s)):", file=sys.stderr)
-        for line in exc.problems:
-            print(f"  {line}", file=sys.stderr)
-        raise typer.Exit(EXIT_USAGE) from None
+    loaded = load_matrix(resolve(file))  # a bad file: a MatrixFileError, one line per problem (exit 2)
     if resume is not None:
         try:
             before = artifacts.read_json(resume / "matrix.json").get("name")

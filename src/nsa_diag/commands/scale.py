@@ -126,7 +126,8 @@ def scale(
     check_options(options)
     follow = check_follow_ups(options)
     series = build_series(options, lens, layer_counts, per_branch=per_branch)
-    check_user_model([spec for one in series for _, spec in one.points])
+    specs = [spec for one in series for _, spec in one.points]
+    check_user_model(specs, "scale --per-branch" if per_branch else None)
     plan = Sweep(series, budget)
     session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
     raise typer.Exit(session.run())

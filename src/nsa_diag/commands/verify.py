@@ -97,14 +97,15 @@ def verify(
 
     Verdict per property: pass, or **mismatch** with the largest relative error and where it is.
     Exit code 0 when every property holds, 1 when one does not (its case names the property), 2 for a
-    bad option.
+    bad option, or for a `--model` a property cannot apply to: `backends` needs a model that holds
+    nsa_core NSAAttention modules, the others a model that is an nsa_core.TinyLM (or subclass).
 
     Examples:
 
         nsa-diag verify
         nsa-diag verify --preset m7c-125m
-        nsa-diag verify --only causality,prefill --model mypkg.models:build
-        nsa-diag verify --only backends --model mypkg.models:build_with_nsa
+        nsa-diag verify --only backends --model mypkg.models:build_with_nsa_attention
+        nsa-diag verify --only causality,prefill --model mypkg.models:build_tinylm_subclass
         nsa-diag verify --preset m7c-125m --device cuda --json
         nsa-diag verify --junit verify.xml
     """

@@ -4,7 +4,8 @@
   (``worker_result.json`` of the command's unit), from its exit status, the exceptions on its stderr
   (each rank's, `rank_errors`: torchrun's own ``ChildFailedError`` is never the cause; DDP's own errors
   explained with the parameters' names, `nsa_diag.analysis.ddp_errors`) and a non-finite loss the job
-  told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash.
+  told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash (`combine`
+  quotes the job's last stderr line for such an exit: Python's "can't open file", a launcher's error).
 - `stop_tree`: SIGTERM to the command's process group and to every process of the job nsa-diag saw
   (torchrun's ranks and DataLoader workers may live in sessions of their own), a grace period, SIGKILL.
 - `combine`: the case's verdict. Exited: a rank killed by a signal of its own, else the ranks' exceptions
@@ -564,8 +565,11 @@ def combine(
             source = min(crashed, key=lambda k: (per_unit[k].signal == "SIGTERM", k))
         base = per_unit[source]
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
+        if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
+            reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
         if base.signal == "SIGKILL" and not stop.get("sigkill"):
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
+        evidence.update(_stacks_file(folders.get(source), end.case_dir))
         update = {"reason": reason, "steps_done": steps, "evidence": {**base.evidence, **evidence}}
         return base.model_copy(update=update)
 
@@ -576,6 +580,7 @@ def combine(
     rank = key if key in ranks else None
     where = location(base, rank)
     evidence = {**base.evidence, **evidence, "location": where}
+    evidence.update(_stacks_file(folders.get(key), end.case_dir))
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
@@ -603,6 +608,33 @@ def combine(
         reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
     update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
     return base.model_copy(update=update)
+
+
+def _stacks_file(folder: Path | None, case_dir: Path) -> dict[str, str]:
+    """``stacks_file``: the deciding process's stacks.txt in the case folder (`CaseResult.stacks_file`),
+    where it took one."""
+    if folder is None or not (folder / artifacts.STACKS).is_file():
+        return {}
+    try:
+        return {"stacks_file": (folder / artifacts.STACKS).relative_to(case_dir).as_posix()}
+    except ValueError:
+        return {}
+
+
+_WORDLESS = re.compile(r"^[^A-Za-z0-9]*$")  # a rule of "=" or "-" (torchrun's summary) says nothing
+
+
+def _exit_reason(code: int, w: Where | None, steps: int, stderr: str) -> str:
+    """The command exited with ``code`` by itself, with no traceback: the code, how far it got (``w``,
+    ``steps``), and the last line it printed on ``stderr``, which says why (Python's "can't open file",
+    a launcher's own error)."""
+    if w is None or w.phase in (None, "setup", "done"):
+        when = f"after {steps} step(s)" if steps else "before its first step"
+    else:
+        when = f"at {place(w, None)}"
+    lines = [line.strip() for line in stderr.splitlines() if not _WORDLESS.match(line)]
+    said = f"; its last stderr line: {lines[-1][:300]}" if lines else "; it printed nothing on stderr"
+    return f"exited with code {code} {when}{said}"
 
 
 def _note_raised(

@@ -90,14 +90,15 @@ def model_facts(specs: Sequence[CaseSpec], timeout: float | None = None) -> list
         return [ModelFacts.model_validate(item) for item in json.loads(out.read_text())]
 
 
-def check_user_model(specs: Sequence[CaseSpec]) -> ModelFacts | None:
+def check_user_model(specs: Sequence[CaseSpec], command: str | None = None) -> ModelFacts | None:
     """The pre-flight of the specs with a ``--model`` (one build per distinct model configuration), each
-    checked against its facts; the first spec's facts, or None when no spec has a model."""
+    checked against its facts; the first spec's facts, or None when no spec has a model. ``command``: the
+    command whose own choices the specs carry (`nsa_diag.cases.check_model_facts`)."""
     with_model = {_key(spec): spec for spec in specs if spec.model is not None}
     if not with_model:
         return None
     found = dict(zip(with_model, model_facts(list(with_model.values())), strict=True))
     for spec in specs:
         if spec.model is not None:
-            check_model_facts(spec, found[_key(spec)])
+            check_model_facts(spec, found[_key(spec)], command)
     return found[_key(next(s for s in specs if s.model is not None))]

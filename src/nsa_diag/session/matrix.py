@@ -534,6 +534,7 @@ def plan_rows(matrix: Matrix, plan: ResumePlan) -> list[dict[str, Any]]:
                 "tags": list(case.tags),
                 "axes": case.axes,
                 "origin": case.origin,
+                "model": spec.model,  # a user's model (`model:`); else the preset's TinyLM
                 "preset": spec.preset,
                 "overrides": spec.overrides,
                 "seq_len": spec.seq_len,
@@ -577,7 +578,9 @@ def render_plan(matrix: Matrix, plan: ResumePlan, *, json_output: bool) -> None:
     ):
         table.add_column(column, overflow="fold")
     for row in rows:
-        model = row["preset"] + "".join(f" {k}={v}" for k, v in row["overrides"].items() if v is not None)
+        model = (row["model"] or row["preset"]) + "".join(
+            f" {k}={v}" for k, v in row["overrides"].items() if v is not None
+        )
         table.add_row(
             escape(row["name"]),
             escape(row["status"]),
