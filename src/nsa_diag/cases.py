@@ -728,7 +728,9 @@ def check_model_facts(spec: CaseSpec, facts: ModelFacts, command: str | None = N
     not take: NSA options, backend parity (``--reference-check``, ``verify``'s backends property) without
     nsa_core NSAAttention modules holding their values, model options the factory never reads (or whose
     value the model does not have), a fault on a layer it lacks or a recompute fault on a layer ``--gc``
-    does not cover, a correctness property that rebuilds an nsa_core.TinyLM from its config.
+    does not cover, a correctness property that rebuilds an nsa_core.TinyLM from its config. ``--vocab``
+    is also the user's answer to what the vocabulary is (`nsa_diag.worker.contract.vocab_of`): taken
+    unless the model declares another.
 
     ``command``: the command (``branch``, ``backend``, ``scale --per-branch``) that forced each case's
     branch or asked for the reference check itself; a refusal names it, not a flag the user never gave."""
@@ -768,7 +770,12 @@ def check_model_facts(spec: CaseSpec, facts: ModelFacts, command: str | None = N
         if found is None and key in _SHAPE_KEYS:
             actual = {"layers": facts.layers, "vocab": facts.vocab}.get(key)
             if actual is not None and actual != value:
-                raise UsageError(f"{_flags(spec, [key])}: {name} built a model with {key} {actual}")
+                source = {"layers": facts.layers_attr, "vocab": facts.vocab_from}[key]
+                raise UsageError(
+                    f"{_flags(spec, [key])}: {name} built a model with {key} {actual} ({source})"
+                )
+            if key == "vocab":  # the user's answer to what the vocabulary is: used, or what the model says
+                continue
             if key not in facts.read_overrides:
                 raise UsageError(
                     f"{_flags(spec, [key])}: {name}'s factory never reads it (spec.overrides[{key!r}] or "

@@ -302,6 +302,8 @@ def summary_markdown(summary: RunSummary) -> str:
     lines += ["", "## Cases", ""]
     for case in cases:
         lines.append(f"- **{case.name}** ({case.verdict}): {case.reason}")
+        if case.model is not None:
+            lines.append(f"  model: {case.model.describe()}")
         lines.append(f"  files: `{case.dir}/`; reproduce: `{case.replay}`")
         if case.stack:
             lines.append(f"  main thread, last stack sample (`{case.stack_file}`):")

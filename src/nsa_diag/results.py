@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from nsa_diag import artifacts
 from nsa_diag.classify import Evidence, classify, pause_reason
 from nsa_diag.evidence import stacks
-from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerReport
+from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
     BUSY_WORKER_CPU,
     HangEvidence,
@@ -90,6 +90,18 @@ def device_from_progress(unit_dir: Path) -> str | None:
                     if record.get("phase") == "setup" and record.get("device"):
                         return str(record["device"])
     except (OSError, ValueError):
+        return None
+    return None
+
+
+def model_from_progress(unit_dir: Path) -> BuiltModel | None:
+    """What the worker found in a ``--model`` it built (its "model built" setup record), or None."""
+    try:
+        with open(Path(unit_dir) / artifacts.PROGRESS, encoding="utf-8") as f:
+            for line in f:
+                if '"model built"' in line and '"model"' in line:
+                    return BuiltModel.model_validate(json.loads(line)["model"])
+    except (OSError, ValueError, KeyError, ValidationError):
         return None
     return None
 
@@ -263,6 +275,7 @@ def unit_result(
         nonfinite=report.nonfinite if report else None,
         parity=report.parity if report else None,
         evidence=evidence,
+        model=model_from_progress(unit_dir) if spec.model is not None else None,
     )
 
 
@@ -307,6 +320,7 @@ def interrupted_result(
         device=device_from_progress(unit_dir),
         exit_code=stop.get("exit_code"),
         signal=signal_name(stop.get("exit_code")),
+        model=model_from_progress(unit_dir) if spec.model is not None else None,
         evidence={
             "outcome": "interrupted",
             "interrupted_by": by,

@@ -81,8 +81,10 @@ ATTR_PATH = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"
 MODEL_HELP = (
     "Your own model: factory(spec) -> nn.Module, mapping ids [B, S] to logits [B, S, V] returned as a "
     "tensor, a tuple/list (first element) or an object's .logits (Hugging Face). V: model.vocab_size, "
-    "model.config.vocab_size or get_output_embeddings(). Layers: model.layers, model.model.layers, "
-    "transformer.h, encoder.layer or blocks (else --layers-attr). Model options reach it only through "
+    "model.config.vocab_size, get_input_embeddings(), get_output_embeddings() or the only nn.Embedding, "
+    "else --vocab, else the last module's out_features. Layers: model.layers, "
+    "model.model.layers, transformer.h, encoder.layer or blocks, else the longest nn.ModuleList of "
+    "same-type blocks up to 3 attributes down (else --layers-attr). Model options reach it only through "
     "the spec it reads; NSA options, backend and --reference-check only through the nsa_core "
     "NSAAttention modules it holds."
 )
@@ -238,7 +240,11 @@ MODEL_OPTIONS = (
     _geometry("--heads", "Query heads."),
     _geometry("--kv-heads", "Key/value heads (GQA groups); must divide --heads."),
     _geometry("--head-dim", "Dimension per head (even, for RoPE)."),
-    _geometry("--vocab", "Vocabulary size (the logits, and so memory, grow with it)."),
+    _geometry(
+        "--vocab",
+        "Vocabulary size (the logits, and so memory, grow with it). With --model: the model's vocabulary, "
+        "where the model does not say it itself.",
+    ),
     _geometry("--mlp-hidden", "SwiGLU hidden size."),
     _geometry("--block-len", "Compression block length l."),
     _geometry("--block-stride", "Compression stride d (divides l and l')."),
@@ -504,7 +510,7 @@ class ModelFacts(BaseModel):
     layers_attr: str | None = None
     layers: int = 0
     vocab: int | None = None
-    vocab_from: str | None = None  # vocab_size | config.vocab_size | get_output_embeddings()
+    vocab_from: str | None = None  # BuiltModel.vocab_from
     output: str | None = None  # tensor | tuple | list | .logits
     self_checkpointing: bool = False  # an nsa_core.TinyLM: checkpoints its layers by its config's gc
     nsa_layers: list[int] = Field(default_factory=list)  # layers holding nsa_core NSAAttention modules
@@ -512,12 +518,36 @@ class ModelFacts(BaseModel):
     read_overrides: list[str] = Field(default_factory=list)  # overrides the factory read from the spec
 
 
+PRE_FLIGHT = "pre-flight"  # the phase of a ddp rank's pre-flight, and the prefix of its forward, backward
+
+
+class BuiltModel(BaseModel):
+    """What the worker found in the ``--model`` it built (result.json and summary.json ``model``): where
+    its layers are and how many, its vocabulary size and where that came from
+    (`nsa_diag.worker.contract`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str  # the model's class
+    layers_attr: str  # --layers-attr, a known layout (layers, model.layers, ...) or the list found
+    layers: int
+    vocab: int
+    vocab_from: str  # vocab_size | config.vocab_size | get_input_embeddings() | ... | --vocab
+
+    def describe(self) -> str:
+        """``"UserLM: layers net.layers (3), vocab 256 from embed (the only nn.Embedding)"``."""
+        layers = f"layers {self.layers_attr} ({self.layers})"
+        return f"{self.type}: {layers}, vocab {self.vocab} from {self.vocab_from}"
+
+
 class Where(BaseModel):
     """A location in a training step, as the progress beacon last reported it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    phase: str | None = None  # setup | forward | backward | recompute | optimizer | step | check | done
+    # setup | forward | backward | recompute | optimizer | step | check | done | export, or the ddp rank's
+    # pre-flight before step 1 (nsa_diag.worker.ddp): pre-flight, and its own forward, backward, recompute
+    phase: str | None = None
     step: int | None = None
     layer: int | None = None
     branch: str | None = None
@@ -525,7 +555,12 @@ class Where(BaseModel):
     event: str | None = None  # begin | end
 
     def describe(self) -> str:
-        """``"layer 1 backward (branch sel) step 1"``-style text."""
+        """``"layer 1 backward (branch sel) step 1"``-style text; ``"pre-flight, layer 2 backward"`` in the
+        pre-flight (which runs step 1's batch before step 1: no step is named)."""
+        if self.phase is not None and self.phase.startswith(PRE_FLIGHT):
+            within = self.phase[len(PRE_FLIGHT) :].strip() or None
+            inside = self.model_copy(update={"phase": within, "step": None}).describe()
+            return PRE_FLIGHT if inside == "unknown" else f"{PRE_FLIGHT}, {inside}"
         parts = []
         if self.layer is not None:
             parts.append(f"layer {self.layer}")
@@ -613,6 +648,7 @@ class CaseResult(BaseModel):
     # nsa-diag ddp (issue 6): per-rank verdicts, missing gradients per rank, minority ranks, first divergent
     # frame, pre-flight, parameter hashes, buckets (nsa_diag.analysis.ranks.aggregate)
     ddp: dict[str, Any] | None = None
+    model: BuiltModel | None = None  # a --model: its layers and vocabulary as the worker found them
     files: list[str] = Field(default_factory=list)  # artifact files of the case folder
 
     @property

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
 from nsa_diag.redact import redact_argv
-from nsa_diag.spec import CaseResult
+from nsa_diag.spec import BuiltModel, CaseResult
 
 if TYPE_CHECKING:
     from nsa_diag.cases import Expectation
@@ -71,7 +71,7 @@ class CaseEntry(_JsonRecord):
     """One case of summary.json: the verdict, why, where, the headline numbers and, for a hang, slow
     case or crash, the innermost frames of the worker's main thread."""
 
-    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("stack", "stack_file", "expected")
+    OMIT_WHEN_NONE: ClassVar[tuple[str, ...]] = ("stack", "stack_file", "expected", "model")
 
     name: str
     ok: bool
@@ -95,6 +95,7 @@ class CaseEntry(_JsonRecord):
     stack: list[str] | None = None
     stack_file: str | None = None  # where `stack` was read: cases/<name>/stacks.txt, a rank's, a process's
     expected: ExpectedVerdict | None = None
+    model: BuiltModel | None = None  # a --model: its layers and vocabulary as the worker found them
 
     @classmethod
     def of(
@@ -135,6 +136,7 @@ class CaseEntry(_JsonRecord):
             expected=ExpectedVerdict(verdict=expected.verdict, hang_kind=expected.hang_kind)
             if expected is not None
             else None,
+            model=result.model,
         )
 
 

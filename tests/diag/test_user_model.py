@@ -1,15 +1,19 @@
 """A --model as users write them: the contract's shapes (outputs, vocabulary, layer layouts), the options a
-model cannot take refused before anything runs (one per option family), --gc and DDP's options on a model
-of the seeds' kind, and a Hugging Face GPT-2 through run, selftest and ddp (with the ``hf`` extra)."""
+model cannot take refused before anything runs (one per option family), plain models (no vocab_size) found
+as they are and misbehaving in training, ddp's pre-flight on them, --gc and DDP's options on a model of the
+seeds' kind, and a Hugging Face GPT-2 through run, selftest and ddp (with the ``hf`` extra)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from diag_cli import cli_env, run_cli, run_cli_json
 
 from nsa_diag.app import run_cli as cli_main
+from nsa_diag.errors import UsageError
 from nsa_diag.spec import CaseSpec
 from nsa_diag.worker.preflight import model_facts
 
@@ -22,6 +26,9 @@ SHAPES = [
     pytest.param("logits,attr,encoder.layer", None, ".logits", "vocab_size", id="logits-encoder.layer"),
     pytest.param("tensor,attr,blocks", None, "tensor", "vocab_size", id="blocks"),
     pytest.param("tensor,attr,decoder.stack", "decoder.stack", "tensor", "vocab_size", id="layers-attr"),
+    # no vocab_size and no layers where nsa-diag looks first: the only nn.Embedding, a list one level down
+    pytest.param("tensor,none,layers", None, "tensor", "embed (the only nn.Embedding)", id="only-embedding"),
+    pytest.param("tensor,attr,decoder.stack", None, "tensor", "vocab_size", id="layers-one-level-down"),
 ]
 
 
@@ -40,16 +47,207 @@ def test_contract_shapes(
     "model,shape,problem",
     [
         pytest.param("shaped", "flat,attr,layers", "logits are [16, 300]", id="bad-output-shape"),
-        pytest.param("shaped", "tensor,none,layers", "no vocabulary size", id="no-vocab"),
-        pytest.param("shaped", "tensor,attr,decoder.stack", "--layers-attr NAME", id="no-known-layers"),
+        pytest.param(
+            "diag_plain_model:tied",
+            "",
+            "no vocabulary size: it has no vocab_size (nor config.vocab_size, get_input_embeddings(), "
+            "get_output_embeddings()), 2 nn.Embedding (tokens 256, positions 64), and its last module "
+            "(norm: LayerNorm) has no out_features: pass --vocab N",
+            id="no-vocab",
+        ),
+        pytest.param(
+            "shaped", "tensor,attr,a.b.c.d", "up to 3 attributes down: name the list", id="too-deep"
+        ),
+        pytest.param(
+            "diag_plain_model:two_stacks",
+            "",
+            "EncoderDecoderLM has 2 lists of layers of the same length, and nsa-diag cannot tell which are "
+            "its layers: encoder (2 x Block), decoder (2 x Block): name one with --layers-attr NAME",
+            id="ambiguous-layers",
+        ),
         pytest.param("raising", "", "the factory raised RuntimeError: no checkpoint", id="factory-raises"),
     ],
 )
 def test_contract_broken(model: str, shape: str, problem: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHAPE", shape or "tensor,attr,layers")
-    facts = model_facts(CaseSpec(model=f"diag_user_model:{model}", seq_len=16))
+    ref = model if ":" in model else f"diag_user_model:{model}"
+    facts = model_facts(CaseSpec(model=ref, seq_len=16))
     assert facts.problem is not None
     assert problem in facts.problem
+    assert "\n" not in facts.problem
+
+
+# --- plain models as users write them (diag_plain_model): nn.Embedding, nn.ModuleList, nn.Linear head ---
+
+
+def test_vocab_is_the_users_answer_where_the_model_does_not_say() -> None:
+    from nsa_diag.cases import check_model_facts
+
+    answered = CaseSpec(model="diag_plain_model:tied", seq_len=16, overrides={"vocab": 256})
+    facts = model_facts(answered)
+    assert (facts.problem, facts.vocab, facts.vocab_from) == (None, 256, "--vocab")
+    check_model_facts(answered, facts)  # taken, though the factory never reads it
+    agreeing = CaseSpec(model="diag_plain_model:plain", seq_len=16, overrides={"vocab": 256})
+    check_model_facts(agreeing, model_facts(agreeing))
+    other = CaseSpec(model="diag_plain_model:plain", seq_len=16, overrides={"vocab": 100})
+    with pytest.raises(UsageError, match=r"built a model with vocab 256 \(embed \(the only nn.Embedding\)\)"):
+        check_model_facts(other, model_facts(other))
+
+
+def test_the_probe_finds_the_layers_the_worker_finds() -> None:
+    from diag_plain_model import EncoderDecoderLM, PlainLM, Wrapper
+    from torch import nn
+
+    from nsa_diag.probe.hooks import find_blocks
+
+    wrapped = Wrapper()
+    assert find_blocks(wrapped) == ("net.layers", wrapped.net.layers)
+    assert find_blocks(wrapped, "net.layers")[1] is wrapped.net.layers
+    plain = PlainLM(layers=2)
+    plain.extra = nn.ModuleList(nn.Linear(4, 4) for _ in range(5))  # longer, but `layers` is a known layout
+    assert find_blocks(plain)[0] == "layers"
+    two = EncoderDecoderLM()
+    assert find_blocks(two, "decoder") == ("decoder", two.decoder)  # --layers-attr settles a tie
+
+
+def test_the_preflight_leaves_the_model_as_it_was() -> None:
+    import random
+
+    import torch
+    from diag_plain_model import nan_after_update
+
+    from nsa_diag.worker.ddp import untouched
+
+    model = nan_after_update(CaseSpec())
+    scale = model.layers[1].scale
+    tokens = torch.randint(0, 256, (2, 8))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with untouched(model, torch.device("cpu")):
+        model(tokens).sum().backward()
+        assert model.layers[1].scale is not scale
+        assert float(model.layers[1].scale) == 0.0
+        torch.rand(3), random.random()
+    assert model.layers[1].scale is scale, "a buffer reassigned in forward is put back"
+    assert float(scale) == 1.0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    state, py = torch.get_rng_state(), random.getstate()
+    with untouched(model, torch.device("cpu")):
+        torch.rand(3), random.random()
+    assert torch.equal(torch.get_rng_state(), state)
+    assert random.getstate() == py
+    assert torch.isfinite(model(tokens)).all(), "the first training forward after it is still the first"
+
+
+def test_a_hang_in_the_preflight_is_timed_by_the_stall_and_says_pre_flight(tmp_path: Path) -> None:
+    from nsa_diag.spec import Where
+    from nsa_diag.watchdog import Observation, decide
+    from nsa_diag.worker.beacon import BeaconWriter, read_beacon
+    from nsa_diag.worker.probes import Progress
+
+    progress = Progress(BeaconWriter(tmp_path / "beacon.bin"), (tmp_path / "progress.jsonl").open("w"))
+    progress.step, progress.pre_flight = 1, True
+    progress.event(progress.backward_phase, "begin", layer=2, module="layers.2")
+    state = read_beacon(tmp_path / "beacon.bin")
+    assert state is not None
+    assert state.phase == "pre-flight backward"
+    assert Where(**state.where()).describe() == "pre-flight, layer 2 backward"
+    progress.in_backward = True
+    assert progress.forward_phase == "pre-flight recompute"
+    history = [Observation(state.time - 1, None), Observation(state.time, state)]
+    decision = decide(history, state.time + 5.5, CaseSpec(stall=5.0, timeout=100))
+    assert (decision.status, decision.stall_limit_s) == ("stalled", 5.0), "not setup's 60 s"
+
+
+PLAIN_RUNS = [  # model, verdict, hang kind, where the case says it went wrong
+    pytest.param("deadlock", "hang", "python-deadlock", "layer 2 backward step 1", id="deadlock-backward",
+                 marks=pytest.mark.slow),
+    pytest.param("busy", "hang", "python-busy", "layer 1 backward step 1", id="busy-loop",
+                 marks=pytest.mark.slow),
+    pytest.param("nan_after_update", "nonfinite", None, "at step 2, first seen in the output of layers.1",
+                 id="nan-after-update", marks=pytest.mark.slow),
+    pytest.param("abort", "crash", None, "SIGABRT", id="abort", marks=pytest.mark.slow),
+    pytest.param("raises", "error", None, "RuntimeError at layer 1 forward step 1", id="exception"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model,verdict,hang_kind,said", PLAIN_RUNS)
+def test_plain_models_misbehaving_in_training(
+    tmp_path: Path, model: str, verdict: str, hang_kind: str | None, said: str
+) -> None:
+    code, summary, stderr = run_cli_json(
+        "run", "--model", f"diag_plain_model:{model}", "--seq-len", "16", "--steps", "2", "--stall", "3",
+        "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    (case,) = summary["cases"]
+    assert (code, case["verdict"], case["hang_kind"]) == (1, verdict, hang_kind), (case["reason"], stderr)
+    assert said in case["reason"]
+    assert case["model"] == {
+        "type": "PlainLM", "layers_attr": "layers", "layers": 3, "vocab": 256,
+        "vocab_from": "embed (the only nn.Embedding)",
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args,layers_attr,vocab_from",
+    [
+        pytest.param(["--model", "diag_plain_model:wrapped"], "net.layers",
+                     "net.embed (the only nn.Embedding)", id="wrapped"),
+        pytest.param(["--model", "diag_plain_model:tied", "--vocab", "256"], "layers", "--vocab", id="vocab"),
+    ],
+)  # fmt: skip
+def test_plain_models_found_as_they_are(
+    tmp_path: Path, args: list[str], layers_attr: str, vocab_from: str
+) -> None:
+    code, summary, stderr = run_cli_json(
+        "run", *args, "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path)
+    )
+    (case,) = summary["cases"]
+    assert (code, case["verdict"]) == (0, "pass"), (case["reason"], stderr)
+    assert (case["model"]["layers_attr"], case["model"]["vocab_from"]) == (layers_attr, vocab_from)
+    assert _result(summary, case)["model"] == case["model"]
+    assert f"layers {layers_attr} (" in (Path(summary["run_dir"]) / "summary.md").read_text()
+
+
+def _result(summary: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
+    """The case's result.json."""
+    return json.loads((Path(summary["run_dir"]) / case["dir"] / "result.json").read_text())
+
+
+# --- ddp's pre-flight runs the user's model before step 1: it leaves no trace, and is watched as a step ---
+
+
+@pytest.mark.slow
+def test_ddp_preflight_hang_is_placed_and_timed_by_the_stall(tmp_path: Path) -> None:
+    code, summary, stderr = run_cli_json(
+        "ddp", "--model", "diag_plain_model:deadlock", "--nproc", "2", "--backend", "gloo", "--stall", "5",
+        "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    (case,) = summary["cases"]
+    assert (code, case["verdict"], case["hang_kind"]) == (1, "hang", "python-deadlock"), (
+        case["reason"],
+        stderr,
+    )
+    assert case["where"] == "pre-flight, layer 2 backward"
+    assert "at pre-flight, layer 2 backward" in case["reason"]
+    result = _result(summary, case)
+    assert result["stall_limit_s"] == 5.0, "the stall's 5 s, not setup's 60 s"
+    assert result["where"]["phase"] == "pre-flight backward"
+
+
+@pytest.mark.slow
+def test_ddp_preflight_changes_nothing_the_steps_compute(tmp_path: Path) -> None:
+    code, summary, stderr = run_cli_json(
+        "ddp", "--model", "diag_plain_model:nan_after_update", "--nproc", "2", "--backend", "gloo",
+        "--steps", "2", "--stall", "60", "--seq-len", "16", "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    (case,) = summary["cases"]
+    assert (code, case["verdict"]) == (1, "nonfinite"), (case["reason"], stderr)
+    assert "non-finite loss at step 2" in case["reason"], (
+        "as `run` says: the pre-flight's forward left no trace"
+    )
+    assert _result(summary, case)["ddp"]["preflight"]["verdict"] == "static-graph-safe"
 
 
 # One per option family: every option applies to the model that runs, or the command says why not (exit 2).

@@ -361,6 +361,7 @@ def aggregate(
         missing_grads=sorted({n for v in missing.values() for n in v}),
         nonfinite=src.nonfinite,
         parity=src.parity,
+        model=next((per_rank[r].model for r in ranks if per_rank[r].model is not None), None),
         evidence={
             "outcome": outcome,
             "stop": stop,
@@ -415,6 +416,8 @@ def _hang(
     idle = stalled.reason.partition(" at ")[0] if stalled.reason.startswith("no progress") else "no progress"
     parts = [f"{idle} on rank {decider if decider is not None else source}"]
     majority = diff.get("majority_ranks") or []
+    if not majority and not minority and stalled.where is not None:  # all alike: say where they are
+        parts[0] += f" at {stalled.where.describe()}"
     if majority:
         ref = per_rank[majority[0]]
         parts.append(f"{_who(majority)} at {ref.where.describe() if ref.where else 'an unknown place'}")

@@ -54,6 +54,10 @@ class ProgressSink(Protocol):
 # Where models keep their layers, tried in this order (``--layers-attr NAME`` names another): Llama-style
 # and nsa-diag's own test models, Hugging Face decoders (LlamaForCausalLM), GPT-2, BERT encoders, TinyLM.
 LAYER_LAYOUTS = ("layers", "model.layers", "transformer.h", "encoder.layer", "blocks")
+# Then any nn.ModuleList of same-type blocks this many attributes down or less: the model itself (a name
+# of its own, ``model.stack``), wrapped once (``Wrapper.net.layers``) or twice (``Wrapper.lm.model.layers``).
+DISCOVERY_DEPTH = 3
+CANDIDATES_SHOWN = 6  # an ambiguous model's lists named in its one-line refusal
 
 
 def _attribute(model: nn.Module, path: str) -> Any:
@@ -65,9 +69,32 @@ def _attribute(model: nn.Module, path: str) -> Any:
     return found
 
 
+def layer_lists(model: nn.Module, depth: int = DISCOVERY_DEPTH) -> list[tuple[str, nn.ModuleList]]:
+    """Every non-empty `nn.ModuleList` at most ``depth`` attributes below ``model`` whose children are all
+    of one type, in module order. Lists inside another `nn.ModuleList` are left out: those are parts of a
+    layer (a block's heads or experts), not the layers."""
+    from torch import nn
+
+    found: list[tuple[str, nn.ModuleList]] = []
+
+    def visit(module: nn.Module, path: str, level: int) -> None:
+        for name, child in module.named_children():
+            where = f"{path}.{name}" if path else name
+            if isinstance(child, nn.ModuleList):
+                if len(child) and len({type(block) for block in child}) == 1:
+                    found.append((where, child))
+            elif level < depth:
+                visit(child, where, level + 1)
+
+    visit(model, "", 1)
+    return found
+
+
 def find_blocks(model: nn.Module, layers_attr: str | None = None) -> tuple[str, nn.ModuleList]:
-    """The model's layers: the `nn.ModuleList` (or `nn.Sequential`) at ``layers_attr``, or at the first of
-    `LAYER_LAYOUTS` the model has; layer i is its i-th child. ValueError saying what was tried."""
+    """The model's layers and where they are: the `nn.ModuleList` (or `nn.Sequential`) at ``layers_attr``,
+    else at the first of `LAYER_LAYOUTS` the model has, else the longest of its `layer_lists` (the model
+    wrapped in another module, a layer list of its own name). Layer i is the list's i-th child. ValueError
+    in one line saying what was tried, or which lists tie when the longest is not one."""
     from torch import nn
 
     tried = (layers_attr,) if layers_attr else LAYER_LAYOUTS
@@ -84,9 +111,23 @@ def find_blocks(model: nn.Module, layers_attr: str | None = None) -> tuple[str, 
         raise ValueError(
             f"--layers-attr {layers_attr}: {type(model).__name__} has no attribute {layers_attr}"
         )
+    lists = layer_lists(model)
+    longest = max((len(blocks) for _, blocks in lists), default=0)
+    tied = [(path, blocks) for path, blocks in lists if len(blocks) == longest]
+    if len(tied) == 1:
+        return tied[0]
+    name = type(model).__name__
+    if tied:
+        shown = ", ".join(f"{path} ({len(b)} x {type(b[0]).__name__})" for path, b in tied[:CANDIDATES_SHOWN])
+        more = f" and {len(tied) - CANDIDATES_SHOWN} more" if len(tied) > CANDIDATES_SHOWN else ""
+        raise ValueError(
+            f"{name} has {len(tied)} lists of layers of the same length, and nsa-diag cannot tell which are "
+            f"its layers: {shown}{more}: name one with --layers-attr NAME"
+        )
     raise ValueError(
-        f"{type(model).__name__} keeps its layers in none of {', '.join(LAYER_LAYOUTS)} (an nn.ModuleList): "
-        "name the list with --layers-attr NAME (nsa-diag reports progress and injects faults per layer)"
+        f"{name} keeps its layers in none of {', '.join(LAYER_LAYOUTS)}, and has no nn.ModuleList of "
+        f"same-type blocks up to {DISCOVERY_DEPTH} attributes down: name the list with --layers-attr NAME "
+        "(nsa-diag reports progress and injects faults per layer)"
     )
 
 

@@ -17,7 +17,7 @@ could not run). A fork (a DataLoader worker) restarts the probe in the child wit
 
 torch is never imported here: a finder on ``sys.meta_path`` notices when the job imports it, lets torch
 load, then installs one global module forward pre-hook that finds the model (the first module run that
-has blocks in `nsa_diag.probe.hooks.LAYER_LAYOUTS`), removes itself and hooks that model's blocks
+has blocks where `nsa_diag.probe.hooks.find_blocks` looks), removes itself and hooks that model's blocks
 (`nsa_diag.probe.hooks.attach_progress`), and torch's global optimizer-step hooks, which count the steps.
 Standard library only, besides the beacon: the probe never imports typer, rich, pydantic, nor changes what
 the job computes. Every failure of the probe is kept to the probe (recorded in ``probe.json``).
@@ -619,7 +619,8 @@ def _wrap_ddp(torch: Any) -> None:
 
 class _ModelFinder:
     """A global forward pre-hook that runs until it finds the model: the first module whose forward runs
-    and that keeps its blocks where `nsa_diag.probe.hooks.find_blocks` looks. Then it hooks that model's
+    and that keeps its blocks where `nsa_diag.probe.hooks.find_blocks` looks (a DDP wrapper is passed
+    over: the module it wraps is the model). Then it hooks that model's
     blocks and removes itself: from then on the job's modules run with no global hook."""
 
     def __init__(self) -> None:
@@ -631,8 +632,12 @@ class _ModelFinder:
         if key in self.seen:
             return
         self.seen.add(key)
+        from torch.nn.parallel import DataParallel, DistributedDataParallel
+
         from nsa_diag.probe.hooks import attach_progress, find_blocks
 
+        if isinstance(module, DistributedDataParallel | DataParallel):
+            return  # the model it wraps runs next, found with its own names (layers.1, not module.layers.1)
         try:
             prefix, _ = find_blocks(module)
         except ValueError:

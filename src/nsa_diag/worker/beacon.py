@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", "check", "done", "export")
+PHASES = ("", "setup", "forward", "backward", "recompute", "optimizer", "step", "check", "done", "export",
+          "pre-flight", "pre-flight forward", "pre-flight backward", "pre-flight recompute")  # fmt: skip
 BRANCHES = ("", "cmp", "sel", "win")
 EVENTS = ("", "begin", "end")
 MODULE_BYTES = 96

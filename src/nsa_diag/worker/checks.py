@@ -134,8 +134,9 @@ class Checker:
     @contextlib.contextmanager
     def watched(self, model: nn.Module, what: str) -> Iterator[None]:
         """Progress events of `model`'s blocks while it runs (the watchdog sees the check advance)."""
-        spec = self.trainer.spec
-        handles = attach_progress(model, self.progress, spec.layers_attr, branches=spec.branch_marks)
+        spec, loaded = self.trainer.spec, self.trainer.loaded
+        assert loaded is not None  # a variant keeps its layers where the model has them
+        handles = attach_progress(model, self.progress, loaded.prefix, branches=spec.branch_marks)
         self.progress.event("check", "begin", check=self.trainer.spec.check, variant=what)
         self.progress.phase_override = "check"
         try:

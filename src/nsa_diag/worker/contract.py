@@ -7,10 +7,12 @@ The contract for a user's model (also in ``nsa-diag run --help`` and the README)
   (``spec.overrides``, ``spec.nsa_config()``);
 - ``model(ids [B, S])`` returns logits ``[B, S, V]`` as a tensor, as the first element of a tuple or list,
   or as an object's ``.logits`` (Hugging Face ``CausalLMOutput``);
-- the vocabulary V is ``model.vocab_size``, ``model.config.vocab_size`` or the output embedding's size
-  (``get_output_embeddings()``), in that order;
-- the layers are the ``nn.ModuleList`` at ``--layers-attr NAME`` or at one of
-  `nsa_diag.probe.hooks.LAYER_LAYOUTS`.
+- the vocabulary V is what the model declares (``vocab_size``, ``config.vocab_size``, its input or output
+  embedding, its only ``nn.Embedding``), else ``--vocab``, else its last module's ``out_features``
+  (`vocab_of`);
+- the layers are the ``nn.ModuleList`` at ``--layers-attr NAME``, at one of
+  `nsa_diag.probe.hooks.LAYER_LAYOUTS`, or the longest list of same-type blocks a few attributes down
+  (`nsa_diag.probe.hooks.find_blocks`).
 
 A model that breaks it fails with `ContractError` naming what is wrong, before any training step.
 `checkpoint_layers` is nsa-diag's own ``--gc`` for a model that is not a TinyLM (which checkpoints itself).
@@ -62,25 +64,74 @@ def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
     return factory
 
 
-def vocab_of(model: nn.Module) -> tuple[int, str]:
-    """The vocabulary size of a user's model and where it came from; ContractError when none says it."""
+def vocab_of(model: nn.Module, answer: int | None = None) -> tuple[int, str]:
+    """The vocabulary size of a user's model and where it came from; ContractError when nothing says it.
+
+    What the model declares comes first: ``vocab_size``, ``config.vocab_size``, a TinyLM's ``cfg.vocab``,
+    ``get_input_embeddings()``, ``get_output_embeddings()``, the model's only ``nn.Embedding``. Then
+    ``answer`` (``--vocab``: the user's word for it), and last a guess: the ``out_features`` of the model's
+    last module (its head, for a head-last model). A declared size that differs from the answer is
+    returned as it is, for the command to refuse the answer.
+    """
+    declared = _declared_vocab(model)
+    if declared is not None:
+        return declared
+    if answer is not None:
+        return answer, "--vocab"
+    name, last = list(model.named_modules())[-1]
+    out_features = getattr(last, "out_features", None)
+    if name and _size(out_features):
+        return out_features, f"{name}.out_features (the last module)"
+    embeddings = _embeddings(model)
+    have = (
+        f"{len(embeddings)} nn.Embedding ({', '.join(f'{n} {e.num_embeddings}' for n, e in embeddings[:4])})"
+        if embeddings
+        else "no nn.Embedding"
+    )
+    raise ContractError(
+        f"{type(model).__name__}: no vocabulary size: it has no vocab_size (nor config.vocab_size, "
+        f"get_input_embeddings(), get_output_embeddings()), {have}, and its last module "
+        f"({name or 'the model'}: {type(last).__name__}) has no out_features: pass --vocab N (nsa-diag draws "
+        "token ids below it)"
+    )
+
+
+def _size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _embeddings(model: nn.Module) -> list[tuple[str, nn.Embedding]]:
+    from torch import nn
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Embedding)]
+
+
+def _rows(module: Any) -> int | None:
+    """The first dimension of a module's 2-D weight (an embedding's or an output projection's rows)."""
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+
+
+def _declared_vocab(model: nn.Module) -> tuple[int, str] | None:
+    """The vocabulary size as the model itself says it (`vocab_of`'s first sources), or None."""
     tinylm_vocab = getattr(model, "cfg", None).vocab if is_self_checkpointing(model) else None  # type: ignore[union-attr]
     for where, value in (
         ("vocab_size", getattr(model, "vocab_size", None)),
         ("config.vocab_size", getattr(getattr(model, "config", None), "vocab_size", None)),
         ("cfg.vocab", tinylm_vocab),  # an nsa_core.TinyLM (or subclass)
     ):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if _size(value):
             return value, where
-    get_output = getattr(model, "get_output_embeddings", None)
-    head = get_output() if callable(get_output) else None
-    weight = getattr(head, "weight", None)
-    if weight is not None and weight.dim() == 2:
-        return int(weight.shape[0]), "get_output_embeddings()"
-    raise ContractError(
-        f"{type(model).__name__}: no vocabulary size: give the model a vocab_size attribute (or "
-        "config.vocab_size, or get_output_embeddings()); nsa-diag draws token ids below it"
-    )
+    for method in ("get_input_embeddings", "get_output_embeddings"):  # what it says it uses (Hugging Face's)
+        get = getattr(model, method, None)
+        rows = _rows(get()) if callable(get) else None
+        if rows:
+            return rows, f"{method}()"
+    embeddings = _embeddings(model)
+    if len(embeddings) == 1:
+        name, embedding = embeddings[0]
+        return embedding.num_embeddings, f"{name} (the only nn.Embedding)"
+    return None
 
 
 def logits_of(output: Any) -> torch.Tensor:
@@ -156,7 +207,7 @@ def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
         model: nn.Module = nsa_core.TinyLM(cfg)
         vocab, idle = cfg.vocab, model.idle_parameter_names()
         prefix, blocks = find_blocks(model)
-        return LoadedModel(model.to(device), prefix, blocks, vocab, idle, cfg)
+        return LoadedModel(model.to(device), prefix, blocks, vocab, idle, cfg, "cfg.vocab")
     factory = load_factory(spec.model)
     try:
         model = factory(spec)
@@ -164,7 +215,7 @@ def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
         raise ContractError(f"model {spec.model}: the factory raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(model, nn.Module):
         raise ContractError(f"model {spec.model} returned {type(model).__name__}, not an nn.Module")
-    vocab, _ = vocab_of(model)
+    vocab, vocab_from = vocab_of(model, spec.overrides.get("vocab"))
     idle_names = getattr(model, "idle_parameter_names", None)
     own = list(idle_names()) if callable(idle_names) else []
     idle = list(dict.fromkeys(own + nsa_idle_parameters(model)))  # force_branch leaves these untrained
@@ -175,7 +226,7 @@ def build_model(spec: CaseSpec, device: torch.device) -> LoadedModel:
     if not is_self_checkpointing(model):
         gc, reentrant = str(spec.overrides.get("gc", "none")), bool(spec.overrides.get("gc_reentrant"))
         checkpoint_layers(blocks, parse_layers(gc, len(blocks)), reentrant)
-    return LoadedModel(model.to(device), prefix, blocks, vocab, idle, None)
+    return LoadedModel(model.to(device), prefix, blocks, vocab, idle, None, vocab_from)
 
 
 def parse_layers(gc: str, layers: int) -> range:

@@ -10,7 +10,9 @@ sends its stdout and stderr to ``stdout.log`` / ``stderr.log`` there. On top of 
   training group's collectives;
 - pre-flight: before DDP wraps the model, one forward and backward of step 1's batch on the bare model
   finds the parameters that get a gradient; the sets of all ranks, gathered over the side group, give the
-  verdict static_graph safe / find_unused needed / ranks disagree;
+  verdict static_graph safe / find_unused needed / ranks disagree. It leaves no trace on the model
+  (`untouched`), and its progress is its own phase ("pre-flight, layer 2 backward"), timed by the stall
+  as a step is (the user's model runs in it: it may hang or fail there as in a step);
 - wraps the model in DistributedDataParallel (static_graph, find_unused_parameters, bucket_cap_mb) and
   hooks every parameter (post-accumulate-grad) to record which gradients arrived on this rank;
 - ``--trace-buckets``: a comm hook records each bucket's size, dtype and parameters at step 1, then hands
@@ -27,19 +29,22 @@ as soon as one exits non-zero, and they must be able to write theirs. A crash (s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import hashlib
 import os
+import random
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
-from nsa_diag.spec import TRAIN_GROUP
+from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP
 from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.contract import build_model
 from nsa_diag.worker.outcome import CaseFailed, Outcome
@@ -107,6 +112,47 @@ def preflight_verdict(unused: dict[int, list[str]]) -> dict[str, Any]:
     return {"verdict": verdict, "text": text, "unused": {str(r): sorted(n) for r, n in sets.items()}}
 
 
+@contextlib.contextmanager
+def untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Run the body on ``model`` and leave no trace of it: each parameter and buffer is the same tensor
+    with the same values again (one reassigned in ``forward`` is put back), every gradient is what it was,
+    and the random number generators (torch's on the CPU and on ``device``, Python's, NumPy's where loaded)
+    are where they were. Plain Python attributes the model changes on itself are not restored."""
+    import torch
+
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    values: dict[int, torch.Tensor] = {}  # one copy of a tensor two modules share
+    grads: dict[int, torch.Tensor | None] = {}
+    for module in model.modules():
+        for name, tensor in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)):
+            saved.append((module, name, tensor))
+            values.setdefault(id(tensor), tensor.detach().clone())
+            if isinstance(tensor, torch.nn.Parameter):
+                grads[id(tensor)] = tensor.grad
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    python_rng = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_rng = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, tensor in saved:
+                tensor.copy_(values[id(tensor)])
+                if getattr(module, name) is not tensor:
+                    setattr(module, name, tensor)
+        for _, _, tensor in saved:
+            if id(tensor) in grads:
+                tensor.grad = grads[id(tensor)]
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+        random.setstate(python_rng)
+        if numpy is not None:
+            numpy.random.set_state(numpy_rng)
+
+
 def param_hash(model: nn.Module) -> str:
     """sha256 of every parameter's bytes, in named order (fp32 on the CPU): equal on ranks in sync."""
     import torch
@@ -171,10 +217,10 @@ class DdpTrainer(Trainer):
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.loaded = loaded = build_model(spec, self.device)
-        progress.event("setup", detail="model built")
+        self._model_built()
+        self._report_progress(loaded.model)  # the pre-flight's progress too
         self._preflight()
         progress.event("setup", detail="preflight done")
-        self._report_progress(loaded.model)
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
         kwargs: dict[str, Any] = {
             "find_unused_parameters": ds.find_unused,
@@ -196,30 +242,39 @@ class DdpTrainer(Trainer):
 
     def _preflight(self) -> None:
         """One forward and backward of step 1's batch on the bare model (with step 1's unused-param faults,
-        which shape the graph; not the faults that hang or crash): which parameters get a gradient."""
+        which shape the graph; not the faults that hang or crash): which parameters get a gradient.
+
+        The model is left as it was (`untouched`: parameters, buffers, gradients, random state; there is no
+        optimizer step), so step 1 computes what it computes without the pre-flight. Its events are in
+        phase "pre-flight" (its forward "pre-flight forward", ...): the watchdog times them by the stall,
+        not by setup's start-up limit, and a hang there reads "pre-flight, layer 2 backward"."""
         import torch.distributed as dist
 
         assert self.loaded is not None
-        model = self.loaded.model
+        progress, model = self.progress, self.loaded.model
         graph_faults = [i for i in self.spec.inject if i.kind == "unused-param" and i.step == 1]
-        faults = inject.attach(
-            graph_faults, self.loaded.blocks, self.loaded.prefix, self.progress, self.device
-        )
-        self.progress.step = 1  # the faults fire at their step
-        try:
-            self._loss(model, self.batch(1)).backward()
-        finally:
-            self.progress.step = None
-            for fault in faults:
-                if fault.handle is not None:
-                    fault.handle.remove()
-        idle = set(self.loaded.idle)
-        unused = sorted(
-            n for n, p in model.named_parameters() if p.requires_grad and p.grad is None and n not in idle
-        )
-        model.zero_grad(set_to_none=True)
+        faults = inject.attach(graph_faults, self.loaded.blocks, self.loaded.prefix, progress, self.device)
+        progress.event(PRE_FLIGHT, "begin")
+        with untouched(model, self.device):
+            progress.step, progress.pre_flight = 1, True  # the faults fire at their step
+            try:
+                loss = self._loss(model, self.batch(1))
+                progress.in_backward = True  # block forwards from here on are checkpoint recomputes
+                loss.backward()
+            finally:
+                progress.step, progress.pre_flight, progress.in_backward = None, False, False
+                for fault in faults:
+                    if fault.handle is not None:
+                        fault.handle.remove()
+            idle = set(self.loaded.idle)
+            unused = sorted(
+                n for n, p in model.named_parameters() if p.requires_grad and p.grad is None and n not in idle
+            )
         gathered: list[Any] = [None] * self.world
+        progress.event(PRE_FLIGHT, "begin", module="all_gather_object", collective="all_gather_object",
+                       group=SIDE_GROUP)  # fmt: skip
         dist.all_gather_object(gathered, unused, group=self.side)
+        progress.event(PRE_FLIGHT, "end")
         self.report["preflight"] = preflight_verdict(dict(enumerate(gathered)))
 
     def _register_bucket_trace(self) -> None:

@@ -86,6 +86,7 @@ class LoadedModel:
     vocab: int
     idle: list[str] = field(default_factory=list)  # parameters the configuration leaves without gradient
     cfg: Any = None  # the nsa_core.ModelConfig of the built-in model; None for a user model
+    vocab_from: str = "cfg.vocab"  # where the vocabulary size came from (`nsa_diag.worker.contract.vocab_of`)
 
 
 class TrainingRun(Protocol):

@@ -90,7 +90,7 @@ def model_facts(spec: CaseSpec) -> ModelFacts:
         except ValueError as exc:
             raise ContractError(str(exc)) from None
         facts.layers = len(blocks)
-        facts.vocab, facts.vocab_from = vocab_of(model)
+        facts.vocab, facts.vocab_from = vocab_of(model, spec.overrides.get("vocab"))  # not the factory's read
         facts.nsa_layers, facts.nsa_values = nsa_settings(model, blocks)
         cfg = getattr(model, "cfg", None)
         if facts.self_checkpointing and cfg is not None:  # a TinyLM: its config says what it runs

@@ -23,6 +23,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 from nsa_diag import artifacts
 from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions, on_backward
 from nsa_diag.probe.liveness import LivenessSampler
+from nsa_diag.spec import PRE_FLIGHT
 from nsa_diag.worker.beacon import BeaconWriter
 
 __all__ = ["LAYER_LAYOUTS", "attach_progress", "find_blocks", "nsa_attentions"]  # from nsa_diag.probe.hooks
@@ -62,7 +63,8 @@ class Progress:
 
     `step` and `in_backward` are set by the training loop; hooks read them: a block's forward that runs
     while ``loss.backward()`` is under way is a gradient-checkpoint recompute. `phase_override` relabels
-    hook events (the reference model of a parity check runs in phase "check").
+    hook events (the reference model of a parity check runs in phase "check"); `pre_flight` prefixes them
+    (a ddp rank's pre-flight: "pre-flight backward").
 
     The beacon, which the watchdog reads live, takes every event as it happens. The lines of layer events
     (the hooks': about 7 per layer and step) wait in memory and are written together by `flush`: at the
@@ -77,6 +79,7 @@ class Progress:
         self.step: int | None = None
         self.in_backward = False
         self.phase_override: str | None = None
+        self.pre_flight = False
         self.seq = 1  # BeaconWriter's constructor recorded event 1: setup begin
         self._where: tuple[Any, ...] = ("setup", None, None, None, None, "begin")
         self._stream = stream
@@ -90,11 +93,14 @@ class Progress:
         """The phase of a block's forward right now: forward, or recompute inside backward."""
         if self.phase_override:
             return self.phase_override
-        return "recompute" if self.in_backward else "forward"
+        phase = "recompute" if self.in_backward else "forward"
+        return f"{PRE_FLIGHT} {phase}" if self.pre_flight else phase
 
     @property
     def backward_phase(self) -> str:
-        return self.phase_override or "backward"
+        if self.phase_override:
+            return self.phase_override
+        return f"{PRE_FLIGHT} backward" if self.pre_flight else "backward"
 
     @property
     def where(self) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
-from nsa_diag.spec import CaseSpec, Where, WorkerReport
+from nsa_diag.spec import BuiltModel, CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
 from nsa_diag.worker.contract import build_model, check_logits, logits_of
@@ -147,7 +147,8 @@ class Trainer:
     def _report_progress(self, model: nn.Module) -> None:
         """Progress from ``model``'s blocks (and NSA branches with ``--branch-marks``) and, on CUDA, from
         every Triton kernel compiled (a cold first step compiles for seconds between two hook events)."""
-        attach_progress(model, self.progress, self.spec.layers_attr, branches=self.spec.branch_marks)
+        assert self.loaded is not None  # its layers where the model was built found them
+        attach_progress(model, self.progress, self.loaded.prefix, branches=self.spec.branch_marks)
         if self.device.type == "cuda":
             report_compiles(self.progress)
 
@@ -173,7 +174,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.loaded = loaded = build_model(spec, self.device)
-        self.progress.event("setup", detail="model built")
+        self._model_built()
         self._report_progress(loaded.model)
         if spec.profile:
             attach_profiler_ranges(loaded.blocks, self.progress)
@@ -181,6 +182,19 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
         self.scaler = torch.amp.GradScaler(self.device.type) if spec.dtype == "fp16" else None
         self.progress.event("setup", "end", device=str(self.device), params=self._params())
+
+    def _model_built(self) -> None:
+        """The setup event "model built"; for a ``--model`` with what was found in it (`BuiltModel`: its
+        layers, its vocabulary and where from), which result.json reads back whatever becomes of the case."""
+        loaded = self.loaded
+        assert loaded is not None
+        found: dict[str, Any] = {}
+        if self.spec.model is not None:
+            found["model"] = BuiltModel(
+                type=type(loaded.model).__name__, layers_attr=loaded.prefix, layers=len(loaded.blocks),
+                vocab=loaded.vocab, vocab_from=loaded.vocab_from,
+            ).model_dump()  # fmt: skip
+        self.progress.event("setup", detail="model built", **found)
 
     def _params(self) -> int:
         assert self.loaded is not None
@@ -476,9 +490,8 @@ class Trainer:
     @contextlib.contextmanager
     def _checking(self, model: nn.Module) -> Iterator[None]:
         """Progress of `model`'s blocks in phase "check" while a parity check runs it."""
-        handles = attach_progress(
-            model, self.progress, self.spec.layers_attr, branches=self.spec.branch_marks
-        )
+        assert self.loaded is not None  # a copy of the loaded model: its layers where the loaded ones are
+        handles = attach_progress(model, self.progress, self.loaded.prefix, branches=self.spec.branch_marks)
         self.progress.phase_override = "check"
         try:
             yield
