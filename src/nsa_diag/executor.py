@@ -257,6 +257,7 @@ def run_case(
     replay_argv: Sequence[str] | None = None,
     on_progress: ProgressCallback | None = None,
     extra_env: Mapping[str, str] | None = None,
+    record_if_killed: bool = True,
 ) -> CaseResult:
     """Run one case in ``case_dir``; the result (also written to ``result.json``) whatever happened.
 
@@ -289,7 +290,7 @@ def run_case(
             replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
             artifacts.write_replay(home / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
             with guard.deferred():
-                guardian = Guardian(marker)
+                guardian = Guardian(marker, record=record_if_killed)
                 launcher.start(case_dir, argv, env)
             result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)
             result = _swept(result, launcher, marker)

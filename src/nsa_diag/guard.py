@@ -10,7 +10,9 @@ whatever ended it (a pass included: a daemon left behind is stopped and named in
 When nsa-diag itself is killed (SIGKILL, the OOM killer) nothing of it runs any more, so each case also
 has a **guardian**: ``python -m nsa_diag.guard`` in a session of its own, started before the job, without
 the marker, holding the read end of a pipe whose only write end is nsa-diag's. When nsa-diag ends, however
-it ends, the pipe closes; the guardian then sweeps the case and exits. `Guardian.release` (the case ended
+it ends, the pipe closes; the guardian then sweeps the case, writes its result.json if none was written
+(an error: nsa-diag was killed; not for a case run as a scheduler's job, which the submitting nsa-diag
+records with the scheduler's word), and exits. `Guardian.release` (the case ended
 normally, or ``watch --keep-alive`` left the job running on purpose) tells it to exit without sweeping.
 
 Standard library only: the guardian starts in a fraction of a second and imports nothing heavy.
@@ -29,6 +31,7 @@ from pathlib import Path
 CASE_ENV = "NSA_DIAG_CASE"
 GRACE_S = 2.0
 RELEASE = b"release\n"
+NO_RECORD = "--no-record"  # sweep only: the case's result is another process's to write
 PROC = Path("/proc")
 
 
@@ -87,7 +90,7 @@ def sweep(marker: str, grace_s: float = GRACE_S, exclude: frozenset[int] = froze
 class Guardian:
     """The guardian process of one case (module docstring)."""
 
-    def __init__(self, marker: str) -> None:
+    def __init__(self, marker: str, record: bool = True) -> None:
         self.marker = marker
         read_end, self.write_end = os.pipe()
         env = {k: v for k, v in os.environ.items() if k != CASE_ENV}
@@ -96,7 +99,7 @@ class Guardian:
         env["PYTHONPATH"] = os.pathsep.join([root, *paths])
         try:
             self.proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "nsa_diag.guard", marker],
+                [sys.executable, "-m", "nsa_diag.guard", marker, *(() if record else (NO_RECORD,))],
                 stdin=read_end,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -123,7 +126,7 @@ class Guardian:
                 self.proc.wait()
 
 
-def _guard(marker: str) -> int:
+def _guard(marker: str, record: bool = True) -> int:
     """The guardian's body: wait for nsa-diag's word or its end (EOF on stdin), sweep on the latter."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in nsa-diag's terminal is nsa-diag's to handle
     data = b""
@@ -141,7 +144,8 @@ def _guard(marker: str) -> int:
             return 0
     started = time.time()
     swept = sweep(marker)
-    _record(Path(marker), swept, started)
+    if record:
+        _record(Path(marker), swept, started)
     return 0
 
 
@@ -166,4 +170,4 @@ def _record(case_dir: Path, swept: list[int], when: float) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(_guard(sys.argv[1]))
+    sys.exit(_guard(sys.argv[1], record=NO_RECORD not in sys.argv[2:]))

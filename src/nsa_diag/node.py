@@ -83,7 +83,10 @@ def run_case_job(spec_json: str, case_dir: str, replay_argv: Sequence[str] | Non
     stopped_by = None
     with _warning_as_sigterm(warned):
         try:
-            run_case(spec, folder, replay_argv=list(replay_argv) if replay_argv is not None else None)
+            # killed from outside, this job's case is recorded by the nsa-diag that submitted it (with the
+            # scheduler's word), not by the case's guardian
+            replay = list(replay_argv) if replay_argv is not None else None
+            run_case(spec, folder, replay_argv=replay, record_if_killed=False)
         except KeyboardInterrupt as exc:  # stopped by a signal; result.json is written
             stopped_by = getattr(exc, "signal_name", "SIGINT")
     result = _annotate(folder, facts, bool(warned) and stopped_by is not None)

@@ -91,7 +91,8 @@ def test_resume_of_a_corrupt_state_is_one_line_and_exit_2(content: str, tmp_path
     (tmp_path / STATE_FILE).write_text(content)
     code, summary, err = nsa_diag("gc-bisect", "--resume", str(tmp_path))
     assert code == 2, err
-    assert summary == {}
+    assert summary["kind"] == "usage"  # --json: the error is an object on stdout too
+    assert "cannot be resumed" in summary["error"]
     (line,) = err.splitlines()
     assert line.startswith(f"nsa-diag: --resume {tmp_path}: its {STATE_FILE} cannot be resumed: ")
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
