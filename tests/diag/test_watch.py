@@ -620,6 +620,22 @@ def test_a_job_printing_40_mb_on_a_20_mb_disk_gets_capped_logs_and_its_summary(t
     assert "x\nthe end\n" in proc.stdout
 
 
+def test_a_job_that_fills_its_disk_still_gets_its_result_and_summary(tmp_path: Path) -> None:
+    """The job's own checkpoint takes the last byte of the disk the run folder is on: the run folder's
+    space reserved at its start is given back for its result and summary."""
+    proc, kept = _watch_on_small_fs(tmp_path, "fills_disk.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "No space left on device" in proc.stdout  # the job did fill it
+    out = kept / "runs"
+    assert _result(out)["verdict"] == "pass"
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    assert (run / "summary.json").is_file()
+    assert (run / "summary.md").is_file()
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name]
+    assert not (run / ".nsa-diag.reserve").exists()
+
+
 def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path: Path) -> None:
     from nsa_diag.logcap import CappedLog
 
