@@ -28,9 +28,11 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -262,8 +264,80 @@ def append_text(path: Path, text: str) -> Path:
     return path
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+# --- reading back ---------------------------------------------------------------------------------------
+
+# What a run folder's file may be when read back (`read_file`): a folder copied from elsewhere, edited by
+# hand or made to harm may hold anything. Logs, stacks and progress.jsonl are capped at their writers'
+# (`nsa_diag.logcap`: 16 MiB a log); the largest JSON nsa-diag writes is a result.json of a few hundred
+# KiB, nested under 10 deep.
+TEXT_MAX_BYTES = 64 * 2**20
+JSON_MAX_BYTES = 16 * 2**20
+JSON_MAX_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class UnreadableFile(ValueError):
+    """A file read back is not one nsa-diag wrote: not a regular file (a FIFO, a device, a link to one),
+    larger than its kind's limit, or JSON nested too deep. Its text: ``<path>: <why>``."""
+
+
+def read_file(path: Path, limit: int = TEXT_MAX_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one is followed), at most ``limit`` of them:
+    anything else is an `UnreadableFile` before it is opened (a FIFO never blocks, a device is never read),
+    and a file that grows past ``limit`` while read is one too. OSError when there is none."""
+    path = Path(path)
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise UnreadableFile(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped for something else since the stat above
+            raise UnreadableFile(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise UnreadableFile(f"{path}: larger than {limit // 2**20} MiB ({st.st_size // 2**20} MiB)")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise UnreadableFile(f"{path}: larger than {limit // 2**20} MiB")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: Path, limit: int = TEXT_MAX_BYTES) -> str:
+    """`read_file` as text (undecodable bytes replaced)."""
+    return read_file(path, limit).decode(errors="replace")
+
+
+def json_depth_exceeds(data: bytes, depth: int = JSON_MAX_DEPTH) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects more than ``depth`` deep (strings aside):
+    the innermost pairs of brackets are removed, a level per pass."""
+    brackets = _JSON_STRING.sub(b"", data).translate(_BRACKETS, _NOT_BRACKETS)
+    for _ in range(depth):
+        fewer = brackets.replace(b"[]", b"")
+        if fewer == brackets:  # unbalanced: json.loads says what is wrong
+            return len(brackets) > depth
+        brackets = fewer
+    return bool(brackets)
+
+
+def read_json(path: Path, limit: int = JSON_MAX_BYTES) -> Any:
+    """The JSON in the regular file at ``path`` (`read_file`); `UnreadableFile` when it nests deeper than
+    `JSON_MAX_DEPTH`, ValueError when it is not JSON, OSError when there is none."""
+    data = read_file(path, limit)
+    if json_depth_exceeds(data):
+        raise UnreadableFile(f"{path}: nested deeper than {JSON_MAX_DEPTH}")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UnreadableFile(f"{path}: nested deeper than {JSON_MAX_DEPTH}") from None
 
 
 def new_run_dir(command: str, out: Path | None = None, tag: str | None = None) -> Path:

@@ -18,6 +18,7 @@ from typing import Any
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
 from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
+from nsa_diag.errors import UsageError
 from nsa_diag.runfolder import (
     NO_RESULT,
     NOT_RUN,
@@ -417,7 +418,10 @@ def write_report(path: Path) -> dict[str, Any]:
         made = draw_plots(run)
     except Exception as exc:  # the tables stand without the pictures
         made, plot_error = {}, f"{type(exc).__name__}: {exc}"
-    artifacts.write_text(run.path / REPORT_MD, build_report(run, made, plot_error))
+    try:
+        artifacts.write_text(run.path / REPORT_MD, build_report(run, made, plot_error))
+    except OSError as exc:
+        raise UsageError(f"{run.path / REPORT_MD}: cannot be written: {exc.strerror or exc}") from None
     counts: dict[str, int] = {}
     for case in run.cases:
         counts[case.verdict] = counts.get(case.verdict, 0) + 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +80,29 @@ class RunFolder:
 
 
 def _read_json(path: Path, notes: list[str]) -> Any:
-    """The JSON in `path`, or None when there is none; an unreadable file is noted, not raised."""
-    if not path.is_file():
+    """The JSON in `path`, or None when there is none; an unreadable file is noted, not raised (one that
+    is not a regular file, too large or nested too deep is skipped unread: `artifacts.read_json`)."""
+    if not path.is_symlink() and not path.exists():
         return None
     try:
         return artifacts.read_json(path)
+    except artifacts.UnreadableFile as exc:
+        notes.append(f"{exc}: skipped")
     except (OSError, ValueError) as exc:
         notes.append(f"{path.name} in {path.parent} cannot be read: {type(exc).__name__}: {exc}")
-        return None
+    return None
+
+
+def _vet(path: Path, limit: int, notes: list[str]) -> None:
+    """Note a file the report would read that is no regular file or too large: its readers skip it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        notes.append(f"{path}: not a regular file: skipped")
+    elif st.st_size > limit:
+        notes.append(f"{path}: larger than {limit // 2**20} MiB: skipped")
 
 
 # The fields of summary.json and matrix.json that readers iterate or index, and the JSON type each must have.
@@ -146,8 +162,8 @@ def _timed_steps(step_s: Any) -> int | None:
 def _last_progress(case_dir: Path) -> Where | None:
     """The last location in progress.jsonl: where a case that has no result.json had got to."""
     try:
-        lines = (case_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
-    except OSError:
+        lines = artifacts.read_text(case_dir / artifacts.PROGRESS).splitlines()
+    except (OSError, ValueError):
         return None
     for line in reversed(lines):
         try:
@@ -263,6 +279,16 @@ def load_run(path: Path) -> RunFolder:
             except ValueError as exc:
                 why = f"{artifacts.RESULT} is not a valid result: {' '.join(str(exc).split())[:200]}"
                 notes.append(f"case {name}: {why}")
+        if name in folders:
+            stacks = result.stacks_file() if result is not None else artifacts.STACKS
+            for file in {
+                artifacts.PROGRESS,
+                artifacts.PYSPY,
+                stacks,
+                str(Path(stacks).parent / artifacts.PYSPY),
+            }:
+                _vet(case_dir / file, artifacts.TEXT_MAX_BYTES, notes)
+            _vet(case_dir / artifacts.MEMORY_STATS, artifacts.JSON_MAX_BYTES, notes)
         expected = (summary_entries.get(name) or {}).get("expected") or in_matrix.get("expect")
         entry = _entry(name, case_dir, result, summary_entries.get(name), expected, why)
         if name not in folders and name not in summary_entries:
@@ -489,8 +515,8 @@ def pyspy_main_frames(case_dir: Path, depth: int = STACK_FRAMES) -> list[str]:
     from nsa_diag.evidence.stacks import parse_pyspy
 
     try:
-        text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
-    except OSError:
+        text = artifacts.read_text(case_dir / artifacts.PYSPY)
+    except (OSError, ValueError):
         return []
     threads = parse_pyspy(text)
     main = next((t for t in threads if t.name == "MainThread"), None) or next(iter(threads), None)
