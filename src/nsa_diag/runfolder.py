@@ -4,7 +4,8 @@ Any command's run folder is read the same way: ``cases/<name>/result.json`` (the
 killed or interrupted one) and ``spec.json``, and where present ``summary.json`` (the command line, the
 expectations of selftest and matrix cases, the `not_run` list), ``env.json``, ``matrix.json`` (the axes
 of a matrix run), ``scale.json`` (a sweep's fits) and ``bisect.json``. A folder with neither a
-summary.json nor a case folder is not a run folder: `UsageError`. A case folder without a result.json
+summary.json nor a case folder is not a run folder: `UsageError`, unless it is an `nsa-diag attach`
+folder (its result.json at the top: one case, its state for a verdict). A case folder without a result.json
 (nsa-diag itself was killed) is read as `no result`, with the last location of its progress.jsonl; a
 case of summary.json's `not_run` or of matrix.json that never started as `not run`.
 
@@ -234,6 +235,38 @@ def _named(entry: Mapping[str, Any]) -> bool:
     return isinstance(entry.get("name"), str)
 
 
+def _attach_run(path: Path, notes: list[str]) -> RunFolder | None:
+    """An `nsa-diag attach` run folder (its result.json at the top, no cases/), as a run of one case named
+    after the PID attached to: the tree's state stands for a verdict (attach gives none), ok when it was
+    progressing; the place, from the process attach focused on. None when `path` is not one."""
+    record = _read_json(path / artifacts.RESULT, notes)
+    if not isinstance(record, dict) or record.get("command") != "attach":
+        return None
+    processes = [p for p in _of_type(record.get("processes"), list) if isinstance(p, dict)]
+    focus = next((p for p in processes if p.get("pid") == record.get("focus_pid")), None)
+    state = record.get("state") if isinstance(record.get("state"), str) else None
+    entry = {
+        "name": f"pid {record.get('pid', '?')}",
+        "ok": state == "progressing",
+        "verdict": state,
+        "hang_kind": record.get("hang_kind") if isinstance(record.get("hang_kind"), str) else None,
+        "reason": record.get("reason") if isinstance(record.get("reason"), str) else None,
+        "where": focus.get("location") if focus and isinstance(focus.get("location"), str) else None,
+        "elapsed_s": record.get("observed_s") if isinstance(record.get("observed_s"), int | float) else None,
+    }
+    env = _read_json(path / artifacts.ENV, notes)
+    case = CaseRecord(name=entry["name"], dir=path, spec=None, result=None, entry=entry)
+    return RunFolder(
+        path=path,
+        command="attach",
+        summary=None,
+        env=env if isinstance(env, dict) else None,
+        cases=[case],
+        not_run=[],
+        notes=notes,
+    )
+
+
 def load_run(path: Path) -> RunFolder:
     """Read the run folder at `path`; `UsageError` when it is not one."""
     path = Path(path)
@@ -250,6 +283,9 @@ def load_run(path: Path) -> RunFolder:
         if p.is_dir() and ((p / artifacts.RESULT).is_file() or (p / artifacts.SPEC).is_file())
     }
     if summary is None and not folders:
+        attached = _attach_run(path, notes)
+        if attached is not None:
+            return attached
         raise UsageError(
             f"{path} is not an nsa-diag run folder "
             f"(no {render.SUMMARY_JSON} and no cases/*/{artifacts.RESULT})"
