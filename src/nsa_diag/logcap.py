@@ -194,7 +194,7 @@ class LogPump:
                 if echo is not None:
                     echo_fd = os.dup(echo)
                     passed.append(echo_fd)
-                args += [str(read_end), str(path), str(echo_fd)]
+                args += [str(read_end), os.path.abspath(path), str(echo_fd)]
             env = dict(os.environ)
             env.pop("NSA_DIAG_CASE", None)  # not the case's: a sweep must not stop it before it drains
             root = str(Path(__file__).resolve().parents[1])
