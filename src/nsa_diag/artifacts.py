@@ -1,7 +1,7 @@
 """The only module that writes files: the run-folder layout and atomic writes (temporary file + rename).
 
     <out>/<YYYYmmdd-HHMMSS>-<command>[-<tag>]/
-      summary.json  summary.md  env.json  .nsa-diag.lock (while a process runs in it)
+      summary.json  summary.md  env.json  .nsa-diag.lock .nsa-diag.reserve (while a process runs in it)
       cases/<case-id>/ spec.json result.json replay.sh stdout.log stderr.log progress.jsonl ...
 
 A multi-node ddp run (`nsa_diag.launchers.nodes`) shares one folder, ``<out>/ddp-<run id>``, between its
@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -37,7 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from nsa_diag.errors import UsageError
+from nsa_diag.errors import DiskFullError, UsageError
 from nsa_diag.redact import (
     MIN_SECRET_LEN,
     WITHHELD,
@@ -51,6 +54,10 @@ DEFAULT_OUT = Path("nsa-diag-runs")
 # A run folder is refused on a file system with less free: a case writes logs, stacks and evidence, and a
 # full disk midway would leave cases without result.json.
 MIN_FREE_BYTES = 16 * 2**20
+# Held on the run folder's disk while a process writes in it (`lock_run_dir`), given back when a write of
+# ours finds the disk full (a job's checkpoints, another program): room for result.json and the summary.
+RESERVE_BYTES = 2 * 2**20
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 ENV = "env.json"  # run folder: the environment snapshot (nsa_diag.evidence.env)
 LOCK = ".nsa-diag.lock"  # run folder: flock-ed by the process that writes in it; says who that is
@@ -87,9 +94,26 @@ INTERNAL_FILES = (BEACON, DUMP_REQUEST, DUMP_DONE, STACK_REQUEST)
 
 
 def write_bytes(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (same-folder temporary file, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (same-folder temporary file, fsync, rename). On a full disk
+    the run folder's reserve (`lock_run_dir`) is given back and the write tried again; still full, a
+    `DiskFullError` says which file could not be written. No temporary file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_bytes(path, data)
+    except OSError as exc:
+        if exc.errno not in DISK_FULL:
+            raise
+        if _give_back_reserve(path.parent):
+            with contextlib.suppress(OSError):
+                return _write_bytes(path, data)
+        raise DiskFullError(
+            f"{path}: cannot be written, its file system is full ({exc.strerror}); free some space, or "
+            "give --out on another disk"
+        ) from None
+
+
+def _write_bytes(path: Path, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -102,6 +126,56 @@ def write_bytes(path: Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+# The reserves this process holds (`lock_run_dir`), each on the disk of its run folder.
+_reserves: list[Path] = []
+
+
+def _make_reserve(path: Path) -> None:
+    """`RESERVE_BYTES` of real blocks at ``path`` (best effort: a disk too full for it has none)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError:
+        return
+    try:
+        try:
+            os.posix_fallocate(fd, 0, RESERVE_BYTES)
+        except OSError as exc:  # a file system without fallocate: written blocks hold the space too
+            if exc.errno in DISK_FULL:
+                raise
+            os.write(fd, bytes(RESERVE_BYTES))
+        _reserves.append(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    finally:
+        os.close(fd)
+
+
+def _give_back_reserve(folder: Path) -> bool:
+    """Remove a reserve on ``folder``'s disk; whether there was one."""
+    try:
+        device = os.stat(folder).st_dev
+    except OSError:
+        return False
+    for reserve in list(_reserves):
+        try:
+            if os.stat(reserve).st_dev != device:
+                continue
+            reserve.unlink()
+        except OSError:
+            pass
+        _reserves.remove(reserve)
+        return True
+    return False
+
+
+def _drop_reserve(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+    if path in _reserves:
+        _reserves.remove(path)
 
 
 # --- secrets --------------------------------------------------------------------------------------------
@@ -190,8 +264,80 @@ def append_text(path: Path, text: str) -> Path:
     return path
 
 
-def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+# --- reading back ---------------------------------------------------------------------------------------
+
+# What a run folder's file may be when read back (`read_file`): a folder copied from elsewhere, edited by
+# hand or made to harm may hold anything. Logs, stacks and progress.jsonl are capped at their writers'
+# (`nsa_diag.logcap`: 16 MiB a log); the largest JSON nsa-diag writes is a result.json of a few hundred
+# KiB, nested under 10 deep.
+TEXT_MAX_BYTES = 64 * 2**20
+JSON_MAX_BYTES = 16 * 2**20
+JSON_MAX_DEPTH = 64
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class UnreadableFile(ValueError):
+    """A file read back is not one nsa-diag wrote: not a regular file (a FIFO, a device, a link to one),
+    larger than its kind's limit, or JSON nested too deep. Its text: ``<path>: <why>``."""
+
+
+def read_file(path: Path, limit: int = TEXT_MAX_BYTES) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one is followed), at most ``limit`` of them:
+    anything else is an `UnreadableFile` before it is opened (a FIFO never blocks, a device is never read),
+    and a file that grows past ``limit`` while read is one too. OSError when there is none."""
+    path = Path(path)
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise UnreadableFile(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped for something else since the stat above
+            raise UnreadableFile(f"{path}: not a regular file")
+        if st.st_size > limit:
+            raise UnreadableFile(f"{path}: larger than {limit // 2**20} MiB ({st.st_size // 2**20} MiB)")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise UnreadableFile(f"{path}: larger than {limit // 2**20} MiB")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: Path, limit: int = TEXT_MAX_BYTES) -> str:
+    """`read_file` as text (undecodable bytes replaced)."""
+    return read_file(path, limit).decode(errors="replace")
+
+
+def json_depth_exceeds(data: bytes, depth: int = JSON_MAX_DEPTH) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects more than ``depth`` deep (strings aside):
+    the innermost pairs of brackets are removed, a level per pass."""
+    brackets = _JSON_STRING.sub(b"", data).translate(_BRACKETS, _NOT_BRACKETS)
+    for _ in range(depth):
+        fewer = brackets.replace(b"[]", b"")
+        if fewer == brackets:  # unbalanced: json.loads says what is wrong
+            return len(brackets) > depth
+        brackets = fewer
+    return bool(brackets)
+
+
+def read_json(path: Path, limit: int = JSON_MAX_BYTES) -> Any:
+    """The JSON in the regular file at ``path`` (`read_file`); `UnreadableFile` when it nests deeper than
+    `JSON_MAX_DEPTH`, ValueError when it is not JSON, OSError when there is none."""
+    data = read_file(path, limit)
+    if json_depth_exceeds(data):
+        raise UnreadableFile(f"{path}: nested deeper than {JSON_MAX_DEPTH}")
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise UnreadableFile(f"{path}: nested deeper than {JSON_MAX_DEPTH}") from None
 
 
 def new_run_dir(command: str, out: Path | None = None, tag: str | None = None) -> Path:
@@ -256,15 +402,18 @@ class RunFolderLock:
     """The lock of one run folder, held by this process until `release` (or until it dies: the kernel
     drops a flock with its last descriptor, so a killed holder never blocks a later ``--resume``)."""
 
-    def __init__(self, path: Path, fd: int) -> None:
+    def __init__(self, path: Path, fd: int, reserve: Path | None = None) -> None:
         self.path = path
         self._fd: int | None = fd
+        self.reserve = reserve
 
     def release(self) -> None:
         """Remove the lock file, then drop the lock (in this order: whoever locks next locks a file that
         is still on disk, see `lock_run_dir`)."""
         if self._fd is None:
             return
+        if self.reserve is not None:
+            _drop_reserve(self.reserve)
         with contextlib.suppress(OSError):
             self.path.unlink()
         os.close(self._fd)
@@ -311,7 +460,9 @@ def lock_run_dir(run_dir: Path, name: str = LOCK) -> RunFolderLock:
     since when, host). Raises `FolderInUse`, naming the holder, when another process has it; nothing in
     the folder is changed then. The descriptor is not inherited by children (``os.open`` makes it
     close-on-exec), so a worker that outlived us could not keep the folder locked. ``name``: another
-    lock of the folder (`node_lock`: one per node of a shared multi-node folder)."""
+    lock of the folder (`node_lock`: one per node of a shared multi-node folder). While it is held, a
+    reserve of `RESERVE_BYTES` sits beside it (``.nsa-diag.reserve``), given back to the first write that
+    finds the disk full (`write_bytes`) and removed with the lock."""
     path = Path(run_dir) / name
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -338,7 +489,9 @@ def lock_run_dir(run_dir: Path, name: str = LOCK) -> RunFolderLock:
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
-    return RunFolderLock(path, fd)
+    reserve = path.with_name(name.removesuffix(".lock") + ".reserve")
+    _make_reserve(reserve)
+    return RunFolderLock(path, fd, reserve)
 
 
 def _lock_holder(fd: int) -> str:

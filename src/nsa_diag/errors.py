@@ -43,6 +43,10 @@ class ProblemsError(ConfigError):
         super().__init__("; ".join(self.problems))
 
 
+class DiskFullError(UsageError):
+    """A file of the run folder could not be written: its file system is full (or over quota)."""
+
+
 class InternalError(NsaDiagError):
     """An invariant of the toolkit broke: a bug to report."""
 

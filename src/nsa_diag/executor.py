@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
@@ -106,6 +107,13 @@ def _swept(result: CaseResult, launcher: Launcher, marker: str) -> CaseResult:
     return result.model_copy(
         update={"evidence": {**result.evidence, "stop": stop}, "reason": result.reason + note}
     )
+
+
+def _stop(launcher: Launcher) -> dict[str, Any]:
+    """Stop the job, then wait for its logs' last bytes (its result reads them)."""
+    stop = launcher.stop()
+    launcher.close_logs()
+    return stop
 
 
 def _release(guardian: Guardian | None) -> None:
@@ -230,7 +238,7 @@ def _watch_and_judge(
         notes["pauses"] = pauses
     launcher.before_stop(case_dir)
     with guard.deferred():
-        stop = launcher.stop()
+        stop = _stop(launcher)
     launcher.evidence_after_stop(case_dir, notes)
     ends = launcher.unit_ends(case_dir, units, watched.units, hangs, stop)
     observed = _observed(units, watched.units, hangs)
@@ -298,7 +306,7 @@ def run_case(
             guard.close()
             by = getattr(exc, "signal_name", "SIGINT")
             sampled = launcher.sample_on_interrupt(case_dir)
-            stop = launcher.stop()
+            stop = _stop(launcher)
             result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
             result = _swept(result, launcher, marker)
             _finish(case_dir, result, launcher)
@@ -306,7 +314,7 @@ def run_case(
             raise
         except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
             guard.close()
-            stop = launcher.stop()
+            stop = _stop(launcher)
             result = error_result(
                 spec,
                 f"nsa-diag internal error while running the {launcher.label}: {type(exc).__name__}: {exc}",

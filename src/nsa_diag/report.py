@@ -18,6 +18,7 @@ from typing import Any
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
 from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
+from nsa_diag.errors import UsageError
 from nsa_diag.runfolder import (
     NO_RESULT,
     NOT_RUN,
@@ -305,6 +306,12 @@ def _run_lines(run: RunFolder) -> list[str]:
             left_out=left_out if isinstance(left_out, Mapping) else {},
         )
         lines.append(f"- result: {result}, exit code {summary.get('exit_code', '?')}")
+    elif run.command == "attach":  # its result.json is the tree's, read as one case
+        for case in run.cases:
+            lines.append(f"- {case.name}: {case.verdict}: {case.entry.get('reason') or '-'}")
+        lines.append(
+            "- attach reports a state, not a verdict; the processes' evidence is in `processes/<pid>/`"
+        )
     elif (run.path / render.SUMMARY_JSON).exists():  # there, but not what nsa-diag writes
         lines.append(f"- {render.SUMMARY_JSON} could not be used (see Notes); read from cases/")
     else:
@@ -329,7 +336,8 @@ def build_report(run: RunFolder, plots: Mapping[str, str], plot_error: str | Non
     lines += ["## Cases", "", *_table(head, rows), ""]
     if run.not_run:
         lines += [f"Not run: {', '.join(run.not_run)}.", ""]
-    lines += ["Every case's files are in `cases/<case>/`; `cases/<case>/replay.sh` runs it again.", ""]
+    if run.command != "attach":
+        lines += ["Every case's files are in `cases/<case>/`; `cases/<case>/replay.sh` runs it again.", ""]
     if run.bisect:
         lines += ["## gc-bisect", "", f"{run.bisect.get('conclusion') or 'not concluded'}", ""]
         trials = run.bisect.get("trials") or []
@@ -417,7 +425,10 @@ def write_report(path: Path) -> dict[str, Any]:
         made = draw_plots(run)
     except Exception as exc:  # the tables stand without the pictures
         made, plot_error = {}, f"{type(exc).__name__}: {exc}"
-    artifacts.write_text(run.path / REPORT_MD, build_report(run, made, plot_error))
+    try:
+        artifacts.write_text(run.path / REPORT_MD, build_report(run, made, plot_error))
+    except OSError as exc:
+        raise UsageError(f"{run.path / REPORT_MD}: cannot be written: {exc.strerror or exc}") from None
     counts: dict[str, int] = {}
     for case in run.cases:
         counts[case.verdict] = counts.get(case.verdict, 0) + 1

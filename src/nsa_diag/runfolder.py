@@ -4,7 +4,8 @@ Any command's run folder is read the same way: ``cases/<name>/result.json`` (the
 killed or interrupted one) and ``spec.json``, and where present ``summary.json`` (the command line, the
 expectations of selftest and matrix cases, the `not_run` list), ``env.json``, ``matrix.json`` (the axes
 of a matrix run), ``scale.json`` (a sweep's fits) and ``bisect.json``. A folder with neither a
-summary.json nor a case folder is not a run folder: `UsageError`. A case folder without a result.json
+summary.json nor a case folder is not a run folder: `UsageError`, unless it is an `nsa-diag attach`
+folder (its result.json at the top: one case, its state for a verdict). A case folder without a result.json
 (nsa-diag itself was killed) is read as `no result`, with the last location of its progress.jsonl; a
 case of summary.json's `not_run` or of matrix.json that never started as `not run`.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,14 +81,29 @@ class RunFolder:
 
 
 def _read_json(path: Path, notes: list[str]) -> Any:
-    """The JSON in `path`, or None when there is none; an unreadable file is noted, not raised."""
-    if not path.is_file():
+    """The JSON in `path`, or None when there is none; an unreadable file is noted, not raised (one that
+    is not a regular file, too large or nested too deep is skipped unread: `artifacts.read_json`)."""
+    if not path.is_symlink() and not path.exists():
         return None
     try:
         return artifacts.read_json(path)
+    except artifacts.UnreadableFile as exc:
+        notes.append(f"{exc}: skipped")
     except (OSError, ValueError) as exc:
         notes.append(f"{path.name} in {path.parent} cannot be read: {type(exc).__name__}: {exc}")
-        return None
+    return None
+
+
+def _vet(path: Path, limit: int, notes: list[str]) -> None:
+    """Note a file the report would read that is no regular file or too large: its readers skip it."""
+    try:
+        st = path.stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        notes.append(f"{path}: not a regular file: skipped")
+    elif st.st_size > limit:
+        notes.append(f"{path}: larger than {limit // 2**20} MiB: skipped")
 
 
 # The fields of summary.json and matrix.json that readers iterate or index, and the JSON type each must have.
@@ -146,8 +163,8 @@ def _timed_steps(step_s: Any) -> int | None:
 def _last_progress(case_dir: Path) -> Where | None:
     """The last location in progress.jsonl: where a case that has no result.json had got to."""
     try:
-        lines = (case_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
-    except OSError:
+        lines = artifacts.read_text(case_dir / artifacts.PROGRESS).splitlines()
+    except (OSError, ValueError):
         return None
     for line in reversed(lines):
         try:
@@ -218,6 +235,38 @@ def _named(entry: Mapping[str, Any]) -> bool:
     return isinstance(entry.get("name"), str)
 
 
+def _attach_run(path: Path, notes: list[str]) -> RunFolder | None:
+    """An `nsa-diag attach` run folder (its result.json at the top, no cases/), as a run of one case named
+    after the PID attached to: the tree's state stands for a verdict (attach gives none), ok when it was
+    progressing; the place, from the process attach focused on. None when `path` is not one."""
+    record = _read_json(path / artifacts.RESULT, notes)
+    if not isinstance(record, dict) or record.get("command") != "attach":
+        return None
+    processes = [p for p in _of_type(record.get("processes"), list) if isinstance(p, dict)]
+    focus = next((p for p in processes if p.get("pid") == record.get("focus_pid")), None)
+    state = record.get("state") if isinstance(record.get("state"), str) else None
+    entry = {
+        "name": f"pid {record.get('pid', '?')}",
+        "ok": state == "progressing",
+        "verdict": state,
+        "hang_kind": record.get("hang_kind") if isinstance(record.get("hang_kind"), str) else None,
+        "reason": record.get("reason") if isinstance(record.get("reason"), str) else None,
+        "where": focus.get("location") if focus and isinstance(focus.get("location"), str) else None,
+        "elapsed_s": record.get("observed_s") if isinstance(record.get("observed_s"), int | float) else None,
+    }
+    env = _read_json(path / artifacts.ENV, notes)
+    case = CaseRecord(name=entry["name"], dir=path, spec=None, result=None, entry=entry)
+    return RunFolder(
+        path=path,
+        command="attach",
+        summary=None,
+        env=env if isinstance(env, dict) else None,
+        cases=[case],
+        not_run=[],
+        notes=notes,
+    )
+
+
 def load_run(path: Path) -> RunFolder:
     """Read the run folder at `path`; `UsageError` when it is not one."""
     path = Path(path)
@@ -234,6 +283,9 @@ def load_run(path: Path) -> RunFolder:
         if p.is_dir() and ((p / artifacts.RESULT).is_file() or (p / artifacts.SPEC).is_file())
     }
     if summary is None and not folders:
+        attached = _attach_run(path, notes)
+        if attached is not None:
+            return attached
         raise UsageError(
             f"{path} is not an nsa-diag run folder "
             f"(no {render.SUMMARY_JSON} and no cases/*/{artifacts.RESULT})"
@@ -263,6 +315,16 @@ def load_run(path: Path) -> RunFolder:
             except ValueError as exc:
                 why = f"{artifacts.RESULT} is not a valid result: {' '.join(str(exc).split())[:200]}"
                 notes.append(f"case {name}: {why}")
+        if name in folders:
+            stacks = result.stacks_file() if result is not None else artifacts.STACKS
+            for file in {
+                artifacts.PROGRESS,
+                artifacts.PYSPY,
+                stacks,
+                str(Path(stacks).parent / artifacts.PYSPY),
+            }:
+                _vet(case_dir / file, artifacts.TEXT_MAX_BYTES, notes)
+            _vet(case_dir / artifacts.MEMORY_STATS, artifacts.JSON_MAX_BYTES, notes)
         expected = (summary_entries.get(name) or {}).get("expected") or in_matrix.get("expect")
         entry = _entry(name, case_dir, result, summary_entries.get(name), expected, why)
         if name not in folders and name not in summary_entries:
@@ -489,8 +551,8 @@ def pyspy_main_frames(case_dir: Path, depth: int = STACK_FRAMES) -> list[str]:
     from nsa_diag.evidence.stacks import parse_pyspy
 
     try:
-        text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
-    except OSError:
+        text = artifacts.read_text(case_dir / artifacts.PYSPY)
+    except (OSError, ValueError):
         return []
     threads = parse_pyspy(text)
     main = next((t for t in threads if t.name == "MainThread"), None) or next(iter(threads), None)

@@ -825,3 +825,23 @@ def test_job_spinning_in_a_cuda_kernel_is_cuda_kernel(start_job: Any, tmp_path: 
     print("NVML rows of the job:", me["gpu"], "GPU %:", me["gpu_percent"], "CPU %:", me["cpu_percent"])
     code, stdout, _ = job.finish(timeout=120)
     assert (code, stdout) == (0, "ready\ndone\n")
+
+
+def test_report_and_compare_read_an_attach_run_folder(start_job: Any, tmp_path: Path) -> None:
+    """An attach run folder (result.json at its top, no cases/) is read by report and compare: the state
+    stands where a case's verdict would, with its reason."""
+    job = start_job("attach_sleep")
+    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
+    assert code == 1, err
+    (run,) = (tmp_path / "runs").iterdir()
+    done = run_cli("report", run)
+    assert done.returncode == 0, done.stderr
+    report = (run / "report.md").read_text()
+    assert "# nsa-diag attach" in report
+    assert "paused" in report
+    assert "a sleep ends by itself" in report
+    done = run_cli("compare", run, run, "--json")
+    assert done.returncode == 0, done.stderr
+    comparison = json.loads(done.stdout)
+    assert comparison["a"]["command"] == "attach"
+    assert comparison["a"]["cases"] == 1

@@ -24,10 +24,12 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 # Lowest first; a module belongs to the layer of the longest prefix that names it or a package above it.
 # A new module is placed here, or the test says so.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # the vocabulary: specs and results, option declarations, file names and atomic writes, which values
+    # the vocabulary: specs and results, option declarations, file names and atomic writes (the logs: their
+    # cap), which values
     # are secrets, errors, the shipped matrices, Slurm settings (a matrix file's `slurm:` section) and
     # submitit's executor
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
+     "nsa_diag.logcap",
      "nsa_diag.redact",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
      "nsa_diag.interrupts", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),

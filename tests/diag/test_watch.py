@@ -546,3 +546,106 @@ def test_nccl_rank_skipping_an_all_reduce_is_a_collective_hang(tmp_path: Path) -
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "collective", result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
+
+
+# --- a small file system: a tmpfs in a mount namespace of our own ----------------------------------------
+
+
+def _small_fs_argv(mount: Path, size: str, *argv: str | Path) -> list[str]:
+    """``argv`` run with a ``size`` tmpfs mounted at ``mount`` (visible to it alone: a mount namespace,
+    as root of a user namespace when we are not root)."""
+    script = 'mount -t tmpfs -o "size=$1" tmpfs "$2" && shift 2 && exec "$@"'
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return ["unshare", *user, "--mount", "sh", "-c", script, "sh", size, str(mount), *map(str, argv)]
+
+
+def _can_mount_small_fs(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe-mount"
+    probe.mkdir()
+    try:
+        proc = subprocess.run(_small_fs_argv(probe, "1m", "true"), capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0
+
+
+def _watch_on_small_fs(tmp_path: Path, job: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """`nsa-diag watch -- python JOB` with its job's directory and --out on a 20 MB file system; the run
+    folder is copied out before the file system goes away with its namespace."""
+    if not _can_mount_small_fs(tmp_path):
+        pytest.skip("cannot mount a tmpfs here (no mount namespace: unshare refused)")
+    mount, kept = tmp_path / "fs", tmp_path / "kept"
+    mount.mkdir()
+    script = (
+        f'cp {JOBS / job} "$1/" && cd "$1" && {PY} -m nsa_diag watch --out "$1/runs" -- {PY} {job} '
+        '>"$2/stdout" 2>"$2/stderr"; echo $? >"$2/rc"; df -B1 --output=avail "$1" | tail -1 >"$2/free"; '
+        'cp -a "$1/runs" "$2/runs"'
+    )
+    kept.mkdir()
+    subprocess.run(
+        _small_fs_argv(mount, "20m", "sh", "-c", script, "sh", mount, kept),
+        env=cli_env(),
+        timeout=240,
+        check=True,
+    )
+    rc = int((kept / "rc").read_text())
+    proc = subprocess.CompletedProcess([], rc, (kept / "stdout").read_text(), (kept / "stderr").read_text())
+    return proc, kept
+
+
+def test_a_job_printing_40_mb_on_a_20_mb_disk_gets_capped_logs_and_its_summary(tmp_path: Path) -> None:
+    """The log keeps its head and its tail, with a line saying how much was dropped between them, and
+    leaves the case's own files room: result.json, summary.json and summary.md, no temporary file."""
+    from nsa_diag.logcap import LOG_HEAD, LOG_TAIL
+
+    proc, kept = _watch_on_small_fs(tmp_path, "prints_40mb.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    out = kept / "runs"
+    assert _result(out)["verdict"] == "pass"
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    assert (run / "summary.json").is_file()
+    assert (run / "summary.md").is_file()
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name]
+    log = (_case(out) / "stdout.log").read_bytes()
+    assert len(log) <= LOG_HEAD + LOG_TAIL + 1024
+    assert log.startswith(b"first line\n")
+    assert log.endswith(b"x\nthe end\n")
+    (marker,) = [line for line in log.splitlines() if line.startswith(b"[nsa-diag: ")]
+    assert log[LOG_HEAD:].startswith(b"\n" + marker + b"\n")  # on a line of its own, after the head
+    tail = len(log) - LOG_HEAD - len(marker) - 2
+    assert int(marker.split()[1]) == 11 + 40 * 2**20 + 8 - LOG_HEAD - tail  # the bytes dropped
+    assert int((kept / "free").read_text()) >= 2 * 2**20  # room left on the disk
+    assert proc.stdout.count("x" * 1023 + "\n") == 40 * 1024  # the terminal still got everything
+    assert "x\nthe end\n" in proc.stdout
+
+
+def test_a_job_that_fills_its_disk_still_gets_its_result_and_summary(tmp_path: Path) -> None:
+    """The job's own checkpoint takes the last byte of the disk the run folder is on: the run folder's
+    space reserved at its start is given back for its result and summary."""
+    proc, kept = _watch_on_small_fs(tmp_path, "fills_disk.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert "No space left on device" in proc.stdout  # the job did fill it
+    out = kept / "runs"
+    assert _result(out)["verdict"] == "pass"
+    (run,) = [p for p in out.iterdir() if p.is_dir()]
+    assert (run / "summary.json").is_file()
+    assert (run / "summary.md").is_file()
+    assert not [p for p in run.rglob("*") if p.name.endswith(".tmp") or ".tmp." in p.name]
+    assert not (run / ".nsa-diag.reserve").exists()
+
+
+def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path: Path) -> None:
+    from nsa_diag.logcap import CappedLog
+
+    log = CappedLog(tmp_path / "stdout.log", head=100, tail=50, reserve=0)
+    lines = [f"line {i:04d}\n".encode() for i in range(1000)]  # 10 bytes each
+    for line in lines:
+        log.write(line)
+    log.close()
+    text = (tmp_path / "stdout.log").read_bytes()
+    head, marker, tail = text[:100], text[100:].split(b"\n")[0], text[100:].partition(b"\n")[2]
+    assert head == b"".join(lines[:10])
+    assert tail == b"".join(lines[-5:])
+    assert marker.startswith(b"[nsa-diag: 9850 bytes of output dropped here")

@@ -58,7 +58,10 @@ def compare(
         raise UsageError(f"--out {out}: is a folder; give a file name, e.g. {out / 'compare.md'}")
     comparison = compare_runs(load_run(run_a), load_run(run_b))
     if out is not None:
-        artifacts.write_text(out, compare_markdown(comparison))
+        try:
+            artifacts.write_text(out, compare_markdown(comparison))
+        except OSError as exc:
+            raise UsageError(f"--out {out}: cannot be written: {exc.strerror or exc}") from None
     if json_output:
         print_json(comparison)
     else:

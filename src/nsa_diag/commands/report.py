@@ -42,6 +42,8 @@ def report(
     from nsa_diag.report import write_report
 
     written = write_report(run_dir)
+    for note in written["notes"]:  # what could not be read, e.g. a file that is not a regular file: skipped
+        typer.echo(f"note: {note}", err=True)
     if json_output:
         print_json(written)
     else:

@@ -207,8 +207,8 @@ class StackFile:
 def read_stacks(path: Path) -> StackFile:
     """``stacks.txt`` at ``path``; empty when there is none (a case that ended normally, or never started)."""
     try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
+        text = artifacts.read_text(Path(path))
+    except (OSError, ValueError):  # none, or not a regular file of a sane size (a run folder read back)
         return StackFile()
     samples, fatal = split_samples(text)
     return StackFile(tuple(samples), fatal)

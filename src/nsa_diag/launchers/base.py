@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts
+from nsa_diag.logcap import LogPump
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
@@ -137,6 +138,7 @@ class Launcher(ABC):
     def __init__(self, spec: CaseSpec) -> None:
         self.spec = spec
         self.proc: subprocess.Popen[bytes] | None = None
+        self.logs: LogPump | None = None
 
     # --- starting ------------------------------------------------------------------------------------
 
@@ -169,23 +171,56 @@ class Launcher(ABC):
         """The job's working directory (None: this process's)."""
         return None
 
+    def echo_fds(self) -> tuple[int | None, int | None]:
+        """Where the job's stdout and stderr are shown while nsa-diag runs, besides the logs (None: not
+        shown). A user's command is followed on the terminal; our worker's output only goes to the logs."""
+        return None, None
+
     def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        """Start ``argv`` in a new session with stdin closed, its output appended to the case's logs."""
+        """Start ``argv`` in a new session with stdin closed, its output going to the case's logs through
+        their cap (`nsa_diag.logcap`: head and tail kept, room left for the case's own files); straight
+        into the log files when that process cannot start."""
         home = self.home(case_dir)
+        try:
+            out, err = self.echo_fds()
+            self.logs = LogPump([(home / artifacts.STDOUT, out), (home / artifacts.STDERR, err)])
+        except OSError:
+            self.logs = None
+        if self.logs is not None:
+            try:
+                self.proc = self._popen(argv, env, *self.logs.job_fds)
+            finally:
+                self.logs.started()
+            return self.proc
         with (
             artifacts.open_append(home / artifacts.STDOUT, binary=True) as out,
             artifacts.open_append(home / artifacts.STDERR, binary=True) as err,
         ):
-            self.proc = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                env=dict(env),
-                cwd=self.cwd(),
-                start_new_session=True,
-            )
+            self.proc = self._popen(argv, env, out.fileno(), err.fileno())
         return self.proc
+
+    def _popen(
+        self, argv: Sequence[str], env: Mapping[str, str], out: int, err: int
+    ) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env=dict(env),
+            cwd=self.cwd(),
+            start_new_session=True,
+        )
+
+    def close_logs(self) -> None:
+        """The job was stopped: wait (briefly) for its logs' last bytes. A job left running on purpose
+        (``watch --keep-alive``) keeps its logs; only their copy to the terminal ends."""
+        if self.logs is None:
+            return
+        if self.kept_alive():
+            self.logs.detach()
+        else:
+            self.logs.finish()
 
     # --- watching ------------------------------------------------------------------------------------
 

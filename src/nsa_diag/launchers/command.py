@@ -3,8 +3,9 @@
 The command runs in a session of its own in the directory ``watch`` was started from, with the user's
 whole environment plus the probe (`nsa_diag.probe`: ``NSA_DIAG_PROBE_DIR=<case>/procs`` and the probe's
 ``sitecustomize`` first on ``PYTHONPATH``) and the NCCL flight recorder switched on (unless the user set
-its variables). Its stdout and stderr go to the case's ``stdout.log``/``stderr.log``, which nsa-diag
-follows to the terminal (`Tee`): a job left running by ``--keep-alive`` keeps writing there, no pipe breaks.
+its variables). Its stdout and stderr go to the case's ``stdout.log``/``stderr.log`` and, while nsa-diag
+runs, to the terminal, through the logs' cap (`nsa_diag.logcap`: a process of its own, so that a job left
+running by ``--keep-alive`` keeps writing there, no pipe breaks).
 
 Units, re-read at every poll (``units_appear``): the command's own process first (``procs/pid-<pid>/``,
 probed or not), then every probed process in the order it appeared. A torchrun rank (``RANK`` set, not
@@ -27,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -53,7 +53,6 @@ PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
 RANK_JSON = "rank.json"
 TREE_JSON = "tree.json"
-TEE_POLL_S = 0.05
 
 
 def probe_env(case_dir: Path, environ: Mapping[str, str], branch_marks: bool = False) -> dict[str, str]:
@@ -78,32 +77,13 @@ def recorded_env(environ: Mapping[str, str]) -> dict[str, str]:
     return select_env_vars(environ)
 
 
-class Tee:
-    """Follows a log file the job appends to and copies what it writes to one of our streams."""
-
-    def __init__(self, path: Path, stream: Any) -> None:
-        self.path, self.stream = path, stream
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, name=f"nsa-diag-tee-{path.name}", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        with open(self.path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            while True:
-                chunk = f.read(65536)
-                if chunk:
-                    with contextlib.suppress(OSError, ValueError):
-                        self.stream.write(chunk)
-                        self.stream.flush()
-                    continue
-                if self.stopped:
-                    return
-                time.sleep(TEE_POLL_S)
-
-    def close(self) -> None:
-        self.stopped = True
-        self.thread.join(timeout=2.0)
+def _fileno(stream: Any) -> int | None:
+    """The descriptor of one of our streams, flushed first (None: it has none, e.g. captured in a test)."""
+    try:
+        stream.flush()
+        return int(stream.fileno())
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 class Proc:
@@ -144,7 +124,6 @@ class CommandLauncher(Launcher):
         self.procs: dict[int, Proc] = {}  # by pid, in the order seen; probed ones have a folder
         self.order: list[int] = []  # probed pids in the order they appeared (the units after the root)
         self.keys: dict[int, int] = {}  # pid -> unit key (rank, or pid)
-        self.tees: list[Tee] = []
         self.evidence_taken = False
         self.force_stop = False
         self.stop_report: dict[str, Any] | None = None
@@ -174,15 +153,12 @@ class CommandLauncher(Launcher):
     def cwd(self) -> str | None:
         return self.cmd.cwd
 
+    def echo_fds(self) -> tuple[int | None, int | None]:
+        """The job's stdout on ours (on our stderr under ``--json``), its stderr on our stderr."""
+        out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout
+        return _fileno(out_stream), _fileno(sys.stderr)
+
     def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        """The launcher's start, with the logs followed to the terminal (`Tee`) from their first byte."""
-        for name in (artifacts.STDOUT, artifacts.STDERR):
-            artifacts.open_append(case_dir / name, binary=True).close()
-        out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout.buffer
-        self.tees = [
-            Tee(case_dir / artifacts.STDOUT, out_stream),
-            Tee(case_dir / artifacts.STDERR, sys.stderr.buffer),
-        ]
         proc = super().start(case_dir, argv, env)
         self._see(proc.pid, None)
         return proc
@@ -377,8 +353,6 @@ class CommandLauncher(Launcher):
             report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
         else:
             report = job.stop_tree(self.proc, [p.handle for p in self.procs.values() if p.handle], GRACE_S)
-        for tee in self.tees:
-            tee.close()
         self.stop_report = report
         return report
 

@@ -82,9 +82,14 @@ def _int_env(name: str) -> int | None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic (temporary sibling, rename); on a failure (a full disk) no temporary file stays."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class Sink:
