@@ -209,6 +209,34 @@ def test_bad_input_is_one_line_and_exit_2(
     assert not (tmp_path / "runs").exists()
 
 
+def _refused(proc: subprocess.CompletedProcess[str], says: str) -> None:
+    """One line on stderr that says `says`, exit code 2."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert says in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        pytest.param(["--tag", "../../escaped"], "--tag '../../escaped'", id="tag-climbs-out"),
+        pytest.param(["--tag", "a/b"], "--tag 'a/b'", id="tag-with-slash"),
+        pytest.param(["--name", "../x"], "name:", id="name-climbs-out"),
+    ],
+)
+def test_a_tag_or_name_that_is_no_folder_name_is_refused_like_run(
+    tmp_path: Path, options: list[str], says: str
+) -> None:
+    """`watch` checks --tag and --name as `run` and `attach` do: a tag of ``../..`` put the run folder
+    two levels above --out; nothing is written anywhere."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_cli("watch", "--out", work / "a" / "b" / "runs", *options, "--", "true", cwd=work)
+    _refused(proc, says)
+    assert not any(work.iterdir())
+
+
 def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
     """SIGINT to nsa-diag: exit 130; the job's processes, one in a session of its own, are gone."""
     out = tmp_path / "runs"

@@ -17,13 +17,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nsa_diag.cases import CaseOptions, parse_stall
+from nsa_diag.cases import CaseOptions, check_output, parse_stall, validate_spec
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
 from nsa_diag.launchers.command import CommandLauncher, recorded_env
 from nsa_diag.session.core import Session
 from nsa_diag.session.plans import CaseList
-from nsa_diag.spec import CaseSpec, CommandSpec
+from nsa_diag.spec import CaseSpec
 
 USAGE = "nsa-diag watch [OPTIONS] -- CMD [ARGS...]"
 
@@ -46,19 +46,22 @@ def build_watch_spec(
     _check_command(argv)
     if not 0 < options.timeout < math.inf:
         raise UsageError(f"--timeout {options.timeout:g}: give a positive, finite number of seconds")
-    command = CommandSpec(
-        argv=tuple(argv),
-        cwd=os.getcwd(),
-        env=recorded_env(os.environ),
-        keep_alive=keep_alive,
-        total_steps=total_steps,
-    )
-    return CaseSpec(
-        name=options.name,
-        stall=parse_stall(options.stall),
-        timeout=options.timeout,
-        command=command,
-        branch_marks=options.branch_marks,
+    check_output(options.out, options.tag)  # as `run` and `attach`: a tag names a folder, no `../`
+    command = {
+        "argv": tuple(argv),
+        "cwd": os.getcwd(),
+        "env": recorded_env(os.environ),
+        "keep_alive": keep_alive,
+        "total_steps": total_steps,
+    }
+    return validate_spec(
+        {
+            "name": options.name,
+            "stall": parse_stall(options.stall),
+            "timeout": options.timeout,
+            "command": command,
+            "branch_marks": options.branch_marks,
+        }
     )
 
 
