@@ -41,9 +41,11 @@ from nsa_diag.errors import UsageError
 from nsa_diag.redact import (
     MIN_SECRET_LEN,
     WITHHELD,
+    embedded_secrets,
     env_secret_values,
     is_secret_name,
     redact_argv,
+    redact_line,
     secret_words,
 )
 
@@ -130,7 +132,7 @@ def scrub_data(data: Any, key: str | None = None) -> Any:
     """JSON-like `data` with its strings scrubbed and its command lines' secret arguments withheld."""
     if isinstance(data, str):
         if key in ARGV_KEYS:
-            data = " ".join(redact_argv(data.split(" ")))
+            data = " ".join(redact_argv(redact_line(data).split(" ")))
         return scrub(data)
     if isinstance(data, dict):
         return {scrub(k) if isinstance(k, str) else k: scrub_data(v, k if isinstance(k, str) else None)
@@ -368,12 +370,15 @@ def case_dir(run_dir: Path, name: str) -> Path:
 
 def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, list[str]]:
     """The shell words of `argv` for replay.sh, and the variables the user must set: each secret in a word
-    (a secret argument, `secret_words`, or a withheld value within it) becomes ``"${VAR:?...}"``, where VAR
-    is the secret-named variable of this environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
+    (a secret argument, `secret_words`; one inside a command line in one word, `embedded_secrets`; or a
+    withheld value within it) becomes ``"${VAR:?...}"``, where VAR is the secret-named variable of this
+    environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
     secret_values = env_secret_values(environ)  # the same values `withhold` takes from an environment
     by_value = {v: k for k, v in sorted(environ.items()) if is_secret_name(k) and v in secret_values}
     known = {*_withheld, *by_value}
     positional = {i: value for i, (_, value) in secret_words(argv).items()}
+    # a command line in one word (``bash -c "... --password X"``): its secrets by their place in it
+    embedded = {i: {argv[i][a:b] for a, b, _ in spans} for i, spans in embedded_secrets(argv).items()}
     words: list[str] = []
     asked: list[str] = []
 
@@ -393,7 +398,8 @@ def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, li
         if i in positional:  # the value ends the word (``--key=X``, ``X``, ``NAME=X``)
             rest, tail = word[: len(word) - len(positional[i])], ask(positional[i])
         while rest:
-            hit = min(((rest.find(v), -len(v), v) for v in known if v in rest), default=None)
+            found_here = known | embedded.get(i, set())
+            hit = min(((rest.find(v), -len(v), v) for v in found_here if v in rest), default=None)
             if hit is None:
                 pieces.append(shlex.quote(rest))
                 break

@@ -21,6 +21,7 @@ from nsa_diag.cases import CaseOptions, check_output, parse_stall, validate_spec
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
 from nsa_diag.launchers.command import CommandLauncher, recorded_env
+from nsa_diag.redact import redact_argv
 from nsa_diag.session.core import Session
 from nsa_diag.session.plans import CaseList
 from nsa_diag.spec import CaseSpec
@@ -93,9 +94,8 @@ class WatchPlan(CaseList):
 
     def begin(self, session: Session) -> None:
         assert self.spec.command is not None
-        session.note(
-            f"nsa-diag watch: {' '.join(self.spec.command.argv)} -> {session.case_dir(self.spec.name)}"
-        )
+        argv = redact_argv(self.spec.command.argv)
+        session.note(f"nsa-diag watch: {' '.join(argv)} -> {session.case_dir(self.spec.name)}")
 
     def execute(self, session: Session) -> None:
         echo = sys.stderr.buffer if self.json_output else None
