@@ -27,6 +27,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -116,15 +117,19 @@ ARGV_KEYS = frozenset({"argv", "cmdline", "command"})
 
 def withhold(values: Iterable[str]) -> None:
     """Never write these values (secrets) into a file: each is replaced by ``<withheld>``. A value shorter
-    than `nsa_diag.redact.MIN_SECRET_LEN` or all digits is not searched for (it would withhold ordinary
-    text); an argument list still has it withheld by position (`ARGV_KEYS`)."""
-    _withheld.update(v for v in values if len(v) >= MIN_SECRET_LEN and not v.isdigit())
+    than `nsa_diag.redact.MIN_SECRET_LEN` is not searched for (it would withhold ordinary text); an
+    argument list still has it withheld by position (`ARGV_KEYS`). An all-digit value is a secret like
+    any other (``--api-key 98765432109``), searched for as a whole number: not inside a longer one."""
+    _withheld.update(v for v in values if len(v) >= MIN_SECRET_LEN)
 
 
 def scrub(text: str) -> str:
     """`text` with every withheld value replaced (the longest first: one may contain another)."""
     for value in sorted((v for v in _withheld if v in text), key=len, reverse=True):
-        text = text.replace(value, WITHHELD)
+        if value.isdigit():
+            text = re.sub(rf"(?<![0-9]){value}(?![0-9])", WITHHELD, text)
+        else:
+            text = text.replace(value, WITHHELD)
     return text
 
 
@@ -153,7 +158,9 @@ def write_json(path: Path, data: Any) -> Path:
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
     data = scrub_data(json.loads(json.dumps(data, default=str)))
-    return write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    # every string and key is scrubbed: the text is not again, lest a number equal to a secret's digits
+    # become ``<withheld>`` and the file no JSON
+    return write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
 def write_with(path: Path, writer: Callable[[Path], object]) -> Path:

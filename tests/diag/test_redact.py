@@ -113,14 +113,16 @@ def test_secrets_inside_a_shell_command_line_are_found_and_withheld(
 
 
 def test_files_written_withhold_the_values_they_are_told_of(tmp_path: Path) -> None:
-    artifacts.withhold(["s3cr3t-value", "1234567", "abc"])  # all digits and short ones are not searched for
+    artifacts.withhold(["s3cr3t-value", "1234567", "abc"])  # a short one is not searched for
     artifacts.write_text(tmp_path / "a.txt", "Process 42: python train.py --key s3cr3t-value\n")
-    artifacts.write_json(tmp_path / "b.json", {"n": 1234567, "x": ["s3cr3t-value"], "s3cr3t-value": "abc"})
+    record = {"n": 1234567, "x": ["s3cr3t-value"], "s3cr3t-value": "abc", "said": "key 1234567 of 11234567"}
+    artifacts.write_json(tmp_path / "b.json", record)
     artifacts.append_text(tmp_path / "c.txt", "x s3cr3t-value y\n")
     for name in ("a.txt", "b.json", "c.txt"):
         assert "s3cr3t-value" not in (tmp_path / name).read_text()
     data = json.loads((tmp_path / "b.json").read_text())
-    assert data == {"n": 1234567, "x": [WITHHELD], WITHHELD: "abc"}
+    # digits: a whole number in text, never a JSON number (the file stays JSON) nor inside a longer number
+    assert data == {"n": 1234567, "x": [WITHHELD], WITHHELD: "abc", "said": f"key {WITHHELD} of 11234567"}
 
 
 def test_recorded_command_lines_withhold_their_secret_arguments_by_position(tmp_path: Path) -> None:
@@ -219,6 +221,29 @@ def test_watch_records_no_secret_of_a_shell_command_line_and_replay_passes_it_ag
     again = subprocess.run(["bash", str(replay)], capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "argv.json").read_text()) == sent
+
+
+def test_an_all_digit_secret_that_the_jobs_traceback_repeats_is_withheld(tmp_path: Path) -> None:
+    """``--api-key 98765432109``, repeated by the job's error: digits are a secret too, in every file
+    and on the console; the job's own logs keep what it printed."""
+    secret = "98765432109"
+    (tmp_path / "e.py").write_text(
+        "import sys\n"
+        "key = sys.argv[sys.argv.index('--api-key') + 1]\n"
+        "raise PermissionError(f'the hub refused api key {key}')\n"
+    )
+    out = tmp_path / "runs"
+    proc = run_cli("watch", "--out", out, "--", sys.executable, "e.py", "--api-key", secret, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert secret not in proc.stdout
+    (run_dir,) = out.iterdir()
+    case = run_dir / "cases" / "watch"
+    assert secret in (case / "stderr.log").read_text()  # the job's own output
+    result = json.loads((case / "result.json").read_text())
+    assert result["verdict"] == "error"
+    assert f"the hub refused api key {WITHHELD}" in json.dumps(result)
+    for path in (p for p in run_dir.rglob("*") if p.is_file() and p.name not in {"stdout.log", "stderr.log"}):
+        assert secret not in path.read_text(errors="replace"), f"{path.relative_to(run_dir)} records it"
 
 
 def test_a_pyspy_dump_heads_with_the_command_line_its_secrets_withheld() -> None:
