@@ -7,6 +7,7 @@ inside their functions, so `nsa-diag --help` never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Annotated, Any, NoReturn, TextIO
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from nsa_diag import __version__, artifacts, interrupts, redact
+from nsa_diag import __version__, artifacts, interrupts, redact, render
 from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.attach import attach
 from nsa_diag.commands.backend import backend
@@ -139,7 +140,8 @@ def report_error(
     stream = stream or sys.stderr
     code, message = describe_error(exc)
     if json_stream is not None:
-        print(json.dumps(error_object(exc)), file=json_stream, flush=True)
+        with contextlib.suppress(BrokenPipeError):  # the reader has gone: the exit code still says it
+            print(json.dumps(error_object(exc)), file=json_stream, flush=True)
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     elif code == EXIT_INTERNAL:
@@ -190,4 +192,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """The CLI's entry point (`nsa_diag.__main__`, which installs the signal handlers before importing
     this module; installing them again here covers a caller that imports `main` directly)."""
     interrupts.install()
-    sys.exit(run_cli(argv))
+    code = run_cli(argv)
+    try:  # what is still buffered for a reader that has gone must not turn the exit code into 120
+        sys.stdout.flush()
+    except BrokenPipeError:
+        render.discard_closed_stream(sys.stdout)
+    sys.exit(code)

@@ -542,3 +542,35 @@ def test_a_failing_probe_becomes_a_reason(monkeypatch: pytest.MonkeyPatch) -> No
     snapshot = env_module.collect_env(environ={"NSA_X": "1", "PASSWORD": "p"})
     assert snapshot["nvml"] == {"why": "probe failed: RuntimeError: CUDA unknown error"}
     assert snapshot["env_vars"] == {"NSA_X": "1"}
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        pytest.param(["watch", "--", "true"], 0, id="pass"),
+        pytest.param(["watch", "--", "false"], 1, id="fail-keeps-1"),
+        pytest.param(["watch", "--json", "--", "true"], 0, id="json"),
+        pytest.param(["run", "--device", "cpu"], 0, id="run", marks=pytest.mark.slow),
+    ],
+)
+def test_a_closed_stdout_does_not_change_the_exit_code(args: list[str], code: int, tmp_path: Path) -> None:
+    """``nsa-diag run | head -c 10``: the reader is gone when the table is written (here before the
+    first byte, so that every write meets EPIPE); the exit code is still the verdict's, with no traceback
+    and no 'Broken pipe' on stderr."""
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nsa_diag", *args[:1], "--out", str(tmp_path / "runs"), *args[1:]],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=cli_env(),
+            cwd=tmp_path,
+        )
+        assert proc.stdout is not None
+        proc.stdout.close()  # as `head -c 10` does once it has its bytes
+        assert proc.wait(timeout=CLI_TIMEOUT_S) == code, stderr.read_text()
+    said = stderr.read_text()
+    assert "Traceback" not in said
+    assert "Broken pipe" not in said
+    assert "BrokenPipeError" not in said
