@@ -36,7 +36,7 @@ from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
 from nsa_diag.commands.verify import verify
 from nsa_diag.commands.watch import watch
-from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error, error_object
+from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, UsageError, describe_error, error_object
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
 HELP = """\
@@ -163,6 +163,20 @@ def _wants_json(args: Sequence[str]) -> bool:
     return "--json" in _options(args)
 
 
+def _check_working_directory(args: Sequence[str]) -> None:
+    """Every command runs in the working directory (a relative --out, a --model module, replay.sh's
+    ``cd``): one removed under us (``cd d && rmdir ../d``) is said at once, before torch loads (its MKL
+    dies on it: "Intel oneMKL FATAL ERROR"). Help and the version need none."""
+    if {"-h", "--help", "--version"} & set(_options(args)):
+        return
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UsageError(
+            "the working directory no longer exists (it was removed); cd into one that does and run again"
+        ) from None
+
+
 def run_cli(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: the process arguments) and return the exit code.
 
@@ -173,6 +187,7 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
     artifacts.withhold(redact.env_secret_values(os.environ) | redact.argv_secret_values([args]))
     json_stream = sys.stdout if _wants_json(args) else None
     try:
+        _check_working_directory(args)
         result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
     except Exception as exc:
         signum = interrupts.received()

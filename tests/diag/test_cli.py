@@ -574,3 +574,25 @@ def test_a_closed_stdout_does_not_change_the_exit_code(args: list[str], code: in
     assert "Traceback" not in said
     assert "Broken pipe" not in said
     assert "BrokenPipeError" not in said
+
+
+@pytest.mark.parametrize(
+    "command", [["run", "--device", "cpu"], ["watch", "--", "true"]], ids=["run", "watch"]
+)
+def test_a_removed_working_directory_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+    """``cd d && rmdir ../d && nsa-diag run``: said before torch loads (whose MKL died on it with "Intel
+    oneMKL FATAL ERROR"); no run folder."""
+    out = tmp_path / "runs"
+    line = 'cd gone && rmdir ../gone && exec "$@"'
+    argv = [sys.executable, "-m", "nsa_diag", command[0], "--out", str(out), *command[1:]]
+    (tmp_path / "gone").mkdir()
+    done = subprocess.run(
+        ["sh", "-c", line, "sh", *argv], capture_output=True, text=True, env=cli_env(), cwd=tmp_path,
+        stdin=subprocess.DEVNULL, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines() == [
+        "nsa-diag: the working directory no longer exists (it was removed); cd into one that does and run "
+        "again"
+    ]
+    assert not out.exists()
