@@ -135,13 +135,16 @@ def report_error(
     """Print what went wrong to `stream` (stderr) and return the exit code from the error table.
 
     Without `debug` the report is the message alone: one line (pydantic: one line per invalid field).
-    `json_stream` (stdout under ``--json``) also gets the error as one JSON object (`error_object`).
+    `json_stream` (stdout under ``--json``) also gets the error as one JSON object (`error_object`). Known
+    secrets are withheld in both (`artifacts.scrub`); ``--debug``'s traceback is shown as it is.
     """
     stream = stream or sys.stderr
     code, message = describe_error(exc)
+    # a secret is withheld here as in the files (a --model factory's error that repeats HF_TOKEN's value)
+    message = artifacts.scrub(message)
     if json_stream is not None:
         with contextlib.suppress(BrokenPipeError):  # the reader has gone: the exit code still says it
-            print(json.dumps(error_object(exc)), file=json_stream, flush=True)
+            print(json.dumps(artifacts.scrub_data(error_object(exc))), file=json_stream, flush=True)
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     elif code == EXIT_INTERNAL:
