@@ -7,6 +7,7 @@ inside their functions, so `nsa-diag --help` never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Annotated, Any, NoReturn, TextIO
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from nsa_diag import __version__, artifacts, interrupts, redact
+from nsa_diag import __version__, artifacts, interrupts, redact, render
 from nsa_diag._cli_utils import DebugOpt
 from nsa_diag.commands.attach import attach
 from nsa_diag.commands.backend import backend
@@ -35,7 +36,7 @@ from nsa_diag.commands.schema import schema
 from nsa_diag.commands.selftest import selftest
 from nsa_diag.commands.verify import verify
 from nsa_diag.commands.watch import watch
-from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, describe_error, error_object
+from nsa_diag.errors import EXIT_ABORTED, EXIT_INTERNAL, UsageError, describe_error, error_object
 
 # Typer renders help as Markdown: single newlines join, blank lines separate paragraphs.
 HELP = """\
@@ -134,12 +135,16 @@ def report_error(
     """Print what went wrong to `stream` (stderr) and return the exit code from the error table.
 
     Without `debug` the report is the message alone: one line (pydantic: one line per invalid field).
-    `json_stream` (stdout under ``--json``) also gets the error as one JSON object (`error_object`).
+    `json_stream` (stdout under ``--json``) also gets the error as one JSON object (`error_object`). Known
+    secrets are withheld in both (`artifacts.scrub`); ``--debug``'s traceback is shown as it is.
     """
     stream = stream or sys.stderr
     code, message = describe_error(exc)
+    # a secret is withheld here as in the files (a --model factory's error that repeats HF_TOKEN's value)
+    message = artifacts.scrub(message)
     if json_stream is not None:
-        print(json.dumps(error_object(exc)), file=json_stream, flush=True)
+        with contextlib.suppress(BrokenPipeError):  # the reader has gone: the exit code still says it
+            print(json.dumps(artifacts.scrub_data(error_object(exc))), file=json_stream, flush=True)
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=stream)
     elif code == EXIT_INTERNAL:
@@ -161,6 +166,20 @@ def _wants_json(args: Sequence[str]) -> bool:
     return "--json" in _options(args)
 
 
+def _check_working_directory(args: Sequence[str]) -> None:
+    """Every command runs in the working directory (a relative --out, a --model module, replay.sh's
+    ``cd``): one removed under us (``cd d && rmdir ../d``) is said at once, before torch loads (its MKL
+    dies on it: "Intel oneMKL FATAL ERROR"). Help and the version need none."""
+    if {"-h", "--help", "--version"} & set(_options(args)):
+        return
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UsageError(
+            "the working directory no longer exists (it was removed); cd into one that does and run again"
+        ) from None
+
+
 def run_cli(argv: Sequence[str] | None = None) -> int:
     """Run the CLI on `argv` (default: the process arguments) and return the exit code.
 
@@ -171,6 +190,7 @@ def run_cli(argv: Sequence[str] | None = None) -> int:
     artifacts.withhold(redact.env_secret_values(os.environ) | redact.argv_secret_values([args]))
     json_stream = sys.stdout if _wants_json(args) else None
     try:
+        _check_working_directory(args)
         result = app(args=args, prog_name="nsa-diag", standalone_mode=False)
     except Exception as exc:
         signum = interrupts.received()
@@ -190,4 +210,9 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """The CLI's entry point (`nsa_diag.__main__`, which installs the signal handlers before importing
     this module; installing them again here covers a caller that imports `main` directly)."""
     interrupts.install()
-    sys.exit(run_cli(argv))
+    code = run_cli(argv)
+    try:  # what is still buffered for a reader that has gone must not turn the exit code into 120
+        sys.stdout.flush()
+    except BrokenPipeError:
+        render.discard_closed_stream(sys.stdout)
+    sys.exit(code)

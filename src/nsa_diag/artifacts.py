@@ -44,9 +44,11 @@ from nsa_diag.errors import DiskFullError, UsageError
 from nsa_diag.redact import (
     MIN_SECRET_LEN,
     WITHHELD,
+    embedded_secrets,
     env_secret_values,
     is_secret_name,
     redact_argv,
+    redact_line,
     secret_words,
 )
 
@@ -188,15 +190,19 @@ ARGV_KEYS = frozenset({"argv", "cmdline", "command"})
 
 def withhold(values: Iterable[str]) -> None:
     """Never write these values (secrets) into a file: each is replaced by ``<withheld>``. A value shorter
-    than `nsa_diag.redact.MIN_SECRET_LEN` or all digits is not searched for (it would withhold ordinary
-    text); an argument list still has it withheld by position (`ARGV_KEYS`)."""
-    _withheld.update(v for v in values if len(v) >= MIN_SECRET_LEN and not v.isdigit())
+    than `nsa_diag.redact.MIN_SECRET_LEN` is not searched for (it would withhold ordinary text); an
+    argument list still has it withheld by position (`ARGV_KEYS`). An all-digit value is a secret like
+    any other (``--api-key 98765432109``), searched for as a whole number: not inside a longer one."""
+    _withheld.update(v for v in values if len(v) >= MIN_SECRET_LEN)
 
 
 def scrub(text: str) -> str:
     """`text` with every withheld value replaced (the longest first: one may contain another)."""
     for value in sorted((v for v in _withheld if v in text), key=len, reverse=True):
-        text = text.replace(value, WITHHELD)
+        if value.isdigit():
+            text = re.sub(rf"(?<![0-9]){value}(?![0-9])", WITHHELD, text)
+        else:
+            text = text.replace(value, WITHHELD)
     return text
 
 
@@ -204,7 +210,7 @@ def scrub_data(data: Any, key: str | None = None) -> Any:
     """JSON-like `data` with its strings scrubbed and its command lines' secret arguments withheld."""
     if isinstance(data, str):
         if key in ARGV_KEYS:
-            data = " ".join(redact_argv(data.split(" ")))
+            data = " ".join(redact_argv(redact_line(data).split(" ")))
         return scrub(data)
     if isinstance(data, dict):
         return {scrub(k) if isinstance(k, str) else k: scrub_data(v, k if isinstance(k, str) else None)
@@ -225,7 +231,9 @@ def write_json(path: Path, data: Any) -> Path:
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
     data = scrub_data(json.loads(json.dumps(data, default=str)))
-    return write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    # every string and key is scrubbed: the text is not again, lest a number equal to a secret's digits
+    # become ``<withheld>`` and the file no JSON
+    return write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
 def write_with(path: Path, writer: Callable[[Path], object]) -> Path:
@@ -521,12 +529,15 @@ def case_dir(run_dir: Path, name: str) -> Path:
 
 def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, list[str]]:
     """The shell words of `argv` for replay.sh, and the variables the user must set: each secret in a word
-    (a secret argument, `secret_words`, or a withheld value within it) becomes ``"${VAR:?...}"``, where VAR
-    is the secret-named variable of this environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
+    (a secret argument, `secret_words`; one inside a command line in one word, `embedded_secrets`; or a
+    withheld value within it) becomes ``"${VAR:?...}"``, where VAR is the secret-named variable of this
+    environment holding that value, else ``NSA_DIAG_SECRET_<n>``."""
     secret_values = env_secret_values(environ)  # the same values `withhold` takes from an environment
     by_value = {v: k for k, v in sorted(environ.items()) if is_secret_name(k) and v in secret_values}
     known = {*_withheld, *by_value}
     positional = {i: value for i, (_, value) in secret_words(argv).items()}
+    # a command line in one word (``bash -c "... --password X"``): its secrets by their place in it
+    embedded = {i: {argv[i][a:b] for a, b, _ in spans} for i, spans in embedded_secrets(argv).items()}
     words: list[str] = []
     asked: list[str] = []
 
@@ -546,7 +557,8 @@ def _replay_words(argv: Sequence[str], environ: dict[str, str]) -> tuple[str, li
         if i in positional:  # the value ends the word (``--key=X``, ``X``, ``NAME=X``)
             rest, tail = word[: len(word) - len(positional[i])], ask(positional[i])
         while rest:
-            hit = min(((rest.find(v), -len(v), v) for v in known if v in rest), default=None)
+            found_here = known | embedded.get(i, set())
+            hit = min(((rest.find(v), -len(v), v) for v in found_here if v in rest), default=None)
             if hit is None:
                 pieces.append(shlex.quote(rest))
                 break

@@ -225,12 +225,17 @@ def build_spec(
     if name is not None:
         values["name"] = name
     values.update(fields)
-    try:
-        spec = CaseSpec.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(_validation_line(exc)) from None
+    spec = validate_spec(values)
     check_spec(spec)
     return spec
+
+
+def validate_spec(values: Mapping[str, Any]) -> CaseSpec:
+    """`values` as a `CaseSpec`, or a `ConfigError` in one line (`field: message; ...`)."""
+    try:
+        return CaseSpec.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_validation_line(exc)) from None
 
 
 def check_spec(spec: CaseSpec) -> None:

@@ -8,13 +8,14 @@ the result table on stdout (`render_summary`), the run folder's summary.json and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from nsa_diag.evidence.env import ENV_VAR_NAMES, ENV_VAR_PREFIXES
 
@@ -42,24 +43,59 @@ _SECTION_TITLES = {
 PIPE_WIDTH = 160  # stdout into a file or a pipe: wide enough that result rows do not wrap
 
 
-def stdout_console() -> Console:
+def discard_closed_stream(stream: TextIO) -> None:
+    """The reader of `stream` has gone (``nsa-diag run | head -c 10``): from now on what is written there
+    goes to /dev/null, so that neither the next write nor the flush at exit fails. The exit code stays
+    the verdict's (Python's recipe, https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+@functools.cache
+def _console_class() -> type[Console]:
     from rich.console import Console
 
-    console = Console()
+    class PipeSafeConsole(Console):
+        """Rich's console, except on a closed pipe: Rich then exits 1 (`Console.on_broken_pipe`), which
+        turned a passing run piped into ``head`` into a failure; this one stops writing and goes on."""
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            discard_closed_stream(self.file)
+
+    return PipeSafeConsole
+
+
+def stdout_console() -> Console:
+    console = _console_class()()
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=PIPE_WIDTH)
+        console = _console_class()(width=PIPE_WIDTH)
     return console
 
 
 def stderr_console() -> Console:
-    from rich.console import Console
+    return _console_class()(stderr=True)
 
-    return Console(stderr=True)
+
+def print_line(text: str) -> None:
+    """One line on stdout, for a person or a script (no Rich); nothing once the reader has gone."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        discard_closed_stream(sys.stdout)
 
 
 def print_json(data: Any) -> None:
     """`data` as indented JSON on stdout (no Rich: machines read this)."""
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    print_line(json.dumps(data, indent=2))
 
 
 def _format_value(key: str, value: Any) -> str:

@@ -738,6 +738,57 @@ def test_bad_pids_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     assert not (tmp_path / "runs").exists()  # nothing half-made
 
 
+# A process with a second thread, and one with a child it never reaps: each prints the id to attach to.
+_THREAD_JOB = """
+import threading, time
+def run():
+    print(threading.get_native_id(), flush=True)
+    time.sleep(60)
+threading.Thread(target=run, daemon=True).start()
+time.sleep(60)
+"""
+_ZOMBIE_PARENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "pass"])
+print(child.pid, flush=True)
+time.sleep(60)  # never waits for it: the child stays a zombie
+"""
+
+
+@pytest.mark.parametrize(
+    ("job", "says"),
+    [
+        pytest.param(
+            _THREAD_JOB, "PID {id} is a thread of process {pid}, not a process: attach {pid}", id="thread"
+        ),
+        pytest.param(
+            _ZOMBIE_PARENT,
+            "PID {id} has exited: a zombie its parent (PID {pid}) has not reaped; nothing to attach to",
+            id="zombie",
+        ),
+    ],
+)
+def test_a_thread_id_or_a_zombie_is_said_as_what_it_is(job: str, says: str, tmp_path: Path) -> None:
+    """`attach TID`: /proc has a folder for every thread, so a thread id looked like a process; a zombie
+    read as "no process". Each is one line, exit 2, nothing written."""
+    proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        target = int(proc.stdout.readline())
+        if "zombie" in says:
+            deadline = time.monotonic() + 10
+            while psutil.Process(target).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                time.sleep(0.05)
+        done = run_cli("attach", str(target), "--out", tmp_path / "runs", timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == ["nsa-diag: " + says.format(id=target, pid=proc.pid)]
+        assert not (tmp_path / "runs").exists()
+        assert proc.poll() is None  # looked at, not touched
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_another_users_process_is_refused() -> None:
     """As user nobody (a forked child of this root process), a process of root is refused in one line."""

@@ -542,3 +542,57 @@ def test_a_failing_probe_becomes_a_reason(monkeypatch: pytest.MonkeyPatch) -> No
     snapshot = env_module.collect_env(environ={"NSA_X": "1", "PASSWORD": "p"})
     assert snapshot["nvml"] == {"why": "probe failed: RuntimeError: CUDA unknown error"}
     assert snapshot["env_vars"] == {"NSA_X": "1"}
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        pytest.param(["watch", "--", "true"], 0, id="pass"),
+        pytest.param(["watch", "--", "false"], 1, id="fail-keeps-1"),
+        pytest.param(["watch", "--json", "--", "true"], 0, id="json"),
+        pytest.param(["run", "--device", "cpu"], 0, id="run", marks=pytest.mark.slow),
+    ],
+)
+def test_a_closed_stdout_does_not_change_the_exit_code(args: list[str], code: int, tmp_path: Path) -> None:
+    """``nsa-diag run | head -c 10``: the reader is gone when the table is written (here before the
+    first byte, so that every write meets EPIPE); the exit code is still the verdict's, with no traceback
+    and no 'Broken pipe' on stderr."""
+    stderr = tmp_path / "stderr.txt"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nsa_diag", *args[:1], "--out", str(tmp_path / "runs"), *args[1:]],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=cli_env(),
+            cwd=tmp_path,
+        )
+        assert proc.stdout is not None
+        proc.stdout.close()  # as `head -c 10` does once it has its bytes
+        assert proc.wait(timeout=CLI_TIMEOUT_S) == code, stderr.read_text()
+    said = stderr.read_text()
+    assert "Traceback" not in said
+    assert "Broken pipe" not in said
+    assert "BrokenPipeError" not in said
+
+
+@pytest.mark.parametrize(
+    "command", [["run", "--device", "cpu"], ["watch", "--", "true"]], ids=["run", "watch"]
+)
+def test_a_removed_working_directory_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+    """``cd d && rmdir ../d && nsa-diag run``: said before torch loads (whose MKL died on it with "Intel
+    oneMKL FATAL ERROR"); no run folder."""
+    out = tmp_path / "runs"
+    line = 'cd gone && rmdir ../gone && exec "$@"'
+    argv = [sys.executable, "-m", "nsa_diag", command[0], "--out", str(out), *command[1:]]
+    (tmp_path / "gone").mkdir()
+    done = subprocess.run(
+        ["sh", "-c", line, "sh", *argv], capture_output=True, text=True, env=cli_env(), cwd=tmp_path,
+        stdin=subprocess.DEVNULL, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert done.stderr.splitlines() == [
+        "nsa-diag: the working directory no longer exists (it was removed); cd into one that does and run "
+        "again"
+    ]
+    assert not out.exists()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import typer
+from diag_cli import run_cli as run_cli_process
 
 from nsa_diag import artifacts
 from nsa_diag.app import app, run_cli
@@ -294,3 +295,21 @@ def test_ddp_help_shows_its_run_folder_placeholders(
     shown = _help(["ddp"], capsys)
     for text in ("<out>/ddp-<run id>", "ranks/<global rank>/", "<out>/ddp-<ID>", "cases/<name>/ranks/<r>/"):
         assert text in shown, text
+
+
+def test_a_model_factorys_refusal_withholds_a_secret_on_the_console(tmp_path: Path) -> None:
+    """A factory whose error repeats HF_TOKEN's value: the console line (and --json's error object) reads
+    ``<withheld>`` as the files would; the rest of the refusal is kept."""
+    (tmp_path / "leaky_model.py").write_text(
+        "import os\n\n\ndef build(spec):\n"
+        "    raise RuntimeError(f\"the hub refused token {os.environ['HF_TOKEN']}\")\n"
+    )
+    secret = "hf-s3cr3t-value"
+    args = ["run", "--model", "leaky_model:build", "--device", "cpu", "--out", "runs", "--json"]
+    done = run_cli_process(*args, cwd=tmp_path, env={"HF_TOKEN": secret}, timeout=120)
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert secret not in done.stderr + done.stdout
+    (line,) = done.stderr.splitlines()
+    assert line.endswith(f"the factory raised RuntimeError: the hub refused token {artifacts.WITHHELD}"), line
+    assert json.loads(done.stdout)["error"].endswith(f"the hub refused token {artifacts.WITHHELD}")
+    assert not (tmp_path / "runs").exists()

@@ -209,6 +209,91 @@ def test_bad_input_is_one_line_and_exit_2(
     assert not (tmp_path / "runs").exists()
 
 
+def _refused(proc: subprocess.CompletedProcess[str], says: str) -> None:
+    """One line on stderr that says `says`, exit code 2."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, proc.stderr
+    assert says in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize(
+    "options, says",
+    [
+        pytest.param(["--tag", "../../escaped"], "--tag '../../escaped'", id="tag-climbs-out"),
+        pytest.param(["--tag", "a/b"], "--tag 'a/b'", id="tag-with-slash"),
+        pytest.param(["--name", "../x"], "name:", id="name-climbs-out"),
+    ],
+)
+def test_a_tag_or_name_that_is_no_folder_name_is_refused_like_run(
+    tmp_path: Path, options: list[str], says: str
+) -> None:
+    """`watch` checks --tag and --name as `run` and `attach` do: a tag of ``../..`` put the run folder
+    two levels above --out; nothing is written anywhere."""
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run_cli("watch", "--out", work / "a" / "b" / "runs", *options, "--", "true", cwd=work)
+    _refused(proc, says)
+    assert not any(work.iterdir())
+
+
+def _plain_file(path: Path) -> str:
+    path.write_text("not a program\n")
+    return str(path)
+
+
+def _executable(path: Path, content: bytes) -> str:
+    path.write_bytes(content)
+    path.chmod(0o755)
+    return f"./{path.name}"
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        pytest.param(
+            lambda d: [_executable(d / "t.py", b"#!/no/such/python3\nprint(1)\n")],
+            "#! interpreter /no/such/python3 does not exist",
+            id="shebang-interpreter-missing",
+        ),
+        pytest.param(
+            lambda d: [_executable(d / "t.py", b"#!/usr/bin/env no-such-python-nsa -u\nprint(1)\n")],
+            "no-such-python-nsa",
+            id="env-shebang-program-missing",
+        ),
+        pytest.param(
+            lambda d: [_executable(d / "t.py", b"#!" + _plain_file(d / "interp").encode() + b"\n")],
+            "is not executable",
+            id="shebang-interpreter-not-executable",
+        ),
+        pytest.param(
+            lambda d: [_executable(d / "run_me", b"echo started\n")],
+            "no #! line",
+            id="text-without-shebang",
+        ),
+        pytest.param(
+            lambda d: [_executable(d / "blob", b"\x00\x01\x02 not a program")],
+            "no #! line",
+            id="not-an-executable-format",
+        ),
+        pytest.param(
+            lambda d: ["echo", os.fsdecode(b"caf\xe9")],
+            "not valid UTF-8",
+            id="argument-not-utf8",
+        ),
+    ],
+)
+def test_a_command_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path, make: Any, says: str) -> None:
+    """The command is checked as exec would take it before a run folder exists: its #! interpreter, its
+    format, arguments nsa-diag can record; not judged as a job that failed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    command = make(work)
+    proc = run_cli("watch", "--out", tmp_path / "runs", "--", *command, cwd=work)
+    _refused(proc, says)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
     """SIGINT to nsa-diag: exit 130; the job's processes, one in a session of its own, are gone."""
     out = tmp_path / "runs"

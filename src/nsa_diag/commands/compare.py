@@ -50,7 +50,7 @@ def compare(
     from nsa_diag import artifacts
     from nsa_diag.analysis.compare import compare_runs
     from nsa_diag.errors import UsageError
-    from nsa_diag.render import print_json
+    from nsa_diag.render import print_json, print_line
     from nsa_diag.report import compare_markdown, render_compare
     from nsa_diag.runfolder import load_run
 
@@ -67,5 +67,5 @@ def compare(
     else:
         render_compare(comparison)
         if out is not None:
-            typer.echo(f"markdown: {out}")
+            print_line(f"markdown: {out}")
     raise typer.Exit(int(comparison["exit_code"]))

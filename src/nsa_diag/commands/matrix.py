@@ -295,14 +295,13 @@ def _cluster_config(
 
 def _print_shipped(json_output: bool) -> None:
     """The shipped matrices to stdout: one line each (name, description), or a JSON list."""
-    import json
-
     from nsa_diag.matrices import shipped
+    from nsa_diag.render import print_json, print_line
 
     found = shipped()
     if json_output:
-        print(json.dumps([{"name": m.name, "description": m.description} for m in found], indent=2))
+        print_json([{"name": m.name, "description": m.description} for m in found])
         return
     width = max(len(m.name) for m in found)
     for m in found:
-        print(f"{m.name:<{width}}  {m.description}")
+        print_line(f"{m.name:<{width}}  {m.description}")

@@ -38,7 +38,7 @@ def report(
         nsa-diag report "$(ls -d nsa-diag-runs/*-scale | tail -1)"
         nsa-diag report nsa-diag-runs/20260101-120000-branch --json
     """
-    from nsa_diag.render import print_json
+    from nsa_diag.render import print_json, print_line
     from nsa_diag.report import write_report
 
     written = write_report(run_dir)
@@ -47,9 +47,9 @@ def report(
     if json_output:
         print_json(written)
     else:
-        typer.echo(f"report: {written['report']}")
+        print_line(f"report: {written['report']}")
         for plot in written["plots"]:
-            typer.echo(f"plot:   {plot}")
+            print_line(f"plot:   {plot}")
         if written["plot_error"]:
             typer.echo(f"plots could not be drawn: {written['plot_error']}", err=True)
     raise typer.Exit(0)

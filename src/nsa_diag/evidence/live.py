@@ -83,18 +83,21 @@ def check_target(pid: int) -> None:
         raise UsageError(f"PID {pid} is this nsa-diag process itself: {hint}")
     if pid in {p.pid for p in me.parents()}:
         raise UsageError(f"PID {pid} is an ancestor of this nsa-diag process (its shell or launcher): {hint}")
+    tgid = _thread_group(pid)
+    if tgid is not None and tgid != pid:  # /proc/<tid> exists for every thread, unlisted
+        raise UsageError(f"PID {pid} is a thread of process {tgid}, not a process: attach {tgid}")
     try:
         proc = psutil.Process(pid)
-        status, uids, ppid = proc.status(), proc.uids(), proc.ppid()
-        cmdline = proc.cmdline()
+        status, ppid = proc.status(), proc.ppid()
+        if status == psutil.STATUS_ZOMBIE:  # before cmdline(), which psutil refuses for a zombie
+            raise UsageError(
+                f"PID {pid} has exited: a zombie its parent (PID {ppid}) has not reaped; nothing to attach to"
+            )
+        uids, cmdline = proc.uids(), proc.cmdline()
     except psutil.NoSuchProcess:
         raise UsageError(f"no process with PID {pid} (it may have ended): {hint}") from None
     except psutil.AccessDenied:
         raise UsageError(f"PID {pid}: not permitted to read it (another user's process?)") from None
-    if status == psutil.STATUS_ZOMBIE:
-        raise UsageError(
-            f"PID {pid} has exited (a zombie its parent has not reaped yet): nothing to attach to"
-        )
     euid = os.geteuid()
     if euid != 0 and euid not in (uids.real, uids.effective):
         raise UsageError(
@@ -103,6 +106,18 @@ def check_target(pid: int) -> None:
         )
     if not cmdline and ppid in (0, 2):
         raise UsageError(f"PID {pid} is a kernel thread, not a job: {hint}")
+
+
+def _thread_group(pid: int) -> int | None:
+    """The process (thread group) that the task `pid` belongs to, from /proc (Linux); None: unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def tree_pids(pid: int, children: bool = True) -> list[int]:

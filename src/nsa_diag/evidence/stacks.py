@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_diag import artifacts
-from nsa_diag.redact import redact_argv
+from nsa_diag.redact import redact_argv, redact_line
 
 SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
@@ -407,7 +407,7 @@ def _redact_header(text: str) -> str:
     for i, line in enumerate(lines[:3]):
         head, sep, cmdline = line.partition(": ")
         if head.startswith("Process ") and sep:
-            lines[i] = head + sep + " ".join(redact_argv(cmdline.split(" ")))
+            lines[i] = head + sep + " ".join(redact_argv(redact_line(cmdline).split(" ")))
     return "\n".join(lines)
 
 

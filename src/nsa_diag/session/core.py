@@ -196,8 +196,8 @@ class Session:
     # --- for plans ----------------------------------------------------------------------------------------
 
     def note(self, text: str, *, soft_wrap: bool = False) -> None:
-        """A line on stderr (plain text, no markup)."""
-        self.err.print(text, markup=False, highlight=False, soft_wrap=soft_wrap)
+        """A line on stderr (plain text, no markup), secrets withheld as in the files (`artifacts.scrub`)."""
+        self.err.print(artifacts.scrub(text), markup=False, highlight=False, soft_wrap=soft_wrap)
 
     def case_dir(self, name: str) -> Path:
         return artifacts.case_dir(self.run_dir, name)

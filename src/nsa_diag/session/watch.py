@@ -17,26 +17,95 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from nsa_diag.cases import CaseOptions, parse_stall
+from nsa_diag.cases import CaseOptions, check_output, parse_stall, validate_spec
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
 from nsa_diag.launchers.command import CommandLauncher, recorded_env
+from nsa_diag.redact import redact_argv
 from nsa_diag.session.core import Session
 from nsa_diag.session.plans import CaseList
-from nsa_diag.spec import CaseSpec, CommandSpec
+from nsa_diag.spec import CaseSpec
 
 USAGE = "nsa-diag watch [OPTIONS] -- CMD [ARGS...]"
 
 
+# Linux runs a script through its #! line, nested this deep at most (the kernel's BINPRM_MAX_RECURSION)
+MAX_INTERPRETERS = 4
+ELF_MAGIC = b"\x7fELF"
+BINFMT_MISC = Path("/proc/sys/fs/binfmt_misc")
+
+
 def _check_command(argv: Sequence[str]) -> None:
+    """The command can start as the kernel will start it: a `UsageError` (one line) before any run folder
+    exists, rather than a run folder whose job "failed" (issue 27: a missing #! interpreter, a file of no
+    executable format, an argument the run folder cannot record)."""
     if not argv:
         raise UsageError(f"watch: no command after --; usage: {USAGE}")
+    for i, word in enumerate(argv):
+        try:
+            word.encode("utf-8")
+        except UnicodeEncodeError:
+            what = "the command" if i == 0 else f"argument {i} of the command"
+            raise UsageError(
+                f"watch: {what}, {os.fsencode(word)!r}, is not valid UTF-8: nsa-diag records the command as "
+                "text; pass it in UTF-8, or from a script"
+            ) from None
     exe = argv[0]
     if os.sep in exe:
         if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
             raise UsageError(f"watch: {exe}: no such executable file")
-    elif shutil.which(exe) is None:
-        raise UsageError(f"watch: {exe}: command not found (not on PATH)")
+        path = exe
+    else:
+        found = shutil.which(exe)
+        if found is None:
+            raise UsageError(f"watch: {exe}: command not found (not on PATH)")
+        path = found
+    _check_exec_format(exe, path, depth=0)
+
+
+def _check_exec_format(named: str, path: str, depth: int) -> None:
+    """`path` (the command `named`) is a binary or a script whose #! interpreter can start. An unreadable
+    file (execute-only) is left to the kernel, as is any format binfmt_misc may run."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)  # the kernel reads at most this much of a #! line (BINPRM_BUF_SIZE)
+    except OSError:
+        return
+    if head.startswith(ELF_MAGIC) or sys.platform != "linux":
+        return
+    if not head.startswith(b"#!"):
+        if _binfmt_misc_handlers():
+            return
+        raise UsageError(
+            f"watch: {named}: not a program the system can run (no #! line, not a binary); "
+            f"add a #! line, or name its interpreter: -- sh {named}"
+        )
+    line = head[2:].split(b"\n", 1)[0].strip(b" \t")
+    interpreter, _, arg = (part.decode(errors="surrogateescape") for part in line.partition(b" "))
+    arg = arg.strip(" \t")
+    if not interpreter:
+        raise UsageError(f"watch: {named}: its #! line names no interpreter")
+    if not os.path.exists(interpreter):
+        raise UsageError(f"watch: {named}: its #! interpreter {interpreter} does not exist")
+    if not (os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)):
+        raise UsageError(f"watch: {named}: its #! interpreter {interpreter} is not executable")
+    if os.path.basename(interpreter) == "env":
+        program = arg.removeprefix("-S").split()[0] if arg.startswith("-S") and arg[2:].strip() else arg
+        if program and not program.startswith("-") and "=" not in program and shutil.which(program) is None:
+            raise UsageError(
+                f"watch: {named}: its #! line runs {interpreter} {arg}: {program!r} is not on PATH"
+            )
+    if depth + 1 < MAX_INTERPRETERS:
+        _check_exec_format(named, interpreter, depth + 1)
+
+
+def _binfmt_misc_handlers() -> bool:
+    """Whether binfmt_misc has formats registered here (Java, Wine, QEMU): the kernel may run more than
+    binaries and #! scripts."""
+    try:
+        return any(p.name not in ("register", "status") for p in BINFMT_MISC.iterdir())
+    except OSError:
+        return False
 
 
 def build_watch_spec(
@@ -46,19 +115,22 @@ def build_watch_spec(
     _check_command(argv)
     if not 0 < options.timeout < math.inf:
         raise UsageError(f"--timeout {options.timeout:g}: give a positive, finite number of seconds")
-    command = CommandSpec(
-        argv=tuple(argv),
-        cwd=os.getcwd(),
-        env=recorded_env(os.environ),
-        keep_alive=keep_alive,
-        total_steps=total_steps,
-    )
-    return CaseSpec(
-        name=options.name,
-        stall=parse_stall(options.stall),
-        timeout=options.timeout,
-        command=command,
-        branch_marks=options.branch_marks,
+    check_output(options.out, options.tag)  # as `run` and `attach`: a tag names a folder, no `../`
+    command = {
+        "argv": tuple(argv),
+        "cwd": os.getcwd(),
+        "env": recorded_env(os.environ),
+        "keep_alive": keep_alive,
+        "total_steps": total_steps,
+    }
+    return validate_spec(
+        {
+            "name": options.name,
+            "stall": parse_stall(options.stall),
+            "timeout": options.timeout,
+            "command": command,
+            "branch_marks": options.branch_marks,
+        }
     )
 
 
@@ -90,9 +162,8 @@ class WatchPlan(CaseList):
 
     def begin(self, session: Session) -> None:
         assert self.spec.command is not None
-        session.note(
-            f"nsa-diag watch: {' '.join(self.spec.command.argv)} -> {session.case_dir(self.spec.name)}"
-        )
+        argv = redact_argv(self.spec.command.argv)
+        session.note(f"nsa-diag watch: {' '.join(argv)} -> {session.case_dir(self.spec.name)}")
 
     def execute(self, session: Session) -> None:
         echo = sys.stderr.buffer if self.json_output else None
