@@ -12,6 +12,7 @@ median of ``--steps`` timed steps (CUDA events); peak is ``max_memory_allocated`
 
     python benchmarks/model_step.py --seq-lens 2048 16384
     python benchmarks/model_step.py --graphs  # the model's forward and backward in CUDA graphs, both models
+    python benchmarks/model_step.py --composed  # also NSA with the branches composed (fused=False)
 
 ``--graphs`` captures each model's forward and backward in CUDA graphs (`torch.cuda.make_graphed_callables`
 on the model, token ids as its input); the loss and AdamW stay eager. Both models are measured the same
@@ -65,7 +66,7 @@ class DenseAttention(nn.Module):
 
 def build(kind: str, dtype: torch.dtype) -> nn.Module:
     triton = dict(sel_backend="triton", cmp_backend="triton", win_backend="triton")
-    cfg = nsa_core.preset("m7c-125m", **triton)
+    cfg = nsa_core.preset("m7c-125m", **triton, fused=kind != "composed")
     model = nsa_core.TinyLM(cfg)
     if kind == "dense":
         for block in model.blocks:
@@ -128,6 +129,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--graphs", action="store_true", help="forward and backward in CUDA graphs")
+    parser.add_argument(
+        "--composed", action="store_true", help="also NSA with the branches composed, not the fused op"
+    )
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -143,25 +147,26 @@ def main() -> None:
         "graphs": args.graphs,
     }
     print(", ".join(f"{k} {v}" for k, v in header.items()))
-    print(f"{'S':>6} {'B':>3}  {'model':<5} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9}  NSA vs dense")
+    print(f"{'S':>6} {'B':>3}  {'model':<8} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9}  NSA vs dense")
+    kinds = ("dense", "nsa", "composed") if args.composed else ("dense", "nsa")
     rows = []
     for S in args.seq_lens:
         B = max(1, args.tokens // S)
         pair = {}
-        for kind in ("dense", "nsa"):
+        for kind in kinds:
             pair[kind] = measure(kind, S, B, args.steps, dtype, args.graphs)
             torch.cuda.empty_cache()  # the model and optimizer of `measure` are gone
         for kind, r in pair.items():
             if "error" in r:
-                print(f"{S:>6} {B:>3}  {kind:<5} {r['error']:>9}")
+                print(f"{S:>6} {B:>3}  {kind:<8} {r['error']:>9}")
                 continue
             ratio = ""
-            if kind == "nsa" and "error" not in pair["dense"]:
+            if kind != "dense" and "error" not in pair["dense"]:
                 d = pair["dense"]
                 ratio = f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x tokens/s"
                 ratio += f", {r['peak_gib'] / d['peak_gib']:.2f}x peak"
             figures = f"{r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.2f}"
-            print(f"{S:>6} {B:>3}  {kind:<5} {figures}  {ratio}")
+            print(f"{S:>6} {B:>3}  {kind:<8} {figures}  {ratio}")
         rows.append(pair)
     if args.json:
         with open(args.json, "w") as f:

@@ -53,6 +53,9 @@ class NSAConfig:
     cmp_backend: str = "masked"
     win_backend: str = "chunked"
     force_branch: str | None = None  # compute only this branch ("cmp", "sel" or "win")
+    # the three branches on Triton run as one autograd function (`triton_nsa_attention`); False composes the
+    # branch functions (the same values; each branch's output then passes its `branch_out` tap)
+    fused: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_len", "block_stride", "sel_block_len", "n_sel", "window"):
@@ -83,6 +86,8 @@ class NSAConfig:
         _check_choice("win_backend", self.win_backend, WIN_BACKENDS + TRITON_BACKENDS)
         if self.force_branch is not None:
             _check_choice("force_branch", self.force_branch, BRANCHES)
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused={self.fused!r} must be True or False")
 
     @property
     def branches(self) -> tuple[str, ...]:

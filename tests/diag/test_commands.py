@@ -260,7 +260,9 @@ def test_cuda_cases_run_triton_where_no_backend_is_named(monkeypatch: pytest.Mon
 
 @pytest.mark.slow
 def test_triton_backends_run_in_the_interpreter_on_the_cpu(tmp_path: Path) -> None:
-    """`--sel/--cmp/--win triton` end to end in Triton's CPU interpreter, checked against the reference."""
+    """`--sel/--cmp/--win triton` end to end in Triton's CPU interpreter, checked against the reference;
+    the layers run the fused op, whose branch hooks give `--branch-marks` each branch's backward start in
+    the op's order (selection, window, compression)."""
     pytest.importorskip("triton")
     out = tmp_path / "runs"
     args = [
@@ -275,6 +277,7 @@ def test_triton_backends_run_in_the_interpreter_on_the_cpu(tmp_path: Path) -> No
         "cpu",
         "--seq-len",
         "40",
+        "--branch-marks",
     ]
     done = run_nsa_diag(
         *args, "--reference-check", "--out", str(out), "--json", env={"TRITON_INTERPRET": "1"}
@@ -283,6 +286,14 @@ def test_triton_backends_run_in_the_interpreter_on_the_cpu(tmp_path: Path) -> No
     (case,) = json.loads(done.stdout)["cases"]
     assert case["verdict"] == "pass"
     assert case["parity"]["grad_rel_err_max"] <= case["parity"]["tolerance"]
+    progress = _only_run_dir(out) / case["dir"] / "progress.jsonl"
+    events = [json.loads(line) for line in progress.read_text().splitlines()]
+    marks = [
+        (e["layer"], e["branch"], e["module"])
+        for e in events
+        if e["step"] == 1 and e["phase"] == "backward" and e["branch"] is not None
+    ]
+    assert marks[:3] == [(1, b, f"blocks.1.attn.branch_out.{b}") for b in ("sel", "win", "cmp")]
 
 
 def test_backend_lists_choose_the_cases() -> None:

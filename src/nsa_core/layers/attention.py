@@ -7,8 +7,12 @@ length of the cache (0 without one). The branch functions in `nsa_core.ops` take
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
 
 from nsa_core.cache import LayerCache, append
 from nsa_core.config import ModelConfig
@@ -21,21 +25,41 @@ from nsa_core.ops.window import sliding_window_attention
 # The modules each branch owns; q_proj, gate and o_proj serve all three.
 BRANCH_MODULES = {"cmp": ("kv_cmp", "phi_k", "phi_v"), "sel": ("kv_sel",), "win": ("kv_win",)}
 
+# A branch hook: hook(module, phase, branch), phase "forward" or "backward", branch None when the op is done.
+BranchHook = Callable[[nn.Module, str, "str | None"], None]
+
+# The fused op's dtypes (`triton_nsa_attention`); others compose the branches, which say what they take.
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 # Scoring without gradient runs in query chunks of at most this many probabilities ([B, chunk, HQ, Nc]).
 SCORE_CHUNK_ELEMENTS = 1 << 24
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def rope_table(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [1, T, 1, D/2]`` of the rotary embedding at ``positions [T]``, in ``dtype``: computed once
+    for the tensors a layer rotates at the same positions (its queries and two key sets)."""
+    half = head_dim // 2
+    angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = theta ** (-torch.arange(half, dtype=angle_dtype, device=positions.device) / half)
+    angles = positions.to(angle_dtype)[:, None] * inv_freq[None, :]  # [T, D/2]
+    return angles.cos().to(dtype)[None, :, None, :], angles.sin().to(dtype)[None, :, None, :]
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    table: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Rotary embedding of ``x [B, T, H, D]`` at ``positions [T]``, per head, rotating the two halves of D.
 
-    Dot products of a rotated query and key depend only on their position difference.
+    Dot products of a rotated query and key depend only on their position difference. ``table``: the
+    `rope_table` of these positions in ``x``'s dtype, where the caller rotates several tensors.
     """
+    cos, sin = table if table is not None else rope_table(positions, x.shape[-1], theta, x.dtype)
     half = x.shape[-1] // 2
-    angle_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv_freq = theta ** (-torch.arange(half, dtype=angle_dtype, device=x.device) / half)
-    angles = positions.to(angle_dtype)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = angles.cos().to(x.dtype)[None, :, None, :]
-    sin = angles.sin().to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -61,6 +85,13 @@ class NSAAttention(nn.Module):
     Three branches with their own key/value projections, combined by per-head sigmoid gates:
     compressed (attention over learned summaries of overlapping blocks), selected (attention over the
     top-n blocks the compressed scores rank, plus forced initial and local blocks) and sliding window.
+
+    With the three branches on Triton (and ``nsa.fused``, the default), the attention and the gates run as
+    one autograd function (`triton_nsa_attention`): no branch output is kept for autograd, and the branch
+    taps (``branch_out``) are not passed; `register_branch_hook` then says where each branch's kernels
+    start, forward and backward. Otherwise the branch functions are composed, and each branch's output
+    passes its ``branch_out`` tap (an ``nn.Identity`` whose hooks see the branch's forward end and
+    backward start).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -78,6 +109,27 @@ class NSAAttention(nn.Module):
         # Identity taps on each branch's output [B, T, HQ, D]: points where tools hook a branch's forward end
         # and backward start (the branch's kv projection marks its forward start and backward end).
         self.branch_out = nn.ModuleDict({name: nn.Identity() for name in ("cmp", "sel", "win")})
+        self._branch_hooks: OrderedDict[int, BranchHook] = OrderedDict()
+
+    @property
+    def runs_fused(self) -> bool:
+        """Whether forward runs the fused op (`triton_nsa_attention`) rather than the composed branches."""
+        nsa = self.nsa
+        triton = nsa.sel_backend == nsa.cmp_backend == nsa.win_backend == "triton"
+        return nsa.fused and triton and len(nsa.branches) == 3
+
+    def register_branch_hook(self, hook: BranchHook) -> RemovableHandle:
+        """Call ``hook(module, phase, branch)`` on the host where the fused op starts a branch's kernels
+        (``phase`` "forward" or "backward"; ``branch`` "cmp", "sel", "win", or None once that direction's
+        kernels are all launched). Only the fused op calls it (`runs_fused`); the composed branches have
+        the ``branch_out`` taps. Hooks run in the order registered; ``handle.remove()`` removes one."""
+        handle = RemovableHandle(self._branch_hooks)
+        self._branch_hooks[handle.id] = hook
+        return handle
+
+    def _on_branch(self, phase: str, branch: str | None) -> None:
+        for hook in tuple(self._branch_hooks.values()):
+            hook(self, phase, branch)
 
     def idle_parameter_names(self) -> list[str]:
         """Parameters the configuration never trains: those of the branches `force_branch` leaves out."""
@@ -158,7 +210,11 @@ class NSAAttention(nn.Module):
         pos0 = c.length
         num_keys = pos0 + T
         positions = torch.arange(pos0, num_keys, device=x.device)
-        q = apply_rope(self.q_proj(x).view(B, T, cfg.heads, cfg.head_dim), positions, cfg.rope_theta)
+        q = self.q_proj(x).view(B, T, cfg.heads, cfg.head_dim)
+        rope = rope_table(positions, cfg.head_dim, cfg.rope_theta, q.dtype)  # for q and two key sets
+        q = apply_rope(q, positions, table=rope)
+        if self.runs_fused and q.dtype in FUSED_DTYPES:
+            return self._fused(x, q, c, positions, rope)
         branches = nsa.branches
         outputs: dict[str, torch.Tensor] = {}
 
@@ -193,7 +249,7 @@ class NSAAttention(nn.Module):
 
         if "sel" in branches:
             k_sel, v_sel = self._kv(self.kv_sel, x)
-            c.k_sel = append(c.k_sel, apply_rope(k_sel, positions, cfg.rope_theta))
+            c.k_sel = append(c.k_sel, apply_rope(k_sel, positions, table=rope))
             c.v_sel = append(c.v_sel, v_sel)
             outputs["sel"] = selected_attention(
                 q,
@@ -207,7 +263,7 @@ class NSAAttention(nn.Module):
 
         if "win" in branches:
             k_win, v_win = self._kv(self.kv_win, x)
-            c.k_win = append(c.k_win, apply_rope(k_win, positions, cfg.rope_theta))
+            c.k_win = append(c.k_win, apply_rope(k_win, positions, table=rope))
             c.v_win = append(c.v_win, v_win)
             outputs["win"] = sliding_window_attention(
                 q, c.k_win, c.v_win, window=nsa.window, q_offset=pos0, backend=nsa.win_backend
@@ -222,4 +278,35 @@ class NSAAttention(nn.Module):
         else:
             gates = torch.sigmoid(gate_logits)[..., None]
             out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
+        return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
+
+    def _fused(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        c: LayerCache,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        # the composed path's tensors and cache, then one op for the three branches and the gates
+        cfg, nsa = self.cfg, self.nsa
+        B, T, _ = x.shape
+        pos0 = c.length
+        k_raw, v_raw = self._kv(self.kv_cmp, x)
+        first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
+        c.k_cmp_raw, c.v_cmp_raw = append(c.k_cmp_raw, k_raw), append(c.v_cmp_raw, v_raw)
+        c.k_cmp = append(c.k_cmp, self._compress(self.phi_k, c.k_cmp_raw, first, rotate=True))
+        c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
+        k_sel, v_sel = self._kv(self.kv_sel, x)
+        c.k_sel, c.v_sel = append(c.k_sel, apply_rope(k_sel, positions, table=rope)), append(c.v_sel, v_sel)
+        k_win, v_win = self._kv(self.kv_win, x)
+        c.k_win, c.v_win = append(c.k_win, apply_rope(k_win, positions, table=rope)), append(c.v_win, v_win)
+        c.length = pos0 + T
+        gate_logits = self.gate(x).view(B, T, cfg.heads, 3)  # per head: cmp, sel, win
+        nsa_op = triton_op("nsa", "triton_nsa_attention")
+        out, _ = nsa_op(
+            q, c.k_cmp, c.v_cmp, c.k_sel, c.v_sel, c.k_win, c.v_win, gate_logits,
+            block_len=nsa.block_len, block_stride=nsa.block_stride, window=nsa.window, q_offset=pos0,
+            on_branch=self._on_branch if self._branch_hooks else None, **self._selection_geometry(),
+        )  # fmt: skip
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))

@@ -149,8 +149,11 @@ def attach_progress(
     """Progress hooks on every block: forward begin/end, backward begin/end; with ``branches``, also a mark
     per NSA branch where its backward begins.
 
-    The branch mark is a pre-hook on the node that made ``attn.branch_out[branch]``'s output (the branch's
-    attention); its place lasts until the next event (the next branch's mark, or the block's backward end).
+    Where the layer runs the fused op (`NSAAttention.runs_fused`: the three branches on Triton), the mark is
+    the op's own branch hook, called as the op's backward starts the branch's kernels (selection, window,
+    then compression); where it composes the branches, a pre-hook on the node that made
+    ``attn.branch_out[branch]``'s output (the branch's attention). Either way its place lasts until the
+    next event (the next branch's mark, or the block's backward end).
     Only branches the layer computes are marked. Marks cost as much as the blocks' own events (measured on
     an m7c-125m step that the host bounds, `benchmarks/probe_overhead.py`), so they are asked for
     (``--branch-marks``); ends per branch, and marks in forward, would double that again for little: in
@@ -164,8 +167,9 @@ def attach_progress(
         name = f"{prefix}.{layer}" if prefix else str(layer)
         handles += _block_hooks(block, layer, name, progress)
         for rel, attn in nsa_attentions(block) if branches else ():
+            base = f"{name}.{rel}" if rel else name
+            handles.append(_fused_branch_hook(attn, layer, base, progress))
             for branch in attn.nsa.branches:
-                base = f"{name}.{rel}" if rel else name
                 handles += _branch_hooks(attn, branch, layer, base, progress)
     return handles
 
@@ -198,6 +202,16 @@ def _branch_hooks(
         progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
 
     return [on_backward(attn.branch_out[branch], begin=backward_begin)]
+
+
+def _fused_branch_hook(attn: Any, layer: int, base: str, progress: ProgressSink) -> RemovableHandle:
+    # the fused op calls it on the host as each branch's kernels start; the composed path never does
+    def mark(module: nn.Module, phase: str, branch: str | None) -> None:
+        if phase == "backward" and branch is not None:
+            tap_name = f"{base}.branch_out.{branch}"  # the same place as the composed path's tap
+            progress.event(progress.backward_phase, "begin", layer=layer, branch=branch, module=tap_name)
+
+    return attn.register_branch_hook(mark)
 
 
 # ------------------------------------------------------------------------------- backward graph hooks

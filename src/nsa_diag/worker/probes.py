@@ -214,10 +214,30 @@ def attach_profiler_ranges(blocks: Iterable[nn.Module], progress: Progress) -> l
     for layer, block in enumerate(blocks):
         handles += _range_hooks(block, block, f"layer {layer}", progress)
         for _, attn in nsa_attentions(block):
+            handles.append(_fused_ranges(attn, f"layer {layer}", progress))
             for branch in attn.nsa.branches:
                 kv, tap = getattr(attn, f"kv_{branch}"), attn.branch_out[branch]
                 handles += _range_hooks(kv, tap, f"layer {layer} {branch}", progress)
     return handles
+
+
+def _fused_ranges(attn: Any, label: str, progress: Progress) -> RemovableHandle:
+    """Where the layer runs the fused op, a range per branch's kernels (``layer 1 sel forward``), from the
+    op's branch hook that starts the branch to the next (the composed path's ranges also hold the branch's
+    key/value projection; the fused op's hold its kernels alone)."""
+    from torch.profiler import record_function
+
+    open_range: list[record_function] = []
+
+    def mark(module: Any, phase: str, branch: str | None) -> None:
+        if open_range:
+            open_range.pop().__exit__(None, None, None)
+        if branch is not None:
+            shown = progress.forward_phase if phase == "forward" else progress.backward_phase
+            open_range.append(record_function(f"{label} {branch} {shown}"))
+            open_range[-1].__enter__()
+
+    return attn.register_branch_hook(mark)
 
 
 def _range_hooks(first: nn.Module, last: nn.Module, label: str, progress: Progress) -> list[RemovableHandle]:

@@ -1,8 +1,9 @@
 """The ``triton`` backends inside `NSAAttention`: the model with them equals the model with the torch ones.
 
 Float32 Triton models against the float64 model with the default backends, logits and every parameter
-gradient, for the three branches together, each branch alone (``force_branch``; ``sel`` ranks its blocks
-through the select-only entry), and the decode cache (sequential prefill == batched).
+gradient, for the three branches together (the fused op, and composed), each branch alone
+(``force_branch``; ``sel`` ranks its blocks through the select-only entry), and the decode cache
+(sequential prefill == batched). The model runs the fused op where it can, and its branch hooks say where.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ def pair(**overrides: object) -> tuple[TinyLM, TinyLM]:
     return ref, tri.to(SIZES.device)
 
 
-@pytest.mark.parametrize("force_branch", [None, "cmp", "sel", "win"], ids=lambda b: f"branch-{b or 'all'}")
-def test_model_matches_torch_backends(force_branch: str | None) -> None:
-    ref, tri = pair(force_branch=force_branch)
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"fused": False}, {"force_branch": "cmp"}, {"force_branch": "sel"}, {"force_branch": "win"}],
+    ids=["fused", "composed", "branch-cmp", "branch-sel", "branch-win"],
+)
+def test_model_matches_torch_backends(overrides: dict[str, object]) -> None:
+    ref, tri = pair(**overrides)
     tokens = random_tokens(2, SEQ_LEN)
     ref_logits, ref_grads = run(ref, tokens)
     tri_logits, tri_grads = run(tri, tokens.to(SIZES.device))
@@ -53,10 +58,11 @@ def test_model_matches_torch_backends(force_branch: str | None) -> None:
         assert_close(f"{name}.grad", grad, tri_grads[name], RATIO)
 
 
-def test_sequential_prefill_matches_batched() -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_sequential_prefill_matches_batched(fused: bool) -> None:
     """The decode cache: one token at a time (q_offset > 0, Tq = 1) gives the batched logits."""
-    _, batched = pair()
-    _, sequential = pair(prefill="sequential")
+    _, batched = pair(fused=fused)
+    _, sequential = pair(prefill="sequential", fused=fused)
     tokens = random_tokens(1, 41).to(SIZES.device)
     with torch.no_grad():
         assert_close("logits", batched(tokens), sequential(tokens), RATIO)
@@ -77,3 +83,29 @@ def test_missing_triton_names_the_workaround(monkeypatch: pytest.MonkeyPatch) ->
     block_idx = torch.zeros(1, 4, 1, 2, dtype=torch.long)
     with pytest.raises(NotImplementedError, match="sel_backend='gather'"):
         selected_attention(q, q[:, :, :1], q[:, :, :1], block_idx, sel_block_len=4, backend="triton")
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "composed"])
+def test_the_model_runs_the_fused_op_and_says_where_each_branch_starts(fused: bool) -> None:
+    """With the three branches on Triton the layer runs `triton_nsa_attention`: its branch hooks see each
+    branch start, forward and backward, in the op's order, and the composed path's taps see nothing;
+    ``fused=False`` composes the branches, whose taps then see each branch's output."""
+    _, model = pair(fused=fused)
+    attn = model.blocks[1].attn
+    assert attn.runs_fused is fused
+    marks: list[tuple[str, str | None]] = []
+    taps: list[str] = []
+    handle = attn.register_branch_hook(lambda module, phase, branch: marks.append((phase, branch)))
+    for name, tap in attn.branch_out.items():
+        tap.register_forward_hook(lambda m, args, out, name=name: taps.append(name))
+    run(model, random_tokens(1, SEQ_LEN).to(SIZES.device))
+    if fused:
+        forward = [("forward", b) for b in ("cmp", "sel", "win", None)]
+        backward = [("backward", b) for b in ("sel", "win", "cmp", None)]
+        assert (marks, taps) == (forward + backward, [])
+    else:
+        assert (marks, sorted(taps)) == ([], ["cmp", "sel", "win"])
+    handle.remove()
+    marks.clear()
+    run(model, random_tokens(1, SEQ_LEN).to(SIZES.device))
+    assert marks == []

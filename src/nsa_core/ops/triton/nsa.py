@@ -12,12 +12,18 @@ then run on the raw ``do`` and give the gradients of ``s_b * o_b`` (their ``p`` 
 The workspace of the backward drops by four ``[B, T, HQ, D]`` tensors (the three gated output
 gradients and two of the three ``dq``) and by the torch sum over ``dq``.
 
+``on_branch(phase, branch)``, if given, is called on the host as each branch's kernels are about to be
+launched (``"forward"`` or ``"backward"``, then ``"cmp"``, ``"sel"`` or ``"win"``), and with ``branch=None``
+once the op's kernels of that direction are launched: what a tool needs to say which branch a step is in,
+or to open a profiler range per branch, without composing the branches. It runs no kernel, reads no tensor.
+
 The kernels are those of `flash`, `compression`, `selection` and `gates`; each is tested alone against the
 float64 references, and this composition against the references of the three branches together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,21 +76,26 @@ class NSAGeometry:
 class NSAAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate_logits, geometry, q_offset, scale
+        ctx, q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate_logits, geometry, q_offset, scale, on_branch
     ):
+        mark = on_branch or _unmarked
+        mark("forward", "cmp")
         o_cmp, lse_cmp = banded_forward(q, k_cmp, v_cmp, scale=scale, **geometry.compressed(q_offset))
         block_idx = select_from_lse(
             q, k_cmp, lse_cmp, block_len=geometry.block_len, block_stride=geometry.block_stride,
             q_offset=q_offset, scale=scale, **geometry.select(),
         )  # fmt: skip
+        mark("forward", "sel")
         o_sel, lse_sel = selected_fwd(q, k_sel, v_sel, block_idx, geometry.sel_block_len, q_offset, scale)
+        mark("forward", "win")
         o_win, lse_win = banded_forward(q, k_win, v_win, scale=scale, **geometry.sliding(q_offset))
         out = gated_sum_fwd(gate_logits, o_cmp, o_sel, o_win)
+        mark("forward", None)
         ctx.save_for_backward(
             q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate_logits,
             o_cmp, o_sel, o_win, lse_cmp, lse_sel, lse_win, block_idx,
         )  # fmt: skip
-        ctx.geometry, ctx.q_offset, ctx.scale = geometry, q_offset, scale
+        ctx.geometry, ctx.q_offset, ctx.scale, ctx.mark = geometry, q_offset, scale, mark
         ctx.mark_non_differentiable(block_idx)
         return out, block_idx
 
@@ -92,7 +103,7 @@ class NSAAttentionFunction(torch.autograd.Function):
     def backward(ctx, do, _d_block_idx):  # type: ignore[override]
         (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gate_logits,
          o_cmp, o_sel, o_win, lse_cmp, lse_sel, lse_win, block_idx) = ctx.saved_tensors  # fmt: skip
-        geometry, q_offset, scale = ctx.geometry, ctx.q_offset, ctx.scale
+        geometry, q_offset, scale, mark = ctx.geometry, ctx.q_offset, ctx.scale, ctx.mark
         B, Tq, HQ, _ = q.shape
         do = do.contiguous()
         d_gate, stats = gated_sum_bwd_stats(
@@ -102,19 +113,27 @@ class NSAAttentionFunction(torch.autograd.Function):
         lse2_cmp, delta_cmp = stats[0].view(banded_rows), stats[1].view(banded_rows)
         lse2_sel, delta_sel = stats[2].view(sel_rows), stats[3].view(sel_rows)
         lse2_win, delta_win = stats[4].view(banded_rows), stats[5].view(banded_rows)
+        mark("backward", "sel")
         dq, dk_sel, dv_sel = selected_bwd(
             do, q, k_sel, v_sel, o_sel, lse2_sel, block_idx, geometry.sel_block_len, q_offset, scale,
             delta=delta_sel,
         )  # fmt: skip
+        mark("backward", "win")
         _, dk_win, dv_win = banded_backward(
             do, q, k_win, v_win, o_win, lse2_win, scale=scale, delta=delta_win, dq=dq,
             **geometry.sliding(q_offset),
         )  # fmt: skip
+        mark("backward", "cmp")
         _, dk_cmp, dv_cmp = banded_backward(
             do, q, k_cmp, v_cmp, o_cmp, lse2_cmp, scale=scale, delta=delta_cmp, dq=dq,
             **geometry.compressed(q_offset),
         )  # fmt: skip
-        return dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, d_gate, None, None, None
+        mark("backward", None)
+        return dq, dk_cmp, dv_cmp, dk_sel, dv_sel, dk_win, dv_win, d_gate, None, None, None, None
+
+
+def _unmarked(phase: str, branch: str | None) -> None:
+    pass
 
 
 def _composed(
@@ -161,6 +180,7 @@ def triton_nsa_attention(
     window: int,
     q_offset: int = 0,
     scale: float | None = None,
+    on_branch: Callable[[str, str | None], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated sum of the three NSA branches of ``q [B, Tq, HQ, D]``, as one autograd function.
 
@@ -171,6 +191,8 @@ def triton_nsa_attention(
     ``Tk = q_offset + Tq``; ``gate_logits [B, Tq, HQ, 3]`` (cmp, sel, win). The same key/value tensors may
     serve several branches. Differentiable in ``q``, the six key/value tensors and ``gate_logits``;
     float16, bfloat16 or float32. Returns ``(out [B, Tq, HQ, D], block_idx [B, Tq, HKV, n_sel])``.
+    ``on_branch(phase, branch)``: see the module's docstring (not called on the composed edge cases: no
+    query, or no complete compressed block).
     """
     check_qkv(q, k_sel, v_sel, q_offset)
     check_qkv(q, k_win, v_win, q_offset)
@@ -194,5 +216,6 @@ def triton_nsa_attention(
     if q.shape[1] == 0 or k_cmp.shape[1] == 0:
         return _composed(q, kv, gate_logits, geometry, q_offset, scale)
     return NSAAttentionFunction.apply(
-        q.contiguous(), *(x.contiguous() for x in kv), gate_logits.contiguous(), geometry, q_offset, scale
-    )
+        q.contiguous(), *(x.contiguous() for x in kv), gate_logits.contiguous(), geometry, q_offset, scale,
+        on_branch,
+    )  # fmt: skip
