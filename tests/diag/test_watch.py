@@ -503,6 +503,55 @@ def test_shell_script_starting_python_is_judged_by_its_exit_and_its_python_child
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("limits", [("--stall", "3"), ("--timeout", "12")], ids=["stall", "timeout"])
+def test_a_job_that_execs_into_sleep_is_a_hang_of_a_program_no_longer_python(
+    tmp_path: Path, limits: tuple[str, str]
+) -> None:
+    """3 optimizer steps, then os.execvp("sleep"): the probe's heartbeat stops with the Python image, the
+    process lives on as `sleep` (no GIL held by anyone). At a stall, and at a timeout that comes first."""
+    proc, out = _watch(tmp_path, *limits, job=[PY, "exec_sleep.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "unknown", result["reason"]
+    assert "exec'd into `sleep 600`" in result["reason"]
+    assert "no longer Python" in result["reason"]
+    assert "GIL" not in result["reason"]
+    assert "sleeping" in result["reason"]  # its state: the kernel's nanosleep, no CPU
+    assert result["steps_done"] == 3
+    assert result["evidence"]["exec"]["into"].endswith("sleep"), result["evidence"].get("exec")
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+def test_an_idle_program_without_progress_at_the_timeout_is_a_hang_not_slow(tmp_path: Path) -> None:
+    """`sleep` reports no progress (not Python: no probe) and does nothing: not slow, which needs progress
+    or work that went on; idle, it is a hang, and the reason says what was seen."""
+    proc, out = _watch(tmp_path, "--timeout", "3", job=["sleep", "60"], timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "unknown", result["reason"]
+    assert "no progress reported" in result["reason"]
+    assert "progress continued" not in result["reason"]
+    assert "`sleep 60` is not Python" in result["reason"]
+    assert "idle" in result["reason"]
+    assert "CPU 0%" in result["reason"]
+    assert "state S" in result["reason"]
+
+
+def test_a_busy_program_without_progress_at_the_timeout_is_slow_without_claiming_progress(
+    tmp_path: Path,
+) -> None:
+    proc, out = _watch(tmp_path, "--timeout", "3", job=["sh", "-c", "while :; do :; done"], timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "slow", result["reason"]
+    assert "no progress reported, and not idle" in result["reason"]
+    assert "`sh -c while :; do :; done` is not Python" in result["reason"]
+    assert "progress continued" not in result["reason"]
+
+
 # --- GPU ----------------------------------------------------------------------------------------------
 
 
