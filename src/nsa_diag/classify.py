@@ -495,7 +495,9 @@ def is_idle(ev: Evidence) -> bool:
 def never_progressed(where: Where | None) -> bool:
     """Whether a unit whose beacon was last at ``where`` reported no progress at all (a program without the
     probe, a probed process before its first event): nothing it did can be called slow progress."""
-    return where is None or (where.phase is None and where.step is None)
+    if where is None or where.step is not None:
+        return where is None
+    return where.phase is None or (where.phase == "setup" and where.event != "end")
 
 
 def hang_kind(ev: Evidence) -> tuple[HangKind, str]:

@@ -367,6 +367,40 @@ def test_an_interrupted_watch_keeps_where_the_job_was_and_its_stacks(tmp_path: P
 
 
 @pytest.mark.slow
+def test_an_interrupted_watch_of_a_job_training_in_a_subprocess_says_where_its_steps_were(
+    tmp_path: Path,
+) -> None:
+    """The command runs its training in a subprocess (a helper by its place in the tree) and reports nothing
+    itself: the interrupted result still says how far the job got, not only the command's setup."""
+    out = tmp_path / "runs"
+    wrapper = "import subprocess, sys; subprocess.run([sys.executable, 'slow_steps.py'])"
+    nsa = subprocess.Popen(
+        [PY, "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "-c", wrapper],
+        env=cli_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = list(out.glob("*/cases/watch/stdout.log"))
+            if logs and "step 4\n" in logs[0].read_text():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job never logged 4 steps")
+        nsa.send_signal(signal.SIGINT)
+        nsa.communicate(timeout=60)
+    finally:
+        if nsa.poll() is None:
+            nsa.kill()
+    assert nsa.returncode == 130
+    result = _result(out)
+    assert "interrupted by SIGINT" in result["reason"]
+    assert "no progress reported" not in result["reason"]
+    assert "(a helper process): step " in result["reason"], result["reason"]
+    assert result["steps_done"] >= 4, result["reason"]
+
+
+@pytest.mark.slow
 def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
     proc, out = _watch(
         tmp_path, "--stall", "8", "--timeout", "12", "--total-steps", "60", job=[PY, "slow_steps.py"]
