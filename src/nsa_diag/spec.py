@@ -79,10 +79,10 @@ MODEL_REF = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 ATTR_PATH = r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$"
 # `--model`'s contract, in `run --help` and the README (`nsa_diag.worker.contract` holds the model to it)
 MODEL_HELP = (
-    "Your own model: factory(spec) -> nn.Module, mapping ids [B, S] to logits [B, S, V] returned as a "
-    "tensor, a tuple/list (first element) or an object's .logits (Hugging Face). V: model.vocab_size, "
-    "model.config.vocab_size, get_input_embeddings(), get_output_embeddings() or the only nn.Embedding, "
-    "else --vocab, else the last module's out_features. Layers: model.layers, "
+    "Your own model: factory(spec) -> nn.Module (or factory()), mapping ids [B, S] to logits [B, S, V] "
+    "returned as a tensor, a tuple/list (first element) or an object's .logits (Hugging Face). "
+    "V: model.vocab_size, model.config.vocab_size, get_input_embeddings(), get_output_embeddings() or "
+    "the only nn.Embedding, else --vocab, else the last module's out_features. Layers: model.layers, "
     "model.model.layers, transformer.h, encoder.layer or blocks, else the longest nn.ModuleList of "
     "same-type blocks up to 3 attributes down (else --layers-attr). Model options reach it only through "
     "the spec it reads; NSA options, backend and --reference-check only through the nsa_core "

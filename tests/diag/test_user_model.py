@@ -6,6 +6,7 @@ seeds' kind, and a Hugging Face GPT-2 through run, selftest and ddp (with the ``
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from diag_cli import cli_env, run_cli, run_cli_json
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
 from nsa_diag.spec import CaseSpec
+from nsa_diag.worker.contract import load_factory
 from nsa_diag.worker.preflight import model_facts
 
 SHAPES = [
@@ -455,3 +457,36 @@ def transformers_on_path() -> None:
 def test_hugging_face_gpt2(tmp_path: Path, command: list[str]) -> None:
     code, summary, stderr = run_cli_json(*command, *HF, "--out", str(tmp_path), timeout=400)
     assert code == 0, (stderr, [c["reason"] for c in summary.get("cases", [])])
+
+
+def test_a_factory_without_parameters_is_called_as_it_is(tmp_path: Path) -> None:
+    """`def make_model():` or a model class: called with no argument (it reads no option); a factory with
+    a parameter gets the spec, as the contract says."""
+    module = tmp_path / "zero_arg_models.py"
+    module.write_text(
+        "import torch.nn as nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.emb = nn.Embedding(64, 8)\n"
+        "        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))\n"
+        "        self.head = nn.Linear(8, 64)\n"
+        "    def forward(self, ids):\n"
+        "        x = self.emb(ids)\n"
+        "        for layer in self.layers:\n"
+        "            x = layer(x)\n"
+        "        return self.head(x)\n"
+        "def make_model():\n"
+        "    return Net()\n"
+        "def with_spec(spec):\n"
+        "    return Net() if spec.model.endswith('with_spec') else None\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        spec = CaseSpec(name="c", model="zero_arg_models:with_spec")
+        for ref in ("zero_arg_models:make_model", "zero_arg_models:Net", "zero_arg_models:with_spec"):
+            model = load_factory(ref)(spec)
+            assert type(model).__name__ == "Net", ref
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("zero_arg_models", None)

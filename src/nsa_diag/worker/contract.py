@@ -3,8 +3,8 @@
 
 The contract for a user's model (also in ``nsa-diag run --help`` and the README):
 
-- ``factory(spec) -> nn.Module``; model options reach the model only through the spec the factory reads
-  (``spec.overrides``, ``spec.nsa_config()``);
+- ``factory(spec) -> nn.Module``, or ``factory()`` (it then reads no option); model options reach the
+  model only through the spec the factory reads (``spec.overrides``, ``spec.nsa_config()``);
 - ``model(ids [B, S])`` returns logits ``[B, S, V]`` as a tensor, as the first element of a tuple or list,
   or as an object's ``.logits`` (Hugging Face ``CausalLMOutput``);
 - the vocabulary V is what the model declares (``vocab_size``, ``config.vocab_size``, its input or output
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -61,7 +62,19 @@ def load_factory(ref: str) -> Callable[[CaseSpec], Any]:
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ContractError(f"model {ref}: {module_name} has no callable {attr!r}")
+    if _takes_nothing(factory):  # `def make_model():`, or a model class whose __init__ takes no parameter
+        return lambda spec: factory()
     return factory
+
+
+def _takes_nothing(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` is called with no argument: it has no parameter that could take the spec."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C extension: called with the spec, as documented
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return not any(p.kind in positional or p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
 
 
 def vocab_of(model: nn.Module, answer: int | None = None) -> tuple[int, str]:
