@@ -236,6 +236,32 @@ def write_json(path: Path, data: Any) -> Path:
     return write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
 
 
+def write_json_new(path: Path, data: Any) -> bool:
+    """`write_json` where ``path`` does not exist yet, whether it wrote: another writer's file is never
+    replaced, also one that appears meanwhile (the complete temporary file is linked into place, which
+    fails where a file is)."""
+    if hasattr(data, "model_dump"):
+        data = data.model_dump(mode="json")
+    data = scrub_data(json.loads(json.dumps(data, default=str)))
+    text = scrub(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 def write_with(path: Path, writer: Callable[[Path], object]) -> Path:
     """Let ``writer`` (a library exporter, e.g. torch's ``export_chrome_trace``) write a temporary sibling of
     ``path`` with the same suffix, then rename it into place: readers never see a half-written export."""

@@ -34,11 +34,13 @@ then watches on (`nsa_diag.watchdog.Watcher.rearm`) instead of stopping the job.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from nsa_diag.evidence.procfs import is_python
 from nsa_diag.evidence.stacks import (
     Frame,
     ThreadStack,
@@ -138,6 +140,9 @@ class Evidence:
     work: Work | None = None  # the liveness signals over the window before the stall or the timeout
     # Pauses of the processes this one waits on (its DataLoader workers): `pause_reason` of each, by label.
     workers: Mapping[str, str | None] = field(default_factory=dict)
+    program: str | None = None  # its command line at the evidence (secrets withheld): "sleep 600"
+    exe: str | None = None  # the program it ran then (/proc/<pid>/exe)
+    exec_from: str | None = None  # the program it ran when first seen, where that differs: it exec'd `exe`
 
 
 @dataclass(frozen=True)
@@ -439,6 +444,62 @@ def _samples_phrase(n: int) -> str:
     return {1: "in the stack sample", 2: "in both stack samples"}.get(n, f"in all {n} stack samples")
 
 
+def not_python(ev: Evidence) -> bool:
+    """Whether the unit's process runs a program that is not Python (no probe; or it exec'd one)."""
+    return ev.exe is not None and not is_python(ev.exe)
+
+
+def program_text(ev: Evidence) -> str:
+    """``"the process exec'd into `sleep 600` (no longer Python: /usr/bin/sleep, was python3.12)"``, or
+    ``"`sleep 60` is not Python (no probe)"``: what the unit's process runs, said where it is not Python."""
+    program = ev.program or (os.path.basename(ev.exe) if ev.exe else "an unknown program")
+    if ev.exec_from is not None:
+        longer = "no longer Python: " if not_python(ev) and is_python(ev.exec_from) else ""
+        return f"the process exec'd into `{program}` ({longer}{ev.exe}, was {os.path.basename(ev.exec_from)})"
+    return f"`{program}` is not Python (no probe)" if not_python(ev) else f"`{program}`"
+
+
+def state_text(ev: Evidence) -> str:
+    """``"sleeping (state S, kernel wchan hrtimer_nanosleep), CPU 0%, no I/O"``: /proc of the main thread."""
+    wchan = ev.main_wchan if ev.main_wchan not in (None, "", "0") else None
+    if wchan and "nanosleep" in wchan:
+        what = "sleeping"
+    else:
+        what = _STATE_WORDS.get(ev.main_state or "", "in an unknown state")
+    details = [f"state {ev.main_state}"] if ev.main_state else []
+    if wchan:
+        details.append(f"kernel wchan {wchan}")
+    parts = [what + (f" ({', '.join(details)})" if details else ""), f"CPU {_pct(ev.cpu_percent)}"]
+    if ev.io_bytes is not None:
+        parts.append("no I/O" if ev.io_bytes == 0 else f"{ev.io_bytes / 1024:.0f} KiB read or written")
+    return ", ".join(parts)
+
+
+_STATE_WORDS = {"S": "waiting", "D": "in a disk wait", "R": "running", "T": "stopped", "t": "stopped"}
+
+
+def is_idle(ev: Evidence) -> bool:
+    """No work at all while the evidence was taken: no progress event, no liveness signal, CPU under
+    `DEADLOCK_CPU_MAX`, less than `WORK_IO_BYTES` read or written, not in a disk wait."""
+    working = ev.work is not None and ev.work.working
+    return (
+        not ev.progressed
+        and not working
+        and ev.cpu_percent is not None
+        and ev.cpu_percent < DEADLOCK_CPU_MAX
+        and (ev.io_bytes or 0) < WORK_IO_BYTES
+        and ev.main_state != "D"
+    )
+
+
+def never_progressed(where: Where | None) -> bool:
+    """Whether a unit whose beacon was last at ``where`` reported no progress at all (a program without the
+    probe, a probed process before its first event): nothing it did can be called slow progress."""
+    if where is None or where.step is not None:
+        return where is None
+    return where.phase is None or (where.phase == "setup" and where.event != "end")
+
+
 def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     """The hang kind and what shows it (the part of the reason after the place)."""
     samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
@@ -452,6 +513,9 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     same = _same_top(focus)
     cpu = f"CPU {_pct(ev.cpu_percent)}"
     gpu = f"GPU {_pct(ev.gpu_utilization)}"
+
+    if not_python(ev):  # no Python stacks, no heartbeat: only /proc tells what it does
+        return "unknown", f"{program_text(ev)}: {state_text(ev)}"
 
     dist = _distributed(last, native)
     if dist and (same or all(_distributed(t, ()) for t in focus)):
@@ -507,6 +571,12 @@ def _slow_reason(ev: Evidence) -> str:
         idle = f" for {ev.stalled_for_s:.0f} s" if ev.stalled_for_s is not None else ""
         still = (
             f"paused{idle}, not stuck ({paused}), when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out"
+        )
+    elif never_progressed(ev.where):
+        program = f"{program_text(ev)}: " if not_python(ev) else ""
+        still = (
+            f"no progress reported, and not idle when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out "
+            f"({program}{state_text(ev)}; CPU alone does not tell work from a spin)"
         )
     else:
         still = f"still progressing when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out"
@@ -573,13 +643,20 @@ def classify(ev: Evidence) -> Classification:
             f"interrupted by {ev.interrupted_by or 'a signal'} after {ev.elapsed_s:.1f} s at {_at(ev.where)}",
         )
     if ev.outcome == "timeout":
+        timeout = ev.timeout_s or ev.elapsed_s
+        if never_progressed(ev.where) and is_idle(
+            ev
+        ):  # slow needs progress or work that went on: there was neither
+            kind, why = hang_kind(ev)
+            reason = f"no progress reported when the {timeout:g} s timeout ran out, and idle; {why}"
+            return Classification("hang", kind, reason)
         unprecedented = (
             ev.longest_gap_s is None or ev.stalled_for_s is None or ev.stalled_for_s > ev.longest_gap_s
         )
         working = ev.work is not None and ev.work.working
         if ev.progressed is False and unprecedented and not working and pause_reason(ev) is None:
             kind, why = hang_kind(ev)
-            if kind in STUCK_KINDS:
+            if kind in STUCK_KINDS or (ev.exec_from is not None and is_idle(ev)):
                 idle = f" for {ev.stalled_for_s:.1f} s" if ev.stalled_for_s is not None else ""
                 reason = (
                     f"no progress{idle} at {_at(ev.where)} when the {ev.timeout_s or ev.elapsed_s:g} s"

@@ -284,7 +284,10 @@ def run_case(
     launcher = launcher if launcher is not None else default_launcher(spec)
     started, t0 = time.time(), time.monotonic()
     guard = InterruptGuard()
-    marker = str(case_dir.resolve())  # every process of the case carries it (`nsa_diag.guard`)
+    # Every process of the case carries it (`nsa_diag.guard`): the launcher's own folder, so that a node of
+    # a multi-node case, which shares the case folder with the others, never sweeps another node's ranks
+    # (two nodes on one host).
+    marker = str(launcher.home(case_dir).resolve())
     guardian: Guardian | None = None
     with guard:
         try:

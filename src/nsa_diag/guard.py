@@ -164,7 +164,8 @@ def _record(case_dir: Path, swept: list[int], when: float) -> None:
             reason=f"nsa-diag ended while the case ran (killed: it wrote no result){stopped}",
             evidence={"outcome": "nsa-diag-ended", "guardian": {"swept": swept, "at": when}},
         )  # fmt: skip
-        artifacts.write_json(case_dir / "result.json", result)
+        # nsa-diag's parent (a cluster run's) may write the case's result meanwhile: it is never replaced
+        artifacts.write_json_new(case_dir / "result.json", result)
     except Exception:  # the sweep is what matters; a result is best effort here
         return
 

@@ -134,6 +134,7 @@ MODEL_KEYS: dict[str, tuple[Any, str]] = {
     "cmp_backend": (literal_of(CmpBackend), "compression backend"),
     "win_backend": (literal_of(WinBackend), "sliding-window backend"),
     "force_branch": (BranchChoice | None, "compute only this branch; all (or null): every branch"),
+    "fused": (bool, "the three branches on triton as one op (default true); false composes them"),
 }
 AXIS_KEYS = (*SPEC_KEYS, *MODEL_KEYS)
 AxisKey = Literal[AXIS_KEYS]  # type: ignore[valid-type]

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from nsa_diag import artifacts
 from nsa_diag.classify import Evidence, classify, pause_reason
 from nsa_diag.evidence import stacks
+from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
     BUSY_WORKER_CPU,
@@ -148,6 +149,7 @@ def unit_evidence(
     decision = watched.decision
     now = watched.history[-1].t
     rate = progress_rate(watched.history, now, spec, _layers(spec)) if watched.outcome == "timeout" else None
+    exe = hang.exe if hang else None
     return Evidence(
         outcome=watched.outcome,
         exit_code=exit_code,
@@ -174,6 +176,9 @@ def unit_evidence(
         io_bytes=hang.io_bytes if hang else None,
         work=watched.work,
         workers=workers or {},
+        program=" ".join(redact_argv(hang.argv)) if hang and hang.argv else None,
+        exe=exe,
+        exec_from=watched.first_exe if exe and watched.first_exe not in (None, exe) else None,
     )
 
 
@@ -243,6 +248,8 @@ def unit_result(
         )
     if watched.work is not None:
         evidence["work"] = watched.work.to_json()
+    if ev.exec_from is not None:  # the process runs another program than the one first seen
+        evidence["exec"] = {"from": ev.exec_from, "into": ev.exe, "argv": hang.argv if hang else []}
     if hang is not None:  # what it was doing, when that was not being stuck (a DataLoader worker reading)
         working = watched.work is not None and watched.work.working
         evidence["activity"] = pause_reason(ev) or (watched.work.describe() if working else None)

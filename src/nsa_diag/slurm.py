@@ -23,9 +23,12 @@ because a matrix file's ``slurm:`` section is a `SlurmSettings` (`nsa_diag.matri
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -38,6 +41,8 @@ from nsa_diag.errors import UsageError
 Cluster = Literal["slurm", "local"]
 INSTALL_HINT = "--executor slurm needs submitit: pip install 'nsa-diag[slurm]'"
 LOG_FOLDER = "slurm"  # submitit's own files (sbatch script, pickles, job logs), inside the run folder
+# In LOG_FOLDER: what the local executor's job controllers print (their KeyboardInterrupt on Ctrl-C).
+LOCAL_CONTROLLERS_LOG = "local-controllers.log"
 
 # A Slurm time limit: "MINUTES", "MINUTES:SECONDS", "HOURS:MINUTES:SECONDS", "DAYS-HOURS",
 # "DAYS-HOURS:MINUTES", "DAYS-HOURS:MINUTES:SECONDS" (sbatch --time).
@@ -286,10 +291,21 @@ def job_end(
     minutes: int | None = None,
     nodes: str | None = None,
     exit_signal: str | None = None,
+    result_saved: bool | None = None,
 ) -> JobEnd:
-    """The verdict and the reason of a case whose job ended in ``state`` before the case had a verdict."""
+    """The verdict and the reason of a case whose job ended in ``state`` before the case had a verdict.
+    ``result_saved``: whether submitit saved the job's return value (or its exception); a local job
+    whose controller exited normally (FINISHED) without one had its task killed."""
     base = base_state(state)
     why = _STATE_REASONS.get(base, f"the job ended in state {base}")
+    label = "Slurm job" if cluster == "slurm" else "local submitit job"
+    ended = f"ended {state}"
+    if cluster == "local" and base == "FINISHED" and result_saved is False:
+        ended = f"was killed (submitit's state: {state})"
+        why = (
+            "its task process ended without a result, by a signal (SIGKILL, the kernel's OOM killer) "
+            "before its case wrote one"
+        )
     if base == "TIMEOUT" and minutes is not None:
         why += f" ({minutes} min; raise it with --time)"
     if base == "INTERRUPTED" and exit_signal:
@@ -297,9 +313,30 @@ def job_end(
     if base == "OUT_OF_MEMORY":
         why += "; ask for more with --slurm-opt mem=..."
     where = f" on {nodes}" if nodes and nodes not in ("None assigned", "") else ""
-    label = "Slurm job" if cluster == "slurm" else "local submitit job"
     verdict: Literal["error", "oom"] = "oom" if base == "OUT_OF_MEMORY" else "error"
-    return JobEnd(state, verdict, f"{label} {job_id} ended {state}{where}", why)
+    return JobEnd(state, verdict, f"{label} {job_id} {ended}{where}", why)
+
+
+@contextlib.contextmanager
+def controllers_stderr(folder: Path, cluster: Cluster) -> Iterator[None]:
+    """While jobs are submitted: the local executor starts each job's controller with our stderr, and a
+    terminal's Ctrl-C (or our cancel, a SIGINT) makes it print its KeyboardInterrupt tracebacks there,
+    burying nsa-diag's one line. The controllers started in here get `LOCAL_CONTROLLERS_LOG` in
+    ``folder`` instead (the submission runs in one thread, between two lines of ours)."""
+    if cluster != "local":
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log = os.open(folder / LOCAL_CONTROLLERS_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(log)
 
 
 def is_active(state: str) -> bool:

@@ -100,10 +100,12 @@ _KEEP_TAIL = 160  # observations kept verbatim at the end of a compacted history
 
 @dataclass(frozen=True)
 class ProcRead:
-    """/proc of a unit's process at one read: CPU seconds and bytes read + written so far (None: unknown)."""
+    """/proc of a unit's process at one read: CPU seconds and bytes read + written so far, and the program
+    it runs (None: unknown)."""
 
     cpu_s: float | None
     io_bytes: int | None
+    exe: str | None = None
 
 
 @dataclass(frozen=True)
@@ -470,6 +472,9 @@ class WatchResult:
     longest_gap_s: float | None = None
     # The unit's work over the last window when the loop ended (`work_in`); None when the job exited.
     work: Work | None = None
+    # The program the unit's process ran when the loop first read its /proc (Python, for a probed process):
+    # a different one at the evidence means it exec'd another program (`HangEvidence.exe`).
+    first_exe: str | None = None
 
     @property
     def last_state(self) -> BeaconState | None:
@@ -527,8 +532,8 @@ def _longest_gap(longest: float | None, before: BeaconState | None, now: BeaconS
 
 
 def read_proc(pid: int) -> ProcRead:
-    """/proc of ``pid`` now: CPU seconds and I/O bytes so far."""
-    return ProcRead(procfs.cpu_seconds(pid), procfs.io_bytes(pid))
+    """/proc of ``pid`` now: CPU seconds and I/O bytes so far, and its program."""
+    return ProcRead(procfs.cpu_seconds(pid), procfs.io_bytes(pid), procfs.exe(pid))
 
 
 class Watcher:
@@ -561,6 +566,7 @@ class Watcher:
         self.gaps: list[float | None] = []
         self.since: list[float | None] = []
         self.proc_read_at: list[float] = []
+        self.first_exes: list[str | None] = []
 
     def rearm(self, index: int, now: float | None = None) -> None:
         """Unit ``index``'s stall clock starts again at ``now`` (it paused; it did not hang)."""
@@ -573,11 +579,13 @@ class Watcher:
         self.gaps += [None for _ in new]
         self.since += [None for _ in new]
         self.proc_read_at += [0.0 for _ in new]
+        self.first_exes += [None for _ in new]
         for i, beacon in enumerate(current):
             state = read_beacon(beacon) if beacon is not None else None
             proc = None
             if state is not None and state.pid > 0 and now - self.proc_read_at[i] >= PROC_EVERY_S:
                 proc, self.proc_read_at[i] = read_proc(state.pid), now
+                self.first_exes[i] = self.first_exes[i] or proc.exe
             self.gaps[i] = _longest_gap(self.gaps[i], _last_state(self.histories[i]), state)
             self.histories[i] = compact([*self.histories[i], Observation(now, state, proc)])
         return current
@@ -595,8 +603,8 @@ class Watcher:
                 self.on_progress(behind, now - self.started)
             if code is not None:
                 units = [
-                    WatchResult("exited", list(h), None, code, g)
-                    for h, g in zip(histories, self.gaps, strict=True)
+                    WatchResult("exited", list(h), None, code, g, first_exe=exe)
+                    for h, g, exe in zip(histories, self.gaps, self.first_exes, strict=True)
                 ]
                 return Watched("exited", units, None)
             decisions = [
@@ -612,11 +620,11 @@ class Watcher:
                 status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
                 first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
                 units = []
-                for h, d, g in zip(histories, decisions, self.gaps, strict=True):
+                for h, d, g, exe in zip(histories, decisions, self.gaps, self.first_exes, strict=True):
                     # since the last progress event only: the work of a unit that made progress is that
                     window = min(work_window(d.stall_limit_s), d.idle_s)
                     work = d.work or (work_in(h, now, window) if window >= WORK_WINDOW_MIN_S else None)
-                    units.append(WatchResult(status, list(h), d, None, g, work))
+                    units.append(WatchResult(status, list(h), d, None, g, work, exe))
                 return Watched(status, units, first)
             time.sleep(self.poll_s)
 
@@ -707,6 +715,8 @@ class HangEvidence:
     # Whether a progress event came while the evidence was taken (after the watchdog's last read): a slow
     # step goes on, a stuck one does not. None: the worker never wrote its beacon.
     progressed: bool | None = None
+    exe: str | None = None  # the program the process runs (/proc/<pid>/exe), and its command line
+    argv: list[str] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -805,6 +815,7 @@ def gather_hang_evidence(
         if "heartbeat thread" in writers:
             ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
+    ev.exe, ev.argv = procfs.exe(pid), procfs.cmdline(pid)
     ev.io_bytes = io1 - io0 if io0 is not None and io1 is not None else None
     if beat0 is not None and beat1 is not None and beat0 > 0:
         ev.heartbeat_between = beat1 > beat0

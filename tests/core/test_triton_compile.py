@@ -117,7 +117,7 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     # the whole op in one function: dq added into one tensor, delta and lse from the gates' pass
     geometry = nsa.NSAGeometry(**g)
     ctx = _Ctx()
-    nsa.NSAAttentionFunction.forward(ctx, q, k_cmp, v_cmp, k, v, k, v, gate, geometry, 0, scale)
+    nsa.NSAAttentionFunction.forward(ctx, q, k_cmp, v_cmp, k, v, k, v, gate, geometry, 0, scale, None)
     nsa.NSAAttentionFunction.backward(ctx, do, None)
 
 

@@ -35,6 +35,7 @@ from nsa_diag.evidence.live import (
     Sample,
     TreeObservation,
     check_target,
+    other_user_refusal,
     process_info,
 )
 from nsa_diag.session.attach import summary_markdown
@@ -811,6 +812,69 @@ def test_another_users_process_is_refused() -> None:
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_another_users_process_needs_consent_as_root_and_is_refused_otherwise() -> None:
+    """Whether attach refuses a process, as a function of our effective uid and the process's owner
+    (real, effective uid): the root case is tested here for any user, and on real processes below."""
+    assert other_user_refusal(42, 1000, (1000, 1000), allow_other_user=False) is None
+    assert other_user_refusal(42, 0, (0, 0), allow_other_user=False) is None
+    assert other_user_refusal(42, 1000, (1000, 0), allow_other_user=False) is None  # setuid: still ours
+    for euid, owner in [(1000, (1001, 1001)), (1000, (0, 0)), (0, (1000, 1000))]:
+        said = other_user_refusal(42, euid, owner, allow_other_user=False)
+        assert said is not None
+        assert said.startswith(f"PID 42 belongs to another user (uid {owner[0]})")
+        assert "\n" not in said
+    as_root = other_user_refusal(42, 0, (1000, 1000), allow_other_user=False)
+    assert as_root is not None
+    assert "--allow-other-user" in as_root
+    assert other_user_refusal(42, 0, (1000, 1000), allow_other_user=True) is None  # root, with consent
+    # consent is root's to use: a user still cannot look into another user's job
+    assert other_user_refusal(42, 1000, (1001, 1001), allow_other_user=True) is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach to another user's process")
+def test_as_root_another_users_job_is_refused_in_one_line_and_not_signalled(tmp_path: Path) -> None:
+    """Issue 27 #12: as root, attach went on into another user's job (SIGUSR1 included). A Python process
+    of user nobody that catches SIGUSR1 (attach would signal it) is refused: one line, exit 2, no signal,
+    no run folder; with --allow-other-user attach goes on and asks it for a dump."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the job: user nobody, a SIGUSR1 handler that says so on the pipe
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            signal.signal(signal.SIGUSR1, lambda *_: os.write(write_end, b"got SIGUSR1\n"))
+            os.write(write_end, b"ready\n")
+            while True:
+                time.sleep(0.1)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end, "rb", buffering=0) as said:
+            assert said.readline() == b"ready\n"
+            os.set_blocking(read_end, False)
+            out = tmp_path / "refused"
+            refused = run_cli("attach", str(child), "--out", out, "--samples", "2", timeout=60)
+            lines = refused.stderr.strip().splitlines()
+            assert (refused.returncode, len(lines)) == (2, 1), refused.stderr
+            assert f"PID {child} belongs to another user (uid 65534)" in lines[0]
+            assert "--allow-other-user" in lines[0]
+            assert not out.exists()
+            time.sleep(0.3)
+            assert said.read() is None  # nothing on the pipe: no signal came
+            allowed = run_cli(
+                "attach", str(child), "--out", tmp_path / "allowed", "--samples", "2", "--interval", "0.2",
+                "--allow-other-user", timeout=120,
+            )  # fmt: skip
+            assert allowed.returncode in (0, 1), allowed.stderr[-2000:]
+            time.sleep(0.3)
+            assert b"got SIGUSR1" in (said.read() or b"")
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
 
 
 def test_help_has_examples_and_does_not_import_torch() -> None:

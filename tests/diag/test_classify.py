@@ -382,6 +382,54 @@ def test_a_busy_worker_at_the_timeout_is_slow() -> None:
     assert (v.verdict, v.hang_kind) == ("slow", None)
 
 
+def exec_into_sleep(**fields: object) -> Evidence:
+    """What the executor records of a probed training process that exec'd into ``sleep`` after step 3: its
+    beacon and heartbeat stopped with the Python image, no stack samples (sleep takes no SIGUSR1)."""
+    evidence = {
+        "outcome": "stalled", "where": Where(phase="optimizer", step=3, event="end"), "stalled_for_s": 3.1,
+        "heartbeat_advancing": False, "cpu_percent": 0.0, "main_state": "S",
+        "main_wchan": "hrtimer_nanosleep", "io_bytes": 0, "program": "sleep 600", "exe": "/usr/bin/sleep",
+        "exec_from": "/usr/bin/python3.11",
+        **fields,
+    }  # fmt: skip
+    return Evidence(**evidence)  # type: ignore[arg-type]
+
+
+def test_a_process_that_exec_d_another_program_is_no_gil_held_hang() -> None:
+    # Issue 27 #10: its stopped heartbeat was read as "the GIL is held at no Python frame".
+    v = classify(exec_into_sleep())
+    assert (v.verdict, v.hang_kind) == ("hang", "unknown")
+    assert "GIL" not in v.reason
+    assert (
+        "the process exec'd into `sleep 600` (no longer Python: /usr/bin/sleep, was python3.11)" in v.reason
+    )
+    assert v.reason.endswith("sleeping (state S, kernel wchan hrtimer_nanosleep), CPU 0%, no I/O")
+    timeout = {"outcome": "timeout", "timeout_s": 6.0, "elapsed_s": 6.1, "progressed": False}
+    at_timeout = classify(exec_into_sleep(**timeout))  # idle, not slow
+    assert (at_timeout.verdict, at_timeout.hang_kind) == ("hang", "unknown"), at_timeout.reason
+    busy = classify(exec_into_sleep(**timeout, cpu_percent=99.0, main_state="R", main_wchan="0"))
+    assert busy.verdict == "slow", busy.reason  # a program that computes may still end
+
+
+def test_an_idle_program_that_reported_no_progress_is_a_hang_at_the_timeout_not_slow() -> None:
+    # Issue 27 #13: `watch --timeout 5 -- sleep 60` was slow, "progress continued ... 0 steps at 0 steps/s".
+    rate = {"steps_done": 0, "steps_per_s": 0.0, "events_per_s": 0.0, "steps_total": None}
+    idle = Evidence(
+        outcome="timeout", timeout_s=5.0, elapsed_s=5.2, rate=rate, cpu_percent=0.0, main_state="S",
+        main_wchan="hrtimer_nanosleep", io_bytes=0, program="sleep 60", exe="/usr/bin/sleep",
+    )  # fmt: skip
+    v = classify(idle)
+    assert (v.verdict, v.hang_kind) == ("hang", "unknown")
+    assert v.reason == (
+        "no progress reported when the 5 s timeout ran out, and idle; `sleep 60` is not Python (no probe): "
+        "sleeping (state S, kernel wchan hrtimer_nanosleep), CPU 0%, no I/O"
+    )
+    busy = classify(replace(idle, cpu_percent=98.0, main_state="R", main_wchan="0"))
+    assert busy.verdict == "slow"
+    assert "no progress reported, and not idle" in busy.reason
+    assert "progressing" not in busy.reason
+
+
 def test_interrupted_is_an_error() -> None:
     v = classify(Evidence(outcome="interrupted", interrupted_by="SIGINT", elapsed_s=3.0, where=WHERE))
     assert v.verdict == "error"

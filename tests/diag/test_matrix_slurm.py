@@ -35,6 +35,7 @@ from nsa_diag.app import run_cli
 from nsa_diag.errors import EXIT_ABORTED, EXIT_USAGE, UsageError
 from nsa_diag.matrix import MatrixFileError, load_matrix
 from nsa_diag.slurm import (
+    LOCAL_CONTROLLERS_LOG,
     SlurmSettings,
     is_active,
     job_end,
@@ -176,6 +177,11 @@ def test_active_states_and_the_local_executors() -> None:
     assert all(is_active(s) for s in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED", "SUSPENDED"))
     end = job_end("INTERRUPTED", job_id="123", cluster="local", exit_signal="SIGKILL")
     assert end.reason == "local submitit job 123 ended INTERRUPTED: the job's process was killed by SIGKILL"
+    # the controller exits normally when its task is killed: FINISHED, and no result of submitit's
+    killed = job_end("FINISHED", job_id="123", cluster="local", result_saved=False)
+    assert killed.reason.startswith("local submitit job 123 was killed (submitit's state: FINISHED): ")
+    finished = job_end("FINISHED", job_id="123", cluster="local", result_saved=True)
+    assert finished.reason.startswith("local submitit job 123 ended FINISHED: ")
 
 
 def test_the_settings_become_these_sbatch_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -395,6 +401,40 @@ def test_an_interrupt_cancels_every_job_and_resume_submits_only_the_unfinished(t
     assert summary_of(run_dir)["matrix"]["not_rerun"] == ["a"]
 
 
+@pytest.mark.slow
+def test_ctrl_c_in_a_terminal_is_one_line_without_the_local_controllers_tracebacks(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches its whole foreground process group: nsa-diag and submitit's local job
+    controller, whose KeyboardInterrupt tracebacks (it inherited nsa-diag's stderr) buried nsa-diag's one
+    line. They go to the run's slurm/ folder instead."""
+    path = write(tmp_path, SLOW_THREE)
+    out = tmp_path / "runs"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "nsa_diag", "matrix", str(path), *LOCAL, "--out", str(out), "--only", "b"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=cli_env(),
+        start_new_session=True,
+    )  # fmt: skip
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while time.monotonic() < deadline and not list(out.glob("*/cases/b/progress.jsonl")):
+            assert cli.poll() is None, cli.communicate()
+            time.sleep(0.2)
+        family_of(cli.pid, seen)
+        os.killpg(cli.pid, signal.SIGINT)  # what a terminal does on Ctrl-C
+        stdout, stderr = cli.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+    assert cli.returncode == EXIT_ABORTED, stdout + stderr
+    assert "Traceback" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr, stderr
+    assert "nsa-diag: interrupted" in stderr
+    assert not wait_gone(seen)
+    (run_dir,) = out.iterdir()
+    assert result_of(run_dir, "b")["verdict"] == "error"
+    assert "KeyboardInterrupt" in (run_dir / "slurm" / LOCAL_CONTROLLERS_LOG).read_text()
+
+
 @pytest.mark.parametrize(
     "how",
     [
@@ -434,12 +474,16 @@ def test_a_job_ended_from_outside_gets_a_result_with_its_state(tmp_path: Path, h
     job = result["evidence"]["job"]
     assert job["id"] == str(controller.pid)
     assert job["state"] in ("FINISHED", "INTERRUPTED")
-    assert result["reason"].startswith(f"local submitit job {controller.pid} ended {job['state']}")
-    if how == "sigkill-job":
-        assert "before its case wrote a result" in result["reason"] or "killed by" in result["reason"]
-    elif how == "usr2-warning":  # the case was stopped on its node, with its evidence, before the limit
+    if how == "sigkill-job":  # its controller exits normally (FINISHED) when its task is killed
+        killed = f"local submitit job {controller.pid} was killed"
+        assert result["reason"].startswith(killed), result["reason"]
+        assert "ended FINISHED" not in result["reason"]
+        assert "without a result" in result["reason"]
+    else:
+        assert result["reason"].startswith(f"local submitit job {controller.pid} ended {job['state']}")
+    if how == "usr2-warning":  # the case was stopped on its node, with its evidence, before the limit
         assert "on its node: stopped on Slurm's warning signal (SIGUSR2)" in result["reason"]
         assert result["evidence"]["interrupted_by"] == "SIGUSR2"
-    else:
+    elif how == "cancel-job":
         assert "on its node: interrupted by SIGINT" in result["reason"]
     assert {"spec.json", "result.json"} <= set(result["files"])

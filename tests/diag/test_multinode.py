@@ -175,6 +175,39 @@ def test_skip_collective_on_node_1_is_a_collective_hang_with_rank_1_the_minority
     assert not _left_behind(run_dir)
 
 
+@pytest.mark.slow
+def test_sigint_to_node_0_alone_is_not_said_of_node_1(tmp_path: Path) -> None:
+    """Ctrl-C on node 0 stops its ranks, and node 1's rank loses its peer. Node 1 ends with the case's
+    result (node 0's), but says that node 0 was interrupted, not itself, and what became of its ranks."""
+    port = _free_port()
+    extra = ("--name", "slow", "--steps", "40", "--inject", "slow:seconds=0.5", "--stall", "30")
+    nodes = [_node(tmp_path, port, 0, *extra)]
+    time.sleep(0.5)
+    nodes.append(_node(tmp_path, port, 1, *extra))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not list(
+            tmp_path.glob("ddp-*/cases/slow/ranks/1/progress.jsonl")
+        ):
+            assert all(p.poll() is None for p in nodes), [p.communicate() for p in nodes]
+            time.sleep(0.3)
+        time.sleep(2.0)  # both ranks in their steps
+        nodes[0].send_signal(signal.SIGINT)
+        ends = [(p.wait(timeout=120), *p.communicate()) for p in nodes]
+    finally:
+        for proc in nodes:
+            if proc.poll() is None:
+                proc.kill()
+    assert ends[0][0] == 130, ends[0][2]
+    node1 = json.loads(ends[1][1])["cases"][0]
+    case = _one_run_folder(tmp_path) / "cases" / "slow"
+    assert json.loads((case / "result.json").read_text())["reason"].startswith("interrupted by SIGINT")
+    assert not node1["reason"].startswith("interrupted"), node1["reason"]
+    assert node1["reason"].startswith("node 0 was interrupted by SIGINT"), node1["reason"]
+    assert "node 1's ranks: " in node1["reason"]
+    assert not _left_behind(_one_run_folder(tmp_path))
+
+
 @pytest.mark.slow  # 10-14 s; the bad-input tests of multi-node stay in make test
 def test_node_0_alone_listens_on_the_endpoint_only_and_says_node_1_never_joined(tmp_path: Path) -> None:
     """The short sibling of the two-node runs: node 0's store waits for node 1 (--rdzv-timeout 5), listening

@@ -452,6 +452,40 @@ def test_an_interrupted_watch_keeps_where_the_job_was_and_its_stacks(tmp_path: P
 
 
 @pytest.mark.slow
+def test_an_interrupted_watch_of_a_job_training_in_a_subprocess_says_where_its_steps_were(
+    tmp_path: Path,
+) -> None:
+    """The command runs its training in a subprocess (a helper by its place in the tree) and reports nothing
+    itself: the interrupted result still says how far the job got, not only the command's setup."""
+    out = tmp_path / "runs"
+    wrapper = "import subprocess, sys; subprocess.run([sys.executable, 'slow_steps.py'])"
+    nsa = subprocess.Popen(
+        [PY, "-m", "nsa_diag", "watch", "--out", str(out), "--", PY, "-c", wrapper],
+        env=cli_env(), cwd=JOBS, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = list(out.glob("*/cases/watch/stdout.log"))
+            if logs and "step 4\n" in logs[0].read_text():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the job never logged 4 steps")
+        nsa.send_signal(signal.SIGINT)
+        nsa.communicate(timeout=60)
+    finally:
+        if nsa.poll() is None:
+            nsa.kill()
+    assert nsa.returncode == 130
+    result = _result(out)
+    assert "interrupted by SIGINT" in result["reason"]
+    assert "no progress reported" not in result["reason"]
+    assert "(a helper process): step " in result["reason"], result["reason"]
+    assert result["steps_done"] >= 4, result["reason"]
+
+
+@pytest.mark.slow
 def test_slow_job_is_slow_with_an_eta(tmp_path: Path) -> None:
     proc, out = _watch(
         tmp_path, "--stall", "8", "--timeout", "12", "--total-steps", "60", job=[PY, "slow_steps.py"]
@@ -586,6 +620,55 @@ def test_shell_script_starting_python_is_judged_by_its_exit_and_its_python_child
     stacks = _case(out) / "procs" / f"pid-{root}" / "stacks.txt"
     assert not stacks.exists()  # bash has no probe: never sent SIGUSR1, no sample asked of it
     assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("limits", [("--stall", "3"), ("--timeout", "12")], ids=["stall", "timeout"])
+def test_a_job_that_execs_into_sleep_is_a_hang_of_a_program_no_longer_python(
+    tmp_path: Path, limits: tuple[str, str]
+) -> None:
+    """3 optimizer steps, then os.execvp("sleep"): the probe's heartbeat stops with the Python image, the
+    process lives on as `sleep` (no GIL held by anyone). At a stall, and at a timeout that comes first."""
+    proc, out = _watch(tmp_path, *limits, job=[PY, "exec_sleep.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "unknown", result["reason"]
+    assert "exec'd into `sleep 600`" in result["reason"]
+    assert "no longer Python" in result["reason"]
+    assert "GIL" not in result["reason"]
+    assert "sleeping" in result["reason"]  # its state: the kernel's nanosleep, no CPU
+    assert result["steps_done"] == 3
+    assert result["evidence"]["exec"]["into"].endswith("sleep"), result["evidence"].get("exec")
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+def test_an_idle_program_without_progress_at_the_timeout_is_a_hang_not_slow(tmp_path: Path) -> None:
+    """`sleep` reports no progress (not Python: no probe) and does nothing: not slow, which needs progress
+    or work that went on; idle, it is a hang, and the reason says what was seen."""
+    proc, out = _watch(tmp_path, "--timeout", "3", job=["sleep", "60"], timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "unknown", result["reason"]
+    assert "no progress reported" in result["reason"]
+    assert "progress continued" not in result["reason"]
+    assert "`sleep 60` is not Python" in result["reason"]
+    assert "idle" in result["reason"]
+    assert "CPU 0%" in result["reason"]
+    assert "state S" in result["reason"]
+
+
+def test_a_busy_program_without_progress_at_the_timeout_is_slow_without_claiming_progress(
+    tmp_path: Path,
+) -> None:
+    proc, out = _watch(tmp_path, "--timeout", "3", job=["sh", "-c", "while :; do :; done"], timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "slow", result["reason"]
+    assert "no progress reported, and not idle" in result["reason"]
+    assert "`sh -c while :; do :; done` is not Python" in result["reason"]
+    assert "progress continued" not in result["reason"]
 
 
 # --- GPU ----------------------------------------------------------------------------------------------

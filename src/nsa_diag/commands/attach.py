@@ -57,6 +57,16 @@ def attach(
             "e.g. to a job whose own SIGUSR1 handler does something else (a SLURM requeue handler).",
         ),
     ] = True,
+    allow_other_user: Annotated[
+        bool,
+        typer.Option(
+            "--allow-other-user",
+            rich_help_panel=_WATCH,
+            help="As root, look into a process of another user too (it may get SIGUSR1 and be read with "
+            "ptrace, as your own would). Without it another user's process is refused (exit 2), as root "
+            "as for anyone else.",
+        ),
+    ] = False,
     out: typer_annotation(CASE_OPTIONS["out"], _OUTPUT) = CASE_OPTIONS["out"].default,  # type: ignore[valid-type]
     tag: typer_annotation(CASE_OPTIONS["tag"], _OUTPUT) = None,  # type: ignore[valid-type]
     json_output: Annotated[
@@ -85,7 +95,7 @@ def attach(
     processes/PID/).
 
     Exit code 0 when the tree was progressing; 1 when it was stalled, unclear, paused or ended; 2 for a PID
-    that does not exist, is not yours, is PID 1 or nsa-diag itself.
+    that does not exist, is not yours (as root too, unless --allow-other-user), is PID 1 or nsa-diag itself.
 
     Examples:
 
@@ -98,6 +108,6 @@ def attach(
 
     request = AttachRequest(
         pid=pid, samples=samples, interval_s=interval, children=children, send_signal=send_signal,
-        out=Path(out), tag=tag,
+        out=Path(out), tag=tag, allow_other_user=allow_other_user,
     )  # fmt: skip
     raise typer.Exit(run_attach(request, json_output=json_output))

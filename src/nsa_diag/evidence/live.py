@@ -20,8 +20,9 @@ handler writes where it was registered: the probe's ``stacks.txt``, the job's st
 Whatever regular file of the process grows after the signal is read back from that point (nothing is
 read from a pipe or a terminal: that would take the bytes from their reader).
 
-`check_target` refuses what attach must not look at: no such process, another user's, PID 1, a kernel
-thread, nsa-diag itself or one of its ancestors, a zombie (`UsageError`, one line, exit 2).
+`check_target` refuses what attach must not look at: no such process, another user's (as root too, unless
+the user asked for it: `other_user_refusal`), PID 1, a kernel thread, nsa-diag itself or one of its
+ancestors, a zombie (`UsageError`, one line, exit 2).
 """
 
 from __future__ import annotations
@@ -71,8 +72,32 @@ PTRACE_MEANING = {
 # --- the target ---------------------------------------------------------------------------------------
 
 
-def check_target(pid: int) -> None:
-    """Refuse, in one line (`UsageError`), a PID that attach must not or cannot look at."""
+ALLOW_OTHER_USER = "--allow-other-user"
+
+
+def other_user_refusal(pid: int, euid: int, owner: tuple[int, int], *, allow_other_user: bool) -> str | None:
+    """Why attach, running with effective uid ``euid``, refuses ``pid`` owned by ``owner`` (its real and
+    effective uid), or None. Another user's job is refused; root could look into it (send it SIGUSR1, read
+    it with ptrace), but that is for the one who runs nsa-diag as root to ask for (``allow_other_user``),
+    never a side effect of running as root."""
+    if euid in owner:
+        return None
+    if euid != 0:
+        return (
+            f"PID {pid} belongs to another user (uid {owner[0]}): attach only to your own processes, "
+            "or run nsa-diag as that user"
+        )
+    if allow_other_user:
+        return None
+    return (
+        f"PID {pid} belongs to another user (uid {owner[0]}) and nsa-diag runs as root: attach would send "
+        f"it SIGUSR1 and read it with ptrace; pass {ALLOW_OTHER_USER} to do so, or run nsa-diag as that user"
+    )
+
+
+def check_target(pid: int, *, allow_other_user: bool = False) -> None:
+    """Refuse, in one line (`UsageError`), a PID that attach must not or cannot look at; another user's
+    process only with ``allow_other_user``, as root (`other_user_refusal`)."""
     hint = "give the PID of your training process (e.g. from `pgrep -f train.py`)"
     if pid <= 0:
         raise UsageError(f"PID {pid} is not a process id: {hint}")
@@ -98,12 +123,11 @@ def check_target(pid: int) -> None:
         raise UsageError(f"no process with PID {pid} (it may have ended): {hint}") from None
     except psutil.AccessDenied:
         raise UsageError(f"PID {pid}: not permitted to read it (another user's process?)") from None
-    euid = os.geteuid()
-    if euid != 0 and euid not in (uids.real, uids.effective):
-        raise UsageError(
-            f"PID {pid} belongs to another user (uid {uids.real}): attach only to your own processes, "
-            "or run nsa-diag as that user or as root"
-        )
+    refusal = other_user_refusal(
+        pid, os.geteuid(), (uids.real, uids.effective), allow_other_user=allow_other_user
+    )
+    if refusal is not None:
+        raise UsageError(refusal)
     if not cmdline and ppid in (0, 2):
         raise UsageError(f"PID {pid} is a kernel thread, not a job: {hint}")
 

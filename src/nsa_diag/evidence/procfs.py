@@ -85,6 +85,26 @@ def io_bytes(pid: int) -> int | None:
         return None
 
 
+def exe(pid: int) -> str | None:
+    """The program ``pid`` runs (``/proc/<pid>/exe``, without the kernel's `` (deleted)`` mark): it changes
+    when the process execs another program; None when it cannot be read (gone, another user's)."""
+    try:
+        return os.readlink(PROC / str(pid) / "exe").removesuffix(" (deleted)")
+    except OSError:
+        return None
+
+
+def cmdline(pid: int) -> list[str]:
+    """The command line of ``pid`` as a list of words (empty when it cannot be read)."""
+    text = _read(PROC / str(pid) / "cmdline") or ""
+    return [word for word in text.split("\0") if word] if text else []
+
+
+def is_python(program: str) -> bool:
+    """Whether an executable (a path or a name) is a Python interpreter (``python3.12``, ``pypy3``)."""
+    return os.path.basename(program).startswith(("python", "pypy"))
+
+
 def cpu_percent(cpu_before: float | None, cpu_after: float | None, wall_s: float) -> float | None:
     """CPU% over a wall-clock interval (100 = one core busy; threads add up)."""
     if cpu_before is None or cpu_after is None or wall_s <= 0:

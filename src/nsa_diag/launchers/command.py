@@ -36,9 +36,10 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.classify import never_progressed
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
-from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles
+from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
 from nsa_diag.evidence.stacks import read_stacks, take_sample
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
@@ -46,8 +47,8 @@ from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
-from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
-from nsa_diag.worker.beacon import read_beacon
+from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult, steps_done
+from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -381,16 +382,24 @@ class CommandLauncher(Launcher):
         self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
     ) -> CaseResult:
         """The job's result when nsa-diag was interrupted: where each training process was (its beacon),
-        and which stacks were taken."""
-        units = [u for u in self.units(case_dir) if u.role in TRAINING_ROLES] if self.proc else []
+        and which stacks were taken. Where no training process reported progress but another process of
+        the job did (a script that runs its training in a subprocess), where that one was too: the job's
+        progress is never read from a folder that has no beacon."""
+        found = self.units(case_dir) if self.proc else []
+        states = {u.key: read_beacon(u.beacon) if u.beacon is not None else None for u in found}
+        moved = [u for u in found if not never_progressed(_where(states[u.key]))]
+        training = [u for u in found if u.role in TRAINING_ROLES]
+        units = training if any(u in moved for u in training) else training + moved
         if not units:
             return super().interrupted(case_dir, by, elapsed, stop, sampled)
         ranks = self.ranks()
         places = []
         for unit in units:
-            state = read_beacon(unit.beacon) if unit.beacon is not None else None
-            where = Where(**state.where()) if state is not None else None
-            places.append((unit, where, job.place(where, unit.key if unit.key in ranks else None)))
+            where = _where(states[unit.key])
+            text = job.place(where, unit.key if unit.key in ranks else None)
+            if unit.role not in TRAINING_ROLES:
+                text = f"pid {unit.key} ({describe(unit.role)}): {text}" if unit.role else text
+            places.append((unit, where, text))
         first = places[0]
         result = interrupted_result(self.spec, first[0].folder, by, elapsed, stop, sampled)
         at = "; ".join(text if len(places) > 1 else text.removeprefix("rank 0, ") for _, _, text in places)
@@ -401,7 +410,9 @@ class CommandLauncher(Launcher):
         ]
         reason = f"interrupted by {by} after {elapsed:.1f} s at {at}"
         evidence = {**result.evidence, "location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}  # type: ignore[union-attr]
-        return result.model_copy(update={"reason": reason, "where": first[1], "evidence": evidence})
+        steps = max((steps_done(state, sys.maxsize) for state in states.values()), default=0)
+        update = {"reason": reason, "where": first[1], "evidence": evidence, "steps_done": steps}
+        return result.model_copy(update=update)
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         if self.stop_report is not None and self.stop_report.get("kept_alive"):
@@ -458,6 +469,10 @@ class CommandLauncher(Launcher):
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
             roles=roles, parents=parents, alive=alive,
         )  # fmt: skip
+
+
+def _where(state: BeaconState | None) -> Where | None:
+    return Where(**state.where()) if state is not None else None
 
 
 def _info_total(info: Mapping[str, Any]) -> int | None:

@@ -34,7 +34,7 @@ from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
 from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind, rank_exit_codes
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
-from nsa_diag.classify import dataloader_worker_idle, focus_thread, waits_on_dataloader
+from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
@@ -584,7 +584,12 @@ def combine(
     update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
     if base.verdict == "slow":
         rate = rates.get(key) or {}
-        reason = _slow_reason(rate, spec.timeout, where, base.evidence)
+        # a unit that reported no progress has no rate to give: its own reason says what it was doing
+        reason = (
+            base.reason
+            if never_progressed(base.where)
+            else _slow_reason(rate, spec.timeout, where, base.evidence)
+        )
         if stop.get("kept_alive"):
             reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
         update.update(rate=rate, reason=reason)

@@ -303,11 +303,20 @@ class NodeLauncher(TorchrunLauncher):
             found = _read(path)
             if found is not None:
                 with contextlib.suppress(ValueError):
-                    return CaseResult.model_validate(found)
+                    return self._node_0s(CaseResult.model_validate(found), end)
             time.sleep(POLL_S)
         result = aggregate_ranks(self.spec, end)
         reason = f"node 0 wrote no result for the case within {wait:g} s; node {self.node}'s ranks only: "
         return result.model_copy(update={"reason": reason + result.reason})
+
+    def _node_0s(self, case: CaseResult, end: Ending) -> CaseResult:
+        """Node 0's result of the case, as this node R > 0 ends with it: where node 0's nsa-diag was
+        interrupted, that is said of node 0 (this node was not), with what became of this node's ranks."""
+        if case.evidence.get("outcome") != "interrupted":
+            return case
+        own = aggregate_ranks(self.spec, end)
+        reason = f"node 0 was {case.reason} (not this node); node {self.node}'s ranks: {own.reason}"
+        return case.model_copy(update={"reason": reason})
 
     def interrupted(
         self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool

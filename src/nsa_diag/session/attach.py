@@ -57,6 +57,7 @@ class AttachRequest:
     send_signal: bool = True
     out: Path = artifacts.DEFAULT_OUT
     tag: str | None = None
+    allow_other_user: bool = False  # as root, look into another user's job (`evidence.live.check_target`)
 
     def check(self) -> None:
         if self.samples is not None and self.samples < 2:
@@ -64,7 +65,7 @@ class AttachRequest:
         if not 0.1 <= self.interval_s <= 60:
             raise UsageError(f"--interval {self.interval_s:g}: between 0.1 and 60 seconds")
         check_output(self.out, self.tag)
-        check_target(self.pid)
+        check_target(self.pid, allow_other_user=self.allow_other_user)
 
     @property
     def rounds(self) -> int:

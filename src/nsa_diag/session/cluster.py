@@ -41,7 +41,16 @@ from nsa_diag.matrix import MatrixCase
 from nsa_diag.node import run_case_job
 from nsa_diag.results import case_files, error_result
 from nsa_diag.session.core import Session, read_result
-from nsa_diag.slurm import LOG_FOLDER, Cluster, SlurmSettings, base_state, is_active, job_end, log_tail
+from nsa_diag.slurm import (
+    LOG_FOLDER,
+    Cluster,
+    SlurmSettings,
+    base_state,
+    controllers_stderr,
+    is_active,
+    job_end,
+    log_tail,
+)
 from nsa_diag.spec import CaseResult
 from nsa_diag.worker.beacon import read_beacon
 
@@ -57,6 +66,9 @@ class CaseProgress(Protocol):
 
 
 POLL_S = 0.5
+# A case's own result.json with these outcomes has no verdict of the case: its job's end says what happened
+# (nsa-diag-ended: the case's guardian wrote it, as the job's process was killed; `nsa_diag.guard`).
+NO_VERDICT = ("interrupted", "nsa-diag-ended")
 # A job has ended but its case's result.json is not there yet: how long a shared filesystem may take to show
 # it (submitit waits as long for its own result file); on this machine's own disk, a moment.
 RESULT_GRACE_S = {"slurm": 15.0, "local": 1.0}
@@ -122,6 +134,14 @@ def exit_signal(job: Any) -> str | None:
     return None
 
 
+def result_saved(job: Any) -> bool | None:
+    """Whether submitit saved the job's return value or exception (its result pickle); None: unknown."""
+    try:
+        return Path(job.paths.result_pickle).exists()
+    except Exception:
+        return None
+
+
 @dataclass
 class SlurmRun:
     """Submits the cases, follows them and collects their results; `run()` returns the results by name and
@@ -153,7 +173,8 @@ class SlurmRun:
     def _submit(self, executor: Any, batch: Sequence[MatrixCase]) -> None:
         """Submit ``batch`` (one array on Slurm); each case's folder exists before its job starts."""
         folders = [self.session.case_dir(case.name) for case in batch]
-        with executor.batch():
+        logs = self.session.run_dir.resolve() / LOG_FOLDER
+        with controllers_stderr(logs, self.config.cluster), executor.batch():
             jobs = [
                 executor.submit(
                     run_case_job,
@@ -266,8 +287,9 @@ class SlurmRun:
         reach a verdict, or written here when it has none."""
         spec = tracked.case.spec
         elapsed = time.time() - tracked.started if tracked.started is not None else 0.0
+        outcome = result.evidence.get("outcome") if result is not None else None
         if interrupted_by is not None:
-            if result is None or result.evidence.get("outcome") == "interrupted":
+            if result is None or outcome in NO_VERDICT:
                 how = f"interrupted by {interrupted_by}: nsa-diag cancelled its job {tracked.job.job_id}"
                 before = "" if result is None else f"; on its node: {result.reason}"
                 facts = self._job_facts(tracked)
@@ -278,7 +300,7 @@ class SlurmRun:
                 result = self._write(
                     tracked, result.model_copy(update={"reason": how + before, "evidence": evidence})
                 )
-        elif result is None or result.evidence.get("outcome") == "interrupted":
+        elif result is None or outcome in NO_VERDICT:
             end = job_end(
                 tracked.state,
                 job_id=str(tracked.job.job_id),
@@ -286,11 +308,15 @@ class SlurmRun:
                 minutes=self.minutes,
                 nodes=job_nodes(tracked.job),
                 exit_signal=exit_signal(tracked.job),
+                result_saved=result_saved(tracked.job),
             )
             facts = self._job_facts(tracked)
             if result is None:
                 result = error_result(spec, end.reason, elapsed, {})
                 reason = end.reason
+            elif outcome == "nsa-diag-ended":  # the case's guardian wrote it: the job's process was killed
+                stopped = result.reason.partition("; ")[2]
+                reason = end.reason + (f"; {stopped}" if stopped else "")
             else:  # stopped on its node by a signal (SIGTERM from Slurm, its SIGUSR2 warning, ...)
                 reason = f"{end.head}; on its node: {result.reason}"
             evidence = {**result.evidence, "outcome": "scheduler-ended"}
