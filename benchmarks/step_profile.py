@@ -6,6 +6,7 @@ and the same grouped by the layer's part (selection, compression, window, gates,
 
     python benchmarks/step_profile.py --seq-len 2048 --batch 8
     python benchmarks/step_profile.py --seq-len 16384 --batch 1 --composed
+    python benchmarks/step_profile.py --dense  # the same model with dense SDPA attention
 """
 
 from __future__ import annotations
@@ -44,13 +45,25 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--composed", action="store_true")
+    parser.add_argument("--dense", action="store_true", help="the same model with dense SDPA attention")
     parser.add_argument("--top", type=int, default=18)
+    parser.add_argument("--rows", type=int, help="the selection kernels' token tiles (rows aimed at)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/step_profile.py needs a CUDA device")
+    if args.rows is not None:
+        from nsa_core.ops.triton import selection
+
+        selection._TILE_ROWS.update(fwd=args.rows, dq=args.rows)
     triton = dict(sel_backend="triton", cmp_backend="triton", win_backend="triton")
     cfg = nsa_core.preset("m7c-125m", **triton, fused=not args.composed)
-    model = nsa_core.TinyLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model = nsa_core.TinyLM(cfg)
+    if args.dense:
+        from model_step import DenseAttention  # benchmarks/ is the script's folder
+
+        for block in model.blocks:
+            block.attn = DenseAttention(cfg)
+    model = model.to(device="cuda", dtype=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, cfg.vocab, (args.batch, args.seq_len + 1), device="cuda")
 
@@ -73,8 +86,9 @@ def main() -> None:
             e.device_time_total / 1e3 if hasattr(e, "device_time_total") else e.cuda_time_total / 1e3
         )
     total = sum(sum(v) for v in by_name.values())
-    mode = "composed" if args.composed else "fused"
-    print(f"S={args.seq_len} B={args.batch} {mode}: {len(kernels)} kernels, {total:.1f} ms of GPU time")
+    mode = "dense" if args.dense else "composed" if args.composed else "fused"
+    rows = f" rows {args.rows}" if args.rows is not None else ""
+    print(f"S={args.seq_len} B={args.batch} {mode}{rows}: {len(kernels)} kernels, {total:.1f} ms of GPU time")
     rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     for name, times in rows[: args.top]:
         print(f"  {sum(times):8.2f} ms {100 * sum(times) / total:5.1f}% {len(times):5d}x  {name[:90]}")

@@ -104,6 +104,17 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     selection.selected_bwd(
         do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
     )
+    # tiles of several tokens (the tile union and its path) where the group alone fills the 16 rows
+    if HQ // HKV >= 16:
+        rows = dict(selection._TILE_ROWS)
+        try:
+            selection._TILE_ROWS.update(fwd=32, dq=32)
+            o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
+            selection.selected_bwd(
+                do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
+            )
+        finally:
+            selection._TILE_ROWS.update(rows)
     # a hot block: dK/dV in chunks, then their reduction
     hot = torch.zeros_like(idx)
     selection.selected_bwd(

@@ -178,6 +178,46 @@ def test_matches_reference_low_precision(case: Case, dtype: torch.dtype, device:
         assert_within_same_dtype_error(name, r, b, t, floor=1e-3)  # e.g. dq of a decode step at t = 0: 0
 
 
+@pytest.mark.parametrize("share", [0, 101], ids=["own-blocks", "union"])
+@pytest.mark.parametrize("rows", [1, 16, 64], ids=lambda r: f"rows{r}")
+def test_token_tiles_match_reference(
+    rows: int, share: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and dq in tiles of several query tokens: each token's own blocks (``share`` 0), or the
+    union of the tile's blocks, each once (``share`` 101), give the reference's output and gradients."""
+    from nsa_core.ops.triton import selection
+
+    monkeypatch.setattr(selection, "SHARE_PCT", share)
+    monkeypatch.setattr(selection, "_TILE_ROWS", {"fwd": rows, "dq": rows})
+    case = Case(B=2, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4)  # tiles of 5 tokens end past T
+    block_idx = make_block_idx(case, device)
+    kwargs = dict(sel_block_len=case.sel_block_len)
+    q, k, v, do = make_inputs(case, device, torch.float64)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    tri = run(
+        lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *(x.float() for x in (q, k, v, do))
+    )
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_tile_union_lists_each_block_of_a_tile_once(tokens: int, device: str) -> None:
+    from nsa_core.ops.triton.selection import tile_union
+
+    case = Case(B=2, T=37, HKV=2, G=1, D=16, sel_block_len=4, n_sel=6, n_init=1, n_local=2)
+    block_idx = make_block_idx(case, device)
+    block_idx[0, 5, 1, 3] = -1  # an unused slot
+    union, count = tile_union(block_idx, tokens)
+    assert union.shape[:3] == count.shape == (2, 2, -(-37 // tokens))
+    for b in range(2):
+        for h in range(2):
+            for i in range(count.shape[-1]):
+                rows = block_idx[b, i * tokens : (i + 1) * tokens, h].flatten().tolist()
+                first_seen = list(dict.fromkeys(x for x in rows if x >= 0))
+                assert union[b, h, i, : count[b, h, i]].tolist() == first_seen
+
+
 def test_hot_block_chunks_match_single_pass(device: str) -> None:
     """Blocks chosen by more queries than a chunk take the workspace path: same gradients, deterministic."""
     case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0], sel_block_len=8, n_sel=5)

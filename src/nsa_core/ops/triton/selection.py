@@ -1,11 +1,15 @@
 """Triton selected attention: each query reads the ``n`` blocks of ``l'`` keys its KV group chose.
 
-Forward: one program per (query token, batch x KV group) loads the group's ``G`` query heads as one tile
-and streams the chosen blocks with an online softmax (causal inside the block that holds the query); it
-keeps the log-sum-exp per query head for the backward.
+Forward: one program per (tile of ``M`` consecutive query tokens, batch x KV group) loads the tokens' ``G``
+query heads of the group as one tile of ``M x G`` rows (``M = 16 // G``, at least 1: the 16 rows of the
+smallest MMA, which a group of 6 heads alone fills to 6) and streams blocks with an online softmax (causal
+per row). Neighbouring queries share most of their blocks where the model has learnt locality, and at
+short lengths, where the blocks are few: a tile whose union of blocks (`tile_union`, one small kernel) is
+below ``SHARE_PCT`` of its ``M x n`` slots streams each block of the union once for the rows that chose
+it; otherwise each token's own blocks for its rows. It keeps the log-sum-exp per query head.
 
 Backward, in two kernels and no atomics:
-- ``dq`` (and ``delta = rowsum(o * dO)``) per (query token, KV group), streaming the same blocks again;
+- ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward, streaming the same blocks again;
 - ``dK/dV`` per (selection block, batch x KV group): an inverted (CSR) index built on the device lists, for
   every block, the query tokens whose group chose it; the block's program walks that list in token order
   and writes its keys' gradients once. Blocks nobody chose get zeros. A block chosen by very many queries
@@ -34,7 +38,49 @@ MIN_CHUNK = 2048
 WORKSPACE_BYTES = 64 << 20
 
 
-@triton.jit(do_not_specialize=["Tq", "q_offset"])
+@triton.jit
+def _tile_rows(i_m, Tq, q_offset, i_h, M: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):
+    # rows of a tile: M consecutive query tokens x the G heads of one KV group, token-major
+    o_r = tl.arange(0, BLOCK_R)
+    e_r = o_r // G
+    tok = i_m * M + e_r  # query row 0 .. Tq-1
+    m_r = (e_r < M) & (tok < Tq)
+    return e_r, tok, m_r, i_h * G + o_r % G, q_offset + tok
+
+
+@triton.jit
+def _fwd_block(
+    b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, PER_ROW: tl.constexpr,
+):  # fmt: skip
+    # the online softmax of the rows `chose` over block `blk` (-1: nothing), keys up to t_last; PER_ROW:
+    # rows of several tokens, each up to its own position t_r
+    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    for s0 in range(0, L_SEL, BLOCK_S):
+        pos = blk * L_SEL + s0 + o_s  # [S]
+        # unused slots (-1) and keys after every row load nothing; pos <= t_last < Tk keeps loads in bounds
+        m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t_last)
+        b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+        if PER_ROW:
+            b_s = tl.where(chose[:, None] & m_s[None, :] & (pos[None, :] <= t_r[:, None]), b_s, float("-inf"))
+        else:
+            b_s = tl.where(chose[:, None] & m_s[None, :], b_s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(b_s, 1))
+        # a row that sees no key of this tile keeps its max at -inf: shift by 0 instead (no NaN)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.exp2(b_s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(b_p, 1)
+        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
 def _selected_fwd_kernel(
     Q,
     K,
@@ -42,6 +88,8 @@ def _selected_fwd_kernel(
     O,
     LSE,
     IDX,
+    UNION,
+    COUNT,
     sq_b,
     sq_t,
     sq_h,
@@ -58,6 +106,7 @@ def _selected_fwd_kernel(
     si_t,
     si_h,
     Tq,
+    Tt,
     q_offset,
     qk_scale,
     HKV: tl.constexpr,
@@ -65,67 +114,100 @@ def _selected_fwd_kernel(
     D: tl.constexpr,
     N_SEL: tl.constexpr,
     L_SEL: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    M: tl.constexpr,
+    SHARE_PCT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    i_t = tl.program_id(0).to(tl.int64)
+    # One program per tile of M query tokens and (batch, KV group). A tile whose tokens share enough of
+    # their blocks (the union of its M x n slots has fewer than SHARE_PCT % of them) streams each block of
+    # the union once for the rows that chose it; otherwise each token's own blocks for its rows alone.
+    i_m = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
-    t = q_offset + i_t  # absolute position of the query
-    o_g, o_s, o_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    m_g, m_d = o_g < G, o_d < D
-    heads = i_h * G + o_g
-
+    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    t_last = tl.max(tl.where(m_r, t_r, -1), 0)  # the last position any row of the tile reads
     b_q = tl.load(
-        Q + i_b * sq_b + i_t * sq_t + heads[:, None] * sq_h + o_d[None, :],
-        mask=m_g[:, None] & m_d[None, :],
-        other=0.0,
-    )  # [G, D]
+        Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_rd, other=0.0
+    )
     K_bh = K + i_b * sk_b + i_h * sk_h
     V_bh = V + i_b * sv_b + i_h * sv_h
-    IDX_row = IDX + i_b * si_b + i_t * si_t + i_h * si_h
+    IDX_bh = IDX + i_b * si_b + i_h * si_h
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i_n in range(N_SEL):
-        blk = tl.load(IDX_row + i_n).to(tl.int64)
-        for s0 in range(0, L_SEL, BLOCK_S):
-            pos = blk * L_SEL + s0 + o_s  # [S]
-            # unused slots (-1) load nothing, pos <= t < Tk keeps loads in bounds; branch-free: pipelines
-            m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t)
-            b_k = tl.load(
-                K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
-            )
-            b_v = tl.load(
-                V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
-            )
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [G, S]
-            b_s = tl.where(m_s[None, :], b_s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(b_s, 1))
-            # a block entirely after the query leaves the max at -inf: shift by 0 instead (no NaN)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            b_p = tl.exp2(b_s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(b_p, 1)
-            acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-            m_i = m_new
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    count = M * N_SEL
+    if M > 1:
+        count = tl.load(COUNT + i_bh * Tt + i_m)
+    if count * 100 < M * N_SEL * SHARE_PCT:  # shared: the union, each block once
+        o_n = tl.arange(0, BLOCK_N)
+        b_idx = tl.load(
+            IDX_bh + tok[:, None] * si_t + o_n[None, :], mask=m_r[:, None] & (o_n < N_SEL)[None, :], other=-1
+        )  # [R, N]: each row's own blocks
+        UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
+        for i_u in range(0, count):
+            blk = tl.load(UNION_row + i_u).to(tl.int64)
+            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0  # [R]: the rows that selected this block
+            m_i, l_i, acc = _fwd_block(
+                b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
+                D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
+            )  # fmt: skip
+    else:  # each token's own blocks, up to its own position
+        for j in tl.static_range(M):
+            t_j = tl.minimum(i_m * M + j, Tq - 1)
+            chose = tl.full([BLOCK_R], True, tl.int1)  # one token a tile: every row (padding is not stored)
+            if M > 1:
+                chose = e_r == j
+            for i_n in range(N_SEL):
+                blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+                m_i, l_i, acc = _fwd_block(
+                    b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j, m_i, l_i, acc, qk_scale,
+                    D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                )  # fmt: skip
 
     # a query with no readable key outputs zeros; its lse is +inf so that the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     b_o = acc / l_safe[:, None]
     tl.store(
-        O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :],
+        O + i_b * so_b + tok[:, None] * so_t + heads[:, None] * so_h + o_d[None, :],
         b_o.to(O.dtype.element_ty),
-        mask=m_g[:, None] & m_d[None, :],
+        mask=m_rd,
     )
     b_lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
-    tl.store(LSE + (i_b * Tq + i_t) * (HKV * G) + heads, b_lse, mask=m_g)
+    tl.store(LSE + (i_b * Tq + tok) * (HKV * G) + heads, b_lse, mask=m_r)
 
 
-@triton.jit(do_not_specialize=["Tq", "q_offset"])
+@triton.jit
+def _dq_block(
+    b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, b_dq, qk_scale,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, PER_ROW: tl.constexpr,
+):  # fmt: skip
+    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    m_d = o_d < D
+    for s0 in range(0, L_SEL, BLOCK_S):
+        pos = blk * L_SEL + s0 + o_s
+        m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t_last)
+        b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
+        visible = chose[:, None] & m_s[None, :]
+        if PER_ROW:
+            visible = visible & (pos[None, :] <= t_r[:, None])
+        b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)  # [R, S]
+        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
+    return b_dq
+
+
+@triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
 def _selected_bwd_dq_kernel(
     Q,
     K,
@@ -136,6 +218,8 @@ def _selected_bwd_dq_kernel(
     LSE,
     DELTA,
     IDX,
+    UNION,
+    COUNT,
     sq_b,
     sq_t,
     sq_h,
@@ -158,6 +242,7 @@ def _selected_bwd_dq_kernel(
     si_t,
     si_h,
     Tq,
+    Tt,
     q_offset,
     qk_scale,
     scale,
@@ -167,59 +252,75 @@ def _selected_bwd_dq_kernel(
     N_SEL: tl.constexpr,
     L_SEL: tl.constexpr,
     HAS_DELTA: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    M: tl.constexpr,
+    SHARE_PCT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # HAS_DELTA: DELTA holds rowsum(o * dO) already (the fused op's gate pass); else computed and stored
-    i_t = tl.program_id(0).to(tl.int64)
+    # the forward's tiles and choice (shared union or each token's blocks); HAS_DELTA: DELTA holds
+    # rowsum(o * dO) already (the fused op's gate pass); else computed and stored
+    i_m = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
-    t = q_offset + i_t
-    o_g, o_s, o_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    m_g, m_d = o_g < G, o_d < D
-    m_gd = m_g[:, None] & m_d[None, :]
-    heads = i_h * G + o_g
-
-    b_q = tl.load(Q + i_b * sq_b + i_t * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_gd, other=0.0)
-    b_do = tl.load(
-        DO + i_b * sdo_b + i_t * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_gd, other=0.0
+    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    m_rd = m_r[:, None] & (o_d < D)[None, :]
+    t_last = tl.max(tl.where(m_r, t_r, -1), 0)
+    b_q = tl.load(
+        Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_rd, other=0.0
     )
-    row = (i_b * Tq + i_t) * (HKV * G) + heads
+    b_do = tl.load(
+        DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_rd, other=0.0
+    )
+    row = (i_b * Tq + tok) * (HKV * G) + heads
     if HAS_DELTA:
-        b_delta = tl.load(DELTA + row, mask=m_g, other=0.0)
+        b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
     else:
-        o_ptr = O + i_b * so_b + i_t * so_t + heads[:, None] * so_h + o_d[None, :]
-        b_o = tl.load(o_ptr, mask=m_gd, other=0.0)
-        b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [G]
-        tl.store(DELTA + row, b_delta, mask=m_g)
-    b_lse = tl.load(LSE + row, mask=m_g, other=float("inf"))
-
+        o_ptr = O + i_b * so_b + tok[:, None] * so_t + heads[:, None] * so_h + o_d[None, :]
+        b_o = tl.load(o_ptr, mask=m_rd, other=0.0)
+        b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)  # [R]
+        tl.store(DELTA + row, b_delta, mask=m_r)
+    b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
     K_bh = K + i_b * sk_b + i_h * sk_h
     V_bh = V + i_b * sv_b + i_h * sv_h
-    IDX_row = IDX + i_b * si_b + i_t * si_t + i_h * si_h
-    b_dq = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for i_n in range(N_SEL):
-        blk = tl.load(IDX_row + i_n).to(tl.int64)
-        for s0 in range(0, L_SEL, BLOCK_S):
-            pos = blk * L_SEL + s0 + o_s
-            m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t)
-            b_k = tl.load(
-                K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
-            )
-            b_v = tl.load(
-                V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0
-            )
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
-            b_p = tl.where(m_s[None, :], tl.exp2(b_s - b_lse[:, None]), 0.0)  # [G, S]
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
+    IDX_bh = IDX + i_b * si_b + i_h * si_h
+
+    b_dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    count = M * N_SEL
+    if M > 1:
+        count = tl.load(COUNT + i_bh * Tt + i_m)
+    if count * 100 < M * N_SEL * SHARE_PCT:
+        o_n = tl.arange(0, BLOCK_N)
+        b_idx = tl.load(
+            IDX_bh + tok[:, None] * si_t + o_n[None, :], mask=m_r[:, None] & (o_n < N_SEL)[None, :], other=-1
+        )
+        UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
+        for i_u in range(0, count):
+            blk = tl.load(UNION_row + i_u).to(tl.int64)
+            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
+            b_dq = _dq_block(
+                b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, b_dq, qk_scale,
+                D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
+            )  # fmt: skip
+    else:
+        for j in tl.static_range(M):
+            t_j = tl.minimum(i_m * M + j, Tq - 1)
+            chose = tl.full([BLOCK_R], True, tl.int1)
+            if M > 1:
+                chose = e_r == j
+            for i_n in range(N_SEL):
+                blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+                b_dq = _dq_block(
+                    b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j, b_dq,
+                    qk_scale, D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                )  # fmt: skip
     tl.store(
-        DQ + i_b * sdq_b + i_t * sdq_t + heads[:, None] * sdq_h + o_d[None, :],
+        DQ + i_b * sdq_b + tok[:, None] * sdq_t + heads[:, None] * sdq_h + o_d[None, :],
         (b_dq * scale).to(DQ.dtype.element_ty),
-        mask=m_gd,
+        mask=m_rd,
     )
 
 
@@ -442,8 +543,29 @@ _HALF = {"fwd": dict(num_warps=2, num_stages=2), "dq": dict(num_warps=2, num_sta
          "dkdv": dict(num_warps=4, num_stages=2, BLOCK_R=64)}  # fmt: skip
 
 
+# fwd and dq: rows of a tile (query tokens x the G heads of a group) they aim at; a tile of M = ROWS // G
+# consecutive tokens (at least one) reads the union of their blocks once
+_TILE_ROWS = {"fwd": 16, "dq": 16}
+MAX_TILE_TOKENS = 16  # the per-token path unrolls its tokens
+# a tile streams its union when it holds fewer than this share (%) of its tokens' slots: the union path's
+# membership test costs about a fifth more per block than a token's own blocks (H200, m7c geometry)
+SHARE_PCT = 80
+
+
+def _token_rows(target: int, G: int, n_sel: int) -> dict[str, int]:
+    M = max(1, min(MAX_TILE_TOKENS, target // G))
+    return dict(
+        M=M,
+        SHARE_PCT=SHARE_PCT if M > 1 else 0,  # one token a tile: its own blocks are the union
+        BLOCK_R=max(16, triton.next_power_of_2(M * G)),
+        BLOCK_N=triton.next_power_of_2(n_sel),
+    )
+
+
 def _launch(kind: str, dtype: torch.dtype, tiles: dict[str, int]) -> dict[str, int]:
     config = dict(num_warps=_WARPS[kind], num_stages=_num_stages(dtype, tiles))
+    if kind in _TILE_ROWS:
+        config["ROWS"] = _TILE_ROWS[kind]
     if kind == "dkdv":
         config["BLOCK_R"] = _rows(tiles)
     if torch.finfo(dtype).bits == 16 and tiles["BLOCK_D"] <= 128:
@@ -467,6 +589,55 @@ def _tiles(G: int, D: int, sel_block_len: int) -> dict[str, int]:
     )
 
 
+@triton.jit(do_not_specialize=["Tq", "Tt"])
+def _tile_union_kernel(
+    IDX, UNION, COUNT, si_b, si_t, si_h, Tq, Tt,
+    HKV: tl.constexpr, N_SEL: tl.constexpr, M: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    # one program per (tile, batch x KV group): the tile's M x n slots, each block kept at its first slot
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    o_c = tl.arange(0, BLOCK_C)  # slot c = token j * n + i_n of the tile
+    tok = i_m * M + o_c // N_SEL
+    m_c = (o_c < M * N_SEL) & (tok < Tq)
+    cand = tl.load(IDX + i_b * si_b + tok * si_t + i_h * si_h + o_c % N_SEL, mask=m_c, other=-1).to(tl.int32)
+    earlier = (cand[:, None] == cand[None, :]) & (o_c[None, :] < o_c[:, None])  # [C, C]
+    keep = (m_c & (cand >= 0) & (tl.max(earlier.to(tl.int32), 1) == 0)).to(tl.int32)
+    slot = tl.cumsum(keep, 0) - 1
+    tl.store(UNION + (i_bh * Tt + i_m) * (M * N_SEL) + slot, cand, mask=keep != 0)
+    tl.store(COUNT + i_bh * Tt + i_m, tl.sum(keep, 0))
+
+
+def tile_union(block_idx: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks a tile of ``tokens`` consecutive query rows reads, per (batch, KV group, tile).
+
+    Returns ``union [B, HKV, Tt, tokens * n]`` (int32: each block the tile's rows selected, once, in the
+    order of their first slot; the entries past ``count`` are undefined) and ``count [B, HKV, Tt]``
+    (int32), ``Tt = ceil(Tq / tokens)``. Neighbouring queries of a trained model select mostly the same
+    blocks (the forced initial and local ones, and top-n blocks of similar scores): a tile whose union is
+    small enough loads each block once for all its rows (the kernels decide per tile). One kernel.
+    """
+    B, Tq, HKV, n = block_idx.shape
+    tiles = triton.cdiv(Tq, tokens)
+    union = torch.empty(B, HKV, tiles, tokens * n, dtype=torch.int32, device=block_idx.device)
+    count = torch.empty(B, HKV, tiles, dtype=torch.int32, device=block_idx.device)
+    if tiles:
+        _tile_union_kernel[(tiles, B * HKV)](
+            block_idx, union, count, *_strides(block_idx), Tq, tiles,
+            HKV=HKV, N_SEL=n, M=tokens, BLOCK_C=triton.next_power_of_2(tokens * n),
+        )  # fmt: skip
+    return union, count
+
+
+def _union(block_idx: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    # the kernels' UNION, COUNT and number of tiles; one token a tile reads its own blocks: nothing to build
+    if tokens == 1:
+        return block_idx, block_idx, block_idx.shape[1]
+    union, count = tile_union(block_idx, tokens)
+    return union, count, count.shape[-1]
+
+
 def selected_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -485,12 +656,15 @@ def selected_fwd(
     if Tq == 0:
         return o, lse
     tiles = _tiles(G, D, sel_block_len)
-    _selected_fwd_kernel[(Tq, B * HKV)](
-        q, k, v, o, lse, block_idx,
+    config = _launch("fwd", q.dtype, tiles)
+    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1])
+    union, count, n_tiles = _union(block_idx, rows["M"])
+    _selected_fwd_kernel[(n_tiles, B * HKV)](
+        q, k, v, o, lse, block_idx, union, count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(block_idx),
-        Tq, q_offset, scale * LOG2E,
+        Tq, n_tiles, q_offset, scale * LOG2E,
         HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=_precision(q.dtype),
-        **_launch("fwd", q.dtype, tiles), **tiles,
+        **config, **rows, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"],
     )  # fmt: skip
     return o, lse
 
@@ -568,13 +742,16 @@ def selected_bwd(
         delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
     assert delta.shape == (B, Tq, HQ)
     assert delta.is_contiguous()
-    _selected_bwd_dq_kernel[(Tq, B * HKV)](
-        q, k, v, o, do, dq, lse, delta, block_idx,
+    config = _launch("dq", q.dtype, tiles)
+    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1])
+    union, count, n_tiles = _union(block_idx, rows["M"])
+    _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
+        q, k, v, o, do, dq, lse, delta, block_idx, union, count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         *_strides(block_idx),
-        Tq, q_offset, scale * LOG2E, scale,
+        Tq, n_tiles, q_offset, scale * LOG2E, scale,
         HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, HAS_DELTA=has_delta,
-        PRECISION=precision, **_launch("dq", q.dtype, tiles), **tiles,
+        PRECISION=precision, **config, **rows, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"],
     )  # fmt: skip
 
     offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)

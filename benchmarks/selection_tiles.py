@@ -1,0 +1,97 @@
+"""The selection kernels in token tiles: forward and backward times against one token a program.
+
+`nsa_core.ops.triton.selection` runs its forward and dq kernels over tiles of ``M = rows // G`` query
+tokens (``_TILE_ROWS``, 16 by default); ``rows 1`` is one token a program, the kernels as they were before
+the tiles (the same outputs bit for bit, the same times: BENCHMARKS.md). For each geometry and input kind,
+`triton.testing.do_bench` medians in ms of ``selected_fwd`` and ``selected_bwd`` (dq and dK/dV, the tile
+union built inside each), the share of a 2-token tile's slots its union holds, and the largest relative
+difference of the outputs and gradients from ``rows 1``. ``random`` selects blocks from independent
+random importances (neighbouring queries share only what chance gives); ``smooth`` from importances that
+vary slowly along the sequence (knots every 256 tokens), as a trained model's neighbouring queries do.
+
+    python benchmarks/selection_tiles.py
+    python benchmarks/selection_tiles.py --rows 1 16 32 --share 60 80
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from nsa_core.ops.selection import select_blocks
+from nsa_core.ops.triton import selection
+
+GEOMETRIES = {  # name: (B, T, HQ, HKV, D)
+    "m7c 8x2k": (8, 2048, 12, 2, 64),
+    "m7c 16k": (1, 16384, 12, 2, 64),
+    "m7c 64k": (1, 65536, 12, 2, 64),
+    "paper 8k": (1, 8192, 64, 4, 128),
+    "paper 64k": (1, 65536, 64, 4, 128),
+}
+
+
+def importance(kind: str, B: int, T: int, HKV: int, ns: int, corr: int = 256) -> torch.Tensor:
+    if kind == "random":
+        return torch.rand(B, T, HKV, ns, device="cuda")
+    knots = torch.rand(B, HKV * ns, T // corr + 2, device="cuda")
+    x = torch.nn.functional.interpolate(knots, size=T, mode="linear", align_corners=True)
+    x = x.view(B, HKV, ns, T).permute(0, 3, 1, 2)
+    return x + 0.05 * torch.rand_like(x)
+
+
+def measure(q, k, v, do, idx, ls: int) -> tuple[tuple[torch.Tensor, ...], float, float]:
+    """Outputs and gradients, and the forward's and backward's times in ms, as `selection` is set now."""
+    scale = q.shape[-1] ** -0.5
+    o, lse = selection.selected_fwd(q, k, v, idx, ls, 0, scale)
+    grads = selection.selected_bwd(do, q, k, v, o, lse, idx, ls, 0, scale)
+    fwd = do_bench(lambda: selection.selected_fwd(q, k, v, idx, ls, 0, scale))
+    bwd = do_bench(lambda: selection.selected_bwd(do, q, k, v, o, lse, idx, ls, 0, scale))
+    return (o, *grads), fwd, bwd
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--share", type=int, nargs="+", default=[selection.SHARE_PCT])
+    args = parser.parse_args()
+    today = datetime.date.today().isoformat()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {today}")
+    print("sel_block_len 64, n 16 (1 initial, 2 local), bf16")
+    ls, n = 64, 16
+    for name in args.geometries:
+        B, T, HQ, HKV, D = GEOMETRIES[name]
+        for kind in ("random", "smooth"):
+            torch.manual_seed(0)
+            q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+            do = torch.randn_like(q)
+            imp = importance(kind, B, T, HKV, triton.cdiv(T, ls))
+            idx = select_blocks(imp, sel_block_len=ls, n_sel=n, n_init=1, n_local=2).to(torch.int32)
+            _, count = selection.tile_union(idx, 2)
+            line = f"{name:<10} {kind:<6} union {count.float().mean().item() / (2 * n):.2f} |"
+            first = None
+            for rows in args.rows:
+                for share in args.share if rows > 1 else args.share[:1]:
+                    selection._TILE_ROWS.update(fwd=rows, dq=rows)
+                    selection.SHARE_PCT = share
+                    outs, fwd, bwd = measure(q, k, v, do, idx, ls)
+                    first = first or outs
+                    err = max(
+                        ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                        for a, b in zip(outs, first, strict=True)
+                    )
+                    tag = f"rows {rows}" + (f"/{share}%" if rows > 1 and len(args.share) > 1 else "")
+                    line += f" {tag}: fwd {fwd:.3f} bwd {bwd:.3f} diff {err:.1e} |"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
