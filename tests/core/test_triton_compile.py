@@ -32,6 +32,7 @@ POINTER_TYPES = {
     torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1",
 }  # fmt: skip
 OPTIONS = ("num_warps", "num_stages")
+SHARED_MEMORY_SM90 = 232448  # bytes a block may use on sm_90 (H100, H200)
 
 
 class Recorder:
@@ -169,3 +170,5 @@ def test_every_kernel_compiles_for_sm90(setup: dict, monkeypatch: pytest.MonkeyP
         except Exception as exc:  # the compiler's own message names the line
             pytest.fail(f"{fn.__name__} {constexprs} {options}: {type(exc).__name__}: {exc}")
         assert "cubin" in compiled.asm, fn.__name__
+        # what the launch would refuse (OutOfResources) on an H100 or H200: 227 KB of shared memory a block
+        assert compiled.metadata.shared <= SHARED_MEMORY_SM90, f"{fn.__name__} {constexprs} {options}"

@@ -525,12 +525,15 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _tile_bytes(dtype: torch.dtype, tiles: dict[str, int]) -> int:
+    return tiles["BLOCK_S"] * tiles["BLOCK_D"] * (4 if dtype == torch.float32 else 2)
+
+
 def _num_stages(dtype: torch.dtype, tiles: dict[str, int]) -> int:
     # software-pipelined copies of a [BLOCK_S, BLOCK_D] key/value tile must fit in shared memory (227 KB on
     # H100): three stages for bf16 at D <= 128, two for float32 or wide heads (one stage takes more: the
     # unpipelined loop keeps other layout conversions in shared memory; sm_90 compiles checked)
-    tile_bytes = tiles["BLOCK_S"] * tiles["BLOCK_D"] * (4 if dtype == torch.float32 else 2)
-    return 3 if tile_bytes <= 16 << 10 else 2
+    return 3 if _tile_bytes(dtype, tiles) <= 16 << 10 else 2
 
 
 # Per-kernel overrides ("fwd", "dq", "dkdv" -> num_warps, num_stages, and BLOCK_R for dkdv); empty: the
@@ -552,8 +555,11 @@ MAX_TILE_TOKENS = 16  # the per-token path unrolls its tokens
 SHARE_PCT = 80
 
 
-def _token_rows(target: int, G: int, n_sel: int) -> dict[str, int]:
-    M = max(1, min(MAX_TILE_TOKENS, target // G))
+def _token_rows(target: int, G: int, n_sel: int, tile_bytes: int) -> dict[str, int]:
+    # tiles of several tokens hold two pipelined loops (the union's, each token's): with key/value tiles
+    # over 32 KB (float32 at D > 128, half at D > 256) their buffers exceed shared memory (282 KB for
+    # float32 at D = 192 on an H200, of 227 KB; 32 KB tiles ran): one token a program there, as before
+    M = max(1, min(MAX_TILE_TOKENS, target // G)) if tile_bytes <= 32 << 10 else 1
     return dict(
         M=M,
         SHARE_PCT=SHARE_PCT if M > 1 else 0,  # one token a tile: its own blocks are the union
@@ -657,7 +663,7 @@ def selected_fwd(
         return o, lse
     tiles = _tiles(G, D, sel_block_len)
     config = _launch("fwd", q.dtype, tiles)
-    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1])
+    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
     union, count, n_tiles = _union(block_idx, rows["M"])
     _selected_fwd_kernel[(n_tiles, B * HKV)](
         q, k, v, o, lse, block_idx, union, count,
@@ -743,7 +749,7 @@ def selected_bwd(
     assert delta.shape == (B, Tq, HQ)
     assert delta.is_contiguous()
     config = _launch("dq", q.dtype, tiles)
-    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1])
+    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
     union, count, n_tiles = _union(block_idx, rows["M"])
     _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
         q, k, v, o, do, dq, lse, delta, block_idx, union, count,
