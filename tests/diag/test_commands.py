@@ -780,6 +780,7 @@ def test_backend_whose_reference_fits_nowhere_is_unchecked_not_pass(tmp_path: Pa
     assert '<failure type="unchecked"' in junit.read_text()
 
 
+@pytest.mark.slow  # 20 s; test_backend_whose_reference_fits_nowhere_is_unchecked_not_pass stays
 def test_backend_checks_parity_against_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     done = run_nsa_diag("backend", "--win", "masked", "--device", "cpu", "--out", str(out), "--json")

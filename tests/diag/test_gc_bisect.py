@@ -60,6 +60,7 @@ def test_gc_bisect_names_the_layer_and_resumes(tmp_path: Path) -> None:
     assert again["bisect"]["found"] == [2, 3]
 
 
+@pytest.mark.slow  # 21 s; the other gc-bisect verdicts stay
 def test_gc_bisect_says_when_it_fails_without_checkpointing(tmp_path: Path) -> None:
     args = ("gc-bisect", "--layers", "2", "--gc", "all", "--inject", "nan:layer=1,phase=forward")
     code, summary, _ = nsa_diag(*args, "--out", str(tmp_path))

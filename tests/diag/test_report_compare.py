@@ -122,6 +122,7 @@ def _edit_json(path: Path, **changes: Any) -> None:
 # --- report -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_report_of_a_sweep_has_the_table_the_fit_and_the_plot(runs: dict[str, Path], tmp_path: Path) -> None:
     run_dir = _copy(runs["scale"], tmp_path / "scale")
     done = nsa_diag("report", run_dir)
@@ -140,6 +141,7 @@ def test_report_of_a_sweep_has_the_table_the_fit_and_the_plot(runs: dict[str, Pa
     assert "## Failures" not in text
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_report_of_a_hang_shows_where_and_the_stacks(runs: dict[str, Path], tmp_path: Path) -> None:
     run_dir = _copy(runs["hang"], tmp_path / "hang")
     done = nsa_diag("report", run_dir, "--json")
@@ -157,6 +159,7 @@ def test_report_of_a_hang_shows_where_and_the_stacks(runs: dict[str, Path], tmp_
     assert (run_dir / "report-failures.png").read_bytes().startswith(PNG_MAGIC)
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_report_of_an_interrupted_run(runs: dict[str, Path], tmp_path: Path) -> None:
     run_dir = _copy(runs["interrupted"], tmp_path / "interrupted")
     done = nsa_diag("report", run_dir)
@@ -167,6 +170,7 @@ def test_report_of_an_interrupted_run(runs: dict[str, Path], tmp_path: Path) -> 
     assert "interrupted by SIGINT" in text
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_report_of_a_killed_run_reads_the_case_folders(runs: dict[str, Path], tmp_path: Path) -> None:
     """nsa-diag itself SIGKILLed mid-case: no summary.json, no result.json; progress.jsonl says where."""
     run_dir = _copy(runs["hang"], tmp_path / "20260101-120000-run-killed")
@@ -217,6 +221,7 @@ def _matrix_folder(scale_dir: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_report_of_a_matrix_has_a_verdict_grid_per_remaining_axis_value(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -421,6 +426,7 @@ def test_a_summary_of_another_shape_is_read_around_not_raised_on(tmp_path: Path)
 # --- compare ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_compare_two_real_runs(runs: dict[str, Path], tmp_path: Path) -> None:
     """The sweep's first point passed; the same case name deadlocked in the other run: worse, exit 1."""
     done = nsa_diag("compare", runs["scale"], runs["hang"], "--out", tmp_path / "compare.md")
@@ -444,6 +450,7 @@ def test_compare_two_real_runs(runs: dict[str, Path], tmp_path: Path) -> None:
     assert comparison["exit_code"] == 0
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_compare_reports_environment_and_ratios_of_an_edited_copy(
     runs: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -523,6 +530,7 @@ def _one_step(run_dir: Path, tokens_per_s: float) -> None:
         _edit_json(result_path.with_name(artifacts.SPEC), steps=1)
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_compare_of_warm_up_timings_says_not_comparable(runs: dict[str, Path], tmp_path: Path) -> None:
     """Issue 26: two identical runs of one-step cases showed "tokens/s B/A 10.79x", noise from the warm-up
     (Triton compiles, the allocator settles): tokens/s over steps 2.. does not exist there."""
@@ -549,6 +557,7 @@ def test_compare_of_warm_up_timings_says_not_comparable(runs: dict[str, Path], t
     assert "| 1.00x | not comparable | not comparable | warm-up only: one step in A and B" in markdown
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_compare_of_different_shapes_gives_no_ratio(runs: dict[str, Path], tmp_path: Path) -> None:
     """Cases of one name but another shape (S, backend) do different work: no ratio of their memory or
     time, and the spec difference that makes them so is said."""
@@ -609,6 +618,7 @@ def test_verdict_change(a: tuple[Any, ...], b: tuple[Any, ...], change: str) -> 
     assert verdict_change(side(a), side(b)) == change
 
 
+@pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
 def test_compare_bad_input_exits_2(runs: dict[str, Path], tmp_path: Path) -> None:
     for args in (
         [runs["scale"], tmp_path / "missing"],

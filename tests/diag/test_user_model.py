@@ -253,6 +253,7 @@ def test_ddp_preflight_changes_nothing_the_steps_compute(tmp_path: Path) -> None
 
 
 # One per option family: every option applies to the model that runs, or the command says why not (exit 2).
+SLOW = pytest.mark.slow
 REFUSED = [
     pytest.param(["run", "--window", "64"], "holds no NSAAttention", id="nsa-geometry"),
     pytest.param(  # the same refusal as nsa-geometry, for the backends: make test-slow
@@ -267,9 +268,14 @@ REFUSED = [
         marks=pytest.mark.slow,
     ),
     pytest.param(["verify", "--only", "backends"], "no property applies to UserLM", id="verify-backends"),
-    pytest.param(["verify", "--only", "causality"], "needs an nsa_core.TinyLM", id="verify-causality"),
-    pytest.param(["run", "--dim", "48"], "never reads it", id="model-option-unread"),
-    pytest.param(["run", "--vocab", "100"], "built a model with vocab 64", id="model-option-differs"),
+    # the three slowest (20-36 s under make test's load) to make test-slow; the others stay
+    pytest.param(
+        ["verify", "--only", "causality"], "needs an nsa_core.TinyLM", id="verify-causality", marks=SLOW
+    ),
+    pytest.param(["run", "--dim", "48"], "never reads it", id="model-option-unread", marks=SLOW),
+    pytest.param(
+        ["run", "--vocab", "100"], "built a model with vocab 64", id="model-option-differs", marks=SLOW
+    ),
     pytest.param(["run", "--inject", "nan:layer=3"], "layers are 0..2 (layers)", id="inject-layer"),
     pytest.param(
         ["run", "--gc", "0:1", "--inject", "nan:layer=1,phase=recompute"],
@@ -392,6 +398,7 @@ def test_nsa_variant_copies_the_model_with_other_backends() -> None:
     assert "layers.1.attn.kv_sel.weight" in nsa_idle_parameters(model)  # force_branch win: sel untrained
 
 
+@pytest.mark.slow  # 27 s; the backend refusals and test_backend_every_backend_of_a_user_model stay
 def test_backend_parity_through_the_nsa_modules_of_a_user_model(tmp_path: Path) -> None:
     # the planted bug is in selection only: sel-masked must mismatch, win-chunked (sel not computed) pass
     code, summary, stderr = run_cli_json(

@@ -78,6 +78,7 @@ def _planted_causality(tmp_path: Path) -> dict[str, Any]:
     return summary
 
 
+@pytest.mark.slow  # 24 s; verify's other properties stay
 def test_verify_names_a_planted_causality_bug(tmp_path: Path) -> None:
     found = results(_planted_causality(tmp_path))
     assert found["gc"]["verdict"] == "pass"

@@ -166,6 +166,7 @@ def test_busy_loop_keeps_the_heartbeat_and_the_beacon_at_layer_1_forward(cases: 
     _check_hang(cases["busy"], "busy", where, heartbeat=True, frame="_busy_python_loop")
 
 
+@pytest.mark.slow  # 50 s; test_runner's deadlock tests stay
 def test_deadlock_waits_at_layer_1_backward_and_answers_a_dump_request(cases: dict[str, Case]) -> None:
     case = cases["deadlock"]
     case.wait_until(dict(phase="backward", layer=1))
