@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from nsa_diag.worker.contract import logits_of
 from nsa_diag.worker.nsa_variant import nsa_config, with_nsa
 from nsa_diag.worker.outcome import CaseFailed, TrainingRun
-from nsa_diag.worker.probes import attach_progress, finite_or_none
+from nsa_diag.worker.probes import checking, finite_or_none
 
 if TYPE_CHECKING:
     import torch
@@ -136,16 +136,12 @@ class Checker:
         """Progress events of `model`'s blocks while it runs (the watchdog sees the check advance)."""
         spec, loaded = self.trainer.spec, self.trainer.loaded
         assert loaded is not None  # a variant keeps its layers where the model has them
-        handles = attach_progress(model, self.progress, loaded.prefix, branches=spec.branch_marks)
-        self.progress.event("check", "begin", check=self.trainer.spec.check, variant=what)
-        self.progress.phase_override = "check"
+        self.progress.event("check", "begin", check=spec.check, variant=what)
         try:
-            yield
+            with checking(model, self.progress, loaded.prefix, spec.branch_marks):
+                yield
         finally:
-            self.progress.phase_override = None
-            for handle in handles:
-                handle.remove()
-            self.progress.event("check", "end", check=self.trainer.spec.check, variant=what)
+            self.progress.event("check", "end", check=spec.check, variant=what)
 
     def autocast(self, exact: bool) -> contextlib.AbstractContextManager[Any]:
         import torch

@@ -9,6 +9,7 @@ the NSA branch modules; `nsa_core` knows nothing of them.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import math
@@ -16,7 +17,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
@@ -178,6 +179,19 @@ _TAILS: dict[tuple[Any, ...], str] = {}
 
 
 # ------------------------------------------------------------------------------------ kernel compilation
+
+
+@contextlib.contextmanager
+def checking(model: nn.Module, progress: Progress, layers_attr: str | None, branches: bool) -> Iterator[None]:
+    """Progress of `model`'s blocks in phase "check" while a check runs it (the watchdog sees it advance)."""
+    handles = attach_progress(model, progress, layers_attr, branches=branches)
+    progress.phase_override = "check"
+    try:
+        yield
+    finally:
+        progress.phase_override = None
+        for handle in handles:
+            handle.remove()
 
 
 def report_compiles(progress: Progress) -> bool:

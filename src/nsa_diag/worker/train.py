@@ -30,6 +30,7 @@ from nsa_diag.worker.probes import (
     Progress,
     attach_profiler_ranges,
     attach_progress,
+    checking,
     finite_or_none,
     grad_norm,
     missing_grads,
@@ -487,18 +488,10 @@ class Trainer:
             param.grad = None
         return copy
 
-    @contextlib.contextmanager
-    def _checking(self, model: nn.Module) -> Iterator[None]:
+    def _checking(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         """Progress of `model`'s blocks in phase "check" while a parity check runs it."""
         assert self.loaded is not None  # a copy of the loaded model: its layers where the loaded ones are
-        handles = attach_progress(model, self.progress, self.loaded.prefix, branches=self.spec.branch_marks)
-        self.progress.phase_override = "check"
-        try:
-            yield
-        finally:
-            self.progress.phase_override = None
-            for handle in handles:
-                handle.remove()
+        return checking(model, self.progress, self.loaded.prefix, self.spec.branch_marks)
 
     def _judge_parity(
         self,

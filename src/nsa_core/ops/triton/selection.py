@@ -49,26 +49,38 @@ def _tile_rows(i_m, Tq, q_offset, i_h, M: tl.constexpr, G: tl.constexpr, BLOCK_R
 
 
 @triton.jit
+def _key_tile(
+    K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PER_ROW: tl.constexpr,
+):  # fmt: skip
+    # keys s0.. of block `blk` (-1: nothing) and which (row, key) pairs are visible: the rows `chose`, keys up
+    # to t_last (unused slots and keys after every row load nothing; pos <= t_last < Tk keeps loads in
+    # bounds); PER_ROW: rows of several tokens, each up to its own position t_r
+    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    pos = blk * L_SEL + s0 + o_s  # [S]
+    m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t_last)
+    m_sd = m_s[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_sd, other=0.0)
+    b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_sd, other=0.0)
+    visible = chose[:, None] & m_s[None, :]
+    if PER_ROW:
+        visible = visible & (pos[None, :] <= t_r[:, None])
+    return b_k, b_v, visible
+
+
+@triton.jit
 def _fwd_block(
     b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
     D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, PER_ROW: tl.constexpr,
 ):  # fmt: skip
-    # the online softmax of the rows `chose` over block `blk` (-1: nothing), keys up to t_last; PER_ROW:
-    # rows of several tokens, each up to its own position t_r
-    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    m_d = o_d < D
+    # the online softmax of the rows `chose` over block `blk` (`_key_tile`)
     for s0 in range(0, L_SEL, BLOCK_S):
-        pos = blk * L_SEL + s0 + o_s  # [S]
-        # unused slots (-1) and keys after every row load nothing; pos <= t_last < Tk keeps loads in bounds
-        m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t_last)
-        b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_k, b_v, visible = _key_tile(
+            K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, PER_ROW
+        )
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
-        if PER_ROW:
-            b_s = tl.where(chose[:, None] & m_s[None, :] & (pos[None, :] <= t_r[:, None]), b_s, float("-inf"))
-        else:
-            b_s = tl.where(chose[:, None] & m_s[None, :], b_s, float("-inf"))
+        b_s = tl.where(visible, b_s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(b_s, 1))
         # a row that sees no key of this tile keeps its max at -inf: shift by 0 instead (no NaN)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -189,17 +201,11 @@ def _dq_block(
     D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, PER_ROW: tl.constexpr,
 ):  # fmt: skip
-    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    m_d = o_d < D
     for s0 in range(0, L_SEL, BLOCK_S):
-        pos = blk * L_SEL + s0 + o_s
-        m_s = (s0 + o_s < L_SEL) & (pos >= 0) & (pos <= t_last)
-        b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+        b_k, b_v, visible = _key_tile(
+            K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, PER_ROW
+        )
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
-        visible = chose[:, None] & m_s[None, :]
-        if PER_ROW:
-            visible = visible & (pos[None, :] <= t_r[:, None])
         b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)  # [R, S]
         b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
         b_ds = b_p * (b_dp - b_delta[:, None])
