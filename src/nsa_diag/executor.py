@@ -27,13 +27,13 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from nsa_diag import artifacts, interrupts
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import Ending, Launcher, Unit, default_launcher, pinned_env
+from nsa_diag.records import CaseEvidence, Pause, StopReport
 from nsa_diag.results import Observed, case_files, error_result, stalled_pause, unit_result, worker_activity
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
@@ -99,17 +99,16 @@ def _swept(result: CaseResult, launcher: Launcher, marker: str) -> CaseResult:
     swept = sweep(marker)
     if not swept:
         return result
-    stop = {**dict(result.evidence.get("stop") or {}), "swept": swept}
+    stop = (result.evidence.stop or StopReport()).model_copy(update={"swept": swept})
+    evidence = result.evidence.model_copy(update={"stop": stop})
     note = (
         f"; nsa-diag also stopped pid(s) {', '.join(map(str, swept))} of the case, which had left the job's "
         "process group or session (found by the case's marker in their environment)"
     )
-    return result.model_copy(
-        update={"evidence": {**result.evidence, "stop": stop}, "reason": result.reason + note}
-    )
+    return result.model_copy(update={"evidence": evidence, "reason": result.reason + note})
 
 
-def _stop(launcher: Launcher) -> dict[str, Any]:
+def _stop(launcher: Launcher) -> StopReport:
     """Stop the job, then wait for its logs' last bytes (its result reads them)."""
     stop = launcher.stop()
     launcher.close_logs()
@@ -207,7 +206,7 @@ def _watch_and_judge(
     watcher = Watcher(
         launcher.proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear
     )
-    pauses: list[dict[str, object]] = []
+    pauses: list[Pause] = []
     while True:
         watched = watcher.run()
         units = launcher.units(case_dir)[: len(watched.units)]
@@ -216,7 +215,7 @@ def _watch_and_judge(
         hangs: dict[int, HangEvidence] = {}
         if watched.outcome == "exited":
             break
-        notes.update(launcher.evidence_before_stop(case_dir))
+        notes.add(launcher.evidence_before_stop(case_dir))
         hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
         # a job that ended by itself while its evidence was taken was not hung: its end decides
         ended = launcher.proc.poll() is not None and watched.outcome == "stalled"
@@ -229,13 +228,15 @@ def _watch_and_judge(
             break
         assert watched.decider is not None
         decision = watched.units[watched.decider].decision
-        pauses.append({
-            "unit": units[watched.decider].key, "at_s": round(time.time() - started, 1),
-            "idle_s": round(decision.idle_s, 1) if decision else None, "why": paused,
-        })  # fmt: skip
+        pauses.append(
+            Pause(
+                unit=units[watched.decider].key, at_s=round(time.time() - started, 1),
+                idle_s=round(decision.idle_s, 1) if decision else None, why=paused,
+            )
+        )  # fmt: skip
         watcher.rearm(watched.decider)
     if pauses:
-        notes["pauses"] = pauses
+        notes.pauses = pauses
     launcher.before_stop(case_dir)
     with guard.deferred():
         stop = _stop(launcher)
@@ -322,7 +323,7 @@ def run_case(
                 spec,
                 f"nsa-diag internal error while running the {launcher.label}: {type(exc).__name__}: {exc}",
                 time.monotonic() - t0,
-                {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
+                CaseEvidence(outcome="internal-error", traceback=traceback.format_exc(), stop=stop),
             )
             result = _swept(result, launcher, marker)
         with guard.deferred():  # an interrupt now comes after the result is on disk

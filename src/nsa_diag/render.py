@@ -22,6 +22,7 @@ from nsa_diag.evidence.env import ENV_VAR_NAMES, ENV_VAR_PREFIXES
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nsa_diag.records import Parity
     from nsa_diag.spec import CaseResult, CaseSpec
     from nsa_diag.summary import CaseEntry, RunSummary
 
@@ -203,7 +204,8 @@ def main_thread_stack(case_dir: Path, stacks_file: str = "stacks.txt", depth: in
     return [frame.short() for frame in main.frames[:depth]] if main else []
 
 
-def _parity_text(parity: Mapping[str, Any] | None) -> str:
+def _parity_text(parity: Parity | Mapping[str, Any] | None) -> str:
+    """A case's parity in a cell: a `Parity`, or its JSON (a run folder read back by `report`)."""
     if not parity:
         return "-"
     if parity.get("checked") is False:  # the check could not run (its why is in the reason)

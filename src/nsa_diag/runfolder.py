@@ -27,6 +27,7 @@ from typing import Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.errors import UsageError
+from nsa_diag.records import CaseEvidence, MainThread, PhaseSeconds
 from nsa_diag.spec import CaseResult, CaseSpec, Where
 from nsa_diag.summary import CaseEntry
 
@@ -145,17 +146,15 @@ def _memory_at_hang(case_dir: Path) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _last(values: Any) -> float | None:
-    if isinstance(values, list) and values and isinstance(values[-1], int | float):
-        return float(values[-1])
-    return None
+def _last(values: Sequence[float | None]) -> float | None:
+    return values[-1] if values else None
 
 
-def _timed_steps(step_s: Any) -> int | None:
+def _timed_steps(step_s: Sequence[float]) -> int | None:
     """The steps a case's step time and tokens/s are over, warm: steps 2.. (step 1 warms up: Triton
     compiles, the allocator settles); 0 for a case of one step, whose timings are its warm-up's; None
     without step times (a job under `watch`)."""
-    if not isinstance(step_s, list) or not step_s:
+    if not step_s:
         return None
     return len(step_s) - 1
 
@@ -213,8 +212,8 @@ def _entry(
     ).to_json()
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
-    entry["step_s"] = _last(result.metrics.get("step_s"))
-    entry["timed_steps"] = _timed_steps(result.metrics.get("step_s"))
+    entry["step_s"] = _last(result.metrics.step_s)
+    entry["timed_steps"] = _timed_steps(result.metrics.step_s)
     entry["stall_limit_reason"] = result.stall_limit_reason
     return entry
 
@@ -457,8 +456,8 @@ def _flat_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def _step_time(result: CaseResult) -> float | None:
     """Forward plus backward of the last step, as `nsa-diag scale` measures it."""
-    phases = result.metrics.get("phase_s") or {}
-    fwd, bwd = _last(phases.get("forward")), _last(phases.get("backward"))
+    phases = result.metrics.phase_s or PhaseSeconds()
+    fwd, bwd = _last(phases.forward), _last(phases.backward)
     return fwd + bwd if fwd is not None and bwd is not None else None
 
 
@@ -562,13 +561,12 @@ def pyspy_main_frames(case_dir: Path, depth: int = STACK_FRAMES) -> list[str]:
 def _location(result: CaseResult) -> Where | None:
     """Where the case stopped; for non-finite values, the module where they first appeared (the beacon
     has moved on to the end of the step by then)."""
-    nonfinite = result.nonfinite or {}
-    module = nonfinite.get("module")
-    if isinstance(module, str):
-        layer = re.search(r"blocks\.(\d+)", module)
-        phase = "backward" if nonfinite.get("where") == "grad" else "forward"
+    nonfinite = result.nonfinite
+    if nonfinite is not None and nonfinite.module is not None:
+        layer = re.search(r"blocks\.(\d+)", nonfinite.module)
+        phase = "backward" if nonfinite.where == "grad" else "forward"
         return Where(
-            phase=phase, step=nonfinite.get("step"), layer=int(layer[1]) if layer else None, module=module
+            phase=phase, step=nonfinite.step, layer=int(layer[1]) if layer else None, module=nonfinite.module
         )
     if result.where is None or result.where.phase == "done":
         return None
@@ -583,8 +581,8 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
             continue
         result = case.result
         where = _location(result) if result is not None else _last_progress(case.dir)
-        evidence = result.evidence if result is not None else {}
-        main_thread = evidence.get("main_thread") or {}
+        evidence = result.evidence if result is not None else CaseEvidence()
+        main_thread = evidence.main_thread or MainThread()
         stacks_file = result.stacks_file() if result is not None else artifacts.STACKS
         records.append(
             {
@@ -599,8 +597,8 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
                 "branch": where.branch if where else None,
                 "reason": case.entry.get("reason"),
                 "stall_limit": result.stall_limit_reason if result is not None else None,
-                "cpu_percent": evidence.get("cpu_percent"),
-                "main_thread_state": main_thread.get("state"),
+                "cpu_percent": evidence.cpu_percent,
+                "main_thread_state": main_thread.state,
                 "stack": render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
                 "stack_file": stacks_file,
                 "native_stack": pyspy_main_frames(case.dir / Path(stacks_file).parent),

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
+from nsa_diag.records import Metrics, NonFinite, Parity, Rate
 from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult
 
@@ -86,10 +87,10 @@ class CaseEntry(_JsonRecord):
     loss: float | None = None
     peak_memory_bytes: int | None = None
     peak_memory_kind: str | None = None
-    parity: dict[str, Any] | None = None
-    rate: dict[str, Any] | None = None
+    parity: Parity | None = None
+    rate: Rate | None = None
     missing_grads: list[str] = []
-    nonfinite: dict[str, Any] | None = None
+    nonfinite: NonFinite | None = None
     dir: str
     replay: str
     stack: list[str] | None = None
@@ -108,7 +109,7 @@ class CaseEntry(_JsonRecord):
         """The entry of `result`; `stack(stacks_file)` gives the main thread's last frames in that file of
         the case folder (`CaseResult.stacks_file`), asked only for a verdict that shows them
         (`SHOWS_STACK`)."""
-        metrics = result.metrics or {}
+        metrics = result.metrics
         frames = stack(result.stacks_file()) if stack is not None and result.verdict in SHOWS_STACK else None
         peak, peak_kind = peak_memory(metrics)
         return cls(
@@ -121,8 +122,8 @@ class CaseEntry(_JsonRecord):
             elapsed_s=round(result.elapsed_s, 3),
             device=result.device,
             steps_done=result.steps_done,
-            tokens_per_s=metrics.get("tokens_per_s"),
-            loss=_last(metrics.get("loss")),
+            tokens_per_s=metrics.tokens_per_s,
+            loss=metrics.last_loss(),
             peak_memory_bytes=peak,
             peak_memory_kind=peak_kind,
             parity=result.parity,
@@ -271,30 +272,26 @@ def status_text(
     return ("all ok" if ok else "not all ok") + (f"; {', '.join(notes)}" if notes else "")
 
 
-def peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:
+PEAK_KINDS = {
+    "cuda_max_allocated_bytes": "CUDA max allocated",
+    "cpu_peak_rss_bytes": "peak RSS of the worker",
+}
+
+
+def peak_memory(metrics: Metrics) -> tuple[int | None, str | None]:
     """The headline peak memory of a case and what it measures."""
-    peak = metrics.get("peak_memory") or {}
-    for key, kind in (
-        ("cuda_max_allocated_bytes", "CUDA max allocated"),
-        ("cpu_peak_rss_bytes", "peak RSS of the worker"),
-    ):
-        if isinstance(peak.get(key), int):
-            return peak[key], kind
-    return None, None
-
-
-def _last(values: Any) -> float | None:
-    if isinstance(values, list) and values and isinstance(values[-1], int | float):
-        return float(values[-1])
-    return None
+    if metrics.peak_memory is None:
+        return None, None
+    peak, key = metrics.peak_memory.headline()
+    return peak, PEAK_KINDS[key] if key is not None else None
 
 
 def _where(result: CaseResult) -> str | None:
     """Where the case went wrong: the first non-finite module, else the beacon's last location."""
-    nonfinite = result.nonfinite or {}
-    if nonfinite.get("module"):
-        step = f" step {nonfinite['step']}" if nonfinite.get("step") is not None else ""
-        return f"{nonfinite['module']} ({nonfinite.get('where', '?')}){step}"
+    nonfinite = result.nonfinite
+    if nonfinite is not None and nonfinite.module:
+        step = f" step {nonfinite.step}" if nonfinite.step is not None else ""
+        return f"{nonfinite.module} ({nonfinite.where}){step}"
     if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing
         return None
     return result.where.describe()

@@ -15,6 +15,7 @@ from typing import Any
 
 from nsa_diag.analysis.memory_model import estimate_peak_memory
 from nsa_diag.analysis.scaling import GrowthFit, fit_growth, predict_limit
+from nsa_diag.records import PhaseSeconds
 from nsa_diag.spec import CaseResult, CaseSpec
 
 ABOVE_FIXED_MIN_SHARE = 0.1  # compare the growing part alone only where it is 10% of the peak or more
@@ -35,11 +36,8 @@ class Series:
 
 
 def _peak_bytes(result: CaseResult) -> tuple[int | None, str | None]:
-    peak = result.metrics.get("peak_memory") or {}
-    for key in ("cuda_max_allocated_bytes", "cpu_peak_rss_bytes"):
-        if isinstance(peak.get(key), int):
-            return peak[key], key
-    return None, None
+    peak = result.metrics.peak_memory
+    return peak.headline() if peak is not None else (None, None)
 
 
 # On CUDA, a point whose forward and backward the host took at least this fraction of their time to issue
@@ -49,18 +47,15 @@ def _peak_bytes(result: CaseResult) -> tuple[int | None, str | None]:
 HOST_BOUND_FRACTION = 0.9
 
 
-def _timed(values: Any) -> list[float]:
+def _timed(values: list[float]) -> list[float]:
     """The timed steps' values: all but step 1 (one-off warm-up: Triton compiles, cuDNN and the allocator
     settle) when there are several."""
-    if not isinstance(values, list) or not values:
-        return []
-    timed = values[1:] if len(values) > 1 else values
-    return [float(v) for v in timed if isinstance(v, int | float)]
+    return values[1:] if len(values) > 1 else values
 
 
-def _phase(result: CaseResult, phase: str, key: str = "phase_s") -> float | None:
+def _phase(phases: PhaseSeconds | None, phase: str) -> float | None:
     """The median of the phase's time over the timed steps."""
-    timed = _timed((result.metrics.get(key) or {}).get(phase))
+    timed = _timed(phases.of(phase)) if phases is not None else []
     return statistics.median(timed) if timed else None
 
 
@@ -82,9 +77,10 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         record["verdict"] = "not-run"
         return record
     peak, kind = _peak_bytes(result)
-    fwd, bwd = _phase(result, "forward"), _phase(result, "backward")
+    metrics = result.metrics
+    fwd, bwd = _phase(metrics.phase_s, "forward"), _phase(metrics.phase_s, "backward")
     step = fwd + bwd if fwd is not None and bwd is not None else None
-    issued = [_phase(result, phase, "phase_issue_s") for phase in ("forward", "backward")]
+    issued = [_phase(metrics.phase_issue_s, phase) for phase in ("forward", "backward")]
     issue = sum(v for v in issued if v is not None) if None not in issued else None
     host_bound = issue >= HOST_BOUND_FRACTION * step if issue is not None and step else None
     record.update(
@@ -96,10 +92,10 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         forward_s=fwd,
         backward_s=bwd,
         step_s=step,
-        timed_steps=len(_timed((result.metrics.get("phase_s") or {}).get("forward"))),
+        timed_steps=len(_timed(metrics.phase_s.forward if metrics.phase_s is not None else [])),
         issue_s=issue,
         host_bound=host_bound,
-        tokens_per_s=result.metrics.get("tokens_per_s"),
+        tokens_per_s=metrics.tokens_per_s,
     )
     return record
 

@@ -28,6 +28,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nsa_diag.records import PeakMemory
 from nsa_diag.spec import CaseResult, CaseSpec
 
 OUTSIDE_SHARE = 0.10  # memory outside PyTorch above this share of the device: the cause
@@ -118,13 +119,17 @@ def variant_specs(spec: CaseSpec) -> list[tuple[str, str, CaseSpec | None]]:
     return variants
 
 
+def _dumped(peak: PeakMemory | None) -> dict[str, int | None] | None:
+    return peak.model_dump() if peak is not None else None
+
+
 def _share(part: int | None, whole: int | None) -> float | None:
     return part / whole if part is not None and whole else None
 
 
 def measure(facts: Mapping[str, Any], result: CaseResult) -> dict[str, Any]:
     """The memory figures at the failure, derived from the message's facts and the case's metrics."""
-    peak = result.metrics.get("peak_memory") or {}
+    peak = result.metrics.peak_memory or PeakMemory()
     m: dict[str, Any] = {k: facts.get(k) for k in ("requested_bytes", "total_bytes", "free_bytes")}
     m["requested_is_lower_bound"] = bool(facts.get("requested_is_lower_bound"))
     m["allocated_bytes"] = facts.get("allocated_bytes")
@@ -133,9 +138,9 @@ def measure(facts: Mapping[str, Any], result: CaseResult) -> dict[str, Any]:
         m["reserved_bytes"] = m["allocated_bytes"] + m["reserved_unallocated_bytes"]
     else:
         m["reserved_bytes"] = None
-    m["max_allocated_bytes"] = peak.get("cuda_max_allocated_bytes")
-    m["max_reserved_bytes"] = peak.get("cuda_max_reserved_bytes")
-    m["peak_rss_bytes"] = peak.get("cpu_peak_rss_bytes")
+    m["max_allocated_bytes"] = peak.cuda_max_allocated_bytes
+    m["max_reserved_bytes"] = peak.cuda_max_reserved_bytes
+    m["peak_rss_bytes"] = peak.cpu_peak_rss_bytes
     used = None
     if m["total_bytes"] is not None and m["free_bytes"] is not None:
         used = m["total_bytes"] - m["free_bytes"]
@@ -249,7 +254,7 @@ def triage_oom(
                 interrupted = True
                 break
             reruns.append({"name": name, "alloc_conf": conf, "verdict": rerun.verdict, "reason": rerun.reason,
-                           "peak_memory": rerun.metrics.get("peak_memory")})  # fmt: skip
+                           "peak_memory": _dumped(rerun.metrics.peak_memory)})  # fmt: skip
             say(f"  PYTORCH_CUDA_ALLOC_CONF={conf}: {rerun.verdict}")
     ran = [r for r in reruns if r["verdict"] is not None]
     kind, why = classify_oom("cuda" if on_cuda else "cpu", figures, ran)

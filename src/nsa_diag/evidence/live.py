@@ -45,6 +45,7 @@ from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
 from nsa_diag.evidence.probefiles import ProbeInfo, find_probe, read_at_hang, read_probe_beacon
+from nsa_diag.records import PyspyDump
 from nsa_diag.worker.beacon import BeaconState
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
@@ -372,7 +373,7 @@ class ProcessObservation:
     samples: list[Sample] = field(default_factory=list)
     dumps: list[str] = field(default_factory=list)  # faulthandler texts, one per signal that came back
     dump_notes: list[str] = field(default_factory=list)
-    pyspy: dict[str, Any] = field(default_factory=dict)
+    pyspy: PyspyDump | None = None  # the final dump's outcome; None: not tried (the process was gone)
     pyspy_text: str | None = None  # the final ``py-spy dump --native``
     pyspy_more: list[str] = field(default_factory=list)  # further native dumps of a process using the CPU
     pyspy_samples: list[str] = field(default_factory=list)  # py-spy dumps of the rounds (no handler)
@@ -544,19 +545,21 @@ class _PySpy:
     def final(self, ob: ProcessObservation, folder: Path) -> None:
         """The ``py-spy dump --native`` of a live Python process, into ``pyspy.txt``."""
         if not self.installed:
-            ob.pyspy = {"taken": False, "why": f"py-spy is not on PATH; {stacks.PYSPY_HINT}"}
+            ob.pyspy = PyspyDump(taken=False, why=f"py-spy is not on PATH; {stacks.PYSPY_HINT}")
         elif self.refused:
-            ob.pyspy = {"taken": False, "why": "not tried: ptrace was refused for this tree (see the advice)"}
+            ob.pyspy = PyspyDump(
+                taken=False, why="not tried: ptrace was refused for this tree (see the advice)"
+            )
         else:
             ob.pyspy = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY)
-            if ob.pyspy.get("taken"):
+            if ob.pyspy.taken:
                 ob.pyspy_text = (folder / artifacts.PYSPY).read_text(errors="replace")
-            elif ptrace_refused(str(ob.pyspy.get("why", ""))):
+            elif ptrace_refused(ob.pyspy.why or ""):
                 self.refused = True
             busy = (ob.cpu_percent() or 0.0) >= PYSPY_MORE_CPU
             for _ in range(PYSPY_MORE if ob.pyspy_text and busy else 0):
                 more = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY_MORE)
-                if not more.get("taken"):
+                if not more.taken:
                     break
                 ob.pyspy_more.append((folder / artifacts.PYSPY_MORE).read_text(errors="replace"))
 

@@ -41,10 +41,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.logcap import LogPump
+from nsa_diag.records import JobNotes, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
@@ -81,9 +81,9 @@ class Ending:
     outcome: str
     per_unit: Mapping[int, CaseResult]
     decider: int | None
-    stop: dict[str, Any]
+    stop: StopReport
     elapsed: float
-    notes: dict[str, Any]
+    notes: JobNotes
 
 
 def worker_env(spec: CaseSpec) -> dict[str, str]:
@@ -231,13 +231,13 @@ class Launcher(ABC):
     def after_watch(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
         """The polling loop has ended: learn what `stop` and the evidence need (e.g. the ranks' pids)."""
 
-    def notes(self) -> dict[str, Any]:
+    def notes(self) -> JobNotes:
         """Launcher facts for the case's result (torchrun: its command line)."""
-        return {}
+        return JobNotes()
 
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+    def evidence_before_stop(self, case_dir: Path) -> JobNotes:
         """Evidence only this launcher can take, before any process is stopped (notes for the result)."""
-        return {}
+        return JobNotes()
 
     @abstractmethod
     def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
@@ -250,16 +250,16 @@ class Launcher(ABC):
         node of a multi-node case waits for the other nodes to have taken theirs."""
 
     @abstractmethod
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> StopReport:
         """Stop every process of the job (also those it started in sessions of their own); what it took,
-        with ``exit_code`` and any ``survivors``. ``{"started": False}`` when nothing was started."""
+        with ``exit_code`` and any ``survivors``. ``StopReport(started=False)`` when nothing was started."""
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         """The files only the running job uses, removed when the case ends (after its result is built):
         by default `artifacts.INTERNAL_FILES` in each unit's folder."""
         return [unit.folder / name for unit in self.units(case_dir) for name in artifacts.INTERNAL_FILES]
 
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:  # noqa: B027 (a hook)
+    def evidence_after_stop(self, case_dir: Path, notes: JobNotes) -> None:  # noqa: B027 (a hook)
         """Evidence the job left as it stopped, added to ``notes``."""
 
     def unit_ends(
@@ -268,8 +268,8 @@ class Launcher(ABC):
         units: Sequence[Unit],
         watched: Sequence[WatchResult],
         hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        stop: StopReport,
+    ) -> dict[int, tuple[WatchResult, StopReport]]:
         """Each unit's watch record and stop report, for its classification. By default each unit ends as
         the job did (one process: its own)."""
         return {u.key: (w, stop) for u, w in zip(units, watched, strict=True)}
@@ -289,7 +289,7 @@ class Launcher(ABC):
         return False
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         """The result of a case nsa-diag's SIGINT/SIGTERM (``by``) ended, after `stop`."""
         return interrupted_result(self.spec, case_dir, by, elapsed, stop, sampled)

@@ -43,8 +43,17 @@ from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_r
 from nsa_diag.evidence.stacks import read_stacks, take_sample
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
-from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
+from nsa_diag.launchers.torchrun import (
+    FR_BUFFER,
+    FR_FILE,
+    FR_PREFIX,
+    FR_WAIT_S,
+    PIPE_PREFIX,
+    RankProcess,
+    with_files,
+)
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
+from nsa_diag.records import FlightRecorder, JobNotes, Rate, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult, steps_done
@@ -127,8 +136,8 @@ class CommandLauncher(Launcher):
         self.keys: dict[int, int] = {}  # pid -> unit key (rank, or pid)
         self.evidence_taken = False
         self.force_stop = False
-        self.stop_report: dict[str, Any] | None = None
-        self.rates: dict[int, dict[str, Any]] = {}  # unit key -> progress rate (past the timeout)
+        self.stop_report: StopReport | None = None
+        self.rates: dict[int, Rate] = {}  # unit key -> progress rate (past the timeout)
         self.folders: dict[int, Path] = {}
         self.exited_by_itself = False  # the command had exited when the case came to stop it
         self.alive_at_evidence: list[int] = []  # pids alive when the evidence was taken (the last time)
@@ -284,11 +293,11 @@ class CommandLauncher(Launcher):
 
     # --- evidence ------------------------------------------------------------------------------------
 
-    def notes(self) -> dict[str, Any]:
+    def notes(self) -> JobNotes:
         assert self.proc is not None
-        return {"command": list(self.cmd.argv), "cwd": self.cmd.cwd, "root_pid": self.proc.pid}
+        return JobNotes(command=list(self.cmd.argv), cwd=self.cmd.cwd, root_pid=self.proc.pid)
 
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+    def evidence_before_stop(self, case_dir: Path) -> JobNotes:
         self.evidence_taken = True
         self._scan(case_dir)
         tree = {
@@ -298,12 +307,12 @@ class CommandLauncher(Launcher):
         }
         artifacts.write_json(case_dir / TREE_JSON, tree)
         self.alive_at_evidence = sorted(int(p) for p in tree)
-        notes: dict[str, Any] = {"processes_alive": self.alive_at_evidence}
+        notes = JobNotes(processes_alive=self.alive_at_evidence)
         if self.ranks():
-            notes["flight_recorder"] = self._flight_recorder(case_dir)
+            notes.flight_recorder = self._flight_recorder(case_dir)
         return notes
 
-    def _flight_recorder(self, case_dir: Path) -> dict[str, Any]:
+    def _flight_recorder(self, case_dir: Path) -> FlightRecorder:
         """Ask every rank's NCCL flight recorder for a dump through its debug pipe (NCCL jobs only)."""
         procs = case_dir / PROCS_DIR
         asked = {}
@@ -322,7 +331,7 @@ class CommandLauncher(Launcher):
             ):
                 time.sleep(0.1)
             time.sleep(0.3)  # a dump being written
-        return {"asked": asked, "files": self._collect_flight_recorder(case_dir)}
+        return FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
 
     def _collect_flight_recorder(self, case_dir: Path) -> dict[str, str]:
         found = {}
@@ -345,20 +354,20 @@ class CommandLauncher(Launcher):
 
     # --- stopping ------------------------------------------------------------------------------------
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> StopReport:
         if self.proc is None:
-            return {"started": False}
+            return StopReport(started=False)
         self.exited_by_itself = self.proc.poll() is not None
         if self.cmd.keep_alive and self.evidence_taken and not self.force_stop:
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
-            report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
+            report = StopReport(kept_alive=alive, exit_code=self.proc.poll())
         else:
             report = job.stop_tree(self.proc, [p.handle for p in self.procs.values() if p.handle], GRACE_S)
         self.stop_report = report
         return report
 
     def kept_alive(self) -> bool:
-        return bool(self.stop_report and self.stop_report.get("kept_alive"))
+        return bool(self.stop_report and self.stop_report.kept_alive)
 
     def sample_on_interrupt(self, case_dir: Path) -> bool:
         """Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not; but first one stack sample of
@@ -379,7 +388,7 @@ class CommandLauncher(Launcher):
         return taken
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         """The job's result when nsa-diag was interrupted: where each training process was (its beacon),
         and which stacks were taken. Where no training process reported progress but another process of
@@ -409,22 +418,25 @@ class CommandLauncher(Launcher):
             if (u.folder / artifacts.STACKS).exists()
         ]
         reason = f"interrupted by {by} after {elapsed:.1f} s at {at}"
-        evidence = {**result.evidence, "location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}  # type: ignore[union-attr]
+        assert self.proc is not None
+        evidence = result.evidence.model_copy(
+            update={"location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}
+        )
         steps = max((steps_done(state, sys.maxsize) for state in states.values()), default=0)
         update = {"reason": reason, "where": first[1], "evidence": evidence, "steps_done": steps}
         return result.model_copy(update=update)
 
     def internal_files(self, case_dir: Path) -> list[Path]:
-        if self.stop_report is not None and self.stop_report.get("kept_alive"):
+        if self.stop_report is not None and self.stop_report.kept_alive:
             return []  # the job still runs: its beacons and requests are in use
         pipes = list((case_dir / PROCS_DIR).glob(f"{PIPE_PREFIX}*"))
         folders = [p.folder for p in self.procs.values() if p.folder is not None]
         return [f / name for f in folders for name in artifacts.INTERNAL_FILES] + pipes
 
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
+    def evidence_after_stop(self, case_dir: Path, notes: JobNotes) -> None:
         found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
         if found:
-            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
+            notes.flight_recorder = with_files(notes.flight_recorder, found)
         assert self.proc is not None
         root = self._root_folder(case_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -441,8 +453,8 @@ class CommandLauncher(Launcher):
         units: Sequence[Unit],
         watched: Sequence[WatchResult],
         hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        stop: StopReport,
+    ) -> dict[int, tuple[WatchResult, StopReport]]:
         ends = job.unit_ends(case_dir, units, watched, hangs, stop, self.ranks())
         self.folders = {unit.key: unit.folder for unit in units}
         for unit, w in zip(units, watched, strict=True):

@@ -33,12 +33,23 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from pydantic import Field
 
 from nsa_diag import artifacts
 from nsa_diag.errors import UsageError
 from nsa_diag.launchers.base import Ending
 from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
+from nsa_diag.records import (
+    Barrier,
+    CaseEvidence,
+    DdpResult,
+    JobNotes,
+    NodeEnd,
+    RankVerdict,
+    Record,
+    StopReport,
+)
 from nsa_diag.results import error_result
 from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec
 from nsa_diag.worker.ddp import RANKS_DIR, rank_dir
@@ -122,12 +133,34 @@ def barrier_s(spec: CaseSpec) -> float:
     return min(stall + EVIDENCE_MARGIN_S, spec.timeout + EVIDENCE_MARGIN_S)
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(path: Path) -> object:
+    """The JSON in ``path``; None where there is none yet (or half of one: another node writes it)."""
     try:
-        data = artifacts.read_json(path)
+        return artifacts.read_json(path)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+
+
+class NodeFile(Record):
+    """What a node says of itself in ``nodes/<R>/node.json`` (step 4 and 5 of the module docstring): its
+    state (stopping, ended, interrupted) and, ended, how its watch ended and what stopping took."""
+
+    state: str
+    node_rank: int
+    host: str
+    time: float
+    outcome: str | None = None
+    decider: int | None = None
+    stop: StopReport | None = None
+    ranks: list[int] = Field(default_factory=list)
+    by: str | None = None  # interrupted: the signal
+
+
+def _node_file(path: Path) -> NodeFile | None:
+    try:
+        return NodeFile.model_validate(_read(path))
+    except ValueError:
+        return None
 
 
 class NodeLauncher(TorchrunLauncher):
@@ -143,7 +176,7 @@ class NodeLauncher(TorchrunLauncher):
         self.ds: DdpSpec = spec.ddp
         self.node = spec.ddp.node_rank
         self.host = socket.gethostname()
-        self.waited: dict[str, Any] = {}
+        self.waited: Barrier | None = None
 
     def home(self, case_dir: Path) -> Path:
         return Path(case_dir) if self.node == 0 else artifacts.node_dir(case_dir, self.node)
@@ -151,8 +184,10 @@ class NodeLauncher(TorchrunLauncher):
     def _node_file(self, case_dir: Path, node: int) -> Path:
         return artifacts.node_dir(case_dir, node) / artifacts.NODE
 
-    def _say(self, case_dir: Path, state: str, **facts: Any) -> None:
-        record = {"state": state, "node_rank": self.node, "host": self.host, "time": time.time(), **facts}
+    def _say(self, case_dir: Path, state: str, **facts: object) -> None:
+        record = NodeFile.model_validate(
+            {"state": state, "node_rank": self.node, "host": self.host, "time": time.time(), **facts}
+        )
         artifacts.write_json(self._node_file(case_dir, self.node), record)
 
     def prepare(self, case_dir: Path) -> None:
@@ -174,8 +209,10 @@ class NodeLauncher(TorchrunLauncher):
         self.argv = torchrun_argv(self.spec, case_dir, worker_args=own_spec)
         return self.argv
 
-    def notes(self) -> dict[str, Any]:
-        return {**super().notes(), "node_rank": self.node, "host": self.host}
+    def notes(self) -> JobNotes:
+        notes = super().notes()
+        notes.node_rank, notes.host = self.node, self.host
+        return notes
 
     def _never_started(self, case_dir: Path) -> bool:
         """No local rank ever started (`prepare` removed their folders): the rendezvous did not complete."""
@@ -194,24 +231,24 @@ class NodeLauncher(TorchrunLauncher):
         )
         return text + (f"; torchrun: {said}" if said else "")
 
-    def _not_met(self, case_dir: Path, elapsed: float, stop: dict[str, Any]) -> CaseResult:
+    def _not_met(self, case_dir: Path, elapsed: float, stop: StopReport) -> CaseResult:
         """The case's result when the rendezvous did not complete: an error saying so, each rank's part."""
         ranks = {
-            str(r): {
-                "verdict": "error",
-                "reason": "never started: the rendezvous did not complete"
+            str(r): RankVerdict(
+                verdict="error",
+                reason="never started: the rendezvous did not complete"
                 if node_of(self.spec, r) == self.node
                 else f"node {node_of(self.spec, r)} never reported",
-            }
+            )
             for r in range(self.ds.world_size)
         }
-        ddp = {"nnodes": self.ds.nnodes, "node_rank": self.node, "world_size": self.ds.world_size,
-               "backend": self.ds.backend, "ranks": ranks, "torchrun": self.argv}  # fmt: skip
+        ddp = DdpResult(nnodes=self.ds.nnodes, node_rank=self.node, world_size=self.ds.world_size,
+                        backend=self.ds.backend, ranks=ranks, torchrun=self.argv)  # fmt: skip
         result = error_result(
             self.spec,
             self._rendezvous_failure(case_dir),
             elapsed,
-            {"outcome": "rendezvous-failed", "stop": stop},
+            CaseEvidence(outcome="rendezvous-failed", stop=stop),
         )
         return result.model_copy(update={"ddp": ddp})
 
@@ -220,17 +257,17 @@ class NodeLauncher(TorchrunLauncher):
         node has said so; not when no local rank started (there is nothing to break)."""
         self._say(case_dir, "stopping")
         if self._never_started(case_dir):
-            self.waited = {"waited_s": 0.0, "skipped": "no rank started on this node"}
+            self.waited = Barrier(waited_s=0.0, skipped="no rank started on this node")
             return
         others = [n for n in range(self.ds.nnodes) if n != self.node]
         started = time.monotonic()
         deadline = started + min(barrier_s(self.spec), self.ds.wait_s)
         while True:
-            missing = [n for n in others if _read(self._node_file(case_dir, n)) is None]
+            missing = [n for n in others if _node_file(self._node_file(case_dir, n)) is None]
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-        self.waited = {"waited_s": round(time.monotonic() - started, 2), "nodes_not_ready": missing}
+        self.waited = Barrier(waited_s=round(time.monotonic() - started, 2), nodes_not_ready=missing)
 
     def combine(self, end: Ending) -> CaseResult:
         """Publish this node's ranks' results and its end; node 0 then aggregates every rank, a node R > 0
@@ -241,7 +278,7 @@ class NodeLauncher(TorchrunLauncher):
             return self._not_met(case_dir, end.elapsed, end.stop)
         for rank, result in end.per_unit.items():
             artifacts.write_json(rank_dir(case_dir, rank) / artifacts.RANK_RESULT, result)
-        end = replace(end, notes={**end.notes, "barrier": self.waited})
+        end = replace(end, notes=end.notes.model_copy(update={"barrier": self.waited}))
         self._say(
             case_dir,
             "ended",
@@ -269,27 +306,29 @@ class NodeLauncher(TorchrunLauncher):
             except ValueError:
                 node = node_of(self.spec, rank)
                 reason = f"node {node} never reported: no result for rank {rank} within {wait:g} s"
-                per_rank[rank] = error_result(self.spec, reason, end.elapsed, {"outcome": "node-missing"})
-        nodes: dict[str, Any] = {}
+                per_rank[rank] = error_result(
+                    self.spec, reason, end.elapsed, CaseEvidence(outcome="node-missing")
+                )
+        nodes: dict[str, NodeEnd] = {}
         for n in range(self.ds.nnodes):
-            record = _read(self._node_file(case_dir, n)) if n != self.node else None
+            record = _node_file(self._node_file(case_dir, n)) if n != self.node else None
             if n == self.node:
-                nodes[str(n)] = {"host": self.host, "outcome": outcome, "decider": decider}
-            elif record is None or record.get("state") != "ended":
-                nodes[str(n)] = {"never_reported": True, "state": (record or {}).get("state")}
+                nodes[str(n)] = NodeEnd(host=self.host, outcome=outcome, decider=decider)
+            elif record is None or record.state != "ended":
+                nodes[str(n)] = NodeEnd(never_reported=True, state=record.state if record else None)
             else:
-                nodes[str(n)] = {k: record.get(k) for k in ("host", "outcome", "decider", "stop")}
-        outcomes = [outcome, *(v.get("outcome") for v in nodes.values())]
+                nodes[str(n)] = NodeEnd(
+                    host=record.host, outcome=record.outcome, decider=record.decider, stop=record.stop
+                )
+        outcomes = [outcome, *(v.outcome for v in nodes.values())]
         combined = "stalled" if "stalled" in outcomes else "timeout" if "timeout" in outcomes else outcome
         if decider is None:
-            decider = next((v["decider"] for v in nodes.values() if v.get("decider") is not None), None)
-        notes = {**end.notes, "nodes": nodes}
+            decider = next((v.decider for v in nodes.values() if v.decider is not None), None)
+        notes = end.notes.model_copy(update={"nodes": nodes})
         result = aggregate_ranks(
             self.spec, replace(end, outcome=combined, per_unit=per_rank, decider=decider, notes=notes)
         )
-        survivors = {
-            n: v["stop"]["survivors"] for n, v in nodes.items() if (v.get("stop") or {}).get("survivors")
-        }
+        survivors = {n: v.stop.survivors for n, v in nodes.items() if v.stop is not None and v.stop.survivors}
         if survivors:
             result = result.model_copy(update={"reason": result.reason + f"; processes left: {survivors}"})
         return result
@@ -312,14 +351,14 @@ class NodeLauncher(TorchrunLauncher):
     def _node_0s(self, case: CaseResult, end: Ending) -> CaseResult:
         """Node 0's result of the case, as this node R > 0 ends with it: where node 0's nsa-diag was
         interrupted, that is said of node 0 (this node was not), with what became of this node's ranks."""
-        if case.evidence.get("outcome") != "interrupted":
+        if case.evidence.outcome != "interrupted":
             return case
         own = aggregate_ranks(self.spec, end)
         reason = f"node 0 was {case.reason} (not this node); node {self.node}'s ranks: {own.reason}"
         return case.model_copy(update={"reason": reason})
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         self._say(case_dir, "interrupted", by=by)
         return super().interrupted(case_dir, by, elapsed, stop, sampled)

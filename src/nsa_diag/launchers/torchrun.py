@@ -26,7 +26,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -36,6 +35,7 @@ from nsa_diag.classify import focus_thread
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
 from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
+from nsa_diag.records import CaseEvidence, FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import error_result, read_worker_report
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
@@ -147,14 +147,14 @@ def _signal_all(pids: Sequence[int], sessions: Sequence[int], sig: signal.Signal
     return sorted(hit)
 
 
-def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> dict[str, Any]:
+def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> StopReport:
     """SIGTERM to torchrun's session and to every rank's session at once, a grace period, SIGKILL, reap;
     what it took and whatever survived (nothing should)."""
     pids = sorted({*rank_pids, *_descendants(proc.pid)})
     sessions = [proc.pid, *pids]  # ranks run in sessions of their own (torchrun's start_new_session)
-    report: dict[str, Any] = {"sigterm": False, "sigkill": False, "rank_pids": list(rank_pids)}
+    report = StopReport(sigterm=False, sigkill=False, rank_pids=list(rank_pids))
     if proc.poll() is None or any(_alive(p) for p in pids):
-        report["sigterm"] = True
+        report.sigterm = True
         _signal_all(pids, sessions, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while time.monotonic() < deadline:
@@ -163,7 +163,7 @@ def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> 
                 break
             time.sleep(0.05)
     if proc.poll() is None or any(_alive(p) for p in pids):
-        report["sigkill"] = True
+        report.sigkill = True
         for _ in range(50):
             if not _signal_all(pids, sessions, signal.SIGKILL) and proc.poll() is not None:
                 break
@@ -171,22 +171,22 @@ def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> 
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        report["unreaped"] = proc.pid
-    report["exit_code"] = proc.returncode
+        report.unreaped = proc.pid
+    report.exit_code = proc.returncode
     survivors = [p for p in pids if _alive(p)] + [p for p in procfs.session_pids(proc.pid) if _alive(p)]
     if survivors:
-        report["survivors"] = sorted(set(survivors))
+        report.survivors = sorted(set(survivors))
     return report
 
 
 # --- the NCCL flight recorder ------------------------------------------------------------------------
 
 
-def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> dict[str, Any]:
+def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> FlightRecorder:
     """NCCL only: ask every rank's flight recorder for a dump through its debug pipe, wait for the files."""
     assert spec.ddp is not None
     if spec.ddp.backend != "nccl":
-        return {"taken": False, "why": "gloo has no flight recorder (NCCL only)"}
+        return FlightRecorder(taken=False, why="gloo has no flight recorder (NCCL only)")
     ranks_dir = Path(case_dir) / RANKS_DIR
     asked: dict[str, str] = {}
     for rank in pids:
@@ -202,7 +202,14 @@ def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]
     while time.monotonic() < deadline and not all((ranks_dir / f"{FR_PREFIX}{r}").exists() for r in pids):
         time.sleep(0.1)
     time.sleep(0.3)  # a dump being written
-    return {"asked": asked, "files": collect_flight_recorder(case_dir, pids)}
+    return FlightRecorder(asked=asked, files=collect_flight_recorder(case_dir, pids))
+
+
+def with_files(recorder: FlightRecorder | None, found: Mapping[str, str]) -> FlightRecorder:
+    """``recorder`` with the dumps ``found`` after the stop (NCCL's own timeout wrote them) among its
+    files."""
+    recorder = recorder if recorder is not None else FlightRecorder()
+    return recorder.model_copy(update={"files": {**recorder.files, **found}})
 
 
 def collect_flight_recorder(case_dir: Path, ranks: Sequence[int] | Mapping[int, int]) -> dict[str, str]:
@@ -233,7 +240,7 @@ def rank_inputs(unit_dir: Path) -> RankInputs:
         lines = (unit_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
     except OSError:
         lines = []
-    return RankInputs((report.ddp if report else None) or {}, last, lines)
+    return RankInputs(report.ddp if report else None, last, lines)
 
 
 def aggregate_ranks(spec: CaseSpec, end: Ending) -> CaseResult:
@@ -280,29 +287,29 @@ class TorchrunLauncher(Launcher):
         children = set(_descendants(self.proc.pid))
         self.pids = {r: p for r, p in pids.items() if p in children or _alive(p)}
 
-    def notes(self) -> dict[str, Any]:
-        return {"torchrun": self.argv}
+    def notes(self) -> JobNotes:
+        return JobNotes(torchrun=self.argv)
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         # and the NCCL debug pipes (FIFOs) each rank's process group made for flight-recorder requests
         pipes = [Path(case_dir) / RANKS_DIR / f"{PIPE_PREFIX}{r}.pipe" for r in local_ranks(self.spec)]
         return super().internal_files(case_dir) + pipes
 
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
-        return {"flight_recorder": flight_recorder_dump(case_dir, self.spec, self.pids)}
+    def evidence_before_stop(self, case_dir: Path) -> JobNotes:
+        return JobNotes(flight_recorder=flight_recorder_dump(case_dir, self.spec, self.pids))
 
     def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
         return {r: RankProcess(pid) for r, pid in self.pids.items() if _alive(pid)}
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> StopReport:
         if self.proc is None:
-            return {"started": False}
+            return StopReport(started=False)
         return stop_everything(self.proc, list(self.pids.values()))
 
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
+    def evidence_after_stop(self, case_dir: Path, notes: JobNotes) -> None:
         found = collect_flight_recorder(case_dir, local_ranks(self.spec))  # written on NCCL's own timeout
         if found:
-            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
+            notes.flight_recorder = with_files(notes.flight_recorder, found)
 
     def unit_ends(
         self,
@@ -310,8 +317,8 @@ class TorchrunLauncher(Launcher):
         units: Sequence[Unit],
         watched: Sequence[WatchResult],
         hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+        stop: StopReport,
+    ) -> dict[int, tuple[WatchResult, StopReport]]:
         """A rank that had exited before the others were stopped ended by itself, with the code torchrun's
         failure summary gives it (0 when it wrote its result and is not in the summary)."""
         codes = rank_exit_codes((self.home(case_dir) / artifacts.STDERR).read_text(errors="replace"))
@@ -323,21 +330,21 @@ class TorchrunLauncher(Launcher):
             code = codes.get(rank, 0 if (unit.folder / artifacts.WORKER_RESULT).exists() else None)
             ends[rank] = (
                 w,
-                {"exit_code": code if w.outcome == "exited" else None, "pid": self.pids.get(rank)},
+                StopReport(exit_code=code if w.outcome == "exited" else None, pid=self.pids.get(rank)),
             )
         return ends
 
     def combine(self, end: Ending) -> CaseResult:
         result = aggregate_ranks(self.spec, end)
-        if end.stop.get("survivors"):
+        if end.stop.survivors:
             result = result.model_copy(
-                update={"reason": result.reason + f"; processes left: {end.stop['survivors']}"}
+                update={"reason": result.reason + f"; processes left: {end.stop.survivors}"}
             )
         return result
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         """One line: the ranks' own states are not gathered when nsa-diag itself is interrupted."""
         reason = f"interrupted by {by} after {elapsed:.1f} s"
-        return error_result(self.spec, reason, elapsed, {"outcome": "interrupted", "stop": stop})
+        return error_result(self.spec, reason, elapsed, CaseEvidence(outcome="interrupted", stop=stop))

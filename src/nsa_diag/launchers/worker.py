@@ -11,11 +11,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.evidence import stacks
 from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
+from nsa_diag.records import StopReport
 from nsa_diag.spec import CaseResult
 from nsa_diag.watchdog import ProcessHandle, catches_sigusr1, terminate_group
 
@@ -48,11 +48,11 @@ class WorkerLauncher(Launcher):
         assert self.proc is not None
         return {0: self.proc}
 
-    def stop(self) -> dict[str, Any]:
+    def stop(self) -> StopReport:
         if self.proc is None:
-            return {"started": False}
+            return StopReport(started=False)
         report = terminate_group(self.proc)
-        report["exit_code"] = self.proc.returncode
+        report.exit_code = self.proc.returncode
         return report
 
     def combine(self, end: Ending) -> CaseResult:

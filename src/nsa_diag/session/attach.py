@@ -31,6 +31,7 @@ from nsa_diag.cases import check_output
 from nsa_diag.errors import EXIT_ABORTED, UsageError
 from nsa_diag.evidence import gpu
 from nsa_diag.evidence.live import PROCESSES, TreeObservation, check_target, observe_tree
+from nsa_diag.records import GpuFiles
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -98,7 +99,7 @@ def result_record(
                 "dumps": ob.dump_notes,
                 "stack_samples": len(ob.dumps),
                 "pyspy_samples": len(ob.pyspy_samples),
-                "pyspy": ob.pyspy,
+                "pyspy": ob.pyspy.model_dump() if ob.pyspy is not None else {},
                 "gpu": ob.gpu,
                 "files": _files(run_dir, ob.pid),
             }
@@ -123,20 +124,20 @@ def result_record(
         "signal": req.send_signal,
         "pyspy_installed": tree.pyspy_installed,
         "ptrace": tree.ptrace,
-        "gpu": _gpu_files(run_dir, tree),
+        "gpu": _gpu_files(run_dir, tree).model_dump(),
         "processes": processes,
     }
 
 
-def _gpu_files(run_dir: Path, tree: TreeObservation) -> dict[str, Any]:
+def _gpu_files(run_dir: Path, tree: TreeObservation) -> GpuFiles:
     snapshot = tree.gpu_snapshot
     if not snapshot.get("available"):
-        return {"available": False, "why": snapshot.get("why")}
+        return GpuFiles(available=False, why=snapshot.get("why"))
     artifacts.write_json(run_dir / artifacts.GPU, {**snapshot, "processes_of_tree": tree.gpu_usage})
     text, why = gpu.nvidia_smi()
     if text is not None:
         artifacts.write_text(run_dir / artifacts.NVIDIA_SMI, text)
-    return {"available": True, "file": artifacts.GPU, "nvidia_smi": artifacts.NVIDIA_SMI if text else why}
+    return GpuFiles(available=True, file=artifacts.GPU, nvidia_smi=artifacts.NVIDIA_SMI if text else why)
 
 
 def _short(cmdline: list[str], width: int = 60) -> str:

@@ -39,6 +39,7 @@ from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import Expectation, replay_argv
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.matrix import Matrix, MatrixCase
+from nsa_diag.records import CaseEvidence
 from nsa_diag.session.cluster import ClusterConfig, SlurmRun
 from nsa_diag.session.core import Plan, Session, read_result
 from nsa_diag.spec import CaseResult
@@ -93,7 +94,7 @@ def finished(result: CaseResult | None, case: MatrixCase) -> bool:
         result is not None
         and result.spec_hash == case.spec.spec_hash()
         and result.verdict not in RERUN_VERDICTS
-        and result.evidence.get("outcome") not in UNFINISHED_OUTCOMES
+        and result.evidence.outcome not in UNFINISHED_OUTCOMES
     )
 
 
@@ -152,7 +153,7 @@ def _skipped_result(case: MatrixCase, case_dir: Path, reason: str) -> CaseResult
         verdict="skipped",
         reason=reason,
         timeout_s=case.spec.timeout,
-        evidence={"outcome": "not-started"},
+        evidence=CaseEvidence(outcome="not-started"),
         files=[artifacts.SPEC, artifacts.RESULT],
     )
     artifacts.write_json(case_dir / artifacts.RESULT, result)
