@@ -10,8 +10,8 @@ into them and is written back equal (`tests/diag/test_records.py`). A float that
 loss) is written as null, as it was.
 
 A record also reads like that JSON (``stop["exit_code"]``, ``"survivors" in stop``, ``stop.get("pid")``,
-``stop == {"sigterm": False, "sigkill": False}``), as `nsa_diag.summary`'s records do, so that tests and scripts written against the files read it unchanged;
-code reads its fields.
+``stop == {"sigterm": False, "sigkill": False}``), as `nsa_diag.summary`'s records do, so that tests and
+scripts written against the files read it unchanged; code reads its fields.
 """
 
 from __future__ import annotations
@@ -69,20 +69,29 @@ class Record(BaseModel):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, dict):  # the JSON it reads like
-            return bool(self.model_dump() == other)
+            return bool(self.model_dump(mode="json") == other)
         return super().__eq__(other)
 
+    @classmethod
+    def _field(cls, key: str) -> str | None:
+        """The field a JSON key names (its name, or its alias where the key is no Python name)."""
+        if key in cls.model_fields:
+            return key
+        return next((name for name, info in cls.model_fields.items() if info.alias == key), None)
+
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self.model_fields_set
+        return isinstance(key, str) and self._field(key) in self.model_fields_set
 
     def __getitem__(self, key: str) -> Any:
         if key not in self:
             raise KeyError(key)
-        return getattr(self, key)
+        return getattr(self, self._field(key) or key)
 
     def get(self, key: str, default: Any = None) -> Any:
         """The field ``key`` where it was given, else ``default`` (dict.get)."""
-        return getattr(self, key) if key in self else default
+        if key not in self:
+            return default
+        return self[key]
 
 
 # --- stopping a job ----------------------------------------------------------------------------------
@@ -228,7 +237,7 @@ class NonFinite(Record):
     of the step found them in (``where`` loss or grad); in a watched job, the loss its probe was told of
     (its value, time and pid)."""
 
-    where: str  # loss | grad
+    where: str | None = None  # loss | grad
     module: str | None = None
     seen: str | None = None
     step: int | None = None

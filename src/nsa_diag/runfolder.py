@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts, render
+from nsa_diag.analysis.sweep import ScalePoint, ScaleReport, ScaleSeries, fit_points, point_record
 from nsa_diag.errors import UsageError
 from nsa_diag.records import CaseEvidence, MainThread, PhaseSeconds
 from nsa_diag.spec import CaseResult, CaseSpec, Where
@@ -71,7 +72,7 @@ class RunFolder:
     cases: list[CaseRecord]
     not_run: list[str]
     matrix: dict[str, Any] | None = None
-    scale: dict[str, Any] | None = None
+    scale: ScaleReport | None = None
     bisect: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     # a multi-node ddp run: each node's env.json (nodes/<r>/env.json) by node rank, "0", "1", ...
@@ -346,7 +347,7 @@ def load_run(path: Path) -> RunFolder:
         found = _read_json(node_env, notes)
         if isinstance(found, dict):
             nodes[node_env.parent.name] = found
-    scale = _read_json(path / SCALE_JSON, notes)
+    scale = _scale(_read_json(path / SCALE_JSON, notes), notes)
     bisect = _read_json(path / BISECT_JSON, notes)
     return RunFolder(
         path=path,
@@ -356,11 +357,23 @@ def load_run(path: Path) -> RunFolder:
         cases=records,
         not_run=not_run,
         matrix=matrix,
-        scale=scale if isinstance(scale, dict) else None,
+        scale=scale,
         bisect=bisect if isinstance(bisect, dict) else None,
         notes=notes,
         nodes=nodes,
     )
+
+
+def _scale(data: object, notes: list[str]) -> ScaleReport | None:
+    """scale.json as read (None where there is none); one that does not read as a scale report is noted,
+    and the series are then fitted from the cases (`length_series`)."""
+    if data is None:
+        return None
+    try:
+        return ScaleReport.model_validate(data)
+    except ValueError as exc:
+        notes.append(f"{SCALE_JSON} is not a scale report: {' '.join(str(exc).split())[:200]}: ignored")
+        return None
 
 
 def axis_text(value: Any) -> str:
@@ -472,13 +485,11 @@ def _device_total(env: Mapping[str, Any] | None, device: str | None) -> tuple[in
     return (total, "total memory of the machine (env.json)") if isinstance(total, int) else None
 
 
-def _series_point(case: CaseRecord) -> dict[str, Any]:
+def _series_point(case: CaseRecord) -> ScalePoint:
     """A passed case as a point of a length series: `sweep.point_record`, the memory estimator's estimate
     (with the phase of its peak) next to the measurement, from spec.json validated as a `CaseSpec`; a
     spec.json that no longer validates (another version's fields) gives the point without an estimate.
     The peak is the case's summary row's where the result has none (memory_stats.json)."""
-    from nsa_diag.analysis.sweep import point_record
-
     assert case.spec is not None
     assert case.result is not None
     result = case.result
@@ -489,22 +500,22 @@ def _series_point(case: CaseRecord) -> dict[str, Any]:
     if spec is not None:
         point = point_record(spec.seq_len, spec, result)
     else:
-        point = {
-            "x": case.spec["seq_len"],
-            "estimate": None,
-            "verdict": result.verdict,
-            "device": result.device,
-            "step_s": _step_time(result),
-            "tokens_per_s": case.entry.get("tokens_per_s"),
-        }
-    point["case"] = case.name  # spec.json's name can be another's (a copied case folder)
-    if point.get("peak_memory_bytes") is None:
-        point["peak_memory_bytes"] = case.entry.get("peak_memory_bytes")
-        point["peak_memory_kind"] = case.entry.get("peak_memory_kind")
+        point = ScalePoint(
+            x=case.spec["seq_len"],
+            estimate=None,
+            verdict=result.verdict,
+            device=result.device,
+            step_s=_step_time(result),
+            tokens_per_s=result.metrics.tokens_per_s,
+        )
+    point.case = case.name  # spec.json's name can be another's (a copied case folder)
+    if point.peak_memory_bytes is None:
+        point.peak_memory_bytes = case.entry.get("peak_memory_bytes")
+        point.peak_memory_kind = case.entry.get("peak_memory_kind")
     return point
 
 
-def length_series(run: RunFolder) -> list[dict[str, Any]]:
+def length_series(run: RunFolder) -> list[ScaleSeries]:
     """Series of memory and time against S, in scale.json's shape (`plots.plot_scale` draws them).
 
     From scale.json when the run has one; otherwise from the cases that passed and differ only in S
@@ -512,10 +523,8 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
     (`sweep.fit_points`: CUDA points whose estimated peak is the optimizer step are left out of the
     memory fit), with the memory budget for the limit from env.json, not from this machine.
     """
-    if run.scale and isinstance(run.scale.get("series"), list):
-        return run.scale["series"]
-    from nsa_diag.analysis.sweep import fit_points
-
+    if run.scale is not None:
+        return run.scale.series
     groups: dict[str, list[CaseRecord]] = {}
     for case in run.cases:
         if case.spec is None or case.result is None or not case.result.passed:
@@ -531,17 +540,16 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
         backends = ",".join(
             f"{b}={flat[f'{b}_backend']}" for b in ("sel", "cmp", "win") if f"{b}_backend" in flat
         )
-        series.append(
-            {
-                "name": ", ".join(f"{k}={axis_text(flat.get(k))}" for k in varying) or run.command,
-                "branch": flat.get("force_branch") or "all",
-                "backend": backends or None,
-                "x": "seq_len",
-                "points": points,
-                "stopped_by": None,
-                **fit_points(points, "seq_len", lambda device: _device_total(run.env, device)),
-            }
+        found = ScaleSeries(
+            name=", ".join(f"{k}={axis_text(flat.get(k))}" for k in varying) or run.command,
+            branch=flat.get("force_branch") or "all",
+            backend=backends or None,
+            x="seq_len",
+            points=points,
+            stopped_by=None,
         )
+        found.add(fit_points(points, "seq_len", lambda device: _device_total(run.env, device)))
+        series.append(found)
     return series
 
 
@@ -573,7 +581,30 @@ def _location(result: CaseResult) -> Where | None:
     return result.where
 
 
-def failure_records(run: RunFolder) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Failure:
+    """Where a failing case went wrong (`failure_records`): its verdict and hang kind, where and why, the
+    stall limit, CPU and main thread state at the stall, and its stacks (Python, then native frames)."""
+
+    case: str
+    verdict: str
+    hang_kind: str | None
+    expected: bool  # the case was expected to fail so (selftest, a matrix's expect)
+    where: str | None
+    phase: str | None
+    layer: int | None
+    step: int | None
+    branch: str | None
+    reason: str | None
+    stall_limit: str | None
+    cpu_percent: float | None
+    main_thread_state: str | None
+    stack: list[str]
+    stack_file: str
+    native_stack: list[str]
+
+
+def failure_records(run: RunFolder) -> list[Failure]:
     """Where each case that failed went wrong: verdict, hang kind, location, why, and its stacks."""
     records = []
     for case in run.cases:
@@ -585,23 +616,23 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
         main_thread = evidence.main_thread or MainThread()
         stacks_file = result.stacks_file() if result is not None else artifacts.STACKS
         records.append(
-            {
-                "case": case.name,
-                "verdict": case.verdict,
-                "hang_kind": case.entry.get("hang_kind"),
-                "expected": bool(case.entry.get("expected")) and bool(case.entry.get("ok")),
-                "where": case.entry.get("where"),
-                "phase": where.phase if where else None,
-                "layer": where.layer if where else None,
-                "step": where.step if where else None,
-                "branch": where.branch if where else None,
-                "reason": case.entry.get("reason"),
-                "stall_limit": result.stall_limit_reason if result is not None else None,
-                "cpu_percent": evidence.cpu_percent,
-                "main_thread_state": main_thread.state,
-                "stack": render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
-                "stack_file": stacks_file,
-                "native_stack": pyspy_main_frames(case.dir / Path(stacks_file).parent),
-            }
+            Failure(
+                case=case.name,
+                verdict=case.verdict,
+                hang_kind=case.entry.get("hang_kind"),
+                expected=bool(case.entry.get("expected")) and bool(case.entry.get("ok")),
+                where=case.entry.get("where"),
+                phase=where.phase if where else None,
+                layer=where.layer if where else None,
+                step=where.step if where else None,
+                branch=where.branch if where else None,
+                reason=case.entry.get("reason"),
+                stall_limit=result.stall_limit_reason if result is not None else None,
+                cpu_percent=evidence.cpu_percent,
+                main_thread_state=main_thread.state,
+                stack=render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
+                stack_file=stacks_file,
+                native_stack=pyspy_main_frames(case.dir / Path(stacks_file).parent),
+            )
         )
     return records

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.bisect import STATE_FILE, BisectState, Trial, range_text, smallest_range
 from nsa_diag.analysis.repeat import expand
-from nsa_diag.analysis.sweep import Budget, Series, analyse_series, quadratic_culprits
+from nsa_diag.analysis.sweep import Budget, ScaleReport, Series, analyse_series, quadratic_culprits
 from nsa_diag.cases import build_spec, parse_stall
 from nsa_diag.errors import UsageError
 from nsa_diag.options import Branch
@@ -196,7 +196,7 @@ class Sweep(Plan):
         self.series = series
         self.budget = budget
         self._results: list[CaseResult] = []
-        self.report: dict[str, Any] = {}
+        self.report = ScaleReport()
 
     def specs(self) -> Sequence[CaseSpec]:
         return [spec for s in self.series for _, spec in s.points]
@@ -227,24 +227,22 @@ class Sweep(Plan):
     def finish(self, session: Session, summary: RunSummary) -> None:
         """scale.json (the fits), then scale.png; the numbers stand without the picture."""
         analyses = [analyse_series(s, self._total) for s in self.series]
-        report = {
-            "run_dir": str(session.run_dir),
-            "series": analyses,
-            "culprits": quadratic_culprits(analyses),
-        }
+        report = ScaleReport(
+            run_dir=str(session.run_dir), series=analyses, culprits=quadratic_culprits(analyses)
+        )
         artifacts.write_json(session.run_dir / SCALE_JSON, report)
         try:
             from nsa_diag.plots import plot_scale
 
             plot_scale(report, session.run_dir / SCALE_PNG)
-            report["plot"] = SCALE_PNG
+            report.plot = SCALE_PNG
         except Exception as exc:  # the numbers stand without the picture
-            report["plot_error"] = f"{type(exc).__name__}: {exc}"
+            report.plot_error = f"{type(exc).__name__}: {exc}"
         artifacts.write_json(session.run_dir / SCALE_JSON, report)
         self.report = report
 
     def to_json(self, summary: RunSummary) -> Any:
-        return {"summary": summary.to_json(), "scale": self.report}
+        return {"summary": summary.to_json(), "scale": self.report.model_dump(mode="json")}
 
     def render(self, session: Session, summary: RunSummary) -> None:
         render.render_scale(self.report)
