@@ -1,7 +1,8 @@
 """The records that pass between the worker, the launchers, the executor and the readers of run folders,
-declared once: what stopping a job took (`StopReport`), and the parts of ``result.json`` and of the
-worker's ``worker_result.json`` that were dicts: `Metrics`, `Parity`, `NonFinite`, `Rate`, `RankDdp` (one
-rank's DDP report), `DdpResult` (the case's) and `CaseEvidence`, with the smaller records they hold.
+declared once: what stopping a job took (`StopReport`), what a launcher notes of its job (`JobNotes`), and
+the parts of ``result.json`` and of the worker's ``worker_result.json`` that were dicts: `Metrics`,
+`Parity`, `NonFinite`, `Rate`, `RankDdp` (one rank's DDP report), `DdpResult` (the case's) and
+`CaseEvidence`, with the smaller records they hold.
 
 Each is a `Record`: a pydantic model whose JSON is the dict it replaced, key for key. A field is written
 when it was given (to the constructor, by assignment, or by the file read back), also as null; a field

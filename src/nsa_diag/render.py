@@ -97,7 +97,9 @@ def print_line(text: str) -> None:
 
 def print_json(data: Any) -> None:
     """`data` as indented JSON on stdout (no Rich: machines read this)."""
-    print_line(json.dumps(data, indent=2))
+    from nsa_diag import artifacts
+
+    print_line(json.dumps(data, indent=2, default=artifacts.as_json))
 
 
 def _format_value(key: str, value: Any) -> str:

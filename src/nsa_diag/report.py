@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
@@ -412,7 +412,21 @@ def draw_plots(run: RunFolder) -> dict[str, str]:
     return made
 
 
-def write_report(path: Path) -> dict[str, Any]:
+class ReportWritten(TypedDict):
+    """What `write_report` wrote (``nsa-diag report --json``): the files, the cases' verdicts, the notes."""
+
+    run_dir: str
+    command: str
+    report: str
+    plots: list[str]
+    plot_error: str | None
+    cases: int
+    counts: dict[str, int]
+    not_run: list[str]
+    notes: list[str]
+
+
+def write_report(path: Path) -> ReportWritten:
     """Read the run folder at `path`, write report.md and its PNGs there; what was written."""
     run = load_run(path)
     plot_error = None

@@ -230,22 +230,22 @@ def unit_result(
     stack_file = stacks.read_stacks(Path(unit_dir) / artifacts.STACKS)
     verdict = classify(ev)
     evidence = CaseEvidence(outcome=watched.outcome, stop=stop)
-    if hang is not None:
-        evidence = CaseEvidence(
-            outcome=watched.outcome,
-            stop=stop,
-            cpu_percent=hang.cpu_percent,
-            heartbeat=Heartbeat(
-                advancing=hang.heartbeat_advancing,
-                before_samples=hang.heartbeat_before,
-                between_samples=hang.heartbeat_between,
-            ),
-            main_thread=MainThread(state=hang.main_state, wchan=hang.main_wchan),
-            gpu_utilization=hang.gpu_utilization,
-            stack_samples=len(hang.samples),
-            progressed_during_evidence=hang.progressed,
-            longest_progress_gap_s=watched.longest_gap_s,
-            io_bytes_during_evidence=hang.io_bytes,
+    if hang is not None:  # what was gathered before any kill
+        evidence.add(
+            CaseEvidence(
+                cpu_percent=hang.cpu_percent,
+                heartbeat=Heartbeat(
+                    advancing=hang.heartbeat_advancing,
+                    before_samples=hang.heartbeat_before,
+                    between_samples=hang.heartbeat_between,
+                ),
+                main_thread=MainThread(state=hang.main_state, wchan=hang.main_wchan),
+                gpu_utilization=hang.gpu_utilization,
+                stack_samples=len(hang.samples),
+                progressed_during_evidence=hang.progressed,
+                longest_progress_gap_s=watched.longest_gap_s,
+                io_bytes_during_evidence=hang.io_bytes,
+            )
         )
         evidence.add(hang.notes)
     if watched.work is not None:

@@ -23,7 +23,9 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
+
+from pydantic import JsonValue
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.sweep import ScalePoint, ScaleReport, ScaleSeries, fit_points, point_record
@@ -44,15 +46,52 @@ _FAILED = {"hang", "slow", "crash", "error", "oom", "nonfinite", "grad-missing",
 _WATCHDOG_FIELDS = {"name", "seq_len", "stall", "timeout"}  # not part of what a scaling series computes
 
 
+JsonObject = dict[str, JsonValue]  # a JSON file's object as read: any version's, or edited by hand
+
+
+class CaseRow(TypedDict, total=False):
+    """A case's row in a run folder read back (`load_run`): summary.json's `CaseEntry` of its result.json
+    (the JSON of `CaseEntry.to_json`), summary.json's own row when it has no result, or a stand-in
+    (name, ok, verdict None, reason, where, expected); with the last step's time, the timed steps and how
+    the stall limit came about."""
+
+    name: str
+    ok: bool
+    verdict: str | None
+    hang_kind: str | None
+    reason: str | None
+    where: str | None
+    elapsed_s: float
+    device: str | None
+    steps_done: int
+    tokens_per_s: float | None
+    loss: float | None
+    peak_memory_bytes: int | None
+    peak_memory_kind: str | None
+    parity: JsonObject | None
+    rate: JsonObject | None
+    missing_grads: list[str]
+    nonfinite: JsonObject | None
+    dir: str
+    replay: str
+    stack: list[str]
+    stack_file: str
+    expected: JsonObject
+    model: JsonObject | None
+    step_s: float | None
+    timed_steps: int | None
+    stall_limit_reason: str | None
+
+
 @dataclass
 class CaseRecord:
     """One case of a run folder: its spec and result as found on disk, and its summary row."""
 
     name: str
     dir: Path
-    spec: dict[str, Any] | None
+    spec: JsonObject | None
     result: CaseResult | None
-    entry: dict[str, Any]  # a `CaseEntry` as JSON, or a stand-in when there is no result
+    entry: CaseRow
     axes: dict[str, Any] = field(default_factory=dict)  # matrix runs: the values of the axes that made it
     tags: list[str] = field(default_factory=list)
 
@@ -67,13 +106,13 @@ class RunFolder:
 
     path: Path
     command: str
-    summary: dict[str, Any] | None
-    env: dict[str, Any] | None
+    summary: JsonObject | None
+    env: dict[str, Any] | None  # env.json: the machine's environment
     cases: list[CaseRecord]
     not_run: list[str]
-    matrix: dict[str, Any] | None = None
+    matrix: JsonObject | None = None
     scale: ScaleReport | None = None
-    bisect: dict[str, Any] | None = None
+    bisect: JsonObject | None = None
     notes: list[str] = field(default_factory=list)
     # a multi-node ddp run: each node's env.json (nodes/<r>/env.json) by node rank, "0", "1", ...
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -113,7 +152,7 @@ SUMMARY_SHAPE: dict[str, type] = {"command": str, "cases": list, "not_run": list
 MATRIX_SHAPE: dict[str, type] = {"name": str, "file": str, "cases": list, "axes": dict}
 
 
-def _shaped(data: Any, file: str, shape: Mapping[str, type], notes: list[str]) -> dict[str, Any] | None:
+def _shaped(data: Any, file: str, shape: Mapping[str, type], notes: list[str]) -> JsonObject | None:
     """`data` if it is a JSON object, less each field of `shape` of another type (noted): a file edited by
     hand, or of another tool, is read as far as it makes sense, never raised on."""
     if data is None:
@@ -184,7 +223,7 @@ def _entry(
     summary_entry: Mapping[str, Any] | None,
     expected: Mapping[str, Any] | None,
     why: str,
-) -> dict[str, Any]:
+) -> CaseRow:
     """The case's summary row from its result.json (summary.json's own row only when there is none):
     `CaseEntry.of`, plus the peak at a hang from memory_stats.json, the last step's time and how
     the stall limit came about."""
@@ -192,25 +231,30 @@ def _entry(
 
     if result is None:
         if summary_entry:
-            return dict(summary_entry)
+            return cast(CaseRow, dict(summary_entry))
         where = _last_progress(case_dir)
-        return {
-            "name": name,
-            "ok": False,
-            "verdict": None,
-            "hang_kind": None,
-            "reason": why,
-            "where": f"last progress: {where.describe()}" if where else None,
-            **({"expected": dict(expected)} if isinstance(expected, Mapping) else {}),
-        }
+        row = CaseRow(
+            name=name,
+            ok=False,
+            verdict=None,
+            hang_kind=None,
+            reason=why,
+            where=f"last progress: {where.describe()}" if where else None,
+        )
+        if isinstance(expected, Mapping):
+            row["expected"] = dict(expected)
+        return row
     expectation = (
         Expectation(name, expected["verdict"], expected.get("hang_kind"))
         if isinstance(expected, Mapping) and expected.get("verdict")
         else None
     )
-    entry = CaseEntry.of(
-        result, expectation, stack=lambda stacks_file: render.main_thread_stack(case_dir, stacks_file)
-    ).to_json()
+    entry = cast(
+        CaseRow,
+        CaseEntry.of(
+            result, expectation, stack=lambda stacks_file: render.main_thread_stack(case_dir, stacks_file)
+        ).to_json(),
+    )
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
     entry["step_s"] = _last(result.metrics.step_s)
@@ -461,7 +505,7 @@ def cell_text(cases: Sequence[CaseRecord]) -> str:
     return " / ".join(verdict_text(c) for c in cases) or "-"
 
 
-def _flat_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _flat_spec(spec: Mapping[str, JsonValue]) -> JsonObject:
     flat = {k: v for k, v in spec.items() if k != "overrides"}
     flat.update(spec.get("overrides") or {})
     return flat

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
@@ -51,7 +51,7 @@ class _JsonRecord(BaseModel):
             raise KeyError(key)
         return getattr(self, key)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         """The record as written to its file, in field order."""
         data = self.model_dump(mode="json")
         return {key: value for key, value in data.items() if key in self}
@@ -282,6 +282,32 @@ class TriageRecord(Record):
     dir: str | None = None  # its reruns' folder in the run folder
 
 
+class SlurmSection(Record):
+    """How a matrix ran on Slurm: the cluster, the settings given, each case's job id, how many jobs
+    at a time (None: all at once) and the logs' folder."""
+
+    cluster: str
+    settings: dict[str, str | int | dict[str, str]] = Field(default_factory=dict)  # those set (SlurmSettings)
+    jobs: dict[str, str] = Field(default_factory=dict)
+    at_a_time: int | None = None
+    logs: str
+
+
+class MatrixSection(Record):
+    """summary.json's ``matrix`` (nsa-diag matrix): the file, the jobs, whether it resumed, the cases not
+    rerun or skipped here, each case's GPU, and the executor (with Slurm's part)."""
+
+    file: str
+    name: str
+    jobs: int
+    resumed: bool
+    not_rerun: list[str] = Field(default_factory=list)
+    skipped_here: dict[str, str] = Field(default_factory=dict)
+    gpus: dict[str, str] = Field(default_factory=dict)
+    executor: str  # local | slurm
+    slurm: SlurmSection | None = None
+
+
 class RunSummary(_JsonRecord):
     """summary.json: the invocation, the exit code, one entry per case that has a result, and the
     sections of the plan (``matrix``, ``bisect``) and of the follow-ups."""
@@ -305,8 +331,8 @@ class RunSummary(_JsonRecord):
     cases: list[CaseEntry]
     # checks the command left out because they cannot run here, with why (selftest's gpu-spin without CUDA)
     left_out: dict[str, str] | None = None
-    matrix: dict[str, Any] | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
-    bisect: dict[str, Any] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
+    matrix: MatrixSection | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
+    bisect: dict[str, JsonValue] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
     repeats: RepeatsSection | None = None  # --repeat (nsa_diag.analysis.repeat.repeats_section)
     minimize: list[MinimizeRecord] | None = None  # --minimize: one record per failing case
     triage: list[TriageRecord] | None = None  # --triage: one record per oom case
@@ -363,7 +389,7 @@ class RunSummary(_JsonRecord):
         summary.decide()
         return summary
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         data = super().to_json()
         data["cases"] = [case.to_json() for case in self.cases]
         return data

@@ -76,3 +76,8 @@ def test_the_recorded_results_hold_every_record() -> None:
     assert any(r.ddp is not None and r.ddp.stack_diff is not None for r in results)
     assert any(r.evidence.processes for r in results)
     assert any(r.metrics.peak_memory is not None for r in results)
+    assert any(r.ddp is not None and r.ddp.buckets for r in results)
+    assert any(r.evidence.stop is not None and r.evidence.stop.kept_alive for r in results)
+    assert any(r.evidence.rank_exceptions for r in results)
+    assert any(r.evidence.outcome == "interrupted" for r in results)
+    assert any(r.evidence.ranks for r in results)

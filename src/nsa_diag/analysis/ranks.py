@@ -21,9 +21,9 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from nsa_diag.evidence.stacks import ThreadStack, gpu_wait
+from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import (
     CaseEvidence,
     CollectiveState,
@@ -179,7 +179,7 @@ def _waits(state: CollectiveState | None) -> bool:
     return state is not None and state.waiting is not None
 
 
-def minority_by_counts(diff: StackDiff, at_hang: Mapping[int, Mapping[str, Any]]) -> None:
+def minority_by_counts(diff: StackDiff, at_hang: Mapping[int, AtHang]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in are the
     minority: the others wait for them. ``at_hang``: each rank's probe counts at the hang (``at_hang.json``:
     ``collectives`` per op, the call under way as ``waiting``). Sets ``minority_ranks``, ``majority_ranks``

@@ -53,6 +53,7 @@ from nsa_diag.launchers.torchrun import (
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
+from nsa_diag.probe.runtime import ProbeJson
 from nsa_diag.records import FlightRecorder, JobNotes, Rate, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
@@ -102,9 +103,9 @@ class Proc:
 
     def __init__(self, pid: int, handle: psutil.Process | None, folder: Path | None) -> None:
         self.pid, self.handle, self.folder = pid, handle, folder
-        self.info: dict[str, Any] = {}
+        self.info = ProbeJson()
 
-    def read_info(self) -> dict[str, Any]:
+    def read_info(self) -> ProbeJson:
         if self.folder is not None:
             with contextlib.suppress(OSError, ValueError):
                 self.info = artifacts.read_json(self.folder / job.PROBE_JSON)
@@ -201,7 +202,7 @@ class CommandLauncher(Launcher):
                 if child.pid not in self.procs:
                     self.procs[child.pid] = Proc(child.pid, child, None)
 
-    def _key(self, case_dir: Path, proc: Proc, info: Mapping[str, Any]) -> None:
+    def _key(self, case_dir: Path, proc: Proc, info: ProbeJson) -> None:
         assert self.proc is not None
         rank, parent = info.get("rank"), self.procs.get(info.get("ppid", -1))
         same_rank_parent = parent is not None and parent.info.get("rank") == rank
@@ -487,6 +488,6 @@ def _where(state: BeaconState | None) -> Where | None:
     return Where(**state.where()) if state is not None else None
 
 
-def _info_total(info: Mapping[str, Any]) -> int | None:
+def _info_total(info: ProbeJson) -> int | None:
     total = info.get("total_steps")
     return total if isinstance(total, int) and total > 0 else None

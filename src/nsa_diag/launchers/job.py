@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 
@@ -39,7 +39,7 @@ from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import ThreadStack, read_stacks
 from nsa_diag.launchers.base import Ending
-from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
+from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
 from nsa_diag.records import (
     CaseEvidence,
     NonFinite,
@@ -57,7 +57,7 @@ __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "uni
 STDERR_READ_BYTES = 256 * 1024
 
 
-def no_signal(info: Mapping[str, Any]) -> str | None:
+def no_signal(info: ProbeJson) -> str | None:
     """Why SIGUSR1 must not be sent to a process with this ``probe.json`` (None: its probe takes it)."""
     if not info:
         return "no probe in this process (not Python, or started without it): SIGUSR1 could end it"
@@ -94,7 +94,7 @@ def _is_oom(exc: WorkerException | Traceback) -> bool:
     return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in exc.message
 
 
-def _nonfinite(case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> NonFinite | None:
+def _nonfinite(case_dir: Path, infos: Mapping[int, ProbeJson]) -> NonFinite | None:
     """The first non-finite loss a probed process of the job was told of (its ``nonfinite.json``)."""
     for pid in infos:
         with contextlib.suppress(OSError, ValueError):
@@ -103,7 +103,7 @@ def _nonfinite(case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> NonFin
     return None
 
 
-def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> WorkerReport | None:
+def job_report(code: int, case_dir: Path, infos: Mapping[int, ProbeJson]) -> WorkerReport | None:
     """The job's account (module docstring); None when its exit status alone tells (a crash).
     ``infos``: every probed process's ``probe.json``, by pid."""
     nonfinite = _nonfinite(case_dir, infos)
@@ -165,7 +165,7 @@ _ROOT_CAUSE = re.compile(
 _OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 
 
-def rank_infos(infos: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+def rank_infos(infos: Mapping[int, ProbeJson]) -> dict[int, ProbeJson]:
     """rank -> ``probe.json`` of the job's rank processes, from every probed process's (by pid): a
     process with a rank that is neither a fork (a DataLoader worker) nor the child of one of that rank."""
     by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
@@ -177,14 +177,14 @@ def rank_infos(infos: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str,
     return ranks
 
 
-def rank_errors(text: str, infos: Mapping[int, Mapping[str, Any]]) -> dict[int, RankError]:
+def rank_errors(text: str, infos: Mapping[int, ProbeJson]) -> dict[int, RankError]:
     """Each rank's exception on the job's stderr ``text`` (`nsa_diag.analysis.tracebacks`), explained
     with that rank's ``probe.json`` (``infos``, by rank: DDP's parameter order)."""
     found = rank_exceptions(text, infos.keys(), rank_exit_codes(text))
     return {rank: _explain(tb, infos.get(rank, {})) for rank, tb in found.items()}
 
 
-def _explain(tb: Traceback, info: Mapping[str, Any]) -> RankError:
+def _explain(tb: Traceback, info: ProbeJson) -> RankError:
     names = info.get("ddp_params")
     options = info.get("ddp_options")
     find_unused = options.get("find_unused_parameters") if isinstance(options, dict) else None
@@ -362,11 +362,11 @@ def unit_ends(
     return ends
 
 
-def _info(folder: Path) -> dict[str, Any]:
+def _info(folder: Path) -> ProbeJson:
     try:
-        return dict(artifacts.read_json(folder / PROBE_JSON))
+        return cast(ProbeJson, dict(artifacts.read_json(folder / PROBE_JSON)))
     except (OSError, ValueError):
-        return {}
+        return ProbeJson()
 
 
 def location(result: CaseResult, rank: int | None) -> str:
@@ -389,7 +389,7 @@ def place(w: Where | None, rank: int | None) -> str:
     return ", ".join(parts) or "before any progress the probe could see"
 
 
-def _label(key: int, info: Mapping[str, Any], ranks: Mapping[int, int], root: int) -> str:
+def _label(key: int, info: ProbeJson, ranks: Mapping[int, int], root: int) -> str:
     pid = ranks.get(key, key)
     what = f"rank {key} (pid {pid})" if key in ranks else f"pid {pid}"
     if key == root:
@@ -464,7 +464,7 @@ def _slow_reason(rate: Rate, timeout: float, where: str, evidence: CaseEvidence)
 
 
 def process_state(
-    key: int, res: CaseResult, role: str | None, info: Mapping[str, Any], folder: Path | None, alive: bool
+    key: int, res: CaseResult, role: str | None, info: ProbeJson, folder: Path | None, alive: bool
 ) -> str:
     """What one process of the job was doing when the case ended, true of it whatever its role (module
     docstring): exited normally, killed, idle, waiting on its ranks, working, stuck, or its own verdict."""
@@ -500,7 +500,7 @@ def _record(
     key: int,
     res: CaseResult,
     role: str | None,
-    info: Mapping[str, Any],
+    info: ProbeJson,
     ranks: Mapping[int, int],
     root: int,
     folder: Path | None,
@@ -529,7 +529,7 @@ def combine(
     end: Ending,
     *,
     root: int,
-    infos: Mapping[int, Mapping[str, Any]],
+    infos: Mapping[int, ProbeJson],
     ranks: Mapping[int, int],
     rates: Mapping[int, Rate],
     folders: Mapping[int, Path],
@@ -725,7 +725,7 @@ def _rank_hang(
 def collective_minority(diff: StackDiff, folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
     probe's counts at the hang in each rank's ``at_hang.json``; `analysis.ranks.minority_by_counts`)."""
-    at_hang = {}
+    at_hang: dict[int, AtHang] = {}
     for r in ranks:
         with contextlib.suppress(OSError, ValueError):
             at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)

@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any, BinaryIO
 from nsa_diag import artifacts
 from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions, on_backward
 from nsa_diag.probe.liveness import LivenessSampler
-from nsa_diag.spec import PRE_FLIGHT, Where
+from nsa_diag.spec import PRE_FLIGHT
 from nsa_diag.worker.beacon import BeaconWriter
 
 __all__ = ["LAYER_LAYOUTS", "attach_progress", "find_blocks", "nsa_attentions"]  # from nsa_diag.probe.hooks
@@ -104,10 +104,9 @@ class Progress:
         return f"{PRE_FLIGHT} backward" if self.pre_flight else "backward"
 
     @property
-    def where(self) -> Where:
-        """The last event's location."""
-        phase, step, layer, branch, module, event = self._where
-        return Where(phase=phase, step=step, layer=layer, branch=branch, module=module, event=event)
+    def where(self) -> dict[str, str | int | None]:
+        """The last event's location (the fields of `nsa_diag.spec.Where`)."""
+        return dict(zip(("phase", "step", "layer", "branch", "module", "event"), self._where, strict=True))
 
     def event(
         self,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.records import Metrics, NonFinite, Parity, PeakMemory, PhaseSeconds, RankDdp, ReducedCheck
-from nsa_diag.spec import BuiltModel, CaseSpec, WorkerReport
+from nsa_diag.spec import BuiltModel, CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
 from nsa_diag.worker.contract import build_model, check_logits, logits_of
@@ -127,12 +127,12 @@ class Trainer:
 
     def _exception_outcome(self, exc: Exception) -> Outcome:
         """How a run that raised ended: oom, nonfinite (anomaly mode) or error, with the exception."""
-        where = self.progress.where.describe()
+        where = Where.model_validate(self.progress.where).describe()
         exception = exception_info(exc)
         anomaly = ANOMALY_NAN.search(str(exc)) if isinstance(exc, RuntimeError) else None
         if anomaly:  # set_detect_anomaly stopped backward at the first Function that produced NaN
             seen = f"output of autograd Function {anomaly.group(1)} (anomaly mode)"
-            module = self.progress.where.module or "backward"
+            module = str(self.progress.where.get("module") or "backward")
             nonfinite = NonFinite(where="grad", module=module, seen=seen, step=self.progress.step)
             reason = f"non-finite gradients at {where}, first seen in the {seen}"
             return Outcome("nonfinite", reason, exception, nonfinite=nonfinite)
