@@ -418,7 +418,7 @@ class Pause(Record):
 class Barrier(Record):
     """How long a node of a multi-node case waited for the others' evidence before it stopped its ranks."""
 
-    waited_s: float
+    waited_s: float | None = None  # None (absent): the node did not wait
     skipped: str | None = None
     nodes_not_ready: list[int] = []
 

@@ -176,7 +176,7 @@ class NodeLauncher(TorchrunLauncher):
         self.ds: DdpSpec = spec.ddp
         self.node = spec.ddp.node_rank
         self.host = socket.gethostname()
-        self.waited: Barrier | None = None
+        self.waited = Barrier()
 
     def home(self, case_dir: Path) -> Path:
         return Path(case_dir) if self.node == 0 else artifacts.node_dir(case_dir, self.node)
