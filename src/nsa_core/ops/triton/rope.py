@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-TWO_PI = 2.0 * math.pi
+TWO_PI = tl.constexpr(2.0 * math.pi)  # a constexpr: kernels read no other globals
 
 
 @triton.jit
