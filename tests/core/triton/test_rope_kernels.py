@@ -1,6 +1,13 @@
-"""The RoPE kernels against `apply_rope` in float64: the layer's split-and-rotate of its one projection
+"""The RoPE kernels against float64 rotations: the layer's split-and-rotate of its one projection
 (`qkv_rope`, seven tensors out, the projection's gradient back) and the rotation of one tensor at strided
-positions (`rope`, the compressed keys at their blocks' last tokens)."""
+positions (`rope`, the compressed keys at their blocks' last tokens).
+
+Two references. `apply_rope` in float64 where positions are small (under 1000), where float32 angles hold.
+At any position, the float64 rotation by the kernel's own float32 angle ``fl32(p * inv_freq)`` (the angle
+torch's float32 table holds too): that angle is off by up to ~p * 2**-24 radians from the true one, so at
+4096 tokens any float32 RoPE differs from float64 by ~1e-5, and by ~1e-2 at 250k; what the kernel adds to it
+(the reduction to [-pi, pi] and the float32 cosine) must stay at float32 rounding.
+"""
 
 from __future__ import annotations
 
@@ -14,50 +21,57 @@ from ..utils import assert_close
 from .conftest import SIZES
 
 THETA = 10000.0
-# float32 rotation against float64: the float32 angle p * inv_freq is off by up to ~p * 2**-24 radians
+SMALL = 1000  # positions below which float32 angles are compared with float64 ones (RATIO)
 RATIO = 1e-5
+SAME_ANGLE_RATIO = 2e-6  # against the float64 rotation by the same float32 angle
 ROTATED = (0, 3, 5)  # q, k_sel, k_win among q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win
 
 
-def _split_reference(y: torch.Tensor, heads: int, kv_heads: int, pos0: int) -> list[torch.Tensor]:
-    # torch: q and six key/value tensors as views of y, then apply_rope on q, k_sel and k_win
+def _rotate64(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (float64) rotated at ``positions``: by float64 angles (`apply_rope`) where ``inv_freq`` is None,
+    else by the float32 angles ``positions * inv_freq`` (a float32 product), in float64 from there."""
+    if inv_freq is None:
+        return apply_rope(x, positions, THETA)
+    angle = (positions.float()[:, None] * inv_freq.cpu()[None, :]).double()  # [T, D/2]
+    cos, sin = angle.cos()[None, :, None, :], angle.sin()[None, :, None, :]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _split_reference(
+    y: torch.Tensor, heads: int, kv_heads: int, pos0: int, inv_freq: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    # q and six key/value tensors as views of y, then q, k_sel and k_win rotated
     B, T, _ = y.shape
     D = y.shape[-1] // (heads + 6 * kv_heads)
     positions = torch.arange(pos0, pos0 + T)
     parts = [y[..., : heads * D].view(B, T, heads, D)]
     parts += list(y[..., heads * D :].view(B, T, 6, kv_heads, D).unbind(2))
-    return [apply_rope(p, positions, THETA) if i in ROTATED else p for i, p in enumerate(parts)]
+    return [_rotate64(p, positions, inv_freq) if i in ROTATED else p for i, p in enumerate(parts)]
 
 
 @pytest.mark.parametrize("D", [*SIZES.head_dims, 24])  # and a half head dim no power of 2
 @pytest.mark.parametrize("T", SIZES.seq_lens)
 @pytest.mark.parametrize(("heads", "kv_heads", "pos0"), [(4, 2, 0), (6, 1, 77)])
-def test_qkv_rope_matches_apply_rope(
-    device: str, D: int, T: int, heads: int, kv_heads: int, pos0: int
-) -> None:
-    """Against torch's float32 RoPE (the same float32 angles), forward and backward; against float64 where
-    the positions are small enough for float32 angles to hold (below ~1000)."""
+def test_qkv_rope_matches_float64(device: str, D: int, T: int, heads: int, kv_heads: int, pos0: int) -> None:
     gen = torch.Generator().manual_seed(T + D + heads + pos0)
     y = torch.randn(2, T, (heads + 6 * kv_heads) * D, generator=gen, dtype=torch.float64)
     grads = [torch.randn(2, T, h, D, generator=gen, dtype=torch.float64) for h in [heads] + [kv_heads] * 6]
-    references = []
-    for dtype in (torch.float64, torch.float32):
-        ref_y = y.to(dtype).clone().requires_grad_(True)
-        refs = _split_reference(ref_y, heads, kv_heads, pos0)
-        torch.autograd.backward(refs, [g.to(dtype) for g in grads])
-        references.append((dtype, [r.detach().double() for r in refs], ref_y.grad.double()))
     tri_y = y.to(device=device, dtype=torch.float32).requires_grad_(True)
     inv_freq = rope_frequencies(D, THETA, tri_y.device)
     outs = qkv_rope(tri_y, inv_freq, heads=heads, kv_heads=kv_heads, pos_start=pos0)
     torch.autograd.backward(outs, [g.to(device=device, dtype=torch.float32) for g in grads])
     assert all(out.is_contiguous() for out in outs)
-    for dtype, refs, ref_grad in references:
-        if dtype == torch.float64 and pos0 + T > 1000:
-            continue
-        ratio = RATIO if dtype == torch.float64 else 1e-6
+    references = [(inv_freq, SAME_ANGLE_RATIO)] + ([(None, RATIO)] if pos0 + T <= SMALL else [])
+    for freq, ratio in references:
+        ref_y = y.clone().requires_grad_(True)
+        refs = _split_reference(ref_y, heads, kv_heads, pos0, freq)
+        torch.autograd.backward(refs, grads)
+        label = "float64" if freq is None else "same angle"
         for i, (ref, out) in enumerate(zip(refs, outs, strict=True)):
-            assert_close(f"{dtype} part {i}", ref, out.detach().double().cpu(), ratio, atol=1e-6)
-        assert_close(f"{dtype} dy", ref_grad, tri_y.grad.double().cpu(), ratio, atol=1e-6)
+            assert_close(f"{label} part {i}", ref.detach(), out.detach().double().cpu(), ratio, atol=1e-6)
+        assert_close(f"{label} dy", ref_y.grad, tri_y.grad.double().cpu(), ratio, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -84,18 +98,18 @@ def test_rope_at_strided_positions(device: str, D: int, start: int, step: int) -
     x = torch.randn(2, 9, 3, D, generator=gen, dtype=torch.float64)
     dout = torch.randn(2, 9, 3, D, generator=gen, dtype=torch.float64)
     positions = start + torch.arange(9) * step
-    ref_x = x.clone().requires_grad_(True)
-    ref = apply_rope(ref_x, positions, THETA)
-    ref.backward(dout)
     tri_x = x.to(device=device, dtype=torch.float32).requires_grad_(True)
-    out = rope(tri_x, rope_frequencies(D, THETA, tri_x.device), pos_start=start, pos_step=step)
+    inv_freq = rope_frequencies(D, THETA, tri_x.device)
+    out = rope(tri_x, inv_freq, pos_start=start, pos_step=step)
     out.backward(dout.to(device=device, dtype=torch.float32))
-    # float32 angles p * inv_freq lose ~p * 2**-24 radians: compare with torch's own float32 rotation there
-    torch32 = apply_rope(x.float(), positions, THETA).double()
-    assert_close("out", torch32, out.detach().double().cpu(), 1e-6, atol=1e-6)
-    if start + 9 * step < 1000:
-        assert_close("out vs float64", ref.detach(), out.detach().double().cpu(), RATIO)
-        assert_close("dx", ref_x.grad, tri_x.grad.double().cpu(), RATIO)
+    references = [(inv_freq, SAME_ANGLE_RATIO)] + ([(None, RATIO)] if positions.max() < SMALL else [])
+    for freq, ratio in references:
+        ref_x = x.clone().requires_grad_(True)
+        ref = _rotate64(ref_x, positions, freq)
+        ref.backward(dout)
+        label = "float64" if freq is None else "same angle"
+        assert_close(f"{label} out", ref.detach(), out.detach().double().cpu(), ratio, atol=1e-6)
+        assert_close(f"{label} dx", ref_x.grad, tri_x.grad.double().cpu(), ratio, atol=1e-6)
 
 
 def test_rope_rejects_bad_arguments(device: str) -> None:

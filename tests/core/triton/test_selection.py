@@ -271,13 +271,13 @@ def test_strided_inputs(device: str) -> None:
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
 
 
-def test_inverted_index() -> None:
+def test_inverted_index(device: str) -> None:
     """Bucket (b, h, j) lists, in ascending order, the query rows whose group chose block j (causal only)."""
     block_idx = torch.tensor([[[[0, -1]], [[0, 1]], [[1, 0]], [[2, 1]]]])  # [B=1, Tq=4, HKV=1, n=2]
     # q_offset=4, l'=4: rows 0..3 sit at t = 4..7; block 2 starts at 8 > t, so row 3's choice of it drops
-    offsets, tokens = build_block_queries(block_idx, num_keys=8, sel_block_len=4, q_offset=4)
+    offsets, tokens = build_block_queries(block_idx.to(device), num_keys=8, sel_block_len=4, q_offset=4)
     assert offsets.tolist() == [0, 3, 6]  # Ns = 2 buckets
-    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # sentinel entries follow
+    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # entries past the total are undefined
 
 
 def _sorted_index(
