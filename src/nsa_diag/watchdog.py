@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.spec import CaseSpec
-from nsa_diag.worker.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 
 Status = Literal["running", "stalled", "timeout"]
 POLL_S = 0.2
@@ -128,7 +128,7 @@ class Work:
     cpu_s: float | None = None
     io_bytes: int | None = None
     frame: str | None = None  # where the main thread last moved to (``path:line function``)
-    flags: int = 0  # `nsa_diag.worker.beacon.FLAG_*` of its stack there
+    flags: int = 0  # `nsa_diag.beacon.FLAG_*` of its stack there
 
     @property
     def cpu_percent(self) -> float | None:

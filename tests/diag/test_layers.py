@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
      "nsa_diag.logcap",
      "nsa_diag.redact",
-     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
      "nsa_diag.interrupts", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),

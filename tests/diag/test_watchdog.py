@@ -24,6 +24,7 @@ import psutil
 import pytest
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState
 from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, CommandSpec, Injection
 from nsa_diag.watchdog import (
@@ -46,7 +47,6 @@ from nsa_diag.watchdog import (
     steps_done,
     terminate_group,
 )
-from nsa_diag.worker.beacon import BeaconState
 
 T0 = 1_000_000.0
 

@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
@@ -48,7 +49,6 @@ from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult, steps_done
-from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
