@@ -70,8 +70,8 @@ from nsa_diag.evidence import stacks
 from nsa_diag.evidence.live import ProcessInfo, ProcessObservation, TreeObservation
 from nsa_diag.evidence.probefiles import location
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
-from nsa_diag.evidence.stacks import ThreadStack
 from nsa_diag.spec import HangKind, Where
+from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Observation, ProcRead, Work, work_in
 
 State = Literal["progressing", "idle", "paused", "stalled", "unclear", "gone"]

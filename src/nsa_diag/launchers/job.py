@@ -37,10 +37,11 @@ from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_excepti
 from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
-from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
 from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
+from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 
 __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]

@@ -35,10 +35,11 @@ from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
 from nsa_diag.beacon import read_beacon
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence import procfs
-from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
 from nsa_diag.results import error_result, read_worker_report
 from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
 from nsa_diag.worker.ddp import RANKS_DIR, pg_timeout_s, rank_dir
 
