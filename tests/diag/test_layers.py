@@ -37,7 +37,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # cap), which values
     # are secrets, errors, the shipped matrices, Slurm settings (a matrix file's `slurm:` section) and
     # submitit's executor
-    ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.spec", "nsa_diag.summary", "nsa_diag.artifacts",
+    ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.records", "nsa_diag.spec", "nsa_diag.summary",
+     "nsa_diag.artifacts",
      "nsa_diag.logcap",
      "nsa_diag.redact",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
