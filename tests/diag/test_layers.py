@@ -36,14 +36,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: specs and results, option declarations, file names and atomic writes (the logs: their
     # cap), which values
     # are secrets, errors, the shipped matrices, Slurm settings (a matrix file's `slurm:` section) and
-    # submitit's executor
+    # submitit's executor; the wire format (beacon), parsed stacks and the one stop routine
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.records", "nsa_diag.spec", "nsa_diag.summary",
      "nsa_diag.artifacts",
      "nsa_diag.logcap",
      "nsa_diag.redact",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
      "nsa_diag.stackframes",
-     "nsa_diag.interrupts", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
+     "nsa_diag.interrupts", "nsa_diag.stopping", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)
