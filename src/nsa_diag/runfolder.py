@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts, render
+from nsa_diag.analysis.compare import ComparedCase, ComparedRun
 from nsa_diag.errors import UsageError
 from nsa_diag.spec import CaseResult, CaseSpec, Where
 from nsa_diag.summary import CaseEntry
@@ -78,6 +79,11 @@ class RunFolder:
 
     def case(self, name: str) -> CaseRecord | None:
         return next((case for case in self.cases if case.name == name), None)
+
+    def compared(self) -> ComparedRun:
+        """What `nsa_diag.analysis.compare.compare_runs` compares of this run."""
+        cases = [ComparedCase(case.name, case.entry, case.spec) for case in self.cases]
+        return ComparedRun(str(self.path), self.command, cases, self.env, self.nodes, self.notes)
 
 
 def _read_json(path: Path, notes: list[str]) -> Any:

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nsa_diag.evidence.stacks import ThreadStack, gpu_wait
 from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
+from nsa_diag.stackframes import ThreadStack, gpu_wait
 
 # A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
 SEVERITY = (

@@ -41,11 +41,11 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts, redact
+from nsa_diag.beacon import BeaconState
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
 from nsa_diag.evidence.probefiles import ProbeInfo, find_probe, read_at_hang, read_probe_beacon
-from nsa_diag.worker.beacon import BeaconState
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")

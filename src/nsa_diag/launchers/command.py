@@ -18,9 +18,10 @@ probe (not Python), only ``--timeout`` applies. SIGUSR1 goes only to processes w
 At a stall or timeout, before anything stops: the flight recorder's dump of every rank (NCCL), then the
 watchdog's evidence of every live unit, and ``tree.json``: /proc of every process of the job (probed or
 not, DataLoader workers and torchrun's ranks in sessions of their own included: psutil's descendants,
-followed while the job ran). Then every one of them is stopped (SIGTERM, grace, SIGKILL), unless
-``--keep-alive``. The verdict (`nsa_diag.launchers.job`): from the command's exit status and its last
-traceback when it exited; at a stall the unit that stalled, the ranks' minority, the process waited on.
+followed while the job ran). Then every one of them is stopped (`nsa_diag.stopping`: SIGTERM, grace,
+SIGKILL), unless ``--keep-alive``. The verdict (`nsa_diag.launchers.job`): from the command's exit status
+and its last traceback when it exited; at a stall the unit that stalled, the ranks' minority, the process
+waited on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
@@ -47,8 +49,8 @@ from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
-from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult, steps_done
-from nsa_diag.worker.beacon import BeaconState, read_beacon
+from nsa_diag.stopping import ProcessTree, stop_tree
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, steps_done
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -353,7 +355,10 @@ class CommandLauncher(Launcher):
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
             report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
         else:
-            report = job.stop_tree(self.proc, [p.handle for p in self.procs.values() if p.handle], GRACE_S)
+            # the command's session, every process seen, their descendants and the sessions they lead
+            handles = [p.handle for p in self.procs.values() if p.handle]
+            tree = ProcessTree([self.proc.pid], handles, follow=True)
+            report = stop_tree(tree, self.proc, name_signalled=True).model_dump()
         self.stop_report = report
         return report
 

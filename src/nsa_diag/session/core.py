@@ -37,8 +37,8 @@ from nsa_diag.summary import RunSummary
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nsa_diag.beacon import BeaconState
     from nsa_diag.cases import Expectation
-    from nsa_diag.worker.beacon import BeaconState
 
 ProgressCallback = Callable[["BeaconState | None", float], None]
 
