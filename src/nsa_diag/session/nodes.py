@@ -34,9 +34,6 @@ from nsa_diag.session.plans import NodePart
 from nsa_diag.slurm import LOG_FOLDER, Cluster, SlurmSettings, job_end, make_executor
 from nsa_diag.spec import CaseResult, CaseSpec
 
-# The endpoint of a case submitted with --executor slurm until its node 0 chooses one (`node_job`): a spec
-# of several nodes names one, and this one is never dialled.
-PENDING_ENDPOINT = "chosen-by-node-0:1"
 POLL_S = 1.0
 CANCEL_WAIT_S = {"slurm": 60.0, "local": 15.0}  # the cancelled job's nodes stop their cases (SIGTERM)
 RESULT_GRACE_S = {"slurm": 15.0, "local": 2.0}  # a shared file system showing node 0's result.json late
