@@ -89,14 +89,10 @@ def ddp(
     rendezvous on the endpoint's address only. With --executor slurm this command submits one job of
     --nnodes nodes, follows it, and reports the case's result (Ctrl-C cancels the job).
     """
-    import dataclasses
-
     from nsa_diag.cases import build_ddp_spec, check_nodes_options, check_options
-    from nsa_diag.launchers.nodes import check_rendezvous
     from nsa_diag.launchers.preflight import check_user_model
-    from nsa_diag.session import Plan, Session, check_follow_ups
-    from nsa_diag.session.nodes import submit_nodes
-    from nsa_diag.session.plans import CaseList, NodePart
+    from nsa_diag.session import check_follow_ups
+    from nsa_diag.session.nodes import run_ddp
     from nsa_diag.slurm import nodes_job
 
     check_options(options)
@@ -116,25 +112,5 @@ def ddp(
     )
     spec = build_ddp_spec(options, job)  # named --name
     check_user_model([spec])
-    assert spec.ddp is not None
-    if job is not None:
-        code = submit_nodes(
-            spec,
-            out=options.out,
-            tag=options.tag,
-            settings=job.settings,
-            cluster=job.cluster,
-            json_output=json_output,
-            junit=follow.junit,
-        )
-        raise typer.Exit(code)
-    if spec.ddp.rdzv_endpoint is not None:
-        check_rendezvous(spec.ddp)
-    if spec.ddp.nnodes > 1:
-        plan: Plan = NodePart(spec, options.out, options.tag)
-        if spec.ddp.node_rank > 0:  # node 0 writes the case's JUnit (the nodes may share the path)
-            follow = dataclasses.replace(follow, junit=None)
-    else:
-        plan = CaseList("ddp", [spec])
-    session = Session(plan, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
-    raise typer.Exit(session.run())
+    code = run_ddp(spec, job, out=options.out, tag=options.tag, json_output=json_output, follow=follow)
+    raise typer.Exit(code)
