@@ -5,10 +5,10 @@ impossible geometry, `--device cuda` without a GPU, a `--model` that cannot be i
 never fire. Each raises `UsageError` or `ConfigError` with one line naming the option and the fix (exit 2).
 
 `CaseOptions` (what a command receives), `build_spec` (options -> spec) and `replay_argv(spec, out)` (spec ->
-the `nsa-diag run|ddp` command line that reproduces it) are derived from the case options' declarations:
-the `Opt` of each `CaseSpec` and `DdpSpec` field, `spec.MODEL_OPTIONS` and `options.SESSION_OPTIONS`.
-At the end, the same for `nsa-diag ddp` (issue 6): its options checked, the `DdpSpec` (`build_ddp_spec`),
-its replay flags.
+the `nsa-diag run|ddp|verify|watch` command line that reproduces it, for every replay.sh) are derived from
+the case options' declarations: the `Opt` of each `CaseSpec` and `DdpSpec` field, `spec.MODEL_OPTIONS` and
+`options.SESSION_OPTIONS`. At the end, the same for `nsa-diag ddp` (issue 6): its options checked, the
+`DdpSpec` (`build_ddp_spec`), its replay flags.
 """
 
 from __future__ import annotations
@@ -538,6 +538,7 @@ def selftest_specs(
 
 
 _OVERRIDE_FLAGS = {opt.override: opt.flag for opt in MODEL_OPTIONS}
+_NSA_DIAG = (sys.executable, "-m", "nsa_diag")  # how a replay line starts nsa-diag: this interpreter
 
 
 def _replay_order() -> tuple[str, ...]:
@@ -569,18 +570,23 @@ def _replay_option(spec: CaseSpec, field: str) -> list[str]:
 
 
 def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
-    """The `nsa-diag run` (or `ddp`, or for a property `verify --only`) command line that reproduces
-    `spec`, its run folder under `out`.
+    """The command line that reproduces `spec`, its run folder under `out` (``replay.sh``; the one place it
+    is built): `nsa-diag run`, or `ddp`, or for a property `verify --only`, or for a user's own command
+    `watch`.
 
     The head says which case and which model: name, preset, the overrides (in their order), `--model`;
-    then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`.
+    then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`. A `watch` line gives its
+    options, then the command after ``--``.
     """
+    out_flag = ["--out", str(Path(out).resolve())]
+    if spec.command is not None:  # `nsa-diag watch`: the spec holds the options it takes, and the command
+        return [*_NSA_DIAG, "watch", *_replay_option(spec, "name"), *out_flag, *_watch_flags(spec)]
     if spec.check is not None:  # a property of `nsa-diag verify`: its replay checks it again
-        argv = [sys.executable, "-m", "nsa_diag", "verify", "--only", spec.check]
+        argv = [*_NSA_DIAG, "verify", "--only", spec.check]
         skip: tuple[str, ...] = ("name", *CHECK_OMITS)
     else:
         command = "ddp" if spec.ddp is not None else "run"
-        argv = [sys.executable, "-m", "nsa_diag", command, *_replay_option(spec, "name")]
+        argv = [*_NSA_DIAG, command, *_replay_option(spec, "name")]
         skip = ()
     argv += _replay_option(spec, "preset")
     for key, value in spec.overrides.items():
@@ -596,8 +602,19 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
             argv += _replay_option(spec, field)
     if spec.ddp is not None:  # issue 6
         argv += ddp_flags(spec.ddp)
-    argv += ["--out", str(Path(out).resolve())]
-    return argv
+    return argv + out_flag
+
+
+def _watch_flags(spec: CaseSpec) -> list[str]:
+    """`nsa-diag watch`'s options of ``spec`` (its watchdog, the job's own, the probe's detail), then
+    ``--`` and the user's command."""
+    cmd = spec.command
+    assert cmd is not None
+    argv = ["--stall", str(spec.stall), "--timeout", f"{spec.timeout:g}"]
+    argv += ["--keep-alive"] * cmd.keep_alive
+    argv += ["--total-steps", str(cmd.total_steps)] if cmd.total_steps else []
+    argv += _replay_option(spec, "branch_marks")
+    return [*argv, "--", *cmd.argv]
 
 
 # --- nsa-diag ddp (issue 6): the ddp options checked, and the specs they make ------------------------------
