@@ -14,7 +14,8 @@ states. This module only
   states (COMPLETED, FAILED, TIMEOUT, PREEMPTED, NODE_FAIL, CANCELLED, OUT_OF_MEMORY, ...) and those of
   the local executor, each with the reason a person reads, never a silent gap;
 - refuses what cannot work in one line (`UsageError`, exit 2): no submitit (`require_submitit`), a bad
-  ``--slurm-opt`` or ``--time``, no Slurm on this machine.
+  ``--slurm-opt`` or ``--time``, no Slurm on this machine, a Slurm option without ``--executor slurm``
+  (`nodes_job`: how `nsa-diag ddp` submits a case's nodes as one job).
 
 submitit is an optional dependency (``pip install 'nsa-diag[slurm]'``) imported only here, and only when
 a command asks for ``--executor slurm``. The module sits with the vocabulary (pydantic and the errors only)
