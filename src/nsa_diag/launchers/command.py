@@ -118,11 +118,10 @@ class CommandLauncher(Launcher):
     label = "watched command"
     units_appear = True
 
-    def __init__(self, spec: CaseSpec, replay: Sequence[str] | None = None, echo_stdout: Any = None) -> None:
+    def __init__(self, spec: CaseSpec, echo_stdout: Any = None) -> None:
         super().__init__(spec)
         assert spec.command is not None
         self.cmd: CommandSpec = spec.command
-        self.replay = list(replay or [])
         self.echo_stdout = echo_stdout  # where the job's stdout is shown (stderr under --json)
         self.procs: dict[int, Proc] = {}  # by pid, in the order seen; probed ones have a folder
         self.order: list[int] = []  # probed pids in the order they appeared (the units after the root)
@@ -142,9 +141,6 @@ class CommandLauncher(Launcher):
 
     def command(self, case_dir: Path) -> list[str]:
         return list(self.cmd.argv)
-
-    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
-        return self.replay or list(argv)
 
     def replay_env(self, case_dir: Path) -> dict[str, str]:
         return {}
