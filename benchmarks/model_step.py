@@ -8,7 +8,9 @@ same embedding, RMSNorm, SwiGLU and head; one q projection, one k/v projection, 
 projection (NSA's three k/v projections, compressors and gates are its own extra parameters).
 
 Each length runs ``--tokens`` tokens a step (batch = tokens / S, at least 1), 3 warm-up steps, then the
-median of ``--steps`` timed steps (CUDA events); peak is ``max_memory_allocated`` over the timed steps.
+median of ``--steps`` timed steps (CUDA events); peak is ``max_memory_allocated`` over the timed steps;
+``host ms`` is the median time the host takes to launch a step (no step synchronises): where it is close
+to the step time, the step is bound by the host.
 
     python benchmarks/model_step.py --seq-lens 2048 16384
     python benchmarks/model_step.py --graphs  # the model's forward and backward in CUDA graphs, both models
@@ -26,6 +28,7 @@ import datetime
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -101,17 +104,20 @@ def measure(kind: str, S: int, B: int, steps: int, dtype: torch.dtype, graphs: b
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        times = []
+        times, host = [], []
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            began = time.perf_counter()
             step()
+            host.append((time.perf_counter() - began) * 1e3)  # the host's launches (no sync in a step)
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
         ms = statistics.median(times)
         result |= {
             "step_ms": ms,
+            "host_ms": statistics.median(host),
             "tokens_per_s": B * S / ms * 1e3,
             "peak_gib": torch.cuda.max_memory_allocated() / GIB,
         }
@@ -147,7 +153,8 @@ def main() -> None:
         "graphs": args.graphs,
     }
     print(", ".join(f"{k} {v}" for k, v in header.items()))
-    print(f"{'S':>6} {'B':>3}  {'model':<8} {'step ms':>9} {'tokens/s':>10} {'peak GiB':>9}  NSA vs dense")
+    columns = f"{'step ms':>9} {'host ms':>8} {'tokens/s':>10} {'peak GiB':>9}"
+    print(f"{'S':>6} {'B':>3}  {'model':<8} {columns}  NSA vs dense")
     kinds = ("dense", "nsa", "composed") if args.composed else ("dense", "nsa")
     rows = []
     for S in args.seq_lens:
@@ -165,7 +172,8 @@ def main() -> None:
                 d = pair["dense"]
                 ratio = f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x tokens/s"
                 ratio += f", {r['peak_gib'] / d['peak_gib']:.2f}x peak"
-            figures = f"{r['step_ms']:>9.1f} {r['tokens_per_s']:>10.0f} {r['peak_gib']:>9.2f}"
+            figures = f"{r['step_ms']:>9.1f} {r['host_ms']:>8.1f} {r['tokens_per_s']:>10.0f}"
+            figures += f" {r['peak_gib']:>9.2f}"
             print(f"{S:>6} {B:>3}  {kind:<8} {figures}  {ratio}")
         rows.append(pair)
     if args.json:

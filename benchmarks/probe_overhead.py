@@ -50,8 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import nsa_core
+from nsa_diag.beacon import BeaconWriter, read_beacon
 from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
-from nsa_diag.worker.beacon import BeaconWriter, read_beacon
 from nsa_diag.worker.probes import Heartbeat, Progress
 
 VARIANTS = ("plain", "old", "probe", "marks", "beacon", "null")

@@ -37,8 +37,12 @@ for part in "$@"; do
       # one process the folder did not finish in 380 s on the H100, ~2.5 s a test); six processes side
       # by side ran the float64 references of T=8192 x 64 heads out of GPU memory together
       shards=("test_compression.py:compressed_fp32" "test_window.py:" "test_compression.py:not compressed_fp32"
-              "test_selection.py:" "test_gates.py:" "test_wiring.py:" "test_nsa.py:")
-      lanes=("0 1" "2" "3 4 5 6")  # four side by side ran test_compression out of GPU memory
+              "test_selection.py:" "test_gates.py:" "test_wiring.py:" "test_nsa.py:" "test_rope_kernels.py:")
+      # five lanes on an H200 (139 GB); on an H100 (79 GB) four side by side ran test_compression out of
+      # memory, and five ran test_selection's float64 references out of it
+      lanes=("0 1" "2" "3 4 5 6 7")
+      mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+      (( ${mib:-0} > 120000 )) && lanes=("0 1" "2 4 7" "3" "5" "6")
       pids=()
       for lane in "${lanes[@]}"; do
         (for i in $lane; do

@@ -80,6 +80,16 @@ ExecutorOpt = Annotated[
         "nodes share.",
     ),
 ]
+NodesExecutorOpt = Annotated[  # `nsa-diag ddp`: where the case's nodes run
+    JobExecutor,
+    typer.Option(
+        "--executor",
+        rich_help_panel=_CLUSTER,
+        help="local: this node's part, here. slurm: one Slurm job of --nnodes nodes through submitit "
+        "(pip install 'nsa-diag[slurm]'), one torchrun per node; node ranks and the endpoint are chosen "
+        "on the nodes; --out must be on a file system they share.",
+    ),
+]
 PartitionOpt = Annotated[
     str | None, typer.Option("--partition", rich_help_panel=_CLUSTER, help="Slurm partition (sbatch -p).")
 ]

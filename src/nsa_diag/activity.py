@@ -55,6 +55,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, TypedDict
 
 from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind
+from nsa_diag.beacon import BeaconState
 from nsa_diag.classify import (
     DEADLOCK_CPU_MAX,
     Evidence,
@@ -69,11 +70,10 @@ from nsa_diag.evidence import stacks
 from nsa_diag.evidence.live import ProcessInfo, ProcessObservation, TreeObservation
 from nsa_diag.evidence.probefiles import location
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
-from nsa_diag.evidence.stacks import ThreadStack
 from nsa_diag.records import StackDiff, WorkSeen
 from nsa_diag.spec import HangKind, Where
+from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Observation, ProcRead, Work, work_in
-from nsa_diag.worker.beacon import BeaconState
 
 State = Literal["progressing", "idle", "paused", "stalled", "unclear", "gone"]
 TreeState = Literal["progressing", "paused", "stalled", "unclear", "gone"]

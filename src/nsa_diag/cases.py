@@ -5,9 +5,10 @@ impossible geometry, `--device cuda` without a GPU, a `--model` that cannot be i
 never fire. Each raises `UsageError` or `ConfigError` with one line naming the option and the fix (exit 2).
 
 `CaseOptions` (what a command receives), `build_spec` (options -> spec) and `replay_argv(spec, out)` (spec ->
-the `nsa-diag run|ddp` command line that reproduces it) are derived from the case options' declarations:
-the `Opt` of each `CaseSpec` field, `spec.MODEL_OPTIONS` and `options.SESSION_OPTIONS`.
-At the end, the same for `nsa-diag ddp` (issue 6): its flags checked, the `DdpSpec`, its replay flags.
+the `nsa-diag run|ddp|verify|watch` command line that reproduces it, for every replay.sh) are derived from
+the case options' declarations: the `Opt` of each `CaseSpec` and `DdpSpec` field, `spec.MODEL_OPTIONS` and
+`options.SESSION_OPTIONS`. At the end, the same for `nsa-diag ddp` (issue 6): its options checked, the
+`DdpSpec` (`build_ddp_spec`), its replay flags.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import (
@@ -46,6 +47,7 @@ from nsa_diag.spec import (
     MIN_STALL_S,
     MODEL_OPTIONS,
     MODEL_REF,
+    PENDING_ENDPOINT,
     CaseSpec,
     DdpSpec,
     Injection,
@@ -53,6 +55,9 @@ from nsa_diag.spec import (
     OverrideValue,
     endpoint_problem,
 )
+
+if TYPE_CHECKING:
+    from nsa_diag.slurm import NodesJob
 
 _TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 MAX_TAG_CHARS = 64  # the run folder's name is the tag and 30 characters more; a file name is 255 at most
@@ -113,15 +118,15 @@ def default_seq_len(cfg: Any) -> int:
 # --- the case options, from their declarations ------------------------------------------------------------
 
 
-def _field_options() -> dict[str, Opt]:
-    """`CaseSpec` field -> its `Opt`, with the command-line default filled in from the field."""
+def _field_options(model: type[BaseModel]) -> dict[str, Opt]:
+    """`model` field -> its `Opt`, with the command-line default filled in from the field."""
     found: dict[str, Opt] = {}
-    for field, info in CaseSpec.model_fields.items():
+    for field, info in model.model_fields.items():
         opts = [item for item in info.metadata if isinstance(item, Opt)]
         if not opts:
             continue
         (opt,) = opts
-        assert opt.name == field, f"CaseSpec.{field}: its option {opt.flag} must be named after it"
+        assert opt.name == field, f"{model.__name__}.{field}: its option {opt.flag} must be named after it"
         if opt.default is FROM_FIELD:
             default = info.get_default(call_default_factory=True)
             is_enum = isinstance(opt.type, type) and issubclass(opt.type, Enum)
@@ -130,12 +135,15 @@ def _field_options() -> dict[str, Opt]:
     return found
 
 
-SPEC_OPTIONS = _field_options()  # the options that set a CaseSpec field of the same name
-# Every case option by name: those of CaseSpec fields, the model overrides, the run's own.
+SPEC_OPTIONS = _field_options(CaseSpec)  # the options that set a CaseSpec field of the same name
+DDP_OPTIONS = _field_options(DdpSpec)  # nsa-diag ddp's: each sets the DdpSpec field of the same name
+# Every case option by name: those of CaseSpec fields, the model overrides, the run's own, nsa-diag ddp's.
 CASE_OPTIONS: dict[str, Opt] = {
-    opt.name: opt for opt in (*SPEC_OPTIONS.values(), *MODEL_OPTIONS, *SESSION_OPTIONS)
+    opt.name: opt for opt in (*SPEC_OPTIONS.values(), *MODEL_OPTIONS, *SESSION_OPTIONS, *DDP_OPTIONS.values())
 }
-assert len(CASE_OPTIONS) == len(SPEC_OPTIONS) + len(MODEL_OPTIONS) + len(SESSION_OPTIONS), "an option twice"
+assert len(CASE_OPTIONS) == len(SPEC_OPTIONS) + len(MODEL_OPTIONS) + len(SESSION_OPTIONS) + len(
+    DDP_OPTIONS
+), "an option twice"
 assert sorted(CASE_OPTIONS) == sorted(n for g in GROUPS for n in g.names), "options.GROUPS: each option once"
 
 
@@ -535,6 +543,7 @@ def selftest_specs(
 
 
 _OVERRIDE_FLAGS = {opt.override: opt.flag for opt in MODEL_OPTIONS}
+_NSA_DIAG = (sys.executable, "-m", "nsa_diag")  # how a replay line starts nsa-diag: this interpreter
 
 
 def _replay_order() -> tuple[str, ...]:
@@ -566,18 +575,23 @@ def _replay_option(spec: CaseSpec, field: str) -> list[str]:
 
 
 def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
-    """The `nsa-diag run` (or `ddp`, or for a property `verify --only`) command line that reproduces
-    `spec`, its run folder under `out`.
+    """The command line that reproduces `spec`, its run folder under `out` (``replay.sh``; the one place it
+    is built): `nsa-diag run`, or `ddp`, or for a property `verify --only`, or for a user's own command
+    `watch`.
 
     The head says which case and which model: name, preset, the overrides (in their order), `--model`;
-    then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`.
+    then the other options (`_REPLAY_ORDER`), `nsa-diag ddp`'s own, and `--out`. A `watch` line gives its
+    options, then the command after ``--``.
     """
+    out_flag = ["--out", str(Path(out).resolve())]
+    if spec.command is not None:  # `nsa-diag watch`: the spec holds the options it takes, and the command
+        return [*_NSA_DIAG, "watch", *_replay_option(spec, "name"), *out_flag, *_watch_flags(spec)]
     if spec.check is not None:  # a property of `nsa-diag verify`: its replay checks it again
-        argv = [sys.executable, "-m", "nsa_diag", "verify", "--only", spec.check]
+        argv = [*_NSA_DIAG, "verify", "--only", spec.check]
         skip: tuple[str, ...] = ("name", *CHECK_OMITS)
     else:
         command = "ddp" if spec.ddp is not None else "run"
-        argv = [sys.executable, "-m", "nsa_diag", command, *_replay_option(spec, "name")]
+        argv = [*_NSA_DIAG, command, *_replay_option(spec, "name")]
         skip = ()
     argv += _replay_option(spec, "preset")
     for key, value in spec.overrides.items():
@@ -593,11 +607,22 @@ def replay_argv(spec: CaseSpec, out: Path) -> list[str]:
             argv += _replay_option(spec, field)
     if spec.ddp is not None:  # issue 6
         argv += ddp_flags(spec.ddp)
-    argv += ["--out", str(Path(out).resolve())]
-    return argv
+    return argv + out_flag
 
 
-# --- nsa-diag ddp (issue 6): the ddp flags, checked, and the specs they make ------------------------------
+def _watch_flags(spec: CaseSpec) -> list[str]:
+    """`nsa-diag watch`'s options of ``spec`` (its watchdog, the job's own, the probe's detail), then
+    ``--`` and the user's command."""
+    cmd = spec.command
+    assert cmd is not None
+    argv = ["--stall", str(spec.stall), "--timeout", f"{spec.timeout:g}"]
+    argv += ["--keep-alive"] * cmd.keep_alive
+    argv += ["--total-steps", str(cmd.total_steps)] if cmd.total_steps else []
+    argv += _replay_option(spec, "branch_marks")
+    return [*argv, "--", *cmd.argv]
+
+
+# --- nsa-diag ddp (issue 6): the ddp options checked, and the specs they make ------------------------------
 
 DDP_BACKENDS = ("auto", "gloo", "nccl")
 
@@ -626,51 +651,10 @@ def resolve_backend(backend: str, device: str) -> str:
     return "nccl" if runs_on_cuda(device) else "gloo"
 
 
-def check_ddp_options(
-    *,
-    nproc: int,
-    backend: str,
-    device: str,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    here: bool = True,
-) -> str:
-    """Everything about the ddp flags that can be wrong, as one `UsageError` line; the resolved backend.
-    ``here=False``: the ranks run elsewhere (``--executor slurm``): this machine's GPUs are not asked, and
-    the endpoint is chosen on the nodes."""
-    if nproc < 1:
-        raise UsageError(f"--nproc {nproc}: give 1 or more ranks per node")
-    if nnodes < 1:
-        raise UsageError(f"--nnodes {nnodes}: give 1 or more nodes")
-    if not 0 <= node_rank < nnodes:
-        raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
-    if nnodes > 1 and not rdzv_endpoint and here:
-        raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
-    problem = None if rdzv_endpoint is None else endpoint_problem(rdzv_endpoint)
-    if problem:
-        raise UsageError(f"--rdzv-endpoint {problem}")
-    if backend not in DDP_BACKENDS:
-        raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
-    resolved = resolve_backend(backend, device)
-    if resolved == "nccl" and here:
-        if device == "cpu":
-            raise UsageError("--backend nccl with --device cpu: NCCL needs CUDA tensors; use --backend gloo")
-        if not cuda_available():
-            raise UsageError("--backend nccl: torch sees no CUDA device here; use --backend gloo on the CPU")
-        import torch  # here only: `nsa-diag --help` must not import torch
-
-        gpus = torch.cuda.device_count()
-        if nproc > gpus:
-            raise UsageError(f"--nproc {nproc} with --backend nccl: only {gpus} GPU(s) here, one per rank")
-    return resolved
-
-
-def check_nodes_options(
-    options: CaseOptions, *, nnodes: int, run_id: str | None, rdzv_timeout: float | None
-) -> None:
+def check_nodes_options(options: CaseOptions) -> None:
     """The options of a multi-node case that can be wrong before its rendezvous is checked, as one
     `UsageError` line."""
+    nnodes, run_id, rdzv_timeout = options.nnodes, options.run_id, options.rdzv_timeout
     if nnodes <= 1:
         for flag, value in (("--run-id", run_id), ("--rdzv-timeout", rdzv_timeout)):
             if value is not None:
@@ -692,30 +676,73 @@ def check_nodes_options(
             raise UsageError(f"{flag}: not with --nnodes {nnodes}; its follow-up runs are one node's")
 
 
-def build_ddp_spec(options: CaseOptions, ddp: Mapping[str, Any], *, name: str, **fields: Any) -> CaseSpec:
-    """`build_spec` with ``spec.ddp`` from the ddp flags (already checked)."""
-    try:
-        ddp_spec = DdpSpec.model_validate(dict(ddp))
-    except ValidationError as exc:
-        raise ConfigError("; ".join(" ".join(str(e["msg"]).split()) for e in exc.errors())) from None
-    device = "cuda" if ddp_spec.backend == "nccl" else options.device.value
-    return build_spec(options.replace(device=type(options.device)(device)), name=name, ddp=ddp_spec, **fields)
+def check_ddp_options(options: CaseOptions, job: NodesJob | None = None) -> str:
+    """Everything about the ddp options that can be wrong, as one `UsageError` line; the backend the ranks
+    use (``auto`` resolved). ``job``: the ranks run on a Slurm job's nodes (``--executor slurm``), not
+    here: auto is nccl when the job asks for GPUs (or ``--device cuda``), this machine's GPUs are not asked,
+    and the endpoint is chosen on the nodes."""
+    nproc, nnodes, node_rank = options.nproc, options.nnodes, options.node_rank
+    backend, device, endpoint = options.backend, options.device.value, options.rdzv_endpoint
+    here = job is None
+    if job is not None and backend == "auto":
+        backend = "nccl" if job.settings.gpus_per_node or device == "cuda" else "gloo"
+    if nproc < 1:
+        raise UsageError(f"--nproc {nproc}: give 1 or more ranks per node")
+    if nnodes < 1:
+        raise UsageError(f"--nnodes {nnodes}: give 1 or more nodes")
+    if not 0 <= node_rank < nnodes:
+        raise UsageError(f"--node-rank {node_rank}: must be in 0..{nnodes - 1} with --nnodes {nnodes}")
+    if nnodes > 1 and not endpoint and here:
+        raise UsageError(f"--nnodes {nnodes}: give --rdzv-endpoint HOST:PORT, the same on every node")
+    problem = None if endpoint is None else endpoint_problem(endpoint)
+    if problem:
+        raise UsageError(f"--rdzv-endpoint {problem}")
+    if backend not in DDP_BACKENDS:
+        raise UsageError(f"--backend {backend!r}: choose from {', '.join(DDP_BACKENDS)}")
+    resolved = resolve_backend(backend, device)
+    if resolved == "nccl" and here:
+        if device == "cpu":
+            raise UsageError("--backend nccl with --device cpu: NCCL needs CUDA tensors; use --backend gloo")
+        if not cuda_available():
+            raise UsageError("--backend nccl: torch sees no CUDA device here; use --backend gloo on the CPU")
+        import torch  # here only: `nsa-diag --help` must not import torch
+
+        gpus = torch.cuda.device_count()
+        if nproc > gpus:
+            raise UsageError(f"--nproc {nproc} with --backend nccl: only {gpus} GPU(s) here, one per rank")
+    return resolved
+
+
+def build_ddp_spec(
+    options: CaseOptions, job: NodesJob | None = None, *, name: str | None = None, **fields: Any
+) -> CaseSpec:
+    """`build_spec` with ``spec.ddp`` from the ddp options, checked first (`check_ddp_options`); the ranks
+    run on CUDA with nccl. ``job``: they run on its nodes, whose node 0 chooses the endpoint
+    (`PENDING_ENDPOINT` until then)."""
+    backend = check_ddp_options(options, job)
+    ddp = {field: opt.from_command_line(getattr(options, field)) for field, opt in DDP_OPTIONS.items()}
+    ddp["backend"] = backend
+    if job is not None:
+        ddp["rdzv_endpoint"] = PENDING_ENDPOINT
+    device = "cuda" if backend == "nccl" else options.device.value
+    return build_spec(options.replace(device=type(options.device)(device)), name=name, ddp=ddp, **fields)
 
 
 def ddp_selftest_specs(
-    options: CaseOptions, ddp: Mapping[str, Any], *, layers: int | None = None
+    options: CaseOptions, *, layers: int | None = None
 ) -> list[tuple[CaseSpec, Expectation]]:
     """`selftest --ddp`: skip-collective on rank 1 (hang, collective) and unused-param on every rank
-    (grad-missing), each on the ranks of ``ddp`` (at least 2); ``layers``: a ``--model``'s."""
+    (grad-missing), each on the ranks of the ddp options (at least 2) of one node; ``layers``: a
+    ``--model``'s."""
+    options = options.replace(nproc=max(2, options.nproc))
+    check_ddp_options(options)
     layer = (layers or model_config(options.preset.value, preset_overrides(options)).layers) - 1
-    ddp = {**ddp, "nproc": max(2, int(ddp.get("nproc", 2)))}
     cases = [
         ("skip-collective:rank=1,step=1", Expectation("skip-collective", "hang", "collective")),
         (f"unused-param:layer={layer},step=1", Expectation("unused-param", "grad-missing")),
     ]
     return [
-        (build_ddp_spec(options.replace(inject=(inject,)), ddp, name=f"ddp-{e.kind}"), e)
-        for inject, e in cases
+        (build_ddp_spec(options.replace(inject=(inject,)), name=f"ddp-{e.kind}"), e) for inject, e in cases
     ]
 
 

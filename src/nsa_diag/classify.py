@@ -41,17 +41,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from nsa_diag.evidence.procfs import is_python
-from nsa_diag.evidence.stacks import (
-    Frame,
-    ThreadStack,
-    fatal_error,
-    gpu_wait,
-    innermost_native,
-    parse_faulthandler,
-    parse_pyspy,
-)
+from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy
 from nsa_diag.records import Rate
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
+from nsa_diag.stackframes import Frame, ThreadStack, gpu_wait, innermost_native
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from types import FrameType
 
 from nsa_diag import artifacts, interrupts
+from nsa_diag.beacon import BeaconState
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
@@ -45,7 +46,6 @@ from nsa_diag.watchdog import (
     WatchResult,
     gather_hang_evidence,
 )
-from nsa_diag.worker.beacon import BeaconState
 
 ProgressCallback = Callable[[BeaconState | None, float], None]
 EVIDENCE_JOIN_S = 60.0  # per unit, when several are sampled at once: one wedged sampler must not hold all

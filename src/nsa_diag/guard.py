@@ -4,8 +4,9 @@ Every process a case starts gets ``NSA_DIAG_CASE=<the case folder>`` in its envi
 `nsa_diag.executor` sets it), and every process those start inherits it: a DataLoader worker, a torchrun
 rank, a shell's child, a daemon that double-forked or called ``setsid`` to leave the job's session and
 process group. `sweep` finds them all by that marker in ``/proc/<pid>/environ`` (this user's processes)
-and stops them: SIGTERM, a grace period, SIGKILL. The executor sweeps after it stopped a case's job,
-whatever ended it (a pass included: a daemon left behind is stopped and named in the case's result).
+and stops them: SIGTERM, a grace period, SIGKILL (`nsa_diag.stopping`). The executor sweeps after it
+stopped a case's job, whatever ended it (a pass included: a daemon left behind is stopped and named in the
+case's result).
 
 When nsa-diag itself is killed (SIGKILL, the OOM killer) nothing of it runs any more, so each case also
 has a **guardian**: ``python -m nsa_diag.guard`` in a session of its own, started before the job, without
@@ -15,7 +16,8 @@ it ends, the pipe closes; the guardian then sweeps the case, writes its result.j
 records with the scheduler's word), and exits. `Guardian.release` (the case ended
 normally, or ``watch --keep-alive`` left the job running on purpose) tells it to exit without sweeping.
 
-Standard library only: the guardian starts in a fraction of a second and imports nothing heavy.
+Standard library only (and `nsa_diag.stopping`, which is too when imported): the guardian starts in a
+fraction of a second and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from nsa_diag.stopping import ProcessTree, alive, stop_tree
 
 CASE_ENV = "NSA_DIAG_CASE"
 GRACE_S = 2.0
@@ -44,14 +48,6 @@ def _environ_has(pid: int, needle: bytes) -> bool:
     return needle in data.split(b"\0")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(PROC / str(pid) / "stat", "rb") as f:
-            return f.read().rpartition(b")")[2].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
-
-
 def marked(marker: str, exclude: frozenset[int] = frozenset()) -> list[int]:
     """Live processes (this user's) whose environment holds ``NSA_DIAG_CASE=<marker>``, but ``exclude``."""
     needle = f"{CASE_ENV}={marker}".encode()
@@ -61,30 +57,17 @@ def marked(marker: str, exclude: frozenset[int] = frozenset()) -> list[int]:
         for entry in os.listdir(PROC):
             if entry.isdigit() and int(entry) != me and int(entry) not in exclude:
                 pid = int(entry)
-                if _environ_has(pid, needle) and _alive(pid):
+                if _environ_has(pid, needle) and alive(pid):
                     found.append(pid)
     return sorted(found)
 
 
 def sweep(marker: str, grace_s: float = GRACE_S, exclude: frozenset[int] = frozenset()) -> list[int]:
-    """Stop every live process marked with ``marker`` (SIGTERM, ``grace_s``, SIGKILL); the pids found."""
-    found = marked(marker, exclude)
-    for pid in found:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(pid) for pid in found):
-        time.sleep(0.05)
-    for _ in range(3):
-        left = [pid for pid in marked(marker, exclude) if _alive(pid)]
-        if not left:
-            break
-        found = sorted(set(found) | set(left))
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.1)
-    return found
+    """Stop every live process marked with ``marker`` (`nsa_diag.stopping`: SIGTERM, ``grace_s``, SIGKILL);
+    the pids found."""
+    tree = ProcessTree(find=lambda: marked(marker, exclude))
+    stop_tree(tree, grace_s=grace_s)
+    return sorted(tree.seen)
 
 
 class Guardian:

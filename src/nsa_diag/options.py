@@ -4,6 +4,7 @@ A case option is declared once, next to what it sets:
 
 - an option that sets a `CaseSpec` field is an `Opt` in that field's `Annotated` metadata (`nsa_diag.spec`);
 - an option that becomes a model override (`CaseSpec.overrides`) is a `ModelOpt` in `spec.MODEL_OPTIONS`;
+- an option of `nsa-diag ddp` (`CaseSpec.ddp`) is an `Opt` in a `DdpSpec` field's metadata;
 - an option of the run itself (where its folder goes, the follow-ups) is an `Opt` in `SESSION_OPTIONS` here.
 
 From those declarations come the Typer options (`_cli_utils.case_options`), the `CaseOptions` value a command
@@ -279,8 +280,16 @@ EVIDENCE = Group(
 FOLLOW_UPS = Group("Repeat, minimize, triage", ("repeat", "minimize", "triage"))
 OUTPUT = Group(_OUTPUT, ("out", "tag", "junit"))
 CASE_NAME = Group(_OUTPUT, ("name",))  # the commands that run one named case: run, ddp
+# `nsa-diag ddp`'s own (the fields of `spec.DdpSpec`)
+DDP = Group(
+    "DDP",
+    (
+        "nproc", "backend", "static_graph", "find_unused", "bucket_mb", "trace_buckets",
+        "nnodes", "node_rank", "rdzv_endpoint", "run_id", "rdzv_timeout",
+    ),
+)  # fmt: skip
 
-GROUPS = (MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, FOLLOW_UPS, OUTPUT, CASE_NAME)
+GROUPS = (MODEL, NSA, TRAINING, WATCHDOG, FAULTS, EVIDENCE, FOLLOW_UPS, OUTPUT, CASE_NAME, DDP)
 # `nsa-diag verify` checks a property, it does not train: the case options it does not take (its replay
 # line omits them too).
 CHECK_OMITS = ("inject", "steps", "reference_check", "profile", "memory_snapshot")

@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import Evidence, classify, pause_reason
 from nsa_diag.evidence import stacks
 from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
@@ -37,7 +38,6 @@ from nsa_diag.watchdog import (
     step_limit,
     steps_done,
 )
-from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 STDERR_TAIL_BYTES = 4096
 _CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE, artifacts.STACK_REQUEST}

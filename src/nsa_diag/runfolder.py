@@ -28,6 +28,7 @@ from typing import Any, TypedDict, cast
 from pydantic import JsonValue
 
 from nsa_diag import artifacts, render
+from nsa_diag.analysis.compare import ComparedCase, ComparedRun
 from nsa_diag.analysis.sweep import ScalePoint, ScaleReport, ScaleSeries, fit_points, point_record
 from nsa_diag.errors import UsageError
 from nsa_diag.records import CaseEvidence, MainThread, PhaseSeconds
@@ -119,6 +120,11 @@ class RunFolder:
 
     def case(self, name: str) -> CaseRecord | None:
         return next((case for case in self.cases if case.name == name), None)
+
+    def compared(self) -> ComparedRun:
+        """What `nsa_diag.analysis.compare.compare_runs` compares of this run."""
+        cases = [ComparedCase(case.name, case.entry, case.spec) for case in self.cases]
+        return ComparedRun(str(self.path), self.command, cases, self.env, self.nodes, self.notes)
 
 
 def _read_json(path: Path, notes: list[str]) -> Any:

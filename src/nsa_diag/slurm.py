@@ -14,7 +14,8 @@ states. This module only
   states (COMPLETED, FAILED, TIMEOUT, PREEMPTED, NODE_FAIL, CANCELLED, OUT_OF_MEMORY, ...) and those of
   the local executor, each with the reason a person reads, never a silent gap;
 - refuses what cannot work in one line (`UsageError`, exit 2): no submitit (`require_submitit`), a bad
-  ``--slurm-opt`` or ``--time``, no Slurm on this machine.
+  ``--slurm-opt`` or ``--time``, no Slurm on this machine, a Slurm option without ``--executor slurm``
+  (`nodes_job`: how `nsa-diag ddp` submits a case's nodes as one job).
 
 submitit is an optional dependency (``pip install 'nsa-diag[slurm]'``) imported only here, and only when
 a command asks for ``--executor slurm``. The module sits with the vocabulary (pydantic and the errors only)
@@ -27,6 +28,7 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nsa_diag.errors import UsageError
+from nsa_diag.options import JobExecutor, SubmititCluster
 
 Cluster = Literal["slurm", "local"]
 INSTALL_HINT = "--executor slurm needs submitit: pip install 'nsa-diag[slurm]'"
@@ -197,6 +200,62 @@ def require_submitit() -> ModuleType:
     except ImportError:
         raise UsageError(INSTALL_HINT) from None
     return submitit
+
+
+# --- nsa-diag ddp --executor slurm: a case's nodes as one job ----------------------------------------------
+
+# The options that only `--executor slurm` takes, in the order a refusal names the first given.
+SLURM_ONLY = ("--partition", "--account", "--gpus-per-node", "--time", "--slurm-opt", "--submitit-cluster")
+
+
+@dataclass(frozen=True)
+class NodesJob:
+    """How `nsa-diag ddp --executor slurm` submits a case's nodes: one job of these settings, through
+    this submitit cluster (``local``: submitit's local executor, every node a process here)."""
+
+    settings: SlurmSettings
+    cluster: Cluster = "slurm"
+
+
+def nodes_job(
+    executor: JobExecutor,
+    *,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    partition: str | None = None,
+    account: str | None = None,
+    gpus_per_node: int | None = None,
+    time: str | None = None,
+    slurm_opts: Sequence[str] = (),
+    submitit_cluster: SubmititCluster | None = None,
+) -> NodesJob | None:
+    """None for ``--executor local`` (refusing the Slurm options there); else the job that runs the case's
+    ``nnodes`` nodes. `UsageError` (exit 2) for what cannot work: no submitit, no Slurm, one node, a node
+    rank or endpoint given (the job chooses them), a bad ``--time`` or ``--slurm-opt``."""
+    given = (partition, account, gpus_per_node, time, list(slurm_opts) or None, submitit_cluster)
+    if executor != JobExecutor.slurm:
+        named = [flag for flag, value in zip(SLURM_ONLY, given, strict=True) if value is not None]
+        if named:
+            raise UsageError(f"{named[0]} applies to --executor slurm; this run is --executor local")
+        return None
+    if nnodes < 2:
+        raise UsageError(
+            "--executor slurm: give --nnodes 2 or more (one node: nsa-diag matrix --executor slurm)"
+        )
+    if node_rank != 0 or rdzv_endpoint is not None:
+        flag = "--node-rank" if node_rank != 0 else "--rdzv-endpoint"
+        raise UsageError(
+            f"{flag}: not with --executor slurm; each node's rank and the endpoint come from the job"
+        )
+    require_submitit()
+    cluster: Cluster = "local" if submitit_cluster == SubmititCluster.local else "slurm"
+    if cluster == "slurm" and shutil.which("sbatch") is None:
+        raise UsageError("--executor slurm: no Slurm here (sbatch not found); run nsa-diag on a login node")
+    settings = settings_from_options(
+        partition=partition, account=account, gpus_per_node=gpus_per_node, time=time, slurm_opts=slurm_opts
+    )
+    return NodesJob(settings, cluster)
 
 
 def make_executor(

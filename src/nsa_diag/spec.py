@@ -147,28 +147,80 @@ def endpoint_problem(endpoint: str) -> str | None:
 # rendezvous, the others for node 0 to listen): Slurm starts a job's tasks within seconds of each other,
 # but a node's Python and torch import can take a minute on a loaded shared file system.
 RDZV_TIMEOUT_S = 120.0
+# The endpoint of a case submitted with ``nsa-diag ddp --executor slurm`` until its node 0 chooses one
+# (`nsa_diag.session.nodes.node_job`): a spec of several nodes names one, and this one is never dialled.
+PENDING_ENDPOINT = "chosen-by-node-0:1"
 
 
 class DdpSpec(BaseModel):
     """How `nsa-diag ddp` runs a case on several ranks through torchrun (`nsa_diag.launchers.torchrun`)."""
 
+    # Each field's `Opt` is its `nsa-diag ddp` option (`options.DDP` lists them): `cases.build_ddp_spec`
+    # checks them, resolves --backend auto and builds the spec's `ddp`; `cases.ddp_flags` writes them back
+    # for replay lines. (The docstring is the JSON schema's description: `nsa-diag schema`.)
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    nproc: int = Field(2, ge=1, description="ranks per node (torchrun --nproc-per-node)")
-    backend: Literal["gloo", "nccl"] = "gloo"
-    static_graph: bool = Field(False, description="DistributedDataParallel(static_graph=True)")
-    find_unused: bool = Field(False, description="DistributedDataParallel(find_unused_parameters=True)")
-    bucket_mb: float | None = Field(None, gt=0, description="bucket_cap_mb; None: DDP's default (25)")
-    trace_buckets: bool = Field(False, description="record bucket sizes and dtypes per rank for step 1")
-    nnodes: int = Field(1, ge=1)
-    node_rank: int = Field(0, ge=0)
-    rdzv_endpoint: str | None = Field(None, description="HOST:PORT; None: 127.0.0.1 and a free port")
+    nproc: Annotated[int, Opt("--nproc", int, "Ranks per node.")] = Field(
+        2, ge=1, description="ranks per node (torchrun --nproc-per-node)"
+    )
+    backend: Annotated[
+        Literal["gloo", "nccl"],
+        Opt(
+            "--backend",
+            str,
+            "Process-group backend; auto: nccl when the ranks run on CUDA, else gloo.",
+            "auto",
+            metavar="auto|gloo|nccl",
+        ),
+    ] = "gloo"
+    static_graph: Annotated[bool, Opt("--static-graph", bool, "DDP static_graph=True.")] = Field(
+        False, description="DistributedDataParallel(static_graph=True)"
+    )
+    find_unused: Annotated[bool, Opt("--find-unused", bool, "DDP find_unused_parameters=True.")] = Field(
+        False, description="DistributedDataParallel(find_unused_parameters=True)"
+    )
+    bucket_mb: Annotated[
+        float | None, Opt("--bucket-mb", float, "DDP bucket_cap_mb (default 25).", min=0.001)
+    ] = Field(None, gt=0, description="bucket_cap_mb; None: DDP's default (25)")
+    trace_buckets: Annotated[
+        bool, Opt("--trace-buckets", bool, "Record bucket sizes and dtypes per rank for step 1.")
+    ] = Field(False, description="record bucket sizes and dtypes per rank for step 1")
+    nnodes: Annotated[int, Opt("--nnodes", int, "Nodes (run the command on each).")] = Field(1, ge=1)
+    node_rank: Annotated[int, Opt("--node-rank", int, "This node's index, 0..nnodes-1.")] = Field(0, ge=0)
+    rdzv_endpoint: Annotated[
+        str | None,
+        Opt(
+            "--rdzv-endpoint",
+            str,
+            "Rendezvous endpoint (several nodes); default 127.0.0.1 and a free port.",
+            metavar="HOST:PORT",
+        ),
+    ] = Field(None, description="HOST:PORT; None: 127.0.0.1 and a free port")
     # How long the nodes wait for each other: node 0's store for the others to join, a node for node 0's
     # store to listen, node 0 for the other nodes' rank results. Not part of what the case computes.
-    rdzv_timeout: float | None = Field(None, gt=0, description="seconds; None: RDZV_TIMEOUT_S")
+    rdzv_timeout: Annotated[
+        float | None,
+        Opt(
+            "--rdzv-timeout",
+            float,
+            "Several nodes: how long the nodes wait for each other (node 0 for the others to join, "
+            "the others for node 0 to listen, node 0 for their results); default 120.",
+            metavar="SECONDS",
+        ),
+    ] = Field(None, gt=0, description="seconds; None: RDZV_TIMEOUT_S")
     # A multi-node case's id (rendezvous id and run folder name); None: derived alike on every node
     # (`CaseSpec.run_id`). Not part of what the case computes.
-    run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", max_length=100)
+    run_id: Annotated[
+        str | None,
+        Opt(
+            "--run-id",
+            str,
+            "Several nodes: the rendezvous id and run folder `<out>/ddp-<ID>`, the same on every node "
+            "(default: the case name and a hash of its options, alike on every node).",
+            metavar="ID",
+        ),
+    ] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$", max_length=100)
 
     @field_validator("rdzv_endpoint")
     @classmethod
@@ -423,8 +475,8 @@ class CaseSpec(BaseModel):
         NotAnOption("nsa-diag verify: one case per property (--only)"),
     ] = Field(None, description="run this correctness property (nsa-diag verify) instead of training steps")
     # Issue 6: set, the case runs on several ranks through torchrun (nsa_diag.launchers.torchrun).
-    ddp: Annotated[DdpSpec | None, NotAnOption("nsa-diag ddp's own options (--nproc, --backend, ...)")] = (
-        Field(None, description="nsa-diag ddp: ranks, backend and DDP options")
+    ddp: Annotated[DdpSpec | None, NotAnOption("nsa-diag ddp: DdpSpec's fields declare its options")] = Field(
+        None, description="nsa-diag ddp: ranks, backend and DDP options"
     )
 
     # Issue 17: set, the case is a user's own command (nsa-diag watch; nsa_diag.launchers.command).

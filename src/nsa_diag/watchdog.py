@@ -16,16 +16,12 @@ after the executor found a stalled unit only paused (a sleep, a checkpoint writt
 with that unit's stall clock started again (`Watcher.rearm`).
 `gather_hang_evidence` is the escalation before any kill: memory at the hang (asked of the worker's
 heartbeat thread), two faulthandler stack samples a second apart with the CPU% and heartbeat between them,
-``/proc`` state, py-spy, GPU state. `terminate_group` is the end of every case: SIGTERM to the worker's
-process group, a grace period, SIGKILL, reap, and SIGKILL to anything of the case's session still alive.
+``/proc`` state, py-spy, GPU state. Stopping the case's processes afterwards is `nsa_diag.stopping`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,10 +30,10 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 from nsa_diag.evidence import gpu, procfs, stacks
-from nsa_diag.records import CaseEvidence, GpuFiles, MemoryDump, Rate, StopReport, WorkSeen
+from nsa_diag.records import CaseEvidence, GpuFiles, MemoryDump, Rate, WorkSeen
 from nsa_diag.spec import CaseSpec
-from nsa_diag.worker.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 
 Status = Literal["running", "stalled", "timeout"]
 POLL_S = 0.2
@@ -90,7 +86,6 @@ WORK_IO_BYTES = 1 << 20
 BUSY_WORKER_CPU = 50.0
 PROC_EVERY_S = 0.5  # how often the polling loop reads /proc (CPU time, I/O bytes) of each unit
 HEARTBEAT_STALE_S = 1.0  # the heartbeat ticks every 0.1 s; this long without a tick: it cannot run
-GRACE_S = 3.0
 DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory evidence at a hang
 SAMPLE_INTERVAL_S = 1.0
 # py-spy dumps after the first of a unit that uses the CPU at a stall (each takes ~0.1-0.5 s): C code that
@@ -129,7 +124,7 @@ class Work:
     cpu_s: float | None = None
     io_bytes: int | None = None
     frame: str | None = None  # where the main thread last moved to (``path:line function``)
-    flags: int = 0  # `nsa_diag.worker.beacon.FLAG_*` of its stack there
+    flags: int = 0  # `nsa_diag.beacon.FLAG_*` of its stack there
 
     @property
     def cpu_percent(self) -> float | None:
@@ -643,59 +638,6 @@ def watch(
 ) -> Watched:
     """`Watcher.run` once (a job watched to its first exit, stall or timeout)."""
     return Watcher(proc, beacons, spec, started, on_progress, poll_s, optional_beacons).run()
-
-
-def _signal_session(session: int, sig: signal.Signals) -> list[int]:
-    """Send ``sig`` to the process group and to every other live process of the session; their pids."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(session, sig)
-    hit = []
-    for pid in procfs.session_pids(session):
-        stat = procfs.read_stat(pid)
-        if stat is None or stat["state"] == "Z":
-            continue
-        hit.append(pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-    return hit
-
-
-def terminate_group(proc: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> StopReport:
-    """Stop every process of the case: SIGTERM to the group, ``grace_s``, SIGKILL, reap; what it took."""
-    session = proc.pid
-    report = StopReport(sigterm=False, sigkill=False)
-    if proc.poll() is None or procfs.session_pids(session):
-        report.sigterm = True
-        _signal_session(session, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            proc.poll()
-            if proc.returncode is not None and not _alive(session):
-                break
-            time.sleep(0.05)
-    if proc.poll() is None or _alive(session):
-        report.sigkill = True
-        for _ in range(50):
-            if not _signal_session(session, signal.SIGKILL) and proc.poll() is not None:
-                break
-            time.sleep(0.05)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        report.unreaped = proc.pid
-    survivors = [pid for pid in procfs.session_pids(session) if _not_zombie(pid)]
-    if survivors:
-        report.survivors = survivors
-    return report
-
-
-def _not_zombie(pid: int) -> bool:
-    stat = procfs.read_stat(pid)
-    return stat is not None and stat["state"] != "Z"
-
-
-def _alive(session: int) -> bool:
-    return any(_not_zombie(pid) for pid in procfs.session_pids(session))
 
 
 # --- the escalation: evidence before any kill ----------------------------------------------------------

@@ -24,9 +24,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa_core.ops.triton import compression, flash, gates, nsa, selection  # noqa: E402
+from nsa_core.ops.triton import compression, flash, gates, nsa, rope, selection  # noqa: E402
 
-MODULES = (flash, selection, compression, gates)
+MODULES = (flash, selection, compression, gates, rope)
 POINTER_TYPES = {
     torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
     torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1",
@@ -131,6 +131,15 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     ctx = _Ctx()
     nsa.NSAAttentionFunction.forward(ctx, q, k_cmp, v_cmp, k, v, k, v, gate, geometry, 0, scale, None)
     nsa.NSAAttentionFunction.backward(ctx, do, None)
+    # the layer's projections split and rotated, and the compressed keys rotated, each way
+    inv_freq = rope.rope_frequencies(D, 10000.0, q.device)
+    y = torch.randn(1, T, (HQ + 6 * HKV) * D, dtype=dtype)
+    ctx = _Ctx()
+    outs = rope.QKVRopeFunction.forward(ctx, y, inv_freq, HQ, HKV, 0)
+    rope.QKVRopeFunction.backward(ctx, *outs)
+    ctx = _Ctx()
+    rope.RopeFunction.forward(ctx, k_cmp, inv_freq, g["block_len"] - 1, g["block_stride"])
+    rope.RopeFunction.backward(ctx, k_cmp)
 
 
 class _Ctx:

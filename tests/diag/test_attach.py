@@ -27,6 +27,7 @@ from diag_cli import cli_env, run_cli
 
 from nsa_diag.activity import judge_process, judge_tree, tree_roles
 from nsa_diag.app import run_cli as cli_main
+from nsa_diag.beacon import BeaconState, BeaconWriter
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import probefiles
 from nsa_diag.evidence.live import (
@@ -39,7 +40,6 @@ from nsa_diag.evidence.live import (
     process_info,
 )
 from nsa_diag.session.attach import summary_markdown
-from nsa_diag.worker.beacon import BeaconState, BeaconWriter
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 READY_TIMEOUT_S = 30.0

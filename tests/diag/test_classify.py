@@ -544,7 +544,7 @@ def test_a_sample_the_signal_handler_does_not_write_comes_from_the_heartbeat_thr
     code = (
         "import faulthandler, signal, sys, threading, time\n"
         "from pathlib import Path\n"
-        "from nsa_diag.worker.beacon import BeaconWriter\n"
+        "from nsa_diag.beacon import BeaconWriter\n"
         "from nsa_diag.worker.probes import Heartbeat\n"
         f"case = Path({str(tmp_path)!r})\n"
         "stacks = open(case / 'stacks.txt', 'ab')\n"

@@ -573,7 +573,7 @@ def test_selftest_table_marks_misses(tmp_path: Path) -> None:
 def test_live_progress_off_a_terminal_prints_one_line_per_start_and_end() -> None:
     from rich.console import Console
 
-    from nsa_diag.worker.beacon import BeaconState
+    from nsa_diag.beacon import BeaconState
 
     buffer = io.StringIO()
     specs = [CaseSpec(name="cmp", stall=3)]
@@ -610,9 +610,9 @@ def test_live_displays_on_a_terminal_redraw_and_stop() -> None:
     """On a terminal both displays run a transient rich Live: updated while cases run, gone after."""
     from rich.console import Console
 
+    from nsa_diag.beacon import BeaconState
     from nsa_diag.matrix import MatrixCase
     from nsa_diag.session.matrix import MatrixProgress
-    from nsa_diag.worker.beacon import BeaconState
 
     state = BeaconState(1, 0.0, 1, 1, "backward", "sel", "begin", 1, 1, 0.0, None)
     spec = CaseSpec(name="cmp", stall=3)

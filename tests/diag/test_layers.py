@@ -8,12 +8,21 @@ hints alone and never run. Three rules:
 - no private name (``_x``) taken from another module;
 - no module imports a module of a higher layer (`LAYERS`, lowest first).
 
+And three about what crosses a boundary, type hints included (a type taken from above is a dependency too):
+
+- nothing below the face (the CLI: `_cli_utils`, commands, app) imports it;
+- the probe, which a user's process loads, imports only the wire format (`nsa_diag.beacon`) and the standard
+  library (and `nsa_diag.redact`, standard library only itself; torch and nsa_core only inside functions,
+  once the job has imported them);
+- analysis takes plain records: it imports neither the readers of run folders nor evidence modules.
+
 nsa_core never imports nsa_diag.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,13 +36,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: specs and results, option declarations, file names and atomic writes (the logs: their
     # cap), which values
     # are secrets, errors, the shipped matrices, Slurm settings (a matrix file's `slurm:` section) and
-    # submitit's executor
+    # submitit's executor; the wire format (beacon), parsed stacks and the one stop routine; the records
+    # that pass between the layers
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.records", "nsa_diag.spec", "nsa_diag.summary",
      "nsa_diag.artifacts",
      "nsa_diag.logcap",
      "nsa_diag.redact",
-     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.worker.beacon",
-     "nsa_diag.interrupts", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
+     "nsa_diag.stackframes",
+     "nsa_diag.interrupts", "nsa_diag.stopping", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),
     # one case's judgement (watchdog, classify, results) and the child-process side (worker)
@@ -67,10 +78,13 @@ def _type_checking_only(tree: ast.Module) -> set[int]:
     return skipped
 
 
-def _imports(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, str | None]]:
-    """(imported module, name taken from it or None) for every import of ``module``."""
+def _imports(
+    module: str, path: Path, known: set[str], type_checking: bool = False
+) -> Iterator[tuple[str, str | None]]:
+    """(imported module, name taken from it or None) for every import of ``module``; with
+    ``type_checking``, those under ``if TYPE_CHECKING:`` too."""
     tree = ast.parse(path.read_text())
-    skipped = _type_checking_only(tree)
+    skipped = set() if type_checking else _type_checking_only(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -88,12 +102,12 @@ def _imports(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, st
                 yield (sub, None) if sub in known else (base, alias.name)
 
 
-def _graph(package: str) -> tuple[dict[str, set[str]], list[str]]:
+def _graph(package: str, type_checking: bool = False) -> tuple[dict[str, set[str]], list[str]]:
     modules = _modules(package)
     edges: dict[str, set[str]] = {m: set() for m in modules}
     private = []
     for module, path in modules.items():
-        for target, name in _imports(module, path, set(modules)):
+        for target, name in _imports(module, path, set(modules), type_checking):
             while target and target not in modules:
                 target = target.rpartition(".")[0]
             if not target or target == module or module.startswith(target + "."):
@@ -158,6 +172,42 @@ def layer_of(module: str) -> int | None:
 
 
 EDGES, PRIVATE = _graph("nsa_diag")
+HINTED, _ = _graph("nsa_diag", type_checking=True)  # with the imports for type hints alone
+
+CLI = ("nsa_diag._cli_utils", "nsa_diag.commands", "nsa_diag.app", "nsa_diag.__main__", "nsa_diag.demo")
+WIRE = "nsa_diag.beacon"
+# What else the probe may import of nsa_diag: which values are secrets (standard library only itself).
+PROBE_ALSO = ("nsa_diag.redact",)
+PROBE_LATE = ("torch", "nsa_core")  # inside functions only: the job imported them, the probe follows
+RUN_FOLDER_READERS = ("nsa_diag.runfolder", "nsa_diag.report", "nsa_diag.results", "nsa_diag.artifacts")
+
+
+def _under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _top_level_imports(path: Path) -> Iterator[tuple[str, bool]]:
+    """(imported module, whether the import runs at import time: not inside a function) for every import
+    of the file, those for type hints alone left out."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_only(tree)
+    in_function = {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for child in ast.walk(node)
+    }
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            yield name, id(node) not in in_function
 
 
 def test_no_import_cycle() -> None:
@@ -186,6 +236,61 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
     assert layer_of("nsa_diag.executor") > layer_of("nsa_diag.launchers.worker")
     assert EDGES["nsa_diag.session.core"] >= {"nsa_diag.executor"}
+
+
+def test_nothing_below_the_face_imports_the_cli() -> None:
+    """The CLI's types and helpers stay in the CLI: what the session needs of them lives below it."""
+    face = min(layer_of(m) or 0 for m in HINTED if _under(m, CLI))
+    found = [
+        f"{module} imports {target}"
+        for module, targets in sorted(HINTED.items())
+        if (layer_of(module) or 0) < face
+        for target in sorted(targets)
+        if _under(target, CLI)
+    ]
+    assert found == []
+
+
+def test_the_probe_imports_only_the_wire_format_and_the_standard_library() -> None:
+    """A user's process loads the probe: it must not pay for (or break on) pydantic, typer or our worker."""
+    allowed = {"nsa_diag.probe", WIRE, *PROBE_ALSO}
+    found = [
+        f"{module} imports {target}"
+        for module, targets in sorted(HINTED.items())
+        if _under(module, ("nsa_diag.probe",))
+        for target in sorted(targets)
+        if not _under(target, tuple(allowed))
+    ]
+    assert found == []
+    for module, path in _modules("nsa_diag").items():
+        if not _under(module, ("nsa_diag.probe", WIRE, *PROBE_ALSO)):
+            continue
+        for name, at_import in _top_level_imports(path):
+            top = name.partition(".")[0]
+            if top in sys.stdlib_module_names or (top == "nsa_diag" and _under(name, tuple(allowed))):
+                continue
+            late = not at_import and _under(name, PROBE_LATE) and module.startswith("nsa_diag.probe")
+            assert late, f"{module} imports {name}" + (" at import time" if _under(name, PROBE_LATE) else "")
+
+
+def test_analysis_imports_neither_run_folder_readers_nor_evidence() -> None:
+    """Analysis is pure: its callers read the files and take the evidence, and pass it plain records."""
+    found = [
+        f"{module} imports {target}"
+        for module, targets in sorted(HINTED.items())
+        if _under(module, ("nsa_diag.analysis",))
+        for target in sorted(targets)
+        if _under(target, ("nsa_diag.evidence", *RUN_FOLDER_READERS))
+    ]
+    assert found == []
+
+
+def test_the_boundary_rules_see_what_they_forbid() -> None:
+    """Imports for type hints alone count for the boundary rules; the probe's late torch import is seen."""
+    assert "nsa_diag.cases" in HINTED["nsa_diag.session.followups"] - EDGES["nsa_diag.session.followups"]
+    assert dict(_top_level_imports(_modules("nsa_diag")["nsa_diag.probe.hooks"]))["nsa_core"] is False
+    assert _under("nsa_diag.commands.run", CLI)
+    assert not _under("nsa_diag.commandsx", CLI)
 
 
 def test_nsa_core_never_imports_nsa_diag() -> None:

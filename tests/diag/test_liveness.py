@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa_diag.beacon import FLAG_DATALOADER, BeaconWriter, read_beacon
 from nsa_diag.evidence.roles import ProcessFacts, assign_roles, describe, training_pids
 from nsa_diag.probe import runtime
 from nsa_diag.probe.liveness import LivenessSampler, stack_flags
-from nsa_diag.worker.beacon import FLAG_DATALOADER, BeaconWriter, read_beacon
 
 
 def _sample_while(work: object, tmp_path: Path, seconds: float = 1.0) -> tuple[int, str | None]:

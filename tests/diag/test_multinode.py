@@ -147,7 +147,7 @@ def test_two_nodes_pass_into_one_run_folder_with_the_store_on_the_endpoint_only(
     # report and compare see each node's env.json (the markdown without the plots: they take seconds)
     run = load_run(run_dir)
     assert set(run.nodes) == {"0", "1"}
-    assert set(compare_runs(run, run)["nodes"]) == {"0", "1"}
+    assert set(compare_runs(run.compared(), run.compared())["nodes"]) == {"0", "1"}
     report = build_report(run, {})
     nodes = report[report.index("### Nodes") :]
     assert "| 0 | " in nodes, nodes

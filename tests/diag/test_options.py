@@ -14,7 +14,7 @@ import pytest
 
 from nsa_diag import cases
 from nsa_diag.app import run_cli
-from nsa_diag.cases import CASE_OPTIONS, SPEC_OPTIONS, CaseOptions, build_spec, replay_argv
+from nsa_diag.cases import CASE_OPTIONS, DDP_OPTIONS, SPEC_OPTIONS, CaseOptions, build_spec, replay_argv
 from nsa_diag.options import GROUPS, SESSION_OPTIONS, NotAnOption, Opt
 from nsa_diag.session import Session
 from nsa_diag.spec import MODEL_OPTIONS, CaseSpec, DdpSpec
@@ -30,6 +30,15 @@ def test_every_case_spec_field_has_exactly_one_declaration() -> None:
     assert set(SPEC_OPTIONS) <= set(CaseSpec.model_fields)
 
 
+def test_every_ddp_field_declares_its_option() -> None:
+    """`nsa-diag ddp`'s options are declared on `DdpSpec` (CaseSpec.ddp), each named after its field."""
+    for field, info in DdpSpec.model_fields.items():
+        (opt,) = [item for item in info.metadata if isinstance(item, Opt)]
+        assert opt.name == field
+        assert DDP_OPTIONS[field].flag == opt.flag
+    assert list(DDP_OPTIONS) == list(DdpSpec.model_fields)
+
+
 def test_every_override_has_exactly_one_option() -> None:
     from nsa_core.config import _MODEL_FIELDS, _NSA_FIELDS
 
@@ -42,7 +51,9 @@ def test_every_override_has_exactly_one_option() -> None:
 def test_every_option_is_in_exactly_one_group_and_named_once() -> None:
     in_groups = [name for group in GROUPS for name in group.names]
     assert sorted(in_groups) == sorted(CASE_OPTIONS)
-    assert len(CASE_OPTIONS) == len(SPEC_OPTIONS) + len(MODEL_OPTIONS) + len(SESSION_OPTIONS)
+    assert len(CASE_OPTIONS) == len(SPEC_OPTIONS) + len(MODEL_OPTIONS) + len(SESSION_OPTIONS) + len(
+        DDP_OPTIONS
+    )
     flags = [opt.flag for opt in CASE_OPTIONS.values()]
     assert len(flags) == len(set(flags))
 
@@ -142,14 +153,47 @@ def test_replay_line_builds_the_same_spec(
     assert replay_argv(again, tmp_path) == argv
 
 
-def test_ddp_replay_line_builds_the_same_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+DDP_ROUND_TRIPS = [
+    pytest.param(
+        {"nproc": 3, "backend": "gloo", "static_graph": True, "bucket_mb": 5.0, "trace_buckets": True},
+        id="one-node",
+    ),
+    pytest.param(  # node 0 of two: its rendezvous is checked (it can listen there), then its session
+        {
+            "nproc": 1,
+            "find_unused": True,
+            "nnodes": 2,
+            "rdzv_endpoint": "127.0.0.1:{port}",
+            "run_id": "r1",
+            "rdzv_timeout": 30.0,
+        },
+        id="node-0-of-2",
+    ),
+]
+
+
+@pytest.mark.parametrize("ddp", DDP_ROUND_TRIPS)
+def test_ddp_replay_line_builds_the_same_spec(
+    ddp: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from nsa_diag.cases import build_ddp_spec
 
-    ddp = DdpSpec(nproc=3, backend="gloo", static_graph=True, bucket_mb=5.0, trace_buckets=True)
-    options = _options(**_typed({"inject": ("skip-collective:rank=1",), "layers": 3}))
-    spec = build_ddp_spec(options, ddp.model_dump(), name="d")
+    if "rdzv_endpoint" in ddp:
+        ddp = {**ddp, "rdzv_endpoint": ddp["rdzv_endpoint"].format(port=_free_port())}
+    options = _options(**_typed({"inject": ("skip-collective:rank=1",), "layers": 3}), **ddp)
+    spec = build_ddp_spec(options, name="d")
+    assert spec.ddp == DdpSpec(**ddp)
     argv = replay_argv(spec, tmp_path)
     assert argv[3] == "ddp"
     again = _spec_of_command_line(argv[3:], monkeypatch)
     assert again.spec_hash() == spec.spec_hash()
+    assert again == spec
     assert replay_argv(again, tmp_path) == argv

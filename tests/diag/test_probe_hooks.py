@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import nsa_core
+from nsa_diag.beacon import BeaconWriter, read_beacon
 from nsa_diag.probe.hooks import attach_progress
-from nsa_diag.worker.beacon import BeaconWriter, read_beacon
 from nsa_diag.worker.probes import Heartbeat, Progress, report_compiles
 
 

@@ -30,6 +30,9 @@ from nsa_diag.analysis.compare import (
     RATIOS,
     SAME,
     WORSE,
+    ComparedCase,
+    ComparedRun,
+    compare_runs,
     not_comparable,
     verdict_change,
 )
@@ -424,6 +427,22 @@ def test_a_summary_of_another_shape_is_read_around_not_raised_on(tmp_path: Path)
 
 
 # --- compare ------------------------------------------------------------------------------------------------
+
+
+def test_compare_runs_takes_plain_records() -> None:
+    """compare is pure: two runs as records (no run folder), cases matched by name, B/A ratios."""
+    side = {"verdict": "pass", "ok": True, "peak_memory_bytes": 100, "peak_memory_kind": "rss", "step_s": 2.0}
+    spec = {"name": "c", "seq_len": 64}
+    a = ComparedRun("A", "run", [ComparedCase("c", side, spec), ComparedCase("only-a", side)], notes=["n"])
+    worse = {**side, "verdict": "hang", "ok": False, "peak_memory_bytes": 150, "step_s": 1.0}
+    b = ComparedRun("B", "run", [ComparedCase("c", worse, spec)], env={"nsa_diag_version": "x"})
+    comparison = compare_runs(a, b)
+    assert comparison["a"] == {"run_dir": "A", "command": "run", "cases": 2, "notes": ["n"]}
+    (case,) = comparison["cases"]
+    assert (case["name"], case["change"]) == ("c", WORSE)
+    assert case["ratios"] == {"peak_memory": 1.5, "step_time": 0.5, "tokens_per_s": None}
+    assert (comparison["only_in_a"], comparison["worse"], comparison["exit_code"]) == (["only-a"], ["c"], 1)
+    assert (comparison["environment"]["a_recorded"], comparison["environment"]["b_recorded"]) == (False, True)
 
 
 @pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)

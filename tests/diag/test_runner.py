@@ -20,10 +20,10 @@ import psutil
 import pytest
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.executor import run_case, run_cases
 from nsa_diag.spec import CaseResult, CaseSpec, Injection
-from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 FAST = {"seq_len": 64, "steps": 1, "stall": 2.0, "timeout": 60.0, "device": "cpu"}
 PATIENT = {"stall": 30.0}  # cases that must not hang: a loaded machine may pause a worker for seconds

@@ -142,9 +142,9 @@ def test_the_preflight_leaves_the_model_as_it_was() -> None:
 
 
 def test_a_hang_in_the_preflight_is_timed_by_the_stall_and_says_pre_flight(tmp_path: Path) -> None:
+    from nsa_diag.beacon import BeaconWriter, read_beacon
     from nsa_diag.spec import Where
     from nsa_diag.watchdog import Observation, decide
-    from nsa_diag.worker.beacon import BeaconWriter, read_beacon
     from nsa_diag.worker.probes import Progress
 
     progress = Progress(BeaconWriter(tmp_path / "beacon.bin"), (tmp_path / "progress.jsonl").open("w"))

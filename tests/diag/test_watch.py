@@ -79,15 +79,16 @@ def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
     """`watch --branch-marks`: the job's environment asks its probe for NSA branch marks (by default it
     hooks the blocks alone), and replay.sh asks again."""
     from nsa_diag._cli_utils import CaseOptions
+    from nsa_diag.cases import replay_argv
     from nsa_diag.launchers.command import probe_env
     from nsa_diag.probe import BRANCHES_ENV
-    from nsa_diag.session.watch import build_watch_spec, watch_replay_argv
+    from nsa_diag.session.watch import build_watch_spec
 
     for marks in (False, True):
         options = CaseOptions(branch_marks=marks)
         spec = build_watch_spec(options, [PY, "train.py"], keep_alive=False, total_steps=None)
         assert spec.branch_marks is marks
-        assert ("--branch-marks" in watch_replay_argv(spec, tmp_path)) is marks
+        assert ("--branch-marks" in replay_argv(spec, tmp_path)) is marks
         assert probe_env(tmp_path, {}, spec.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
 
 

@@ -1,29 +1,25 @@
-"""The watchdog's decisions on synthetic beacon histories (pure), and the end of a process group (real).
+"""The watchdog's decisions on synthetic beacon histories (pure).
 
 `decide` must call a worker stalled only when its progress counter stops (heartbeat ticks are not
 progress), give setup its grace, and call a worker that keeps progressing past its timeout slow, with a
 rate and an ETA. With ``--stall auto`` the limit must follow the first step: the start-up limit before
 it, the first-step limit during it, max(floor, factor x its duration) after it; two real cases check that
 an auto limit catches a deadlock after step 1 within that limit and lets a slow step run.
-`terminate_group` must leave nothing of a case alive, also a child that ignores SIGTERM.
+(The end of a process group: `test_stopping.py`.)
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState
 from nsa_diag.executor import run_case
 from nsa_diag.spec import CaseSpec, CommandSpec, Injection
 from nsa_diag.watchdog import (
@@ -44,9 +40,7 @@ from nsa_diag.watchdog import (
     progress_rate,
     step_intervals,
     steps_done,
-    terminate_group,
 )
-from nsa_diag.worker.beacon import BeaconState
 
 T0 = 1_000_000.0
 
@@ -372,45 +366,6 @@ def test_auto_lets_a_slow_step_run_and_calls_it_slow(tmp_path: Path) -> None:
     assert any(abs(longest - step) <= 0.5 for step in steps), (longest, steps)
     assert longest >= steps[0] - 0.5
     assert result.stall_limit_s == pytest.approx(AUTO_FACTOR * longest, abs=0.02)
-
-
-# A process group whose child ignores SIGTERM and whose grandchild sleeps: all must go.
-_STUBBORN = """
-import os, signal, subprocess, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-child = subprocess.Popen([sys.executable, "-c", ignore])
-print(child.pid, flush=True)
-time.sleep(60)
-"""
-
-
-def test_terminate_group_kills_every_process_of_the_session() -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _STUBBORN],
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    child = int(proc.stdout.readline())
-    assert os.getpgid(child) == proc.pid
-    start = time.monotonic()
-    report = terminate_group(proc, grace_s=0.5)
-    assert time.monotonic() - start < 5
-    assert report["sigterm"]
-    assert report["sigkill"]
-    assert proc.returncode == -signal.SIGKILL
-    assert not report.get("survivors")
-    for pid in (proc.pid, child):
-        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
-def test_terminate_group_after_a_clean_exit_sends_nothing() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    proc.wait()
-    report = terminate_group(proc, grace_s=0.5)
-    assert report == {"sigterm": False, "sigkill": False}
 
 
 # --- work below the block events (liveness), steps of a user's job, pauses -----------------------------

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, BeaconWriter, read_beacon
 from nsa_diag.spec import CaseSpec, Injection, WorkerReport
-from nsa_diag.worker.beacon import BeaconState, BeaconWriter, read_beacon
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

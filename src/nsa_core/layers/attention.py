@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules import module as module_hooks
 from torch.utils.hooks import RemovableHandle
 
 from nsa_core.cache import LayerCache, append
@@ -110,6 +112,8 @@ class NSAAttention(nn.Module):
         # and backward start (the branch's kv projection marks its forward start and backward end).
         self.branch_out = nn.ModuleDict({name: nn.Identity() for name in ("cmp", "sel", "win")})
         self._branch_hooks: OrderedDict[int, BranchHook] = OrderedDict()
+        # the fused path's RoPE frequencies per device (float32 [D/2]), made on first use
+        self._frequencies: dict[torch.device, torch.Tensor] = {}
 
     @property
     def runs_fused(self) -> bool:
@@ -209,12 +213,12 @@ class NSAAttention(nn.Module):
         c = cache if cache is not None else LayerCache()
         pos0 = c.length
         num_keys = pos0 + T
+        if self.runs_fused and self.q_proj.weight.dtype in FUSED_DTYPES:
+            return self._fused(x, c)
         positions = torch.arange(pos0, num_keys, device=x.device)
         q = self.q_proj(x).view(B, T, cfg.heads, cfg.head_dim)
         rope = rope_table(positions, cfg.head_dim, cfg.rope_theta, q.dtype)  # for q and two key sets
         q = apply_rope(q, positions, table=rope)
-        if self.runs_fused and q.dtype in FUSED_DTYPES:
-            return self._fused(x, q, c, positions, rope)
         branches = nsa.branches
         outputs: dict[str, torch.Tensor] = {}
 
@@ -280,27 +284,27 @@ class NSAAttention(nn.Module):
             out = sum(gates[:, :, :, ("cmp", "sel", "win").index(name)] * o for name, o in outputs.items())
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
 
-    def _fused(
-        self,
-        x: torch.Tensor,
-        q: torch.Tensor,
-        c: LayerCache,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        # the composed path's tensors and cache, then one op for the three branches and the gates
+    def _fused(self, x: torch.Tensor, c: LayerCache) -> torch.Tensor:
+        # one GEMM and one split-and-rotate kernel for q and the six key/value tensors, the compressors,
+        # then one op for the three branches and the gates; the cache as on the composed path
         cfg, nsa = self.cfg, self.nsa
         B, T, _ = x.shape
         pos0 = c.length
-        k_raw, v_raw = self._kv(self.kv_cmp, x)
+        rope = triton_op("rope", "rope")
+        inv_freq = self._rope_frequencies(x.device)
+        q, k_raw, v_raw, k_sel, v_sel, k_win, v_win = triton_op("rope", "qkv_rope")(
+            self._projections(x), inv_freq, heads=cfg.heads, kv_heads=cfg.kv_heads, pos_start=pos0
+        )
         first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
         c.k_cmp_raw, c.v_cmp_raw = append(c.k_cmp_raw, k_raw), append(c.v_cmp_raw, v_raw)
-        c.k_cmp = append(c.k_cmp, self._compress(self.phi_k, c.k_cmp_raw, first, rotate=True))
+        k_cmp = self.phi_k(unfold_blocks(c.k_cmp_raw, nsa.block_len, nsa.block_stride, first))
+        if k_cmp.shape[1]:  # keys rotated at each block's last token
+            last = first * nsa.block_stride + nsa.block_len - 1
+            k_cmp = rope(k_cmp, inv_freq, pos_start=last, pos_step=nsa.block_stride)
+        c.k_cmp = append(c.k_cmp, k_cmp)
         c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
-        k_sel, v_sel = self._kv(self.kv_sel, x)
-        c.k_sel, c.v_sel = append(c.k_sel, apply_rope(k_sel, positions, table=rope)), append(c.v_sel, v_sel)
-        k_win, v_win = self._kv(self.kv_win, x)
-        c.k_win, c.v_win = append(c.k_win, apply_rope(k_win, positions, table=rope)), append(c.v_win, v_win)
+        c.k_sel, c.v_sel = append(c.k_sel, k_sel), append(c.v_sel, v_sel)
+        c.k_win, c.v_win = append(c.k_win, k_win), append(c.v_win, v_win)
         c.length = pos0 + T
         gate_logits = self.gate(x).view(B, T, cfg.heads, 3)  # per head: cmp, sel, win
         nsa_op = triton_op("nsa", "triton_nsa_attention")
@@ -310,3 +314,34 @@ class NSAAttention(nn.Module):
             on_branch=self._on_branch if self._branch_hooks else None, **self._selection_geometry(),
         )  # fmt: skip
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
+
+    def _projections(self, x: torch.Tensor) -> torch.Tensor:
+        """``[q | k_cmp v_cmp | k_sel v_sel | k_win v_win]`` of ``x`` as one GEMM over the four weights side
+        by side, or, where a hook, a wrapper or a bias could see or change a projection, each module called
+        as itself (an injected fault, a profiler's module hook, a sharded or adapted weight)."""
+        projections = (self.q_proj, self.kv_cmp, self.kv_sel, self.kv_win)
+        if all(_plain_linear(m) for m in projections) and not _global_module_hooks():
+            return F.linear(x, torch.cat([m.weight for m in projections]))
+        return torch.cat([m(x) for m in projections], dim=-1)
+
+    def _rope_frequencies(self, device: torch.device) -> torch.Tensor:
+        freq = self._frequencies.get(device)
+        if freq is None:
+            frequencies = triton_op("rope", "rope_frequencies")
+            freq = self._frequencies[device] = frequencies(self.cfg.head_dim, self.cfg.rope_theta, device)
+        return freq
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    # an nn.Linear without bias, hooks, or a weight other than a plain tensor (DTensor, quantised)
+    hooks = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    return type(m) is nn.Linear and m.bias is None and not hooks and type(m.weight.data) is torch.Tensor
+
+
+def _global_module_hooks() -> bool:
+    return bool(
+        module_hooks._global_forward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or module_hooks._global_backward_hooks
+        or module_hooks._global_backward_pre_hooks
+    )

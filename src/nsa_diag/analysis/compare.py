@@ -1,12 +1,12 @@
 """Two runs side by side (`nsa-diag compare A B`): environment, verdict changes, memory and time ratios.
 
-Pure functions over what `nsa_diag.runfolder.load_run` read; no processes, no files. Cases are matched by
-name. A case got *worse* when it was ok in A (passed, or met its expectation: selftest, a matrix case
-with `expect`) and is not ok in B; *better* the other way round; *changed* when both failed, in
-different ways; *not comparable* when either side was skipped, is unchecked (its check did not run) or
-has no result (e.g. B ran where there is no GPU, or was killed). Ratios are B/A: peak memory (only when
-both measured the same thing: CUDA max allocated, or peak RSS), step time (the last step, warm) and
-tokens/s.
+Pure functions over plain records (`ComparedRun`, `ComparedCase`: what `nsa_diag.runfolder.load_run` read of
+each run folder, `RunFolder.compared`); no processes, no files. Cases are matched by name. A case got
+*worse* when it was ok in A (passed, or met its expectation: selftest, a matrix case with `expect`) and is
+not ok in B; *better* the other way round; *changed* when both failed, in different ways; *not comparable*
+when either side was skipped, is unchecked (its check did not run) or has no result (e.g. B ran where there
+is no GPU, or was killed). Ratios are B/A: peak memory (only when both measured the same thing: CUDA max
+allocated, or peak RSS), step time (the last step, warm) and tokens/s.
 
 A ratio is given only where the two numbers measure the same thing, else it is *not comparable* and says
 why (`not_comparable`): cases of different shapes (a spec field in `WORK_FIELDS` or a model override
@@ -18,14 +18,12 @@ steps 2.. does not exist), so step time and tokens/s do not compare (memory does
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, cast
 
 from pydantic import JsonValue
 
-from nsa_diag.artifacts import is_secret_name
-
-if TYPE_CHECKING:
-    from nsa_diag.runfolder import CaseRecord, RunFolder
+from nsa_diag.redact import is_secret_name
 
 SAME = "same"
 WORSE = "worse"
@@ -44,6 +42,27 @@ WORK_FIELDS = (
 )  # fmt: skip
 RATIOS = ("peak_memory", "step_time", "tokens_per_s")
 Fact = str | int | float | bool | None  # one fact of an environment, as compared
+
+
+@dataclass(frozen=True)
+class ComparedCase:
+    """One case of a run as compare reads it: its name, its summary row and its spec."""
+
+    name: str
+    entry: Mapping[str, Any]  # a `CaseEntry` as JSON, or a stand-in when the case has no result
+    spec: Mapping[str, Any] | None = None  # its spec.json; None when there is none
+
+
+@dataclass(frozen=True)
+class ComparedRun:
+    """One run as compare reads it (from a run folder: `nsa_diag.runfolder.RunFolder.compared`)."""
+
+    run_dir: str
+    command: str
+    cases: Sequence[ComparedCase]
+    env: Mapping[str, Any] | None = None  # env.json; None when there is none
+    nodes: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # each node's env.json (multi-node)
+    notes: Sequence[str] = ()  # what could not be read
 
 
 class FactDifference(TypedDict):
@@ -282,11 +301,11 @@ _SIDE_KEYS = (
 )
 
 
-def _side(case: CaseRecord) -> CaseSide:
+def _side(case: ComparedCase) -> CaseSide:
     return cast(CaseSide, {k: case.entry.get(k) for k in _SIDE_KEYS})
 
 
-def compare_cases(a_cases: Sequence[CaseRecord], b_cases: Sequence[CaseRecord]) -> list[CaseComparison]:
+def compare_cases(a_cases: Sequence[ComparedCase], b_cases: Sequence[ComparedCase]) -> list[CaseComparison]:
     """One record per case name in both runs, in A's order."""
     by_name = {case.name: case for case in b_cases}
     records: list[CaseComparison] = []
@@ -312,15 +331,15 @@ def compare_cases(a_cases: Sequence[CaseRecord], b_cases: Sequence[CaseRecord]) 
     return records
 
 
-def compare_runs(a: RunFolder, b: RunFolder) -> RunComparison:
+def compare_runs(a: ComparedRun, b: ComparedRun) -> RunComparison:
     """The whole comparison, JSON-ready; ``exit_code`` 1 when a case got worse, else 0."""
     cases = compare_cases(a.cases, b.cases)
     names_a, names_b = [c.name for c in a.cases], [c.name for c in b.cases]
     counts = {change: sum(1 for c in cases if c["change"] == change) for change in CHANGES}
     worse = [c["name"] for c in cases if c["change"] == WORSE]
     return RunComparison(
-        a=RunSide(run_dir=str(a.path), command=a.command, cases=len(a.cases), notes=a.notes),
-        b=RunSide(run_dir=str(b.path), command=b.command, cases=len(b.cases), notes=b.notes),
+        a=RunSide(run_dir=a.run_dir, command=a.command, cases=len(a.cases), notes=list(a.notes)),
+        b=RunSide(run_dir=b.run_dir, command=b.command, cases=len(b.cases), notes=list(b.notes)),
         environment=env_differences(a.env, b.env),
         # multi-node runs: each node's environment against the same node's of the other run
         nodes={n: env_differences(a.nodes.get(n), b.nodes.get(n)) for n in sorted({*a.nodes, *b.nodes})},

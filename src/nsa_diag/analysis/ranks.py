@@ -22,7 +22,6 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from nsa_diag.evidence.stacks import ThreadStack, gpu_wait
 from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import (
     CaseEvidence,
@@ -38,6 +37,7 @@ from nsa_diag.records import (
     StopReport,
 )
 from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
+from nsa_diag.stackframes import ThreadStack, gpu_wait
 
 # A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
 SEVERITY = (

@@ -56,7 +56,7 @@ def compare(
 
     if out is not None and out.is_dir():
         raise UsageError(f"--out {out}: is a folder; give a file name, e.g. {out / 'compare.md'}")
-    comparison = compare_runs(load_run(run_a), load_run(run_b))
+    comparison = compare_runs(load_run(run_a).compared(), load_run(run_b).compared())
     if out is not None:
         try:
             artifacts.write_text(out, compare_markdown(comparison))

@@ -88,7 +88,6 @@ def selftest(
     """
     from nsa_diag.cases import (
         build_spec,
-        check_ddp_options,
         check_model_facts,
         check_options,
         ddp_selftest_specs,
@@ -121,9 +120,7 @@ def selftest(
     facts = check_user_model([build_spec(options, name="preflight")]) if options.model else None
     layers = facts.layers if facts is not None else None
     if ddp:  # issue 6: the ddp fault kinds on 2 ranks
-        place = {"nnodes": 1, "node_rank": 0, "rdzv_endpoint": None}
-        backend = check_ddp_options(nproc=2, backend="auto", device=options.device.value, **place)
-        cases = ddp_selftest_specs(options, {"nproc": 2, "backend": backend, **place}, layers=layers)
+        cases = ddp_selftest_specs(options, layers=layers)
     else:
         cases = selftest_specs(options, chosen, cuda=cuda, layers=layers)
     for spec, _ in cases:

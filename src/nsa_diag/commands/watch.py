@@ -81,6 +81,5 @@ def watch(
     from nsa_diag.session.watch import WatchPlan, build_watch_spec
 
     spec = build_watch_spec(options, command or [], keep_alive=keep_alive, total_steps=total_steps)
-    plan = WatchPlan(spec, out=options.out, tag=options.tag, json_output=json_output)
-    session = Session(plan, out=options.out, tag=options.tag, json_output=json_output)
+    session = Session(WatchPlan(spec), out=options.out, tag=options.tag, json_output=json_output)
     raise typer.Exit(session.run())

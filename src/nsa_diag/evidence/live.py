@@ -41,13 +41,13 @@ from typing import Any, TypedDict
 import psutil
 
 from nsa_diag import artifacts, redact
+from nsa_diag.beacon import BeaconState
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
 from nsa_diag.evidence.probefiles import ProbeInfo, ProbeInfoJson, find_probe, read_at_hang, read_probe_beacon
 from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import PyspyDump
-from nsa_diag.worker.beacon import BeaconState
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")

@@ -12,7 +12,7 @@ A process that runs with the probe (``NSA_DIAG_PROBE_DIR=<folder>`` in its envir
   torch hooks are in);
 - ``at_hang.json``: the heartbeat thread's answer to a watchdog's request at a hang (memory, the
   collectives called per op and the one under way); only where ``nsa-diag watch`` asked for it;
-- ``beacon.bin``: the progress beacon of `nsa_diag.worker.beacon`, read here with no help from the process;
+- ``beacon.bin``: the progress beacon of `nsa_diag.beacon`, read here with no help from the process;
 - ``stacks.txt``: faulthandler's all-threads dumps, appended on each SIGUSR1 (only with ``sigusr1 ==
   "probe"``).
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.probe.runtime import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS, AtHang
-from nsa_diag.worker.beacon import BeaconState, read_beacon
 
 # A probe.json whose start time is this much earlier than the process's own start was written by an
 # earlier process with the same pid (the probe writes it during interpreter start-up, after the exec).

@@ -12,7 +12,8 @@ faulthandler shows Python frames only; ``py-spy dump --native`` adds the C/C++ f
 sync, the collective the thread is blocked in) when py-spy is on PATH (a dependency of nsa-diag; ``pip
 install py-spy`` where it is missing) and ptrace of the process is permitted. `pyspy_sample` takes a dump
 of the Python frames alone, for a process without a SIGUSR1 handler (`nsa-diag attach` samples it so).
-Parsing is pure: `parse_faulthandler` / `parse_pyspy` turn texts into `ThreadStack` records.
+Parsing is pure: `parse_faulthandler` / `parse_pyspy` turn texts into `nsa_diag.stackframes.ThreadStack`
+records.
 `read_stacks` is the one reader of ``stacks.txt``: its samples, its fatal-error dump and their threads
 (`StackFile`), for the executor, the watchdog, the torchrun launcher and the reports alike.
 """
@@ -27,13 +28,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_diag import artifacts
 from nsa_diag.records import PyspyDump
 from nsa_diag.redact import redact_argv, redact_line
+from nsa_diag.stackframes import Frame, ThreadStack
 
 SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
@@ -49,84 +51,6 @@ _FRAME_RE = re.compile(r'^  File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?
 _FATAL_RE = re.compile(r"^Fatal Python error: (?P<what>.*)$")
 _PYSPY_THREAD_RE = re.compile(r'^Thread (?P<id>\d+) \((?P<status>[^)]*)\)(?:: "(?P<name>.*)")?')
 _PYSPY_FRAME_RE = re.compile(r"^\s+(?P<func>.+?) \((?P<where>[^()]*)\)$")
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One frame; ``line`` is 0 where it is unknown, ``native`` for C/C++ frames (py-spy)."""
-
-    file: str
-    line: int
-    func: str
-    native: bool = False
-
-    @property
-    def key(self) -> str:
-        return f"{self.file}:{self.line}"
-
-    def short(self) -> str:
-        """``inject.py:42 in _deadlock`` (``lock_PyThread_acquire_lock (libpython3.11.so)`` if native)."""
-        if self.native:
-            return f"{self.func} ({os.path.basename(self.file)})"
-        return f"{os.path.basename(self.file)}:{self.line} in {self.func}"
-
-
-@dataclass(frozen=True)
-class ThreadStack:
-    """The frames of one thread, most recent call first."""
-
-    thread_id: str
-    frames: tuple[Frame, ...]
-    current: bool = False  # faulthandler: the thread that ran the handler; py-spy: holds the GIL
-    name: str | None = None
-    status: str | None = None  # py-spy: "idle", "active", "active+gil"
-
-    @property
-    def top(self) -> Frame | None:
-        return self.frames[0] if self.frames else None
-
-    @property
-    def python_frames(self) -> tuple[Frame, ...]:
-        return tuple(f for f in self.frames if not f.native)
-
-    @property
-    def is_main(self) -> bool:
-        """The interpreter's main thread: its outermost Python frame is a module body or runpy."""
-        outer = self.python_frames[-1:] or ()
-        return any(f.func == "<module>" or f.file.endswith("runpy.py") for f in outer)
-
-    @property
-    def started_by_threading(self) -> bool:
-        return any(
-            f.file.endswith("threading.py") and f.func.rpartition(".")[2] == "_bootstrap" for f in self.frames
-        )
-
-
-# A thread waiting for the GPU: torch's Python synchronize, or a CUDA runtime/driver call that waits (the
-# driver's own frames, unnamed, are in libcuda).
-CUDA_SYNC_PY = (("torch/cuda/__init__.py", "synchronize"), ("torch/cuda/streams.py", "synchronize"))
-CUDA_SYNC_NATIVE = ("Synchronize", "cudaMemcpy", "cuMemcpy", "libcuda.so", "cudaStreamWait", "cuStreamWait")
-
-
-def innermost_native(thread: ThreadStack | None) -> list[Frame]:
-    """The native frames above the innermost Python frame (what the Python line is blocked in)."""
-    frames: list[Frame] = []
-    for frame in thread.frames if thread else ():
-        if not frame.native:
-            break
-        frames.append(frame)
-    return frames
-
-
-def gpu_wait(thread: ThreadStack | None, native: Sequence[Frame] | None = None) -> Frame | None:
-    """The frame of a device sync the thread waits in (one of its three innermost Python frames, or a
-    native frame above them: ``native``, default the thread's own), or None."""
-    for frame in thread.python_frames[:3] if thread else ():
-        path = frame.file.replace("\\", "/")
-        if any(path.endswith(suffix) and frame.func == func for suffix, func in CUDA_SYNC_PY):
-            return frame
-    frames = innermost_native(thread) if native is None else native
-    return next((f for f in frames if any(n in f.func or n in f.file for n in CUDA_SYNC_NATIVE)), None)
 
 
 def parse_faulthandler(text: str) -> list[ThreadStack]:

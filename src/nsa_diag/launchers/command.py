@@ -18,9 +18,10 @@ probe (not Python), only ``--timeout`` applies. SIGUSR1 goes only to processes w
 At a stall or timeout, before anything stops: the flight recorder's dump of every rank (NCCL), then the
 watchdog's evidence of every live unit, and ``tree.json``: /proc of every process of the job (probed or
 not, DataLoader workers and torchrun's ranks in sessions of their own included: psutil's descendants,
-followed while the job ran). Then every one of them is stopped (SIGTERM, grace, SIGKILL), unless
-``--keep-alive``. The verdict (`nsa_diag.launchers.job`): from the command's exit status and its last
-traceback when it exited; at a stall the unit that stalled, the ranks' minority, the process waited on.
+followed while the job ran). Then every one of them is stopped (`nsa_diag.stopping`: SIGTERM, grace,
+SIGKILL), unless ``--keep-alive``. The verdict (`nsa_diag.launchers.job`): from the command's exit status
+and its last traceback when it exited; at a stall the unit that stalled, the ranks' minority, the process
+waited on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
 from nsa_diag.evidence import procfs
 from nsa_diag.evidence.env import select_env_vars
@@ -57,8 +59,8 @@ from nsa_diag.probe.runtime import ProbeJson
 from nsa_diag.records import FlightRecorder, JobNotes, Rate, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
-from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult, steps_done
-from nsa_diag.worker.beacon import BeaconState, read_beacon
+from nsa_diag.stopping import ProcessTree, stop_tree
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, steps_done
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -126,11 +128,10 @@ class CommandLauncher(Launcher):
     label = "watched command"
     units_appear = True
 
-    def __init__(self, spec: CaseSpec, replay: Sequence[str] | None = None, echo_stdout: Any = None) -> None:
+    def __init__(self, spec: CaseSpec, echo_stdout: Any = None) -> None:
         super().__init__(spec)
         assert spec.command is not None
         self.cmd: CommandSpec = spec.command
-        self.replay = list(replay or [])
         self.echo_stdout = echo_stdout  # where the job's stdout is shown (stderr under --json)
         self.procs: dict[int, Proc] = {}  # by pid, in the order seen; probed ones have a folder
         self.order: list[int] = []  # probed pids in the order they appeared (the units after the root)
@@ -150,9 +151,6 @@ class CommandLauncher(Launcher):
 
     def command(self, case_dir: Path) -> list[str]:
         return list(self.cmd.argv)
-
-    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
-        return self.replay or list(argv)
 
     def replay_env(self, case_dir: Path) -> dict[str, str]:
         return {}
@@ -363,7 +361,10 @@ class CommandLauncher(Launcher):
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
             report = StopReport(kept_alive=alive, exit_code=self.proc.poll())
         else:
-            report = job.stop_tree(self.proc, [p.handle for p in self.procs.values() if p.handle], GRACE_S)
+            # the command's session, every process seen, their descendants and the sessions they lead
+            handles = [p.handle for p in self.procs.values() if p.handle]
+            tree = ProcessTree([self.proc.pid], handles, follow=True)
+            report = stop_tree(tree, self.proc, name_signalled=True)
         self.stop_report = report
         return report
 

@@ -1,4 +1,4 @@
-"""A user's job judged as a whole (`nsa_diag.launchers.command`): its own account, its stop, its verdict.
+"""A user's job judged as a whole (`nsa_diag.launchers.command`): its own account and its verdict.
 
 - `job_report`: when the job exited by itself, its account as our worker would have written it
   (``worker_result.json`` of the command's unit), from its exit status, the exceptions on its stderr
@@ -6,8 +6,6 @@
   explained with the parameters' names, `nsa_diag.analysis.ddp_errors`) and a non-finite loss the job
   told its probe about. A signal, or a non-zero exit without a traceback, gets none: a crash (`combine`
   quotes the job's last stderr line for such an exit: Python's "can't open file", a launcher's error).
-- `stop_tree`: SIGTERM to the command's process group and to every process of the job nsa-diag saw
-  (torchrun's ranks and DataLoader workers may live in sessions of their own), a grace period, SIGKILL.
 - `combine`: the case's verdict. Exited: a rank killed by a signal of its own, else the ranks' exceptions
   (`rank_errors`, each also in that rank's record), else the command's unit. Stalled or
   past the timeout: the unit that decided, where it was ("rank 1, step 5, backward, layers.7"), the ranks'
@@ -19,25 +17,19 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
-
-import psutil
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
 from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind, rank_exit_codes
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
 from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
-from nsa_diag.evidence import procfs
 from nsa_diag.evidence.roles import TRAINING_ROLES
-from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
 from nsa_diag.records import (
@@ -50,9 +42,10 @@ from nsa_diag.records import (
     StopReport,
 )
 from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
+from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 
-__all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "stop_tree", "unit_ends"]
+__all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "unit_ends"]
 
 STDERR_READ_BYTES = 256 * 1024
 
@@ -264,68 +257,6 @@ def _frames(traceback: str) -> str | None:
 def _frame_text(frame: tuple[str, ...]) -> str:
     file, line, func = frame
     return f"{os.path.basename(file)}:{line} in {func}"
-
-
-# --- stopping ---------------------------------------------------------------------------------------------
-
-
-def _alive(handle: psutil.Process) -> bool:
-    try:
-        return handle.is_running() and handle.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _live(root: int, handles: Sequence[psutil.Process]) -> list[psutil.Process]:
-    """The live processes of the job: those seen, their descendants now, the command's session."""
-    found = {h.pid: h for h in handles if _alive(h)}
-    for handle in list(found.values()):
-        with contextlib.suppress(psutil.Error):
-            for child in handle.children(recursive=True):
-                found.setdefault(child.pid, child)
-    for pid in procfs.session_pids(root):
-        with contextlib.suppress(psutil.Error):
-            found.setdefault(pid, psutil.Process(pid))
-    return [h for h in found.values() if _alive(h)]
-
-
-def _signal(root: int, targets: Sequence[psutil.Process], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(root, sig)
-    for handle in targets:
-        with contextlib.suppress(psutil.Error):
-            handle.send_signal(sig)  # psutil checks it is still the same process
-
-
-def stop_tree(proc: subprocess.Popen[bytes], handles: Sequence[psutil.Process], grace_s: float) -> StopReport:
-    """SIGTERM to the job (module docstring), ``grace_s``, SIGKILL, reap; what it took, what survived."""
-    report = StopReport(sigterm=False, sigkill=False)
-    targets = _live(proc.pid, handles)
-    if proc.poll() is None or targets:
-        report.sigterm = True
-        report.signalled = sorted(h.pid for h in targets)
-        _signal(proc.pid, targets, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None and not _live(proc.pid, targets):
-                break
-            time.sleep(0.05)
-    for _ in range(50):
-        targets = _live(proc.pid, [*handles, *targets])
-        if proc.poll() is not None and not targets:
-            break
-        report.sigkill = True
-        _signal(proc.pid, targets, signal.SIGKILL)
-        time.sleep(0.05)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        report.unreaped = proc.pid
-    report.exit_code = proc.returncode
-    survivors = sorted(h.pid for h in _live(proc.pid, handles))
-    if survivors:
-        report.survivors = survivors
-    return report
 
 
 # --- per unit, and the job's verdict -----------------------------------------------------------------

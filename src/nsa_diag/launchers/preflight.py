@@ -9,10 +9,7 @@ directory (from which the worker imports the module too); it writes one `ModelFa
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +22,7 @@ from nsa_diag.errors import ConfigError
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.launchers.base import python_env
 from nsa_diag.spec import CaseSpec, ModelFacts
+from nsa_diag.stopping import ProcessTree, stop_tree
 
 # Importing torch and the user's module, building the model and one short forward on the CPU: seconds for
 # the models we tried (GPT-2 small from its config: 6 s on 2 cores); a factory that downloads weights takes
@@ -75,9 +73,7 @@ def model_facts(specs: Sequence[CaseSpec], timeout: float | None = None) -> list
                     "bounded by --timeout)"
                 ) from None
             finally:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stop_tree(ProcessTree([proc.pid]), proc, grace_s=0)  # its session: nothing to save
                 sweep(marker)
         finally:
             guardian.release()

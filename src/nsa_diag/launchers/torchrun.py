@@ -8,19 +8,16 @@ which keeps the node rank; one node's part of a multi-node case is `nsa_diag.lau
 ``ranks/<r>/`` (see `nsa_diag.worker.ddp`) and torchrun starts each in a session of its own. The
 executor watches every local rank's beacon with the single worker's rules; at a stall this launcher first
 asks every rank's NCCL flight recorder for a dump through its debug pipe, the executor then takes every
-live rank's evidence (by pid: torchrun, not us, is their parent), and `stop_everything` signals
-torchrun's session and every rank's at once and checks that none is left. Each rank's result is
+live rank's evidence (by pid: torchrun, not us, is their parent), and `stop` signals torchrun's session
+and every rank's at once (`nsa_diag.stopping`) and checks that none is left. Each rank's result is
 classified as a single worker's would be; the case's result is their cross-rank aggregation
 (`nsa_diag.analysis.ranks.aggregate`), from what this launcher reads of each rank.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -31,15 +28,16 @@ import psutil
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
+from nsa_diag.beacon import read_beacon
 from nsa_diag.classify import focus_thread
-from nsa_diag.evidence import procfs
-from nsa_diag.evidence.stacks import ThreadStack, read_stacks
+from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
 from nsa_diag.records import CaseEvidence, FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import error_result, read_worker_report
 from nsa_diag.spec import CaseResult, CaseSpec
-from nsa_diag.watchdog import GRACE_S, HangEvidence, ProcessHandle, WatchResult
-from nsa_diag.worker.beacon import read_beacon
+from nsa_diag.stackframes import ThreadStack
+from nsa_diag.stopping import ProcessTree, alive, stop_tree
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
 from nsa_diag.worker.ddp import RANKS_DIR, pg_timeout_s, rank_dir
 
 LOOPBACK = "127.0.0.1"
@@ -112,8 +110,7 @@ class RankProcess:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        stat = procfs.read_stat(self.pid)
-        return None if stat is not None and stat["state"] != "Z" else 0
+        return None if alive(self.pid) else 0
 
 
 def _descendants(pid: int) -> list[int]:
@@ -121,62 +118,6 @@ def _descendants(pid: int) -> list[int]:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
-
-
-def _alive(pid: int) -> bool:
-    stat = procfs.read_stat(pid)
-    return stat is not None and stat["state"] != "Z"
-
-
-def _signal_all(pids: Sequence[int], sessions: Sequence[int], sig: signal.Signals) -> list[int]:
-    """``sig`` to every session (process group and members) and pid given; the live pids it reached."""
-    hit = set()
-    for session in sessions:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(session, sig)
-        members = [p for p in procfs.session_pids(session) if _alive(p)]
-        hit.update(members)
-        for pid in members:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-    for pid in pids:
-        if _alive(pid):
-            hit.add(pid)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, sig)
-    return sorted(hit)
-
-
-def stop_everything(proc: subprocess.Popen[bytes], rank_pids: Sequence[int]) -> StopReport:
-    """SIGTERM to torchrun's session and to every rank's session at once, a grace period, SIGKILL, reap;
-    what it took and whatever survived (nothing should)."""
-    pids = sorted({*rank_pids, *_descendants(proc.pid)})
-    sessions = [proc.pid, *pids]  # ranks run in sessions of their own (torchrun's start_new_session)
-    report = StopReport(sigterm=False, sigkill=False, rank_pids=list(rank_pids))
-    if proc.poll() is None or any(_alive(p) for p in pids):
-        report.sigterm = True
-        _signal_all(pids, sessions, signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline:
-            proc.poll()
-            if proc.returncode is not None and not any(_alive(p) for p in pids):
-                break
-            time.sleep(0.05)
-    if proc.poll() is None or any(_alive(p) for p in pids):
-        report.sigkill = True
-        for _ in range(50):
-            if not _signal_all(pids, sessions, signal.SIGKILL) and proc.poll() is not None:
-                break
-            time.sleep(0.05)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        report.unreaped = proc.pid
-    report.exit_code = proc.returncode
-    survivors = [p for p in pids if _alive(p)] + [p for p in procfs.session_pids(proc.pid) if _alive(p)]
-    if survivors:
-        report.survivors = sorted(set(survivors))
-    return report
 
 
 # --- the NCCL flight recorder ------------------------------------------------------------------------
@@ -285,7 +226,7 @@ class TorchrunLauncher(Launcher):
         beacons = {r: read_beacon(rank_dir(case_dir, r) / artifacts.BEACON) for r in local_ranks(self.spec)}
         pids = {r: s.pid for r, s in beacons.items() if s is not None and s.pid > 0}
         children = set(_descendants(self.proc.pid))
-        self.pids = {r: p for r, p in pids.items() if p in children or _alive(p)}
+        self.pids = {r: p for r, p in pids.items() if p in children or alive(p)}
 
     def notes(self) -> JobNotes:
         return JobNotes(torchrun=self.argv)
@@ -299,12 +240,15 @@ class TorchrunLauncher(Launcher):
         return JobNotes(flight_recorder=flight_recorder_dump(case_dir, self.spec, self.pids))
 
     def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
-        return {r: RankProcess(pid) for r, pid in self.pids.items() if _alive(pid)}
+        return {r: RankProcess(pid) for r, pid in self.pids.items() if alive(pid)}
 
     def stop(self) -> StopReport:
         if self.proc is None:
             return StopReport(started=False)
-        return stop_everything(self.proc, list(self.pids.values()))
+        # torchrun's session, every rank and every session a rank leads, at once
+        report = stop_tree(ProcessTree([self.proc.pid], self.pids.values(), follow=True), self.proc)
+        report.rank_pids = list(self.pids.values())
+        return report
 
     def evidence_after_stop(self, case_dir: Path, notes: JobNotes) -> None:
         found = collect_flight_recorder(case_dir, local_ranks(self.spec))  # written on NCCL's own timeout

@@ -2,8 +2,8 @@
 
 The worker (`nsa_diag.worker.main`) registers faulthandler for SIGUSR1 into ``stacks.txt``, reports
 progress into ``beacon.bin`` and ``progress.jsonl``, and writes ``worker_result.json``. It is the only
-process of its session, so stopping it is `nsa_diag.watchdog.terminate_group` on that session, and the
-case's result is its one unit's result.
+process of its session, so stopping it is `nsa_diag.stopping.stop_tree` on that session, and the case's
+result is its one unit's result.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from nsa_diag.evidence import stacks
 from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
 from nsa_diag.records import StopReport
 from nsa_diag.spec import CaseResult
-from nsa_diag.watchdog import ProcessHandle, catches_sigusr1, terminate_group
+from nsa_diag.stopping import ProcessTree, stop_tree
+from nsa_diag.watchdog import ProcessHandle, catches_sigusr1
 
 
 def worker_argv(case_dir: Path) -> list[str]:
@@ -51,9 +52,7 @@ class WorkerLauncher(Launcher):
     def stop(self) -> StopReport:
         if self.proc is None:
             return StopReport(started=False)
-        report = terminate_group(self.proc)
-        report.exit_code = self.proc.returncode
-        return report
+        return stop_tree(ProcessTree([self.proc.pid]), self.proc)
 
     def combine(self, end: Ending) -> CaseResult:
         return end.per_unit[0]

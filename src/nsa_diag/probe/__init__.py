@@ -5,7 +5,7 @@ torch only), and the small public API a user may call to mark steps, phases and 
 the user's code: the job's environment has ``NSA_DIAG_PROBE_DIR=<folder>`` and `SITE_DIR` (this package's
 ``site/``, holding a ``sitecustomize`` that chains to the user's own) on its ``PYTHONPATH``. Each probed
 process then writes into ``<folder>/pid-<pid>/`` (`nsa_diag.probe.runtime`): ``probe.json``, the progress
-beacon ``beacon.bin`` (`nsa_diag.worker.beacon`, heartbeat thread ticking) and, on SIGUSR1, faulthandler's
+beacon ``beacon.bin`` (`nsa_diag.beacon`, heartbeat thread ticking) and, on SIGUSR1, faulthandler's
 dump of every thread into ``stacks.txt``. Once the job imports torch, hooks on the model's blocks and a
 global optimizer-step hook report "step 5, backward, layers.7" (`nsa_diag.probe.hooks`).
 

@@ -3,7 +3,7 @@
 Progress events come per block; one block's forward may take minutes (a per-token loop at S=2048) while the
 process works all along. A hang is no work, not "no block event", so the heartbeat thread of our worker
 and of the probe (`nsa_diag.probe.runtime`) also records, at every tick (0.1 s), into the beacon
-(`nsa_diag.worker.beacon.BeaconWriter.liveness`):
+(`nsa_diag.beacon.BeaconWriter.liveness`):
 
 - **moves**: how many ticks found the main thread's innermost Python frame at another (code, line) than the
   tick before, and when it last moved; with where it is (``path:line function``) and `FLAG_*` facts about
@@ -25,7 +25,7 @@ import time
 from types import FrameType
 from typing import Any, Protocol
 
-from nsa_diag.worker.beacon import FLAG_DATALOADER, FLAG_DISTRIBUTED, FLAG_SAVING
+from nsa_diag.beacon import FLAG_DATALOADER, FLAG_DISTRIBUTED, FLAG_SAVING
 
 ALLOC_EVERY = 5  # ticks between two reads of the CUDA allocator's counters (0.5 s at the 0.1 s heartbeat)
 STACK_DEPTH = 64  # frames walked for the flags, innermost first
@@ -37,7 +37,7 @@ _FLAG_PATHS = (
 
 
 class LivenessWriter(Protocol):
-    """What the sampler writes to (`nsa_diag.worker.beacon.BeaconWriter`)."""
+    """What the sampler writes to (`nsa_diag.beacon.BeaconWriter`)."""
 
     def liveness(self, moves: int, move_time: float, allocs: int, alloc_time: float, flags: int) -> None: ...
 

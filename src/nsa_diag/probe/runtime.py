@@ -7,7 +7,7 @@
   environment, null when absent), ``sigusr1`` ("probe" when faulthandler dumps on SIGUSR1, "user" when the
   process has a handler of its own: the probe then leaves the signal alone), ``torch`` (true once torch was
   imported by the job and the hooks installed), ``total_steps`` once the job says it;
-- ``beacon.bin``: the progress beacon of `nsa_diag.worker.beacon`, with a heartbeat thread ticking;
+- ``beacon.bin``: the progress beacon of `nsa_diag.beacon`, with a heartbeat thread ticking;
 - ``stacks.txt``: faulthandler's dump of every thread on SIGUSR1, and its traceback on a fatal signal;
 - ``nonfinite.json``: the first non-finite loss the job reported (`nsa_diag.probe.loss`).
 
@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from nsa_diag.beacon import PHASES, BeaconWriter
 from nsa_diag.probe.liveness import LivenessSampler
 from nsa_diag.redact import env_secret_values, redact_argv
-from nsa_diag.worker.beacon import PHASES, BeaconWriter
 
 PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
 BRANCHES_ENV = "NSA_DIAG_PROBE_BRANCHES"  # "1": mark each NSA branch's backward too (`watch --branch-marks`)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import read_beacon
 from nsa_diag.cases import replay_argv
 from nsa_diag.executor import InterruptGuard
 from nsa_diag.matrix import MatrixCase
@@ -53,7 +54,6 @@ from nsa_diag.slurm import (
     log_tail,
 )
 from nsa_diag.spec import CaseResult
-from nsa_diag.worker.beacon import read_beacon
 
 
 class CaseProgress(Protocol):

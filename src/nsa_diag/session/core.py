@@ -30,6 +30,7 @@ from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import replay_argv
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import run_case
+from nsa_diag.launchers import Launcher
 from nsa_diag.session.followups import FollowUps, follow_up
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.summary import RunSummary
@@ -37,8 +38,8 @@ from nsa_diag.summary import RunSummary
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nsa_diag.beacon import BeaconState
     from nsa_diag.cases import Expectation
-    from nsa_diag.worker.beacon import BeaconState
 
 ProgressCallback = Callable[["BeaconState | None", float], None]
 
@@ -209,8 +210,11 @@ class Session:
         folder: Path | None = None,
         on_progress: ProgressCallback | None = None,
         extra_env: Mapping[str, str] | None = None,
+        launcher: Launcher | None = None,
     ) -> CaseResult:
         """Run `spec` into ``folder/<name>/`` (default: the run folder's ``cases/``); its result.
+        ``launcher``: how its job starts (default: `nsa_diag.launchers.default_launcher`'s choice); its
+        replay.sh runs `nsa_diag.cases.replay_argv` whatever the launcher.
 
         Raises `Interrupted` (a KeyboardInterrupt) after the runner stopped the case and wrote result.json.
         Callable from any thread (a matrix runs several cases at once)."""
@@ -218,6 +222,7 @@ class Session:
         return run_case(
             spec,
             case_dir,
+            launcher,
             replay_argv=replay_argv(spec, self.replay_out),
             on_progress=on_progress,
             extra_env=extra_env,

@@ -35,7 +35,7 @@ from nsa_diag.summary import MinimizeRecord, RepeatsSection, TriageRecord
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from nsa_diag._cli_utils import CaseOptions
+    from nsa_diag.cases import CaseOptions
     from nsa_diag.summary import RunSummary
 
 MINIMIZE_DIR = "minimize"

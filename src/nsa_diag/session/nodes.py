@@ -1,12 +1,14 @@
-"""Multi-node ddp on a cluster: ``nsa-diag ddp --executor slurm --nnodes N``, one torchrun per node.
+"""Where the ranks of `nsa-diag ddp` run (`run_ddp`): one torchrun here (a `CaseList`), this node's part of
+a multi-node case (`run_node`: a `NodePart`), or all the nodes as one Slurm job (``--executor slurm
+--nnodes N``, `submit_nodes`), one torchrun per node.
 
-One submitit job with one task per node (``nodes=N, tasks_per_node=1``; on submitit's local executor,
-which has one node, ``tasks_per_node=N`` processes here instead). Each task runs `node_job` on its node:
-its node rank is submitit's global rank of the task (one task per node: the node's index), node 0 picks a
-free port on its own host name (the first of the job's nodes) and publishes the endpoint in the shared
-run folder (``slurm/rendezvous-<job id>.json``), the other nodes read it there, and then every node runs
-what ``nsa-diag ddp --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` runs (`run_node`): the same run
-folder, evidence and result (`nsa_diag.launchers.nodes`).
+On a cluster: one submitit job with one task per node (``nodes=N, tasks_per_node=1``; on submitit's local
+executor, which has one node, ``tasks_per_node=N`` processes here instead). Each task runs `node_job` on
+its node: its node rank is submitit's global rank of the task (one task per node: the node's index), node
+0 picks a free port on its own host name (the first of the job's nodes) and publishes the endpoint in the
+shared run folder (``slurm/rendezvous-<job id>.json``), the other nodes read it there, and then every node
+runs what ``nsa-diag ddp --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`` runs (`run_node`): the same
+run folder, evidence and result (`nsa_diag.launchers.nodes`).
 
 This process (on the login node) submits, shows the job's state until it ends, cancels it on Ctrl-C,
 SIGTERM or SIGHUP (exit 130), and reports the case's result.json, which node 0 writes into the shared run
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -31,13 +33,10 @@ from nsa_diag.records import CaseEvidence
 from nsa_diag.results import error_result
 from nsa_diag.session.core import Session, read_result
 from nsa_diag.session.followups import FollowUps
-from nsa_diag.session.plans import NodePart
-from nsa_diag.slurm import LOG_FOLDER, Cluster, SlurmSettings, job_end, make_executor
+from nsa_diag.session.plans import CaseList, NodePart
+from nsa_diag.slurm import LOG_FOLDER, Cluster, NodesJob, SlurmSettings, job_end, make_executor
 from nsa_diag.spec import CaseResult, CaseSpec
 
-# The endpoint of a case submitted with --executor slurm until its node 0 chooses one (`node_job`): a spec
-# of several nodes names one, and this one is never dialled.
-PENDING_ENDPOINT = "chosen-by-node-0:1"
 POLL_S = 1.0
 CANCEL_WAIT_S = {"slurm": 60.0, "local": 15.0}  # the cancelled job's nodes stop their cases (SIGTERM)
 RESULT_GRACE_S = {"slurm": 15.0, "local": 2.0}  # a shared file system showing node 0's result.json late
@@ -75,12 +74,50 @@ def _endpoint(job: NodeJob, node: int, first_host: str, wait_s: float) -> str:
     raise UsageError(f"node 0 published no rendezvous endpoint in {path} within {wait_s:g} s")
 
 
-def run_node(spec: CaseSpec, out: Path, tag: str | None, junit: Path | None = None) -> int:
+def run_ddp(
+    spec: CaseSpec,
+    job: NodesJob | None,
+    *,
+    out: Path,
+    tag: str | None,
+    json_output: bool = False,
+    follow: FollowUps | None = None,
+) -> int:
+    """`nsa-diag ddp`'s case (checked and built), wherever its ranks run: as one Slurm job of its nodes
+    (``job``: submitted and followed from here), this node's part of a multi-node case, or one torchrun
+    here; the exit code."""
+    assert spec.ddp is not None
+    follow = follow or FollowUps()
+    if job is not None:
+        return submit_nodes(
+            spec,
+            out=out,
+            tag=tag,
+            settings=job.settings,
+            cluster=job.cluster,
+            json_output=json_output,
+            junit=follow.junit,
+        )
+    if spec.ddp.nnodes > 1:
+        return run_node(spec, out, tag, follow, json_output=json_output)
+    if spec.ddp.rdzv_endpoint is not None:
+        check_rendezvous(spec.ddp)
+    session = Session(CaseList("ddp", [spec]), out=out, tag=tag, json_output=json_output, follow=follow)
+    return session.run()
+
+
+def run_node(
+    spec: CaseSpec, out: Path, tag: str | None, follow: FollowUps, *, json_output: bool = False
+) -> int:
     """This node's part of a multi-node case, as ``nsa-diag ddp --nnodes N --node-rank R`` runs it: the
-    rendezvous checked, then the session in the shared run folder; the exit code."""
+    rendezvous checked, then the session in the shared run folder; the exit code. Node 0 alone writes the
+    case's JUnit (the nodes may share the path)."""
     assert spec.ddp is not None
     check_rendezvous(spec.ddp)
-    return Session(NodePart(spec, out, tag), out=out, tag=tag, follow=FollowUps(junit=junit)).run()
+    if spec.ddp.node_rank > 0:
+        follow = replace(follow, junit=None)
+    plan = NodePart(spec, out, tag)
+    return Session(plan, out=out, tag=tag, json_output=json_output, follow=follow).run()
 
 
 class NodeOutcome(TypedDict, total=False):
@@ -108,8 +145,8 @@ def node_job(job: NodeJob) -> NodeOutcome:
     try:
         endpoint = _endpoint(job, node, str(env.hostnames[0]), spec.ddp.wait_s)
         ddp = spec.ddp.model_copy(update={"node_rank": node, "rdzv_endpoint": endpoint})
-        junit = Path(job.junit) if job.junit and node == 0 else None
-        code = run_node(spec.model_copy(update={"ddp": ddp}), Path(job.out), job.tag, junit)
+        follow = FollowUps(junit=Path(job.junit) if job.junit else None)  # written by node 0
+        code = run_node(spec.model_copy(update={"ddp": ddp}), Path(job.out), job.tag, follow)
     except UsageError as exc:
         return {**facts, "exit_code": 2, "error": str(exc)}
     except KeyboardInterrupt:

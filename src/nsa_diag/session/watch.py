@@ -2,9 +2,9 @@
 
 `build_watch_spec` checks the command line (a command after ``--`` that exists, a sane ``--timeout``)
 and records the command, its directory and its environment (env.json's names, secrets withheld) in a
-`CaseSpec` whose ``command`` is set. `WatchPlan` runs it through the one executor
-(`nsa_diag.executor.run_case`) with `nsa_diag.launchers.command.CommandLauncher`; its ``replay.sh`` runs
-the same ``nsa-diag watch`` again, from any directory. No live display: the job's own output streams to
+`CaseSpec` whose ``command`` is set. `WatchPlan` runs it through the session (`Session.run_case`, the one
+executor) with `nsa_diag.launchers.command.CommandLauncher`; its ``replay.sh`` runs the same
+``nsa-diag watch`` again, from any directory. No live display: the job's own output streams to
 the terminal (its stdout to stderr under ``--json``, which keeps stdout for the summary).
 """
 
@@ -19,10 +19,9 @@ from pathlib import Path
 
 from nsa_diag.cases import CaseOptions, check_output, parse_stall, validate_spec
 from nsa_diag.errors import UsageError
-from nsa_diag.executor import run_case
 from nsa_diag.launchers.command import CommandLauncher, recorded_env
 from nsa_diag.redact import redact_argv
-from nsa_diag.session.core import Session
+from nsa_diag.session.core import Session, read_result
 from nsa_diag.session.plans import CaseList
 from nsa_diag.spec import CaseSpec
 
@@ -134,31 +133,17 @@ def build_watch_spec(
     )
 
 
-def watch_replay_argv(spec: CaseSpec, out: Path) -> list[str]:
-    """``nsa-diag watch`` with this spec's options and command, for replay.sh."""
-    cmd = spec.command
-    assert cmd is not None
-    argv = [sys.executable, "-m", "nsa_diag", "watch", "--name", spec.name, "--out", str(out.resolve())]
-    argv += ["--stall", str(spec.stall), "--timeout", f"{spec.timeout:g}"]
-    if cmd.keep_alive:
-        argv.append("--keep-alive")
-    if cmd.total_steps:
-        argv += ["--total-steps", str(cmd.total_steps)]
-    if spec.branch_marks:
-        argv.append("--branch-marks")
-    return [*argv, "--", *cmd.argv]
-
-
 class WatchPlan(CaseList):
-    """The one case of ``nsa-diag watch``, run with the user's command as its launcher."""
+    """The one case of ``nsa-diag watch``, run through the session with the user's command as its launcher:
+    the job's stdout streams to the terminal (to stderr under the session's ``--json``); its replay.sh
+    runs the same ``nsa-diag watch`` again (`nsa_diag.cases.replay_argv`)."""
 
     stopped = "the watched job was stopped"
 
-    def __init__(self, spec: CaseSpec, *, out: Path, tag: str | None, json_output: bool) -> None:
+    def __init__(self, spec: CaseSpec) -> None:
+        assert spec.command is not None
         super().__init__("watch", [spec])
         self.spec = spec
-        self.out = Path(out)
-        self.json_output = json_output
 
     def begin(self, session: Session) -> None:
         assert self.spec.command is not None
@@ -166,14 +151,11 @@ class WatchPlan(CaseList):
         session.note(f"nsa-diag watch: {' '.join(argv)} -> {session.case_dir(self.spec.name)}")
 
     def execute(self, session: Session) -> None:
-        echo = sys.stderr.buffer if self.json_output else None
-        launcher = CommandLauncher(self.spec, watch_replay_argv(self.spec, self.out), echo_stdout=echo)
-        case_dir = session.case_dir(self.spec.name)
+        echo = sys.stderr.buffer if session.json_output else None
+        launcher = CommandLauncher(self.spec, echo_stdout=echo)
         try:
-            self._results.append(run_case(self.spec, case_dir, launcher))
-        except KeyboardInterrupt:
-            from nsa_diag.session.core import read_result
-
-            found = read_result(case_dir)
+            self._results.append(session.run_case(self.spec, launcher=launcher))
+        except KeyboardInterrupt:  # the runner wrote the stopped job's result.json
+            found = read_result(session.case_dir(self.spec.name))
             self._results = [found] if found is not None else []
             raise

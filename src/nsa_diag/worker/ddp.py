@@ -445,7 +445,7 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
     faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
 
-    from nsa_diag.worker.beacon import BeaconWriter
+    from nsa_diag.beacon import BeaconWriter
 
     beacon = BeaconWriter(directory / artifacts.BEACON)
     progress = Progress(beacon, artifacts.open_append(directory / artifacts.PROGRESS))

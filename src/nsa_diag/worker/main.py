@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconWriter
 from nsa_diag.spec import CaseSpec
-from nsa_diag.worker.beacon import BeaconWriter
 from nsa_diag.worker.outcome import Outcome, exception_info, worker_report
 from nsa_diag.worker.probes import Heartbeat, MemoryRecorder, Progress
 

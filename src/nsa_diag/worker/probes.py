@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO
 
 from nsa_diag import artifacts
+from nsa_diag.beacon import BeaconWriter
 from nsa_diag.probe.hooks import LAYER_LAYOUTS, attach_progress, find_blocks, nsa_attentions, on_backward
 from nsa_diag.probe.liveness import LivenessSampler
 from nsa_diag.spec import PRE_FLIGHT
-from nsa_diag.worker.beacon import BeaconWriter
 
 __all__ = ["LAYER_LAYOUTS", "attach_progress", "find_blocks", "nsa_attentions"]  # from nsa_diag.probe.hooks
 

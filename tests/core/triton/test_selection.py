@@ -7,6 +7,7 @@ the `gather` backend run in the same dtype (flash-attention's rule).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from nsa_core.ops.selection import gather_selected_attention, select_blocks
+from nsa_core.ops.triton import selection
 from nsa_core.ops.triton.selection import (
     build_block_queries,
     selected_bwd,
@@ -269,13 +271,53 @@ def test_strided_inputs(device: str) -> None:
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
 
 
-def test_inverted_index() -> None:
+def test_inverted_index(device: str) -> None:
     """Bucket (b, h, j) lists, in ascending order, the query rows whose group chose block j (causal only)."""
     block_idx = torch.tensor([[[[0, -1]], [[0, 1]], [[1, 0]], [[2, 1]]]])  # [B=1, Tq=4, HKV=1, n=2]
     # q_offset=4, l'=4: rows 0..3 sit at t = 4..7; block 2 starts at 8 > t, so row 3's choice of it drops
-    offsets, tokens = build_block_queries(block_idx, num_keys=8, sel_block_len=4, q_offset=4)
+    offsets, tokens = build_block_queries(block_idx.to(device), num_keys=8, sel_block_len=4, q_offset=4)
     assert offsets.tolist() == [0, 3, 6]  # Ns = 2 buckets
-    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # sentinel entries follow
+    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # entries past the total are undefined
+
+
+def _sorted_index(
+    block_idx: torch.Tensor, num_keys: int, sel_block_len: int, q_offset: int
+) -> list[list[int]]:
+    # the index by its definition: per bucket (b, h, j), the rows whose group chose block j, ascending
+    B, Tq, HKV, n = block_idx.shape
+    Ns = -(-num_keys // sel_block_len)
+    buckets: list[list[int]] = [[] for _ in range(B * HKV * Ns)]
+    for b, t, h, i in itertools.product(range(B), range(Tq), range(HKV), range(n)):
+        j = int(block_idx[b, t, h, i])
+        if j >= 0 and j * sel_block_len <= q_offset + t:
+            buckets[(b * HKV + h) * Ns + j].append(t)
+    return buckets
+
+
+@pytest.mark.parametrize("entries", [None, 64], ids=["one-chunk-size", "grown-chunks"])
+def test_inverted_index_matches_its_definition(
+    device: str, entries: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Random choices with unused slots and blocks after their row, over several chunks of rows (and with
+    chunks grown to bound the counters): the counting sort gives every bucket's rows in ascending order."""
+    if entries is not None:
+        monkeypatch.setattr(selection, "INDEX_ENTRIES", entries)
+    gen = torch.Generator().manual_seed(3)
+    B, Tq, HKV, n, l_sel, q_offset = 2, 45, 2, 3, 4, 7
+    num_keys = q_offset + Tq
+    block_idx = torch.randint(-1, -(-num_keys // l_sel), (B, Tq, HKV, n), generator=gen)
+    block_idx[..., 1] = torch.where(block_idx[..., 1] == block_idx[..., 0], -1, block_idx[..., 1])
+    block_idx[..., 2] = torch.where(
+        (block_idx[..., 2] == block_idx[..., 0]) | (block_idx[..., 2] == block_idx[..., 1]),
+        -1,
+        block_idx[..., 2],
+    )
+    offsets, tokens = build_block_queries(block_idx.to(device), num_keys, l_sel, q_offset)
+    offsets, tokens = offsets.cpu().tolist(), tokens.cpu().tolist()
+    expected = _sorted_index(block_idx, num_keys, l_sel, q_offset)
+    assert len(offsets) == len(expected) + 1
+    assert offsets[0] == 0
+    assert [tokens[offsets[i] : offsets[i + 1]] for i in range(len(expected))] == expected
 
 
 def test_contract_errors() -> None:

@@ -109,3 +109,26 @@ def test_the_model_runs_the_fused_op_and_says_where_each_branch_starts(fused: bo
     marks.clear()
     run(model, random_tokens(1, SEQ_LEN).to(SIZES.device))
     assert marks == []
+
+
+def test_a_hook_on_a_projection_sees_it() -> None:
+    """The fused layer computes its four projections as one GEMM, unless a module hook is on one of them:
+    then each is called as itself, so the hook sees (and may change) its output; a detached output leaves
+    that weight without a gradient, as `nsa-diag`'s unused-param fault expects."""
+    _, model = pair()
+    attn = model.blocks[0].attn
+    assert attn.runs_fused
+    seen: list[tuple[int, ...]] = []
+
+    def detach(module: torch.nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(out.shape))
+        return out.detach()
+
+    handle = attn.kv_win.register_forward_hook(detach)
+    _, grads = run(model, random_tokens(1, SEQ_LEN).to(SIZES.device))
+    handle.remove()
+    assert len(seen) == 1
+    assert "blocks.0.attn.kv_win.weight" not in grads
+    assert {"blocks.0.attn.q_proj.weight", "blocks.0.attn.kv_sel.weight"} <= set(grads)
+    _, grads = run(model, random_tokens(1, SEQ_LEN).to(SIZES.device))
+    assert "blocks.0.attn.kv_win.weight" in grads

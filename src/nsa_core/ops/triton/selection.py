@@ -681,32 +681,93 @@ def selected_fwd(
     return o, lse
 
 
+@triton.jit(do_not_specialize=["Tq", "Ns", "n_chunks", "q_offset"])
+def _index_count_kernel(
+    IDX, COUNTS, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset,
+    HKV: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, CHUNK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # one program per (chunk of CHUNK_T query rows, batch x KV group): COUNTS[bucket, chunk] += the rows of
+    # the chunk that chose the bucket's block (integer atomics: the counts are exact whatever their order)
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    o_t, o_n = tl.arange(0, BLOCK_T), tl.arange(0, BLOCK_N)
+    for t0 in range(0, CHUNK_T, BLOCK_T):
+        tok = i_c * CHUNK_T + t0 + o_t
+        m = ((t0 + o_t < CHUNK_T) & (tok < Tq))[:, None] & (o_n < N_SEL)[None, :]
+        blk = tl.load(IDX + i_b * si_b + tok[:, None] * si_t + i_h * si_h + o_n[None, :], mask=m, other=-1)
+        valid = m & (blk >= 0) & (blk * L_SEL <= q_offset + tok[:, None])
+        tl.atomic_add(COUNTS + (i_bh * Ns + blk) * n_chunks + i_c, 1, mask=valid)
+
+
+@triton.jit(do_not_specialize=["Tq", "Ns", "n_chunks", "q_offset", "last"])
+def _index_fill_kernel(
+    IDX, COUNTS, ENDS, OFFSETS, TOKENS, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset, last,
+    HKV: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, CHUNK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
+):  # fmt: skip
+    # one program per (chunk, batch x KV group): its rows in ascending order, each row's entries at
+    # ENDS[i] - COUNTS[i] (i = bucket * n_chunks + chunk, ENDS the inclusive prefix sum of COUNTS), counting
+    # COUNTS[i] down by one per entry: buckets in order, chunks in order within a bucket, rows in order
+    # within a chunk. No two programs touch one entry i, and a row's n blocks are distinct.
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    if i_c == 0:  # the bucket's start: its chunk 0's, before any count moves
+        o_j = tl.arange(0, BLOCK_J)
+        for j0 in range(0, Ns, BLOCK_J):
+            m_j = j0 + o_j < Ns
+            i = (i_bh * Ns + j0 + o_j) * n_chunks
+            start = tl.load(ENDS + i, mask=m_j, other=0) - tl.load(COUNTS + i, mask=m_j, other=0)
+            tl.store(OFFSETS + i_bh * Ns + j0 + o_j, start, mask=m_j)
+        if i_bh == 0:
+            tl.store(OFFSETS + last, tl.load(ENDS + last * n_chunks - 1))  # the total
+    o_n = tl.arange(0, BLOCK_N)
+    for t0 in range(0, CHUNK_T):
+        tok = i_c * CHUNK_T + t0 + 0 * o_n  # [N]: this row, for each of its slots
+        m = (o_n < N_SEL) & (tok < Tq)
+        blk = tl.load(IDX + i_b * si_b + tok * si_t + i_h * si_h + o_n, mask=m, other=-1)
+        valid = m & (blk >= 0) & (blk * L_SEL <= q_offset + tok)
+        i = (i_bh * Ns + blk) * n_chunks + i_c
+        left = tl.atomic_add(COUNTS + i, -1, mask=valid)
+        slot = tl.load(ENDS + i, mask=valid, other=0) - left
+        tl.store(TOKENS + slot, tok.to(tl.int32), mask=valid)
+
+
+INDEX_ENTRIES = 1 << 22  # (bucket, chunk) counters of the inverted index: the chunks grow to stay below
+
+
 def build_block_queries(
     block_idx: torch.Tensor, num_keys: int, sel_block_len: int, q_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverted index: for each (batch, KV group, selection block), the query rows that chose it.
 
-    Returns ``offsets [B*HKV*Ns + 1]`` (int64) and ``tokens [E]`` (int32): bucket ``(b*HKV + h)*Ns + j``
-    lists query rows ``tokens[offsets[i]:offsets[i+1]]`` in ascending order. Unused slots and blocks that
-    start after the query are left out. Built with one sort; no host synchronisation.
+    Returns ``offsets [B*HKV*Ns + 1]`` (int64) and ``tokens [E]`` (int32, ``E`` = the slots of
+    ``block_idx``): bucket ``(b*HKV + h)*Ns + j`` lists query rows ``tokens[offsets[i]:offsets[i+1]]`` in
+    ascending order; entries past ``offsets[-1]`` are undefined. Unused slots and blocks that start after
+    the query are left out. A counting sort over chunks of query rows: a count kernel, one prefix sum and
+    a fill kernel; no host synchronisation, the same index whatever the order the GPU runs them in.
     """
     B, Tq, HKV, n = block_idx.shape
     device = block_idx.device
     num_sel_blocks = triton.cdiv(num_keys, sel_block_len)
     num_buckets = B * HKV * num_sel_blocks
-    idx = block_idx.to(torch.int64)
-    t = torch.arange(Tq, device=device, dtype=torch.int64)[None, :, None, None]
-    b = torch.arange(B, device=device, dtype=torch.int64)[:, None, None, None]
-    h = torch.arange(HKV, device=device, dtype=torch.int64)[None, None, :, None]
-    valid = (idx >= 0) & (idx * sel_block_len <= q_offset + t)
-    bucket = (b * HKV + h) * num_sel_blocks + idx
-    key = torch.where(valid, bucket * Tq + t, num_buckets * Tq).flatten()  # the sentinel sorts last
-    if (num_buckets + 1) * Tq < 2**31:
-        key = key.to(torch.int32)  # halves the sort's memory; up to ~64k tokens with 4 KV heads
-    sorted_key = torch.sort(key).values
-    bounds = torch.arange(num_buckets + 1, device=device, dtype=torch.int64) * Tq
-    offsets = torch.searchsorted(sorted_key, bounds.to(sorted_key.dtype))
-    tokens = (sorted_key % max(Tq, 1)).to(torch.int32)
+    chunk_t = 16
+    while num_buckets * triton.cdiv(Tq, chunk_t) > INDEX_ENTRIES:
+        chunk_t *= 2
+    n_chunks = triton.cdiv(Tq, chunk_t)
+    counts = torch.zeros(num_buckets * n_chunks, dtype=torch.int32, device=device)
+    offsets = torch.empty(num_buckets + 1, dtype=torch.int64, device=device)
+    tokens = torch.empty(block_idx.numel(), dtype=torch.int32, device=device)
+    common = dict(HKV=HKV, N_SEL=n, L_SEL=sel_block_len, CHUNK_T=chunk_t, BLOCK_N=triton.next_power_of_2(n))
+    args = (*_strides(block_idx), Tq, num_sel_blocks, n_chunks, q_offset)
+    grid = (n_chunks, B * HKV)
+    _index_count_kernel[grid](block_idx, counts, *args, BLOCK_T=min(16, chunk_t), **common)
+    ends = torch.cumsum(counts, 0)  # int64
+    _index_fill_kernel[grid](
+        block_idx, counts, ends, offsets, tokens, *args, num_buckets, BLOCK_J=1024, **common
+    )  # fmt: skip
     return offsets, tokens
 
 
@@ -772,15 +833,17 @@ def selected_bwd(
     n_sub = triton.cdiv(sel_block_len, BLOCK_S)
     chunk = chunk or _chunk_size(tokens.numel(), n_sub * BLOCK_S * BLOCK_D)
     n_chunks = triton.cdiv(Tq, chunk)  # a bucket lists each query row at most once per used slot
-    counts = offsets[1:] - offsets[:-1]
-    slots_per_bucket = torch.where(
-        counts > chunk, torch.clamp((counts + chunk - 1) // chunk, max=n_chunks), 0
-    )
-    slots = torch.cumsum(slots_per_bucket, 0) - slots_per_bucket  # exclusive prefix sum
-    num_slots = max(1, min(2 * tokens.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
-    workspace = (num_slots, n_sub * BLOCK_S * BLOCK_D)
-    wk = torch.empty(workspace, dtype=torch.float32, device=q.device) if n_chunks > 1 else dq.new_empty(0)
-    wv = torch.empty(workspace, dtype=torch.float32, device=q.device) if n_chunks > 1 else dq.new_empty(0)
+    slots, wk, wv = offsets, dq.new_empty(0), dq.new_empty(0)  # one chunk: no bucket is hot
+    if n_chunks > 1:  # a hot bucket's chunks write fp32 partials at its slots, then one sum
+        counts = offsets[1:] - offsets[:-1]
+        slots_per_bucket = torch.where(
+            counts > chunk, torch.clamp((counts + chunk - 1) // chunk, max=n_chunks), 0
+        )
+        slots = torch.cumsum(slots_per_bucket, 0) - slots_per_bucket  # exclusive prefix sum
+        num_slots = max(1, min(2 * tokens.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
+        workspace = (num_slots, n_sub * BLOCK_S * BLOCK_D)
+        wk = torch.empty(workspace, dtype=torch.float32, device=q.device)
+        wv = torch.empty(workspace, dtype=torch.float32, device=q.device)
     grid = (num_sel_blocks * n_sub, B * HKV)
     _selected_bwd_dkdv_kernel[(*grid, n_chunks)](
         q, k, v, do, lse, delta, dk, dv, wk, wv, offsets, slots, tokens,

@@ -1,5 +1,9 @@
 """The progress beacon: a small shared-memory record the worker updates and the watchdog reads.
 
+The wire format between a job and the watchdog, so it lives below both sides: our worker
+(`nsa_diag.worker`) and the probe in a user's process (`nsa_diag.probe`) write it, the watchdog, the
+launchers and the readers of run folders read it. Standard library only: the probe imports it.
+
 The worker maps ``beacon.bin`` in its case folder and writes the latest progress event into it (a seqlock:
 the version is odd while a write is under way), and a heartbeat thread bumps a counter ten times a second.
 The watchdog maps the same file read-only. Reading needs nothing from the worker: it works while the worker
