@@ -472,10 +472,11 @@ class DdpResult(Record):
 
 
 class JobNotes(Record):
-    """What a launcher notes of its job for the case's result (`Launcher.notes`, and the evidence only it
-    takes before and after the stop): torchrun's command line, a multi-node case's node, host, barrier
-    and nodes (into ``ddp``); a watched command's argv, directory, root pid and live processes (into
-    ``evidence``); the flight recorder's dumps and the pauses the watch went on after (into either)."""
+    """What a launcher notes of its job for the case's result (`Launcher.evidence`, at each stage: the
+    job's facts, what only the launcher takes before and after the stop): torchrun's command line, a
+    multi-node case's node, host, barrier and nodes (into ``ddp``); a watched command's argv, directory,
+    root pid and live processes (into ``evidence``); the flight recorder's dumps and the pauses the watch
+    went on after (into either)."""
 
     torchrun: list[str] = []
     node_rank: int | None = None

@@ -44,7 +44,16 @@ from nsa_diag.evidence.env import select_env_vars
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
 from nsa_diag.evidence.stacks import read_stacks, take_sample
 from nsa_diag.launchers import job
-from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
+from nsa_diag.launchers.base import (
+    SOURCE_ROOT,
+    Evidence,
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    classified,
+)
 from nsa_diag.launchers.torchrun import (
     FR_BUFFER,
     FR_FILE,
@@ -56,11 +65,11 @@ from nsa_diag.launchers.torchrun import (
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
 from nsa_diag.probe.runtime import ProbeJson
-from nsa_diag.records import FlightRecorder, JobNotes, Rate, StopReport
+from nsa_diag.records import FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.stopping import ProcessTree, stop_tree
-from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, steps_done
+from nsa_diag.watchdog import ProcessHandle, steps_done
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -139,36 +148,31 @@ class CommandLauncher(Launcher):
         self.evidence_taken = False
         self.force_stop = False
         self.stop_report: StopReport | None = None
-        self.rates: dict[int, Rate] = {}  # unit key -> progress rate (past the timeout)
-        self.folders: dict[int, Path] = {}
+        self.recorder: FlightRecorder | None = None  # asked at the last hang of the watch
         self.exited_by_itself = False  # the command had exited when the case came to stop it
         self.alive_at_evidence: list[int] = []  # pids alive when the evidence was taken (the last time)
 
     # --- starting ------------------------------------------------------------------------------------
 
-    def prepare(self, case_dir: Path) -> None:
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        """The command in its directory with the user's environment and the probe; its stdout shown on
+        ours (on our stderr under ``--json``), its stderr on our stderr. replay.sh exports nothing more:
+        the user's environment is theirs."""
         (case_dir / PROCS_DIR).mkdir(parents=True, exist_ok=True)
-
-    def command(self, case_dir: Path) -> list[str]:
-        return list(self.cmd.argv)
-
-    def replay_env(self, case_dir: Path) -> dict[str, str]:
-        return {}
-
-    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
         env = {**os.environ, **(extra_env or {})}
-        return {**env, **probe_env(case_dir, env, self.spec.branch_marks)}
-
-    def cwd(self) -> str | None:
-        return self.cmd.cwd
-
-    def echo_fds(self) -> tuple[int | None, int | None]:
-        """The job's stdout on ours (on our stderr under ``--json``), its stderr on our stderr."""
         out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout
-        return _fileno(out_stream), _fileno(sys.stderr)
+        return LaunchPlan(
+            home=self.home(case_dir),
+            argv=list(self.cmd.argv),
+            env={**env, **probe_env(case_dir, env, self.spec.branch_marks)},
+            replay_argv=list(self.cmd.argv),
+            replay_env={},
+            cwd=self.cmd.cwd,
+            echo=(_fileno(out_stream), _fileno(sys.stderr)),
+        )
 
-    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        proc = super().start(case_dir, argv, env)
+    def start(self, plan: LaunchPlan) -> ProcessHandle:
+        proc = super().start(plan)
         self._see(proc.pid, None)
         return proc
 
@@ -292,11 +296,24 @@ class CommandLauncher(Launcher):
 
     # --- evidence ------------------------------------------------------------------------------------
 
-    def notes(self) -> JobNotes:
-        assert self.proc is not None
-        return JobNotes(command=list(self.cmd.argv), cwd=self.cmd.cwd, root_pid=self.proc.pid)
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """The watch ended: the command's facts. At a hang, before anything stops: ``tree.json`` (/proc of
+        every live process of the job), every rank's NCCL flight recorder, and every live unit for the
+        watchdog. After the stop: the dumps NCCL's own timeout wrote, and the job's own account when it
+        ended by itself. At an interrupt: a stack sample of each training process (`_sample_on_interrupt`)."""
+        if stage is Stage.WATCHED:
+            assert self.proc is not None
+            self.recorder = None
+            return Evidence(JobNotes(command=list(self.cmd.argv), cwd=self.cmd.cwd, root_pid=self.proc.pid))
+        if stage is Stage.HANG:
+            return Evidence(self._at_hang(case_dir), self._targets(units))
+        if stage is Stage.STOPPED:
+            return Evidence(self._after_stop(case_dir))
+        if stage is Stage.INTERRUPTED:
+            return Evidence(sampled=self._sample_on_interrupt(case_dir))
+        return Evidence()
 
-    def evidence_before_stop(self, case_dir: Path) -> JobNotes:
+    def _at_hang(self, case_dir: Path) -> JobNotes:
         self.evidence_taken = True
         self._scan(case_dir)
         tree = {
@@ -308,7 +325,7 @@ class CommandLauncher(Launcher):
         self.alive_at_evidence = sorted(int(p) for p in tree)
         notes = JobNotes(processes_alive=self.alive_at_evidence)
         if self.ranks():
-            notes.flight_recorder = self._flight_recorder(case_dir)
+            self.recorder = notes.flight_recorder = self._flight_recorder(case_dir)
         return notes
 
     def _flight_recorder(self, case_dir: Path) -> FlightRecorder:
@@ -343,7 +360,7 @@ class CommandLauncher(Launcher):
                 found[str(rank)] = f"{RANKS_DIR}/{rank}/{FR_FILE}"
         return found
 
-    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
+    def _targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
         targets: dict[int, ProcessHandle] = {}
         for unit in units:
             pid = self.pid_of(unit.key)
@@ -353,9 +370,8 @@ class CommandLauncher(Launcher):
 
     # --- stopping ------------------------------------------------------------------------------------
 
-    def stop(self) -> StopReport:
-        if self.proc is None:
-            return StopReport(started=False)
+    def stop_processes(self) -> StopReport:
+        assert self.proc is not None
         self.exited_by_itself = self.proc.poll() is not None
         if self.cmd.keep_alive and self.evidence_taken and not self.force_stop:
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
@@ -368,10 +384,7 @@ class CommandLauncher(Launcher):
         self.stop_report = report
         return report
 
-    def kept_alive(self) -> bool:
-        return bool(self.stop_report and self.stop_report.kept_alive)
-
-    def sample_on_interrupt(self, case_dir: Path) -> bool:
+    def _sample_on_interrupt(self, case_dir: Path) -> bool:
         """Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not; but first one stack sample of
         each training process whose probe takes SIGUSR1, so that the case says where the job was."""
         self.force_stop = True
@@ -435,10 +448,11 @@ class CommandLauncher(Launcher):
         folders = [p.folder for p in self.procs.values() if p.folder is not None]
         return [f / name for f in folders for name in artifacts.INTERNAL_FILES] + pipes
 
-    def evidence_after_stop(self, case_dir: Path, notes: JobNotes) -> None:
+    def _after_stop(self, case_dir: Path) -> JobNotes:
+        notes = JobNotes()
         found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
         if found:
-            notes.flight_recorder = with_files(notes.flight_recorder, found)
+            notes.flight_recorder = with_files(self.recorder, found)
         assert self.proc is not None
         root = self._root_folder(case_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -448,25 +462,19 @@ class CommandLauncher(Launcher):
             report = job.job_report(code, case_dir, infos)
             if report is not None:
                 artifacts.write_json(root / artifacts.WORKER_RESULT, report)
+        return notes
 
-    def unit_ends(
-        self,
-        case_dir: Path,
-        units: Sequence[Unit],
-        watched: Sequence[WatchResult],
-        hangs: Mapping[int, HangEvidence],
-        stop: StopReport,
-    ) -> dict[int, tuple[WatchResult, StopReport]]:
-        ends = job.unit_ends(case_dir, units, watched, hangs, stop, self.ranks())
-        self.folders = {unit.key: unit.folder for unit in units}
-        for unit, w in zip(units, watched, strict=True):
+    def outcome(self, end: JobEnd) -> CaseResult:
+        """Each unit's end (`job.unit_ends`) and, past the timeout, its rate; the job's verdict
+        (`job.combine`)."""
+        assert self.proc is not None
+        ends = job.unit_ends(end.case_dir, end.units, end.watched.units, end.hangs, end.stop, self.ranks())
+        rates = {}
+        for unit, w in zip(end.units, end.watched.units, strict=True):
             if w.outcome == "timeout":
                 total = self.cmd.total_steps or _info_total(self.procs[self.pid_of(unit.key)].read_info())
-                self.rates[unit.key] = job.job_rate(w, self.spec, total)
-        return ends
-
-    def combine(self, end: Ending) -> CaseResult:
-        assert self.proc is not None
+                rates[unit.key] = job.job_rate(w, self.spec, total)
+        ending = classified(self.spec, end, ends)
         infos = {
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
@@ -478,9 +486,10 @@ class CommandLauncher(Launcher):
                 self.keys.get(forked, forked) if isinstance(forked, int) else None
             )
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
+        folders = {unit.key: unit.folder for unit in end.units}
         return job.combine(
-            self.spec, end,
-            root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
+            self.spec, ending,
+            root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=rates, folders=folders,
             roles=roles, parents=parents, alive=alive,
         )  # fmt: skip
 

@@ -13,7 +13,7 @@ shared case folder, so any shared file system works and no service of ours liste
    ranks nodes by host name and process id), so global rank = node rank x nproc + local rank. Node 0's
    agent hosts the store, listening on HOST only (`nsa_diag.worker.agent`); it waits ``--rdzv-timeout``
    for the other nodes to join.
-4. Each node watches its local ranks (``ranks/<global rank>/``). Before it stops them (`before_stop`) it
+4. Each node watches its local ranks (``ranks/<global rank>/``). Before it stops them (`wait_for_nodes`) it
    says so in ``nodes/<R>/node.json`` and waits, bounded, until every node has: no node's kill breaks a
    rank of another node (gloo and NCCL fail at once when a peer dies) before its evidence is taken.
 5. Each node classifies its ranks into ``ranks/<r>/rank_result.json`` and its end into ``node.json``.
@@ -31,6 +31,7 @@ import errno
 import re
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from pydantic import Field
 
 from nsa_diag import artifacts
 from nsa_diag.errors import UsageError
-from nsa_diag.launchers.base import Ending
+from nsa_diag.launchers.base import Ending, Evidence, JobEnd, LaunchPlan, Stage, Unit, classified
 from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
 from nsa_diag.records import (
     Barrier,
@@ -176,7 +177,6 @@ class NodeLauncher(TorchrunLauncher):
         self.ds: DdpSpec = spec.ddp
         self.node = spec.ddp.node_rank
         self.host = socket.gethostname()
-        self.waited = Barrier()
 
     def home(self, case_dir: Path) -> Path:
         return Path(case_dir) if self.node == 0 else artifacts.node_dir(case_dir, self.node)
@@ -190,10 +190,10 @@ class NodeLauncher(TorchrunLauncher):
         )
         artifacts.write_json(self._node_file(case_dir, self.node), record)
 
-    def prepare(self, case_dir: Path) -> None:
-        """Clear what an earlier attempt in this folder left: this node's ranks and node files; at node 0
-        also every node's and rank's results (the other nodes write theirs only after the rendezvous,
-        which needs node 0)."""
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        """First clear what an earlier attempt in this folder left: this node's ranks and node files; at
+        node 0 also every node's and rank's results (the other nodes write theirs only after the
+        rendezvous, which needs node 0). A node R > 0's ranks read the spec in its folder."""
         for rank in local_ranks(self.spec):
             artifacts.remove_tree(rank_dir(case_dir, rank))
         stale = [self._node_file(case_dir, self.node), self.home(case_dir) / artifacts.RESULT]
@@ -201,21 +201,23 @@ class NodeLauncher(TorchrunLauncher):
             stale += [self._node_file(case_dir, n) for n in range(self.ds.nnodes)]
             stale += list((Path(case_dir) / RANKS_DIR).glob(f"*/{artifacts.RANK_RESULT}"))
         artifacts.remove_files(stale)
-        super().prepare(case_dir)
+        plan = super().plan(case_dir, extra_env)
         self.home(case_dir).mkdir(parents=True, exist_ok=True)
-
-    def command(self, case_dir: Path) -> list[str]:
         own_spec = [] if self.node == 0 else [str((self.home(case_dir) / artifacts.SPEC).resolve())]
         self.argv = torchrun_argv(self.spec, case_dir, worker_args=own_spec)
-        return self.argv
+        return replace(plan, argv=self.argv, replay_argv=self.argv)
 
-    def notes(self) -> JobNotes:
-        notes = super().notes()
-        notes.node_rank, notes.host = self.node, self.host
-        return notes
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """torchrun's, with this node's rank and host; before the stop, the barrier (`wait_for_nodes`)."""
+        if stage is Stage.STOPPING:
+            return Evidence(JobNotes(barrier=self.wait_for_nodes(case_dir)))
+        taken = super().evidence(case_dir, stage, units)
+        if stage is Stage.WATCHED:
+            taken.notes.node_rank, taken.notes.host = self.node, self.host
+        return taken
 
     def _never_started(self, case_dir: Path) -> bool:
-        """No local rank ever started (`prepare` removed their folders): the rendezvous did not complete."""
+        """No local rank ever started (`plan` removed their folders): the rendezvous did not complete."""
         return not any(rank_dir(case_dir, r).exists() for r in local_ranks(self.spec))
 
     def _rendezvous_failure(self, case_dir: Path) -> str:
@@ -252,13 +254,12 @@ class NodeLauncher(TorchrunLauncher):
         )
         return result.model_copy(update={"ddp": ddp})
 
-    def before_stop(self, case_dir: Path) -> None:
+    def wait_for_nodes(self, case_dir: Path) -> Barrier:
         """Say this node has its evidence, and wait (`barrier_s`, at most ``--rdzv-timeout``) until every
-        node has said so; not when no local rank started (there is nothing to break)."""
+        node has said so; not when no local rank started (there is nothing to break). How long it waited."""
         self._say(case_dir, "stopping")
         if self._never_started(case_dir):
-            self.waited = Barrier(waited_s=0.0, skipped="no rank started on this node")
-            return
+            return Barrier(waited_s=0.0, skipped="no rank started on this node")
         others = [n for n in range(self.ds.nnodes) if n != self.node]
         started = time.monotonic()
         deadline = started + min(barrier_s(self.spec), self.ds.wait_s)
@@ -267,27 +268,27 @@ class NodeLauncher(TorchrunLauncher):
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-        self.waited = Barrier(waited_s=round(time.monotonic() - started, 2), nodes_not_ready=missing)
+        return Barrier(waited_s=round(time.monotonic() - started, 2), nodes_not_ready=missing)
 
-    def combine(self, end: Ending) -> CaseResult:
+    def outcome(self, end: JobEnd) -> CaseResult:
         """Publish this node's ranks' results and its end; node 0 then aggregates every rank, a node R > 0
         takes node 0's result (module docstring)."""
         case_dir = end.case_dir
+        ending = classified(self.spec, end, self.rank_ends(end))
         if self._never_started(case_dir):
             self._say(case_dir, "ended", outcome="rendezvous-failed", stop=end.stop)
-            return self._not_met(case_dir, end.elapsed, end.stop)
-        for rank, result in end.per_unit.items():
+            return self._not_met(case_dir, ending.elapsed, end.stop)
+        for rank, result in ending.per_unit.items():
             artifacts.write_json(rank_dir(case_dir, rank) / artifacts.RANK_RESULT, result)
-        end = replace(end, notes=end.notes.model_copy(update={"barrier": self.waited}))
         self._say(
             case_dir,
             "ended",
-            outcome=end.outcome,
-            decider=end.decider,
-            stop=end.stop,
-            ranks=sorted(end.per_unit),
+            outcome=ending.outcome,
+            decider=ending.decider,
+            stop=ending.stop,
+            ranks=sorted(ending.per_unit),
         )
-        return self._aggregate_all(end) if self.node == 0 else self._await_case(end)
+        return self._aggregate_all(ending) if self.node == 0 else self._await_case(ending)
 
     def _aggregate_all(self, end: Ending) -> CaseResult:
         """Node 0: every rank's result (waiting for the other nodes), aggregated across nodes."""
