@@ -118,12 +118,29 @@ def test_the_system_facts_are_cheap() -> None:
     assert time.perf_counter() - start < 1.0
 
 
-def test_env_records_only_the_listed_variables() -> None:
+def run_env_in_process(
+    *args: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """`nsa-diag env ARGS` in this process (the CLI's own `run_cli`) with `env` added to the environment:
+    the snapshot reads os.environ as a subprocess's would; the entry point's own test is
+    test_env_json_is_valid_and_names_torch (a subprocess costs a torch import, ~3 s of CPU)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    code = run_cli(["env", *args])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["nsa-diag", "env", *args], code, captured.out, captured.err)
+
+
+def test_env_records_only_the_listed_variables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     secrets = {"SECRET_TOKEN": "hunter2-secret", "AWS_SECRET_ACCESS_KEY": "aws-secret-value"}
     listed = {"NSA_FOO": "bar", "TORCH_SHOW_CPP_STACKTRACES": "1", "OMP_NUM_THREADS": "4", "RANK": "1"}
     listed |= {"MASTER_ADDR": "10.0.0.1", "SLURM_JOB_ID": "77", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     withheld = {"SLURM_AUTH_TOKEN": "slurm-secret"}  # a recorded prefix: its name only
-    done = run_nsa_diag("env", "--json", env={**listed, "HOME_MADE": "x", **secrets, **withheld})
+    env = {**listed, "HOME_MADE": "x", **secrets, **withheld}
+    done = run_env_in_process("--json", env=env, monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 0, done.stderr
     assert "slurm-secret" not in done.stdout
     assert "SLURM_AUTH_TOKEN" in json.loads(done.stdout)["env_vars_withheld"]
@@ -136,8 +153,11 @@ def test_env_records_only_the_listed_variables() -> None:
         assert value not in done.stdout
 
 
-def test_env_table_shows_nsa_variable_and_hides_others() -> None:
-    done = run_nsa_diag("env", env={"NSA_FOO": "bar", "SECRET_TOKEN": "hunter2-secret"})
+def test_env_table_shows_nsa_variable_and_hides_others(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {"NSA_FOO": "bar", "SECRET_TOKEN": "hunter2-secret"}
+    done = run_env_in_process(env=env, monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 0, done.stderr
     assert "NSA_FOO" in done.stdout
     assert "torch" in done.stdout
@@ -155,10 +175,15 @@ SECRETS = {"NSA_TOKEN": "tok-0a1b2c", "TORCH_SECRET": "sec-3d4e5f", "NSA_DIAG_PA
         pytest.param("/proc/self/status/x", "Not a directory", id="under-a-file"),
     ],
 )
-def test_an_out_where_no_run_folder_can_be_made_is_exit_2(out: str, says: str) -> None:
-    done = run_nsa_diag("run", "--out", out)
-    assert done.returncode == EXIT_USAGE, done.stderr
-    assert done.stderr.splitlines() == [f"nsa-diag: --out {out}: cannot create a run folder there: {says}"]
+def test_an_out_where_no_run_folder_can_be_made_is_exit_2(
+    out: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # in process, as test_bad_values_are_refused_before_any_case: refused before any case, so a subprocess
+    # would add only its start-up (the entry point's one-line refusals: test_usage_error_exits_2_...)
+    code = run_cli(["run", "--out", out])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert err.splitlines() == [f"nsa-diag: --out {out}: cannot create a run folder there: {says}"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
@@ -207,34 +232,17 @@ def test_a_run_folder_whose_first_file_cannot_be_written_is_removed(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_env_json_withholds_secret_values_and_names_them() -> None:
-    done = run_nsa_diag("env", "--json", env={**SECRETS, "NSA_DIAG_Auth_Header": "hdr-9d0e"})
+def test_env_json_withholds_secret_values_and_names_them(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {**SECRETS, "NSA_DIAG_Auth_Header": "hdr-9d0e"}
+    done = run_env_in_process("--json", env=env, monkeypatch=monkeypatch, capsys=capsys)
     assert done.returncode == 0, done.stderr
     for value in [*SECRETS.values(), "hdr-9d0e"]:
         assert value not in done.stdout
     snapshot = json.loads(done.stdout)
     assert snapshot["env_vars_withheld"] == sorted([*SECRETS, "NSA_DIAG_Auth_Header"])
     assert not set(snapshot["env_vars"]) & set(snapshot["env_vars_withheld"])
-
-
-@pytest.mark.parametrize(
-    "command",
-    [  # the torchrun path of the same check: make test-slow
-        pytest.param(["run"], id="run"),
-        pytest.param(["ddp", "--nproc", "2"], id="ddp", marks=pytest.mark.slow),
-    ],
-)
-def test_no_artifact_records_a_secret_value(command: list[str], tmp_path: Path) -> None:
-    done = run_nsa_diag(*command, "--steps", "1", "--out", str(tmp_path), env=SECRETS)
-    assert done.returncode == 0, done.stderr
-    (run_dir,) = tmp_path.iterdir()
-    written = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert {"env.json", "summary.json", "summary.md", "replay.sh"} <= {p.name for p in written}
-    for path in written:
-        data = path.read_bytes()
-        for value in SECRETS.values():
-            assert value.encode() not in data, f"{path.relative_to(run_dir)} records {value}"
-    assert json.loads((run_dir / "env.json").read_text())["env_vars_withheld"] == sorted(SECRETS)
 
 
 def test_replay_names_a_secret_variable_without_its_value(tmp_path: Path) -> None:
@@ -280,14 +288,17 @@ def test_select_env_vars_matches_prefixes_exactly() -> None:
     }
 
 
-def run_as_console_script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def run_as_console_script(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`nsa-diag ARGS` in `cwd` as the console script runs it: the working directory is not on sys.path
-    (`-P`; `python -m nsa_diag` would put it there itself), tests/diag is (the planted models)."""
+    (`-P`; `python -m nsa_diag` would put it there itself), tests/diag is (the planted models); `env`
+    adds variables."""
     return subprocess.run(
         [sys.executable, "-P", "-m", "nsa_diag", *args],
         capture_output=True,
         text=True,
-        env=cli_env(planted=True),
+        env=cli_env(planted=True, **(env or {})),
         cwd=cwd,
         stdin=subprocess.DEVNULL,
         timeout=CLI_TIMEOUT_S,
@@ -303,18 +314,46 @@ pathlib.Path(__file__).with_suffix(".ran").write_text("imported")
 """
 
 
-@pytest.mark.parametrize(
-    "command",
-    [  # the torchrun path of the same check: make test-slow
+@pytest.fixture(
+    scope="module",
+    params=[  # the torchrun path of the same checks: make test-slow
         pytest.param(["run"], id="run"),
         pytest.param(["ddp", "--nproc", "2"], id="ddp", marks=pytest.mark.slow),
     ],
 )
-def test_the_worker_does_not_import_from_the_working_directory(command: list[str], tmp_path: Path) -> None:
-    (tmp_path / "pydantic.py").write_text(MARKING_MODULE.format(rest="raise ImportError('planted')"))
-    done = run_as_console_script(*command, "--steps", "1", "--out", "runs", cwd=tmp_path)
+def secret_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One case run as the console script runs it, with secret variables in its environment, from a
+    working directory that plants a `pydantic` module; the tests below read its run folder (one worker
+    start for both: ~10 s of CPU each)."""
+    work = tmp_path_factory.mktemp("work")
+    (work / "pydantic.py").write_text(MARKING_MODULE.format(rest="raise ImportError('planted')"))
+    done = run_as_console_script(*request.param, "--steps", "1", "--out", "runs", cwd=work, env=SECRETS)
+    return done, work
+
+
+def test_no_artifact_records_a_secret_value(
+    secret_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, work = secret_run
     assert done.returncode == 0, done.stderr + done.stdout
-    assert not (tmp_path / "pydantic.ran").exists()
+    (run_dir,) = (work / "runs").iterdir()
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"env.json", "summary.json", "summary.md", "replay.sh"} <= {p.name for p in written}
+    for path in written:
+        data = path.read_bytes()
+        for value in SECRETS.values():
+            assert value.encode() not in data, f"{path.relative_to(run_dir)} records {value}"
+    assert json.loads((run_dir / "env.json").read_text())["env_vars_withheld"] == sorted(SECRETS)
+
+
+def test_the_worker_does_not_import_from_the_working_directory(
+    secret_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, work = secret_run
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert not (work / "pydantic.ran").exists()
 
 
 @pytest.mark.slow
@@ -367,11 +406,17 @@ def test_check_model_factory_finds_modules_without_importing_them(target: str, s
 @pytest.mark.parametrize(
     "target", ["pkg.mod:Outer.build", "pkg.mod:", ":build", "pkg..mod:build", "pkg mod:b"]
 )
-def test_model_takes_a_module_path_and_a_function_name(target: str, tmp_path: Path) -> None:
-    done = run_as_console_script("run", "--model", target, cwd=tmp_path)
-    assert done.returncode == EXIT_USAGE
+def test_model_takes_a_module_path_and_a_function_name(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # in process: the syntax is refused before anything is imported or run (through the entry point:
+    # test_commands.py's test_bad_input_from_the_shell[model])
+    monkeypatch.chdir(tmp_path)
+    code = run_cli(["run", "--model", target])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
     expected = "expected 'pkg.module:factory' (a module path, a colon, a function's name)"
-    assert done.stderr.strip().splitlines() == [f"nsa-diag: --model {target!r}: {expected}"]
+    assert err.strip().splitlines() == [f"nsa-diag: --model {target!r}: {expected}"]
 
 
 @pytest.mark.parametrize(

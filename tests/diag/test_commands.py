@@ -109,8 +109,10 @@ def test_bad_input_is_one_line_exit_2_and_no_run_folder(
     "args",
     [
         pytest.param(["run", "--bogus"], id="unknown-flag"),
-        pytest.param(["run", "--inject", "deadlock:layer=x"], id="inject"),
-        pytest.param(["branch", "--kv-heads", "3"], id="geometry"),
+        # refusals of option values, as `model`'s below (each a torch import, ~3 s of CPU): make test-slow;
+        # test_bad_input_is_one_line_exit_2_and_no_run_folder refuses the same values in process
+        pytest.param(["run", "--inject", "deadlock:layer=x"], id="inject", marks=pytest.mark.slow),
+        pytest.param(["branch", "--kv-heads", "3"], id="geometry", marks=pytest.mark.slow),
         pytest.param(["run", "--model", "no_such_pkg.models:build"], id="model"),
     ],
 )
@@ -125,13 +127,16 @@ def test_bad_input_from_the_shell(tmp_path: Path, args: list[str]) -> None:
     assert not out.exists()
 
 
-def test_device_cuda_without_a_gpu_is_exit_2(tmp_path: Path) -> None:
+def test_device_cuda_without_a_gpu_is_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if _cuda():
         pytest.skip("this machine has CUDA")
     out = tmp_path / "runs"
-    done = run_nsa_diag("run", "--device", "cuda", "--out", str(out))
-    assert done.returncode == EXIT_USAGE
-    assert done.stderr.strip().splitlines() == [
+    # in process, as the bad inputs above: refused before any case (the shell's view: test_bad_input_from_
+    # the_shell)
+    code = run_cli(["run", "--device", "cuda", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert err.strip().splitlines() == [
         "nsa-diag: --device cuda: torch sees no CUDA device here; use --device cpu or auto"
     ]
     assert not out.exists()

@@ -88,9 +88,15 @@ def test_gc_bisect_grads_names_wrong_recompute_layers(tmp_path: Path) -> None:
         pytest.param("[]", id="not-an-object"),
     ],
 )
-def test_resume_of_a_corrupt_state_is_one_line_and_exit_2(content: str, tmp_path: Path) -> None:
+def test_resume_of_a_corrupt_state_is_one_line_and_exit_2(
+    content: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # in process (the CLI's own `run_cli`), as test_grads_refuses_what_it_cannot_apply: refused before any
+    # trial runs, so a subprocess would add only its start-up (a torch import, ~3 s of CPU)
     (tmp_path / STATE_FILE).write_text(content)
-    code, summary, err = nsa_diag("gc-bisect", "--resume", str(tmp_path))
+    code = run_cli(["gc-bisect", "--resume", str(tmp_path), "--json"])
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
     assert code == 2, err
     assert summary["kind"] == "usage"  # --json: the error is an object on stdout too
     assert "cannot be resumed" in summary["error"]

@@ -219,6 +219,19 @@ def _refused(proc: subprocess.CompletedProcess[str], says: str) -> None:
     assert says in lines[0], proc.stderr
 
 
+def _watch_in_process(
+    args: list[str | Path], cwd: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """`nsa-diag watch ARGS` from `cwd` in this process (the CLI's own `run_cli`), as
+    test_bad_input_is_one_line_and_exit_2 runs it: a command refused before anything starts differs from
+    a subprocess only by the interpreter's start and torch's import (~3 s of CPU each)."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    code = cli_main(["watch", *map(str, args)])
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["nsa-diag", "watch"], code, captured.out, captured.err)
+
+
 @pytest.mark.parametrize(
     "options, says",
     [
@@ -228,13 +241,18 @@ def _refused(proc: subprocess.CompletedProcess[str], says: str) -> None:
     ],
 )
 def test_a_tag_or_name_that_is_no_folder_name_is_refused_like_run(
-    tmp_path: Path, options: list[str], says: str
+    tmp_path: Path,
+    options: list[str],
+    says: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`watch` checks --tag and --name as `run` and `attach` do: a tag of ``../..`` put the run folder
     two levels above --out; nothing is written anywhere."""
     work = tmp_path / "work"
     work.mkdir()
-    proc = run_cli("watch", "--out", work / "a" / "b" / "runs", *options, "--", "true", cwd=work)
+    args = ["--out", work / "a" / "b" / "runs", *options, "--", "true"]
+    proc = _watch_in_process(args, work, monkeypatch, capsys)
     _refused(proc, says)
     assert not any(work.iterdir())
 
@@ -251,47 +269,64 @@ def _executable(path: Path, content: bytes) -> str:
 
 
 @pytest.mark.parametrize(
-    "make, says",
+    "make, says, shell",
     [
         pytest.param(
             lambda d: [_executable(d / "t.py", b"#!/no/such/python3\nprint(1)\n")],
             "#! interpreter /no/such/python3 does not exist",
+            False,
             id="shebang-interpreter-missing",
         ),
         pytest.param(
             lambda d: [_executable(d / "t.py", b"#!/usr/bin/env no-such-python-nsa -u\nprint(1)\n")],
             "no-such-python-nsa",
+            False,
             id="env-shebang-program-missing",
         ),
         pytest.param(
             lambda d: [_executable(d / "t.py", b"#!" + _plain_file(d / "interp").encode() + b"\n")],
             "is not executable",
+            False,
             id="shebang-interpreter-not-executable",
         ),
         pytest.param(
             lambda d: [_executable(d / "run_me", b"echo started\n")],
             "no #! line",
+            False,
             id="text-without-shebang",
         ),
         pytest.param(
             lambda d: [_executable(d / "blob", b"\x00\x01\x02 not a program")],
             "no #! line",
+            False,
             id="not-an-executable-format",
         ),
         pytest.param(
             lambda d: ["echo", os.fsdecode(b"caf\xe9")],
             "not valid UTF-8",
+            True,
             id="argument-not-utf8",
         ),
     ],
 )
-def test_a_command_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path, make: Any, says: str) -> None:
+def test_a_command_that_cannot_start_is_one_line_and_exit_2(
+    tmp_path: Path,
+    make: Any,
+    says: str,
+    shell: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """The command is checked as exec would take it before a run folder exists: its #! interpreter, its
-    format, arguments nsa-diag can record; not judged as a job that failed."""
+    format, arguments nsa-diag can record; not judged as a job that failed. In process but for the
+    argument that is no UTF-8, which comes through a real command line (bytes decoded by Python)."""
     work = tmp_path / "work"
     work.mkdir()
     command = make(work)
-    proc = run_cli("watch", "--out", tmp_path / "runs", "--", *command, cwd=work)
+    if shell:
+        proc = run_cli("watch", "--out", tmp_path / "runs", "--", *command, cwd=work)
+    else:
+        proc = _watch_in_process(["--out", tmp_path / "runs", "--", *command], work, monkeypatch, capsys)
     _refused(proc, says)
     assert not (tmp_path / "runs").exists()
 
