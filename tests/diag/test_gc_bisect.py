@@ -42,7 +42,9 @@ def test_smallest_range(layers: int, culprit: set[int], expected: tuple[int, int
 @pytest.mark.slow
 def test_gc_bisect_names_the_layer_and_resumes(tmp_path: Path) -> None:
     args = ("gc-bisect", "--layers", "4", "--gc", "all", "--inject", "deadlock:layer=2,phase=recompute")
-    code, summary, err = nsa_diag(*args, "--stall", "2", "--out", str(tmp_path))
+    # a stall long enough for a healthy step on a loaded 2-core CI machine (2 s was not: "gc none" was
+    # called hung in its first forward at 10% CPU)
+    code, summary, err = nsa_diag(*args, "--stall", "5", "--out", str(tmp_path))
     assert code == 0, err
     run_dir = Path(summary["run_dir"])
     state = json.loads((run_dir / STATE_FILE).read_text())
