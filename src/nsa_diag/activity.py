@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind
 from nsa_diag.beacon import BeaconState
@@ -70,6 +70,7 @@ from nsa_diag.evidence import stacks
 from nsa_diag.evidence.live import ProcessInfo, ProcessObservation, TreeObservation
 from nsa_diag.evidence.probefiles import location
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
+from nsa_diag.records import StackDiff, WorkSeen
 from nsa_diag.spec import HangKind, Where
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Observation, ProcRead, Work, work_in
@@ -93,6 +94,41 @@ KIND_ORDER: tuple[HangKind | None, ...] = (
 WATCH_HINT = "the job run under `nsa-diag watch` (its probe counts progress events, allocations, frame moves)"
 
 
+class ActivityProgress(TypedDict, total=False):
+    """What showed a process's progress while attach watched (``by``: beacon, liveness, stacks, native,
+    io, or None), with its numbers: the beacon's events and steps, the liveness counters, the frames that
+    moved, the bytes read or written."""
+
+    by: str | None
+    events: int
+    events_per_s: float
+    step_from: int | None
+    step_to: int | None
+    observed_s: float
+    steps_per_s: float
+    work: WorkSeen
+    moved: str
+    cpu_percent: float | None
+    io_bytes: int
+
+
+class ProcessActivityJson(TypedDict):
+    """`ProcessActivity` as attach's result.json writes it."""
+
+    pid: int
+    role: Role
+    state: State
+    kind: HangKind | None
+    why: str
+    progress: ActivityProgress
+    location: str | None
+    rank: int | None
+    cpu_percent: float | None
+    runnable_percent: float | None
+    gpu_percent: float | None
+    stalled_for_s: float | None
+
+
 @dataclass(frozen=True)
 class ProcessActivity:
     """One process's state, kind and reason."""
@@ -101,7 +137,7 @@ class ProcessActivity:
     state: State
     kind: HangKind | None  # what the stacks show; None for a process attach cannot judge (not Python)
     why: str  # what shows the state
-    progress: dict[str, Any]  # by ("beacon" | "liveness" | "stacks" | "io" | None), events_per_s, ...
+    progress: ActivityProgress
     location: str | None  # "rank 1, step 5, backward, layers.7" from the beacon
     rank: int | None
     cpu_percent: float | None
@@ -121,7 +157,7 @@ class ProcessActivity:
             return f"pid {self.pid}"
         return f"pid {self.pid} ({describe(self.role)})"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ProcessActivityJson:
         return {
             "pid": self.pid, "role": self.role, "state": self.state, "kind": self.kind, "why": self.why,
             "progress": self.progress, "location": self.location, "rank": self.rank,
@@ -140,7 +176,7 @@ class TreeActivity:
     focus_pid: int | None
     processes: tuple[ProcessActivity, ...]
     minority_ranks: tuple[int, ...] = ()
-    stack_diff: dict[str, Any] | None = None  # `cross_rank_diff` of the ranks, when stalled
+    stack_diff: StackDiff | None = None  # `cross_rank_diff` of the ranks, when stalled
 
 
 # --- one process ----------------------------------------------------------------------------------------
@@ -191,24 +227,24 @@ def _waits(ob: ProcessObservation) -> str:
     )
 
 
-def _beacon_progress(ob: ProcessObservation) -> tuple[dict[str, Any], float | None, bool | None]:
+def _beacon_progress(ob: ProcessObservation) -> tuple[ActivityProgress, float | None, bool | None]:
     """(progress record, seconds since the last event, heartbeat advancing) from the beacon reads."""
     reads = [s for s in ob.samples if s.beacon is not None]
     if len(reads) < 2:
-        return {}, None, None
+        return ActivityProgress(), None, None
     first, last = reads[0], reads[-1]
     b0, b1 = first.beacon, last.beacon
     assert b0 is not None
     assert b1 is not None
     dt = max(last.at - first.at, 1e-9)
-    record: dict[str, Any] = {
-        "by": "beacon" if b1.seq > b0.seq else None,
-        "events": b1.seq - b0.seq,
-        "events_per_s": round((b1.seq - b0.seq) / dt, 3),
-        "step_from": b0.step,
-        "step_to": b1.step,
-        "observed_s": round(dt, 3),
-    }
+    record = ActivityProgress(
+        by="beacon" if b1.seq > b0.seq else None,
+        events=b1.seq - b0.seq,
+        events_per_s=round((b1.seq - b0.seq) / dt, 3),
+        step_from=b0.step,
+        step_to=b1.step,
+        observed_s=round(dt, 3),
+    )
     if b0.step is not None and b1.step is not None:
         record["steps_per_s"] = round((b1.step - b0.step) / dt, 3)
     heartbeat = b1.heartbeat > b0.heartbeat if b0.heartbeat > 0 else None
@@ -285,7 +321,7 @@ def judge_process(
     focus = [focus_thread(threads) for threads in map(stacks.parse_faulthandler, samples) if threads]
 
     def act(
-        state: State, kind: HangKind | None, why: str, record: dict[str, Any] | None = None
+        state: State, kind: HangKind | None, why: str, record: ActivityProgress | None = None
     ) -> ProcessActivity:
         return ProcessActivity(
             pid=ob.pid, state=state, kind=kind, why=why, progress=progress if record is None else record,
@@ -297,7 +333,7 @@ def judge_process(
 
     if ob.gone:
         stalled_for = None
-        return act("gone", None, "it ended while attach watched", {})
+        return act("gone", None, "it ended while attach watched", ActivityProgress())
     thread = ob.main_thread() or {}
     threads = [t for threads in map(stacks.parse_faulthandler, samples) for t in threads]
     ev = Evidence(
@@ -325,24 +361,24 @@ def judge_process(
             "progressing",
             kind,
             f"working: {work.describe()}",
-            {**progress, "by": "liveness", "work": work.to_json()},
+            ActivityProgress(**progress, by="liveness", work=work.to_json()),
         )
     moved = _moved(focus, cpu, runnable)
     if moved:
         text = f"its innermost frame moved between the stack samples ({moved}), {_cpu_text(cpu, runnable)}"
-        return act("progressing", kind, text, {"by": "stacks", "moved": moved, "cpu_percent": cpu})
+        return act("progressing", kind, text, ActivityProgress(by="stacks", moved=moved, cpu_percent=cpu))
     native = native_moved(ev)
     if native:
         cpu_text = _cpu_text(cpu, runnable)
         text = f"its native frames moved between py-spy dumps ({native}), {cpu_text}: C code that computes"
-        return act("progressing", kind, text, {"by": "native", "moved": native, "cpu_percent": cpu})
+        return act("progressing", kind, text, ActivityProgress(by="native", moved=native, cpu_percent=cpu))
     io = ob.io_bytes()
     if io is not None and io >= WORK_IO_BYTES:
         return act(
             "progressing",
             kind,
             f"it read or wrote {io / 2**20:.1f} MiB while watched",
-            {"by": "io", "io_bytes": io},
+            ActivityProgress(by="io", io_bytes=io),
         )
 
     # waiting by design
@@ -464,31 +500,31 @@ def _waits_for(
 
 def _minority(
     tree: TreeObservation, training: Sequence[ProcessActivity]
-) -> tuple[list[int], dict[str, Any] | None]:
+) -> tuple[list[int], StackDiff | None]:
     """The ranks' minority from their focus threads (`cross_rank_diff`), else from the probe's collective
     counts (``at_hang.json``, where a watchdog left one for every rank)."""
     ranks = {a.rank: a for a in training if a.role == "rank" and a.rank is not None}
     if len(ranks) < 2:
         return [], None
     diff = cross_rank_diff({r: a.thread for r, a in ranks.items()}, {})
-    if not diff.get("minority_ranks"):
+    if not diff.minority_ranks:
         at_hang = {ob.info.pid: ob.at_hang for ob in tree.processes if ob.at_hang}
         by_rank = {r: at_hang[a.pid] for r, a in ranks.items() if a.pid in at_hang}
         if len(by_rank) == len(ranks):
             minority_by_counts(diff, by_rank)
-    if not diff.get("minority_ranks"):
+    if not diff.minority_ranks:
         # py-spy's native frames (not in the focus threads) showed some ranks waiting for the GPU: under
         # NCCL, a collective whose partner never comes waits there; the ranks that do not are waited for
         waiting = sorted(r for r, a in ranks.items() if a.kind in ("cuda-kernel", "collective"))
         if waiting and len(waiting) < len(ranks):
             odd = sorted(r for r in ranks if r not in waiting)
             who = ", ".join(map(str, waiting))
-            diff.update(
-                minority_ranks=odd, majority_ranks=waiting,
-                basis=f"rank(s) {who} wait for the GPU or in a collective, the others do not (an NCCL "
-                "collective whose partner never comes waits on the device)",
-            )  # fmt: skip
-    return list(diff.get("minority_ranks") or []), diff
+            diff.minority_ranks, diff.majority_ranks = odd, waiting
+            diff.basis = (
+                f"rank(s) {who} wait for the GPU or in a collective, the others do not (an NCCL "
+                "collective whose partner never comes waits on the device)"
+            )
+    return list(diff.minority_ranks), diff
 
 
 def _no_training(acts: Sequence[ProcessActivity], parents: Mapping[int, int | None]) -> str:

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import BaseModel
+
 from nsa_diag.errors import DiskFullError, UsageError
 from nsa_diag.redact import (
     MIN_SECRET_LEN,
@@ -207,7 +209,10 @@ def scrub(text: str) -> str:
 
 
 def scrub_data(data: Any, key: str | None = None) -> Any:
-    """JSON-like `data` with its strings scrubbed and its command lines' secret arguments withheld."""
+    """JSON-like `data` with its strings scrubbed and its command lines' secret arguments withheld; a
+    pydantic model in it (a record of `nsa_diag.records`) is scrubbed as its JSON and read back."""
+    if isinstance(data, BaseModel):
+        return type(data).model_validate(scrub_data(data.model_dump(mode="json")))
     if isinstance(data, str):
         if key in ARGV_KEYS:
             data = " ".join(redact_argv(redact_line(data).split(" ")))
@@ -226,11 +231,24 @@ def write_text(path: Path, text: str) -> Path:
     return write_bytes(path, scrub(text).encode())
 
 
+def as_json(value: object) -> object:
+    """``json.dumps``'s ``default``: a pydantic model (a record, also inside a dict) as its JSON; TypeError
+    for another value JSON has no type for."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _jsonable(value: object) -> object:
+    """`as_json`, else the value's text (what a file gets for anything else)."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else str(value)
+
+
 def write_json(path: Path, data: Any) -> Path:
     """Atomic JSON (pydantic models are dumped in JSON mode), secrets withheld (`scrub_data`)."""
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
-    data = scrub_data(json.loads(json.dumps(data, default=str)))
+    data = scrub_data(json.loads(json.dumps(data, default=_jsonable)))
     # every string and key is scrubbed: the text is not again, lest a number equal to a secret's digits
     # become ``<withheld>`` and the file no JSON
     return write_bytes(path, (json.dumps(data, indent=2, sort_keys=False) + "\n").encode())
@@ -242,7 +260,7 @@ def write_json_new(path: Path, data: Any) -> bool:
     fails where a file is)."""
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")
-    data = scrub_data(json.loads(json.dumps(data, default=str)))
+    data = scrub_data(json.loads(json.dumps(data, default=_jsonable)))
     text = scrub(json.dumps(data, indent=2, sort_keys=False) + "\n")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

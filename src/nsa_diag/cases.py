@@ -52,6 +52,7 @@ from nsa_diag.spec import (
     DdpSpec,
     Injection,
     ModelFacts,
+    OverrideValue,
     endpoint_problem,
 )
 
@@ -166,9 +167,9 @@ CaseOptions.__doc__ = """The case options of one command line, as parsed: one at
 (`CASE_OPTIONS`), Enum members for choices, None for "the preset's value"; `replace(**changes)` copies."""
 
 
-def preset_overrides(options: CaseOptions) -> dict[str, Any]:
+def preset_overrides(options: CaseOptions) -> dict[str, OverrideValue]:
     """The model overrides the options name, in `MODEL_OPTIONS` order; one at its default names none."""
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, OverrideValue] = {}
     for opt in MODEL_OPTIONS:
         value = getattr(options, opt.name)
         if value != opt.default:
@@ -176,7 +177,7 @@ def preset_overrides(options: CaseOptions) -> dict[str, Any]:
     return overrides
 
 
-def model_config(preset: str, overrides: dict[str, Any]) -> Any:
+def model_config(preset: str, overrides: Mapping[str, OverrideValue]) -> Any:
     import nsa_core
 
     try:
@@ -189,7 +190,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def with_device_backends(overrides: dict[str, Any], on_cuda: bool) -> dict[str, Any]:
+def with_device_backends(overrides: dict[str, OverrideValue], on_cuda: bool) -> dict[str, OverrideValue]:
     """On CUDA a case runs the Triton kernels for every branch whose backend it does not name (issue 7);
     elsewhere, and without the triton package, the preset's backends. Named in the overrides, so the
     case's `spec.json`, hash and estimate say what ran."""
@@ -208,7 +209,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {"stall": parse_stall, "inject": _pa
 
 
 def build_spec(
-    options: CaseOptions, *, name: str | None = None, overrides: dict[str, Any] | None = None, **fields: Any
+    options: CaseOptions,
+    *,
+    name: str | None = None,
+    overrides: Mapping[str, OverrideValue] | None = None,
+    **fields: Any,
 ) -> CaseSpec:
     """The `CaseSpec` of `options` (named `name`, default `options.name`), with extra model `overrides` and
     `CaseSpec` `fields` on top.
@@ -522,7 +527,7 @@ def selftest_specs(
     cases = []
     for kind in kinds:
         expected = expectations[kind]
-        fields: dict[str, Any] = {}
+        fields: dict[str, float] = {}
         inject = f"{kind}:layer={layer},phase=backward,step=1"
         if kind == "slow":
             stall = parse_stall(options.stall)

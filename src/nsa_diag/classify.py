@@ -38,10 +38,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from nsa_diag.evidence.procfs import is_python
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy
+from nsa_diag.records import Rate
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 from nsa_diag.stackframes import Frame, ThreadStack, gpu_wait, innermost_native
 from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
@@ -123,7 +124,7 @@ class Evidence:
     stalled_for_s: float | None = None
     elapsed_s: float = 0.0
     timeout_s: float | None = None
-    rate: Mapping[str, Any] | None = None  # timeout: watchdog.progress_rate()
+    rate: Rate | None = None  # timeout: watchdog.progress_rate()
     progressed: bool | None = None  # a progress event came while the evidence was taken
     longest_gap_s: float | None = None  # the longest time between progress events before (after setup)
     source_lines: Mapping[str, str] = field(default_factory=dict)  # "file:line" -> source text
@@ -553,7 +554,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
 
 def _slow_reason(ev: Evidence) -> str:
-    rate = dict(ev.rate or {})
+    rate = ev.rate
     working = ev.work is not None and ev.work.working
     paused = None if working or ev.progressed else pause_reason(ev)
     if working:
@@ -574,14 +575,13 @@ def _slow_reason(ev: Evidence) -> str:
     else:
         still = f"still progressing when the {ev.timeout_s or ev.elapsed_s:g} s timeout ran out"
     parts = [f"{still}, at {_at(ev.where)}"]
-    if rate.get("steps_per_s") is not None:
-        parts.append(f"{rate['steps_per_s']:.3g} steps/s")
-    if rate.get("events_per_s") is not None:
-        parts.append(f"{rate['events_per_s']:.3g} progress events/s")
-    if rate.get("steps_done") is not None and rate.get("steps_total") is not None:
-        parts.append(f"{rate['steps_done']}/{rate['steps_total']} steps done")
-    if rate.get("eta_s") is not None:
-        parts.append(f"needs about {rate['eta_s']:.0f} s more")
+    if rate is not None:
+        parts.append(f"{rate.steps_per_s:.3g} steps/s")
+        parts.append(f"{rate.events_per_s:.3g} progress events/s")
+        if rate.steps_total is not None:
+            parts.append(f"{rate.steps_done}/{rate.steps_total} steps done")
+        if rate.eta_s is not None:
+            parts.append(f"needs about {rate.eta_s:.0f} s more")
     return "; ".join(parts)
 
 

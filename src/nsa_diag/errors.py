@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import typer
 
@@ -151,13 +151,21 @@ def describe_error(exc: BaseException) -> tuple[int, str]:
     return mapping.exit_code, mapping.message(exc)
 
 
-def error_object(exc: BaseException) -> dict[str, Any]:
+class ErrorObject(TypedDict, total=False):
+    """What ``--json`` prints on stdout for an error (`error_object`)."""
+
+    error: str
+    exit_code: int
+    kind: str
+    problems: list[str]
+
+
+def error_object(exc: BaseException) -> ErrorObject:
     """What ``--json`` prints on stdout for `exc`: ``{"error": message, "exit_code": 2, "kind": "usage"}``
     (the message as on stderr, without ``nsa-diag: ``), with ``problems`` (one per line) where there are
     several."""
     mapping = _mapping(exc)
-    found: dict[str, Any] = {"error": mapping.message(exc), "exit_code": mapping.exit_code}
-    found["kind"] = mapping.kind
+    found = ErrorObject(error=mapping.message(exc), exit_code=mapping.exit_code, kind=mapping.kind)
     if isinstance(exc, ProblemsError):
         found["problems"] = list(exc.problems)
     return found

@@ -1,16 +1,16 @@
 """The one place a case is run: `run_case(spec, case_dir, launcher)` and `run_cases`, always a result.
 
-Whatever hosts the job (our worker, torchrun's ranks; later a user's own command or a cluster), a case
-runs the same way: write ``spec.json`` and ``replay.sh``, start the job through its launcher
-(`nsa_diag.launchers.base.Launcher`) in a new session with stdin closed, and watch every unit's beacon
-(`nsa_diag.watchdog.watch`). On a stall or a timeout, gather the evidence before any kill: the launcher's
-own (NCCL flight recorder), then for every live process memory at the hang, two stack samples a second
-apart, py-spy, GPU and ``/proc`` (in parallel when there are several); then stop every process of the
-job; classify each unit (`nsa_diag.results.unit_result`), let the launcher combine them, and write
-``result.json``. A unit that stalled but is only paused (it sleeps, writes a checkpoint, computes between
-two progress events, or waits for a batch its DataLoader worker is producing:
-`nsa_diag.results.stalled_pause`) is not stopped: the watch goes on with that unit's stall clock started
-again, and result.json lists the pauses.
+Whatever hosts the job (our worker, torchrun's ranks, a user's own command), a case runs the same way,
+through the job protocol of its launcher (`nsa_diag.launchers.base`): write ``spec.json`` and
+``replay.sh`` from the launcher's `LaunchPlan`, start the job in a new session with stdin closed, and
+watch every unit's beacon (`nsa_diag.watchdog.watch`). On a stall or a timeout, gather the evidence before
+any kill: the launcher's own (NCCL flight recorder), then for every live process memory at the hang, two
+stack samples a second apart, py-spy, GPU and ``/proc`` (in parallel when there are several); then stop
+every process of the job, and let the launcher judge what was seen (`Launcher.outcome`: each unit
+classified by `nsa_diag.results.unit_result`, then combined); write ``result.json``. A unit that
+stalled but is only paused (it sleeps, writes a checkpoint, computes between two progress events, or
+waits for a batch its DataLoader worker is producing: `nsa_diag.results.stalled_pause`) is not stopped:
+the watch goes on with that unit's stall clock started again, and result.json lists the pauses.
 
 `run_case` returns a `CaseResult` in every outcome and raises only `Interrupted` (a KeyboardInterrupt)
 when nsa-diag itself gets SIGINT, SIGTERM or SIGHUP (`nsa_diag.interrupts`), after the job's processes
@@ -25,17 +25,28 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from nsa_diag import artifacts, interrupts
 from nsa_diag.beacon import BeaconState
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
-from nsa_diag.launchers import Ending, Launcher, Unit, default_launcher, pinned_env
-from nsa_diag.results import Observed, case_files, error_result, stalled_pause, unit_result, worker_activity
+from nsa_diag.launchers import (
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    dataloader_workers,
+    default_launcher,
+    observed_units,
+    pinned_env,
+)
+from nsa_diag.records import CaseEvidence, JobNotes, Pause, StopReport
+from nsa_diag.results import case_files, error_result, stalled_pause
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
     BeaconSource,
@@ -90,35 +101,36 @@ class InterruptGuard:
         self._closing = True
 
 
-def _swept(result: CaseResult, launcher: Launcher, marker: str) -> CaseResult:
+def _swept(result: CaseResult, stop: StopReport, marker: str) -> CaseResult:
     """After the job was stopped: stop what of it is left by the case's marker (a process that left the
     job's session or process group: a daemon), and name it in the result. A job left running on purpose
-    (``watch --keep-alive``) is left alone."""
-    if launcher.kept_alive():
+    (``watch --keep-alive``: its stop report says so) is left alone."""
+    if stop.kept_alive:
         return result
     swept = sweep(marker)
     if not swept:
         return result
-    stop = {**dict(result.evidence.get("stop") or {}), "swept": swept}
+    stop = (result.evidence.stop or StopReport()).model_copy(update={"swept": swept})
+    evidence = result.evidence.model_copy(update={"stop": stop})
     note = (
         f"; nsa-diag also stopped pid(s) {', '.join(map(str, swept))} of the case, which had left the job's "
         "process group or session (found by the case's marker in their environment)"
     )
-    return result.model_copy(
-        update={"evidence": {**result.evidence, "stop": stop}, "reason": result.reason + note}
-    )
-
-
-def _stop(launcher: Launcher) -> dict[str, Any]:
-    """Stop the job, then wait for its logs' last bytes (its result reads them)."""
-    stop = launcher.stop()
-    launcher.close_logs()
-    return stop
+    return result.model_copy(update={"evidence": evidence, "reason": result.reason + note})
 
 
 def _release(guardian: Guardian | None) -> None:
     if guardian is not None:
         guardian.release()
+
+
+def _write_case_files(spec: CaseSpec, plan: LaunchPlan, replay_argv: Sequence[str] | None) -> None:
+    """spec.json, and replay.sh: the caller's command (default: the plan's) with the plan's variables and,
+    of the job's environment, the `REPLAY_PINNED` ones; it runs in this working directory."""
+    artifacts.write_json(plan.home / artifacts.SPEC, spec)
+    replay_env = {**plan.replay_env, **pinned_env(plan.env)}
+    replay = list(replay_argv or plan.replay_argv)
+    artifacts.write_replay(plan.home / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
 
 
 def _finish(case_dir: Path, result: CaseResult, launcher: Launcher) -> CaseResult:
@@ -163,63 +175,55 @@ def gather_evidence(
     return out
 
 
-def _observed(
-    units: Sequence[Unit], watched: Sequence[WatchResult], hangs: Mapping[int, HangEvidence]
-) -> dict[int, Observed]:
-    return {
-        u.key: Observed(f"pid {u.key}" if u.role else f"unit {u.key}", u.folder, w, hangs.get(u.key))
-        for u, w in zip(units, watched, strict=True)
-    }
-
-
-def _workers_of(key: int, units: Sequence[Unit], observed: Mapping[int, Observed]) -> list[Observed]:
-    """The DataLoader workers of unit ``key`` (forked from it), as observed."""
-    return [observed[u.key] for u in units if u.parent == key and u.role == "dataloader-worker"]
-
-
 def _pause(
     spec: CaseSpec, units: Sequence[Unit], watched: Watched, hangs: Mapping[int, HangEvidence]
 ) -> str | None:
     """Why the unit that stalled is only paused (`nsa_diag.results.stalled_pause`), or None: it is hung."""
     if watched.outcome != "stalled" or watched.decider is None:
         return None
-    observed = _observed(units, watched.units, hangs)
+    observed = observed_units(units, watched.units, hangs)
     key = units[watched.decider].key
-    return stalled_pause(spec, observed[key], _workers_of(key, units, observed))
+    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed))
 
 
-def _watch_and_judge(
+@dataclass(frozen=True)
+class _Watch:
+    """What watching a job found: how it ended, the units watched, their evidence at a hang, the notes."""
+
+    watched: Watched
+    units: list[Unit]
+    hangs: dict[int, HangEvidence]
+    notes: JobNotes
+
+
+def _watch(
     spec: CaseSpec,
     case_dir: Path,
     launcher: Launcher,
-    guard: InterruptGuard,
+    proc: ProcessHandle,
     started: float,
-    t0: float,
     on_progress: ProgressCallback | None,
-) -> CaseResult:
-    """From a started job to the case's result: watch, evidence (and on only a pause, watch on), stop,
-    classify, combine."""
-    assert launcher.proc is not None
+) -> _Watch:
+    """Watch the job until it exits, stalls or runs out of time; at a stall or timeout take the evidence
+    before any kill, and where the unit that stalled is only paused, watch on (the pauses in the notes)."""
     if launcher.units_appear:  # a user's job: its processes come and go; asked again at every poll
         beacons: BeaconSource = lambda: [u.beacon for u in launcher.units(case_dir)]  # noqa: E731
     else:
         beacons = [u.beacon for u in launcher.units(case_dir)]
-    watcher = Watcher(
-        launcher.proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear
-    )
-    pauses: list[dict[str, object]] = []
+    watcher = Watcher(proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear)
+    pauses: list[Pause] = []
     while True:
         watched = watcher.run()
         units = launcher.units(case_dir)[: len(watched.units)]
-        launcher.after_watch(case_dir)
-        notes = launcher.notes()
+        notes = launcher.evidence(case_dir, Stage.WATCHED, units).notes
         hangs: dict[int, HangEvidence] = {}
         if watched.outcome == "exited":
             break
-        notes.update(launcher.evidence_before_stop(case_dir))
-        hangs = gather_evidence(spec, units, watched.units, launcher.sample_targets(units))
+        taken = launcher.evidence(case_dir, Stage.HANG, units)
+        notes.add(taken.notes)
+        hangs = gather_evidence(spec, units, watched.units, taken.targets)
         # a job that ended by itself while its evidence was taken was not hung: its end decides
-        ended = launcher.proc.poll() is not None and watched.outcome == "stalled"
+        ended = proc.poll() is not None and watched.outcome == "stalled"
         paused = (
             "it ended by itself while the evidence was taken"
             if ended
@@ -229,29 +233,16 @@ def _watch_and_judge(
             break
         assert watched.decider is not None
         decision = watched.units[watched.decider].decision
-        pauses.append({
-            "unit": units[watched.decider].key, "at_s": round(time.time() - started, 1),
-            "idle_s": round(decision.idle_s, 1) if decision else None, "why": paused,
-        })  # fmt: skip
+        pauses.append(
+            Pause(
+                unit=units[watched.decider].key, at_s=round(time.time() - started, 1),
+                idle_s=round(decision.idle_s, 1) if decision else None, why=paused,
+            )
+        )  # fmt: skip
         watcher.rearm(watched.decider)
     if pauses:
-        notes["pauses"] = pauses
-    launcher.before_stop(case_dir)
-    with guard.deferred():
-        stop = _stop(launcher)
-    launcher.evidence_after_stop(case_dir, notes)
-    ends = launcher.unit_ends(case_dir, units, watched.units, hangs, stop)
-    observed = _observed(units, watched.units, hangs)
-    per_unit = {}
-    for unit in units:
-        unit_watched, unit_stop = ends[unit.key]
-        workers = {w.label: worker_activity(spec, w) for w in _workers_of(unit.key, units, observed)}
-        per_unit[unit.key] = unit_result(
-            spec, unit.folder, unit_watched, hangs.get(unit.key), unit_stop, time.monotonic() - t0, workers
-        )
-    decider = units[watched.decider].key if watched.decider is not None else None
-    elapsed = time.monotonic() - t0
-    return launcher.combine(Ending(case_dir, watched.outcome, per_unit, decider, stop, elapsed, notes))
+        notes.pauses = pauses
+    return _Watch(watched, units, hangs, notes)
 
 
 # --- entry points -------------------------------------------------------------------------------------
@@ -292,39 +283,39 @@ def run_case(
     with guard:
         try:
             interrupts.check()  # noted before this case (e.g. while torch was imported): it never starts
-            launcher.prepare(case_dir)
-            home = launcher.home(case_dir)
-            artifacts.write_json(home / artifacts.SPEC, spec)
-            argv = launcher.command(case_dir)
-            replay = list(replay_argv or launcher.replay_argv(case_dir, argv))
-            env = {**launcher.child_env(case_dir, extra_env), CASE_ENV: marker}
-            replay_env = {**launcher.replay_env(case_dir), **pinned_env(env)}
-            artifacts.write_replay(home / artifacts.REPLAY, replay, replay_env, cwd=Path.cwd())
+            plan = launcher.plan(case_dir, extra_env)
+            plan = replace(plan, env={**plan.env, CASE_ENV: marker})
+            _write_case_files(spec, plan, replay_argv)
             with guard.deferred():
                 guardian = Guardian(marker, record=record_if_killed)
-                launcher.start(case_dir, argv, env)
-            result = _watch_and_judge(spec, case_dir, launcher, guard, started, t0, on_progress)
-            result = _swept(result, launcher, marker)
+                proc = launcher.start(plan)
+            seen = _watch(spec, case_dir, launcher, proc, started, on_progress)
+            seen.notes.add(launcher.evidence(case_dir, Stage.STOPPING).notes)
+            with guard.deferred():
+                stop = launcher.stop()
+            seen.notes.add(launcher.evidence(case_dir, Stage.STOPPED).notes)
+            end = JobEnd(case_dir, seen.units, seen.watched, seen.hangs, stop, seen.notes, t0)
+            result = _swept(launcher.outcome(end), stop, marker)
         except KeyboardInterrupt as exc:
             guard.close()
             by = getattr(exc, "signal_name", "SIGINT")
-            sampled = launcher.sample_on_interrupt(case_dir)
-            stop = _stop(launcher)
+            sampled = launcher.evidence(case_dir, Stage.INTERRUPTED).sampled
+            stop = launcher.stop()
             result = launcher.interrupted(case_dir, by, time.monotonic() - t0, stop, sampled)
-            result = _swept(result, launcher, marker)
+            result = _swept(result, stop, marker)
             _finish(case_dir, result, launcher)
             _release(guardian)
             raise
         except Exception as exc:  # a bug of the toolkit: the case still gets its result, the job its end
             guard.close()
-            stop = _stop(launcher)
+            stop = launcher.stop()
             result = error_result(
                 spec,
                 f"nsa-diag internal error while running the {launcher.label}: {type(exc).__name__}: {exc}",
                 time.monotonic() - t0,
-                {"outcome": "internal-error", "traceback": traceback.format_exc(), "stop": stop},
+                CaseEvidence(outcome="internal-error", traceback=traceback.format_exc(), stop=stop),
             )
-            result = _swept(result, launcher, marker)
+            result = _swept(result, stop, marker)
         with guard.deferred():  # an interrupt now comes after the result is on disk
             _release(guardian)
             return _finish(case_dir, result, launcher)

@@ -138,6 +138,7 @@ def _record(case_dir: Path, swept: list[int], when: float) -> None:
         return
     try:
         from nsa_diag import artifacts
+        from nsa_diag.records import CaseEvidence, Guardian
         from nsa_diag.spec import CaseResult, CaseSpec
 
         spec = CaseSpec.model_validate(artifacts.read_json(case_dir / "spec.json"))
@@ -145,7 +146,7 @@ def _record(case_dir: Path, swept: list[int], when: float) -> None:
         result = CaseResult(
             name=spec.name, spec_hash=spec.spec_hash(), verdict="error", timeout_s=spec.timeout,
             reason=f"nsa-diag ended while the case ran (killed: it wrote no result){stopped}",
-            evidence={"outcome": "nsa-diag-ended", "guardian": {"swept": swept, "at": when}},
+            evidence=CaseEvidence(outcome="nsa-diag-ended", guardian=Guardian(swept=swept, at=when)),
         )  # fmt: skip
         # nsa-diag's parent (a cluster run's) may write the case's result meanwhile: it is never replaced
         artifacts.write_json_new(case_dir / "result.json", result)

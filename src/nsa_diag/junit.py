@@ -42,9 +42,9 @@ def _clean(text: object) -> str:
 
 def _failure_body(result: CaseResult) -> str:
     lines = [f"verdict: {result.verdict}", f"reason: {result.reason}"]
-    nonfinite = result.nonfinite or {}
-    if nonfinite.get("module"):
-        lines.append(f"first non-finite: {nonfinite['module']} ({nonfinite.get('where', '?')})")
+    nonfinite = result.nonfinite
+    if nonfinite is not None and nonfinite.module:
+        lines.append(f"first non-finite: {nonfinite.module} ({nonfinite.where or '?'})")
     if result.where is not None and result.where.phase != "done":  # done: the worker finished its run
         lines.append(f"where: {result.where.describe()}")
     if result.hang_kind is not None:

@@ -44,13 +44,14 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
@@ -221,7 +222,7 @@ class MatrixFile(BaseModel):
     )
 
 
-def matrix_json_schema() -> dict[str, Any]:
+def matrix_json_schema() -> dict[str, JsonValue]:
     """The JSON schema of matrix files (``nsa_diag/matrices/schema.json``)."""
     schema = MatrixFile.model_json_schema()
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
@@ -373,6 +374,35 @@ class MatrixCase:
         return self.requires == "cuda" or self.spec.device == "cuda"
 
 
+class ExpectJson(TypedDict):
+    """What a case is expected to end as."""
+
+    verdict: str
+    hang_kind: str | None
+
+
+class MatrixCaseJson(TypedDict):
+    """One case of matrix.json: its tags, spec hash, the values of the axes that made it (the file's),
+    what it needs and what it is expected to end as."""
+
+    name: str
+    tags: list[str]
+    spec_hash: str
+    axes: dict[str, Any]  # the user's values
+    requires: str | None
+    expect: ExpectJson | None
+
+
+class MatrixJson(TypedDict):
+    """matrix.json: the matrix file, its axes (the file's values), and its cases."""
+
+    file: str
+    name: str
+    description: str | None
+    axes: dict[str, list[Any]]  # the user's values
+    cases: list[MatrixCaseJson]
+
+
 @dataclass(frozen=True)
 class Matrix:
     """A loaded matrix file: its cases in file order (top-level axes first, then the entries)."""
@@ -402,29 +432,29 @@ class Matrix:
         wanted = set(only)
         return [case for case in self.cases if wanted & ({case.name, *case.tags})]
 
-    def to_json(self, cases: Sequence[MatrixCase] | None = None) -> dict[str, Any]:
+    def to_json(self, cases: Sequence[MatrixCase] | None = None) -> MatrixJson:
         """matrix.json: the file, the axes, and per case its tags, spec hash and axis values."""
-        return {
-            "file": str(self.path),
-            "name": self.name,
-            "description": self.description,
-            "axes": self.axes,
-            "cases": [
-                {
-                    "name": case.name,
-                    "tags": list(case.tags),
-                    "spec_hash": case.spec.spec_hash(),
-                    "axes": case.axes,
-                    "requires": case.requires,
-                    "expect": (
-                        {"verdict": case.expect.verdict, "hang_kind": case.expect.hang_kind}
+        return MatrixJson(
+            file=str(self.path),
+            name=self.name,
+            description=self.description,
+            axes=self.axes,
+            cases=[
+                MatrixCaseJson(
+                    name=case.name,
+                    tags=list(case.tags),
+                    spec_hash=case.spec.spec_hash(),
+                    axes=case.axes,
+                    requires=case.requires,
+                    expect=(
+                        ExpectJson(verdict=case.expect.verdict, hang_kind=case.expect.hang_kind)
                         if case.expect
                         else None
                     ),
-                }
+                )
                 for case in (self.cases if cases is None else cases)
             ],
-        }
+        )
 
 
 @dataclass

@@ -23,10 +23,10 @@ import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from nsa_diag import artifacts, redact
 from nsa_diag.executor import run_case
+from nsa_diag.records import JobFacts
 from nsa_diag.spec import CaseResult, CaseSpec
 
 WARNING_SIGNAL = "SIGUSR2"
@@ -50,29 +50,37 @@ def _warning_as_sigterm(seen: list[str]) -> Iterator[None]:
         signal.signal(signal.SIGUSR2, previous)
 
 
-def _job_facts() -> dict[str, Any]:
-    facts: dict[str, Any] = {"host": socket.gethostname()}
-    facts.update({name.lower(): os.environ[name] for name in _JOB_VARS if os.environ.get(name)})
-    return facts
+def _job_facts() -> JobFacts:
+    variables = {name.lower(): os.environ[name] for name in _JOB_VARS if os.environ.get(name)}
+    return JobFacts.model_validate({"host": socket.gethostname(), **variables})
 
 
-def _annotate(case_dir: Path, facts: dict[str, Any], warned: bool) -> CaseResult | None:
+def _annotate(case_dir: Path, facts: JobFacts, warned: bool) -> CaseResult | None:
     """Add where the case ran (and Slurm's warning, when it stopped the case) to its result.json."""
     path = case_dir / artifacts.RESULT
     try:
         result = CaseResult.model_validate(artifacts.read_json(path))
     except (OSError, ValueError):
         return None
-    update: dict[str, Any] = {"evidence": {**result.evidence, "job": facts}}
+    evidence = result.evidence.model_copy(update={"job": facts})
+    reason = result.reason
     if warned:
-        update["reason"] = f"stopped on {WARNING_TEXT}; {result.reason}"
-        update["evidence"]["interrupted_by"] = WARNING_SIGNAL
-    result = result.model_copy(update=update)
+        reason = f"stopped on {WARNING_TEXT}; {result.reason}"
+        evidence.interrupted_by = WARNING_SIGNAL
+    result = result.model_copy(update={"evidence": evidence, "reason": reason})
     artifacts.write_json(path, result)
     return result
 
 
-def run_case_job(spec_json: str, case_dir: str, replay_argv: Sequence[str] | None = None) -> dict[str, Any]:
+class JobEnd(JobFacts):
+    """What became of a case run as a job: its verdict, the signal that stopped it (if one did), and
+    where it ran."""
+
+    verdict: str | None = None
+    stopped_by: str | None = None
+
+
+def run_case_job(spec_json: str, case_dir: str, replay_argv: Sequence[str] | None = None) -> JobEnd:
     """Run one case into ``case_dir`` on this node; what became of it (the verdict, where it ran, and the
     signal that stopped it, if one did). Never raises for the case's own failures: they are its verdict."""
     spec = CaseSpec.model_validate_json(spec_json)
@@ -90,8 +98,8 @@ def run_case_job(spec_json: str, case_dir: str, replay_argv: Sequence[str] | Non
         except KeyboardInterrupt as exc:  # stopped by a signal; result.json is written
             stopped_by = getattr(exc, "signal_name", "SIGINT")
     result = _annotate(folder, facts, bool(warned) and stopped_by is not None)
-    return {
-        "verdict": result.verdict if result is not None else None,
-        "stopped_by": WARNING_SIGNAL if warned and stopped_by else stopped_by,
-        **facts,
-    }
+    return JobEnd(
+        verdict=result.verdict if result is not None else None,
+        stopped_by=WARNING_SIGNAL if warned and stopped_by else stopped_by,
+        **facts.given(),
+    )

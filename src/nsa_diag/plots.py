@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from nsa_diag import artifacts
 
+if TYPE_CHECKING:
+    from nsa_diag.analysis.sweep import ScaleReport
+    from nsa_diag.runfolder import Failure
 
-def plot_scale(report: dict[str, Any], path: Path) -> Path:
+
+def plot_scale(report: ScaleReport, path: Path) -> Path:
     """`nsa-diag scale`: peak memory and step time against the swept variable, log-log, one colour per
     series; measured points as dots, the fit as a line, the estimator as crosses (on the CPU, its growing
     part on top of the fitted fixed part)."""
@@ -18,22 +23,22 @@ def plot_scale(report: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_mem, ax_time) = plt.subplots(1, 2, figsize=(12, 5))
-    for index, series in enumerate(report["series"]):
+    for index, series in enumerate(report.series):
         colour = f"C{index % 10}"
-        label = f"{series['name']} ({series['branch']}/{series['backend'] or '-'})"
-        run = [p for p in series["points"] if p.get("peak_memory_bytes")]
-        xs = [p["x"] for p in run]
+        label = f"{series.name} ({series.branch}/{series.backend or '-'})"
+        run = [(p.x, p.peak_memory_bytes, p.step_s) for p in series.points if p.peak_memory_bytes]
+        xs = [x for x, _, _ in run]
         if not xs:
             continue
-        ax_mem.plot(xs, [p["peak_memory_bytes"] / 2**20 for p in run], "o", color=colour, label=label)
-        fit = series.get("memory_fit")
+        ax_mem.plot(xs, [peak / 2**20 for _, peak, _ in run], "o", color=colour, label=label)
+        fit = series.memory_fit
         # on the CPU the estimate's growing part sits on the fitted fixed part (peak RSS holds the runtime)
         estimates = [
-            (p["x"], p["estimate_above_fixed_bytes"] + fit["fixed"])
-            if fit and "estimate_above_fixed_bytes" in p
-            else (p["x"], p["estimate"]["total"])
-            for p in series["points"]
-            if p.get("estimate")
+            (p.x, p.estimate_above_fixed_bytes + fit.fixed)
+            if fit and p.estimate_above_fixed_bytes is not None
+            else (p.x, p.estimate.total)
+            for p in series.points
+            if p.estimate
         ]
         if estimates:
             ax_mem.plot(
@@ -47,23 +52,23 @@ def plot_scale(report: dict[str, Any], path: Path) -> Path:
         if fit:
             ax_mem.plot(
                 grid,
-                [(fit["fixed"] + fit["coef"] * x ** fit["exponent"]) / 2**20 for x in grid],
+                [fit.predict(x) / 2**20 for x in grid],
                 "-",
                 color=colour,
-                label=f"fit: fixed + c·x^{fit['exponent']:.2f}",
+                label=f"fit: fixed + c·x^{fit.exponent:.2f}",
             )
-        timed = [p for p in run if p.get("step_s")]
-        ax_time.plot([p["x"] for p in timed], [p["step_s"] for p in timed], "o", color=colour, label=label)
-        tfit = series.get("time_fit")
+        timed = [(x, step) for x, _, step in run if step]
+        ax_time.plot([x for x, _ in timed], [step for _, step in timed], "o", color=colour, label=label)
+        tfit = series.time_fit
         if tfit:
             ax_time.plot(
                 grid,
-                [tfit["coef"] * x ** tfit["exponent"] for x in grid],
+                [tfit.coef * x**tfit.exponent for x in grid],
                 "-",
                 color=colour,
-                label=f"fit: c·x^{tfit['exponent']:.2f}",
+                label=f"fit: c·x^{tfit.exponent:.2f}",
             )
-    x_name = report["series"][0]["x"] if report["series"] else "x"
+    x_name = report.series[0].x if report.series else "x"
     for ax, ylabel in ((ax_mem, "peak memory (MiB)"), (ax_time, "forward + backward (s)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -143,7 +148,7 @@ def plot_verdict_grid(
 _PHASES = ("setup", "forward", "backward", "recompute", "optimizer", "check", "step")
 
 
-def plot_failure_locations(records: list[dict[str, Any]], path: Path) -> Path:
+def plot_failure_locations(records: Sequence[Failure], path: Path) -> Path:
     """`nsa-diag report`: where each failing case was stopped, layer against phase, coloured by verdict
     and labelled with the case (cases at the same place are stacked)."""
     import matplotlib
@@ -151,24 +156,24 @@ def plot_failure_locations(records: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    phases = [p for p in _PHASES if any(r["phase"] == p for r in records)]
-    phases += sorted({r["phase"] or "unknown" for r in records} - set(phases))
-    layers = sorted({r["layer"] for r in records if r["layer"] is not None})
+    phases = [p for p in _PHASES if any(r.phase == p for r in records)]
+    phases += sorted({r.phase or "unknown" for r in records} - set(phases))
+    layers = sorted({r.layer for r in records if r.layer is not None})
     columns = [
         *(str(layer) for layer in layers),
-        *(["-"] if any(r["layer"] is None for r in records) else []),
+        *(["-"] if any(r.layer is None for r in records) else []),
     ]
     fig, ax = plt.subplots(figsize=(min(3 + 1.6 * len(columns), 20), min(2 + 0.9 * len(phases), 14)))
     seen: dict[tuple[int, int], int] = {}
     for record in records:
-        x = columns.index("-" if record["layer"] is None else str(record["layer"]))
-        y = phases.index(record["phase"] or "unknown")
+        x = columns.index("-" if record.layer is None else str(record.layer))
+        y = phases.index(record.phase or "unknown")
         offset = seen.get((x, y), 0)
         seen[(x, y)] = offset + 1
-        label = record["verdict"] + (f" ({record['hang_kind']})" if record.get("hang_kind") else "")
+        label = record.verdict + (f" ({record.hang_kind})" if record.hang_kind else "")
         ax.plot(x, y + 0.18 * offset, "o", color=verdict_colour(label), markersize=10)
         ax.annotate(
-            f"{record['case']}: {label}",
+            f"{record.case}: {label}",
             (x, y + 0.18 * offset),
             xytext=(8, -3),
             textcoords="offset points",

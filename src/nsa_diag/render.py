@@ -22,8 +22,10 @@ from nsa_diag.evidence.env import ENV_VAR_NAMES, ENV_VAR_PREFIXES
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from nsa_diag.analysis.sweep import ScalePoint, ScaleReport
+    from nsa_diag.records import Parity
     from nsa_diag.spec import CaseResult, CaseSpec
-    from nsa_diag.summary import CaseEntry, RunSummary
+    from nsa_diag.summary import CaseEntry, CaseRepeats, CaseShape, RunSummary
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -95,7 +97,9 @@ def print_line(text: str) -> None:
 
 def print_json(data: Any) -> None:
     """`data` as indented JSON on stdout (no Rich: machines read this)."""
-    print_line(json.dumps(data, indent=2))
+    from nsa_diag import artifacts
+
+    print_line(json.dumps(data, indent=2, default=artifacts.as_json))
 
 
 def _format_value(key: str, value: Any) -> str:
@@ -203,7 +207,8 @@ def main_thread_stack(case_dir: Path, stacks_file: str = "stacks.txt", depth: in
     return [frame.short() for frame in main.frames[:depth]] if main else []
 
 
-def _parity_text(parity: Mapping[str, Any] | None) -> str:
+def _parity_text(parity: Parity | Mapping[str, Any] | None) -> str:
+    """A case's parity in a cell: a `Parity`, or its JSON (a run folder read back by `report`)."""
     if not parity:
         return "-"
     if parity.get("checked") is False:  # the check could not run (its why is in the reason)
@@ -487,20 +492,20 @@ def describe_state(state: Any, steps: int | None = None) -> str:
 # Follow-ups (nsa_diag.session.followups): --repeat, --minimize, --triage sections of summary.json.
 
 
-def _repeat_cells(entry: Mapping[str, Any]) -> dict[str, str]:
-    hang = entry["hang"]
-    low, high = hang["ci95"]
-    probability = hang["probability"]
-    tth = entry["time_to_hang_s"]
-    steps = sorted(set(entry["hang_steps"]))
+def _repeat_cells(entry: CaseRepeats) -> dict[str, str]:
+    hang = entry.hang
+    low, high = hang.ci95
+    probability = hang.probability
+    tth = entry.time_to_hang_s
+    steps = sorted(set(entry.hang_steps))
     return {
-        "case": entry["case"],
-        "runs": f"{entry['runs']}/{entry['repeat']}",
-        "ok": f"{entry['ok_runs']}/{entry['runs']}",
-        "status": entry["status"],
-        "verdicts": ", ".join(f"{n} {verdict}" for verdict, n in entry["counts"].items()) or "-",
+        "case": entry.case,
+        "runs": f"{entry.runs}/{entry.repeat}",
+        "ok": f"{entry.ok_runs}/{entry.runs}",
+        "status": entry.status,
+        "verdicts": ", ".join(f"{n} {verdict}" for verdict, n in entry.counts.items()) or "-",
         "P(hang) [95%]": "-" if probability is None else f"{probability:.2f} [{low:.2f}, {high:.2f}]",
-        "time to hang": "-" if not tth else f"{tth['min']:.1f} / {tth['median']:.1f} / {tth['max']:.1f} s",
+        "time to hang": "-" if not tth else f"{tth.min:.1f} / {tth.median:.1f} / {tth.max:.1f} s",
         "hang steps": ", ".join(map(str, steps)) or "-",
     }
 
@@ -509,13 +514,13 @@ _REPEAT_COLUMNS = ("case", "runs", "ok", "status", "verdicts", "P(hang) [95%]", 
 _STATUS_STYLES = {"pass": "green", "transient": "bold yellow", "fail": "bold red"}
 
 
-def _shape_text(shape: Mapping[str, Any]) -> str:
-    parts = [f"layers {shape['layers']}"] if shape.get("layers") is not None else []
-    parts += [f"S {shape['seq_len']}", f"batch {shape['batch']}", f"steps {shape['steps']}"]
-    return ", ".join([*parts, f"branch {shape['branch']}"])
+def _shape_text(shape: CaseShape) -> str:
+    parts = [f"layers {shape.layers}"] if shape.layers is not None else []
+    parts += [f"S {shape.seq_len}", f"batch {shape.batch}", f"steps {shape.steps}"]
+    return ", ".join([*parts, f"branch {shape.branch}"])
 
 
-def _figure(value: Any) -> str:
+def _figure(value: int | None) -> str:
     """Bytes in GiB (`format_bytes`), or in TiB/PiB/EiB for the absurd requests of a broken shape."""
     if not isinstance(value, int):
         return "-"
@@ -533,65 +538,65 @@ def render_follow_ups(summary: RunSummary, console: Console | None = None) -> No
     console = console or stdout_console()
     repeats = summary.repeats
     if repeats:
-        table = Table(title=f"repeats ({repeats['repeat']} runs per case)", title_justify="left")
+        table = Table(title=f"repeats ({repeats.repeat} runs per case)", title_justify="left")
         for column in _REPEAT_COLUMNS:
             table.add_column(column, style="bold" if column == "case" else None)
-        for entry in repeats["cases"]:
+        for entry in repeats.cases:
             cells = _repeat_cells(entry)
-            style = _STATUS_STYLES.get(entry["status"], "red")
+            style = _STATUS_STYLES.get(entry.status, "red")
             cells["status"] = f"[{style}]{cells['status']}[/{style}]"
             table.add_row(*(cells[c] if c == "status" else escape(cells[c]) for c in _REPEAT_COLUMNS))
         console.print(table)
-        for entry in repeats["cases"]:
-            if entry["status"] == "transient":
+        for entry in repeats.cases:
+            if entry.status == "transient":
                 console.print(
-                    f"[bold]{escape(entry['case'])}[/bold]: transient: {entry['failed_runs']} of "
-                    f"{entry['runs']} runs failed ({escape(', '.join(entry['failing_runs']))})",
+                    f"[bold]{escape(entry.case)}[/bold]: transient: {entry.failed_runs} of "
+                    f"{entry.runs} runs failed ({escape(', '.join(entry.failing_runs))})",
                     soft_wrap=True,
                     highlight=False,
                 )
-        if any(entry["time_to_hang_s"] for entry in repeats["cases"]):
+        if any(entry.time_to_hang_s for entry in repeats.cases):
             console.print("time to hang: min / median / max until the watchdog called it", highlight=False)
     for record in summary.minimize or []:
-        head = f"minimize {record['case']} ({record['target']}): {record['runs']} run(s)"
+        head = f"minimize {record.case} ({record.target}): {record.runs} run(s)"
         console.print(escape(head), highlight=False)
-        console.print(f"  from  {escape(_shape_text(record['start']))}", highlight=False)
-        if record["reduced"]:
-            console.print(f"  to    {escape(_shape_text(record['smallest']))}", highlight=False)
+        console.print(f"  from  {escape(_shape_text(record.start))}", highlight=False)
+        if record.reduced:
+            console.print(f"  to    {escape(_shape_text(record.smallest))}", highlight=False)
         else:
             console.print("  no smaller configuration reproduced it", highlight=False)
-        if record.get("stopped"):
-            console.print(f"  {escape(record['stopped'])}", highlight=False)
-        console.print(f"  reproduce: {escape(record['command'])}", soft_wrap=True, highlight=False)
-    for record in summary.triage or []:
+        if record.stopped:
+            console.print(f"  {escape(record.stopped)}", highlight=False)
+        console.print(f"  reproduce: {escape(record.command)}", soft_wrap=True, highlight=False)
+    for triaged in summary.triage or []:
         console.print(
-            f"triage {escape(record['case'])}: [bold]{record['class']}[/bold]: {escape(record['why'])}",
+            f"triage {escape(triaged.case)}: [bold]{triaged.kind}[/bold]: {escape(triaged.why)}",
             soft_wrap=True,
             highlight=False,
         )
-        figures = record["figures"]
+        figures = triaged.figures
         line = ", ".join(
-            f"{label} {_figure(figures.get(key))}"
-            for key, label in (
-                ("requested_bytes", "requested"),
-                ("total_bytes", "total"),
-                ("allocated_bytes", "allocated"),
-                ("reserved_unallocated_bytes", "reserved unallocated"),
-                ("outside_pytorch_bytes", "outside PyTorch"),
+            f"{label} {_figure(value)}"
+            for value, label in (
+                (figures.requested_bytes, "requested"),
+                (figures.total_bytes, "total"),
+                (figures.allocated_bytes, "allocated"),
+                (figures.reserved_unallocated_bytes, "reserved unallocated"),
+                (figures.outside_pytorch_bytes, "outside PyTorch"),
             )
-            if figures.get(key) is not None
+            if value is not None
         )
         if line:
             console.print(f"  at the failure: {line}", soft_wrap=True, highlight=False)
-        for rerun in record["reruns"]:
+        for rerun in triaged.reruns:
             console.print(
-                f"  PYTORCH_CUDA_ALLOC_CONF={escape(rerun['alloc_conf'])}: {rerun['verdict'] or 'not run'}"
-                + (f" ({escape(rerun['reason'])})" if rerun["verdict"] is None else ""),
+                f"  PYTORCH_CUDA_ALLOC_CONF={escape(rerun.alloc_conf)}: {rerun.verdict or 'not run'}"
+                + (f" ({escape(rerun.reason)})" if rerun.verdict is None else ""),
                 soft_wrap=True,
                 highlight=False,
             )
-        if record.get("note"):
-            console.print(f"  {escape(record['note'])}", soft_wrap=True, highlight=False)
+        if triaged.note:
+            console.print(f"  {escape(triaged.note)}", soft_wrap=True, highlight=False)
 
 
 def follow_ups_markdown(summary: RunSummary) -> str:
@@ -599,38 +604,38 @@ def follow_ups_markdown(summary: RunSummary) -> str:
     lines: list[str] = []
     repeats = summary.repeats
     if repeats:
-        lines += ["", f"## Repeats ({repeats['repeat']} runs per case)", ""]
+        lines += ["", f"## Repeats ({repeats.repeat} runs per case)", ""]
         lines += [
             "| " + " | ".join(_REPEAT_COLUMNS) + " |",
             "|" + "|".join("---" for _ in _REPEAT_COLUMNS) + "|",
         ]
-        for entry in repeats["cases"]:
+        for entry in repeats.cases:
             cells = _repeat_cells(entry)
             lines.append("| " + " | ".join(cells[c].replace("|", "\\|") for c in _REPEAT_COLUMNS) + " |")
         lines += [
             "",
             "P(hang): hung runs / runs with the 95% Wilson interval; time to hang: min / median / max.",
         ]
-        if repeats["transient"]:
-            lines.append(f"Transient (failed in some runs only): {', '.join(repeats['transient'])}.")
+        if repeats.transient:
+            lines.append(f"Transient (failed in some runs only): {', '.join(repeats.transient)}.")
     if summary.minimize:
         lines += ["", "## Minimized", ""]
         for record in summary.minimize:
-            lines.append(f"- **{record['case']}** ({record['target']}), {record['runs']} run(s) under "
-                         f"`{record.get('dir', 'minimize')}/`: {_shape_text(record['start'])} -> "
-                         f"{_shape_text(record['smallest'])}"
-                         + (f" ({record['stopped']})" if record.get("stopped") else ""))  # fmt: skip
-            lines += ["", "  ```sh", f"  {record['command']}", "  ```"]
+            lines.append(f"- **{record.case}** ({record.target}), {record.runs} run(s) under "
+                         f"`{record.dir or 'minimize'}/`: {_shape_text(record.start)} -> "
+                         f"{_shape_text(record.smallest)}"
+                         + (f" ({record.stopped})" if record.stopped else ""))  # fmt: skip
+            lines += ["", "  ```sh", f"  {record.command}", "  ```"]
     if summary.triage:
         lines += ["", "## OOM triage", ""]
-        for record in summary.triage:
-            lines.append(f"- **{record['case']}**: **{record['class']}**: {record['why']}")
-            for rerun in record["reruns"]:
+        for triaged in summary.triage:
+            lines.append(f"- **{triaged.case}**: **{triaged.kind}**: {triaged.why}")
+            for rerun in triaged.reruns:
                 lines.append(
-                    f"  - `PYTORCH_CUDA_ALLOC_CONF={rerun['alloc_conf']}`: {rerun['verdict'] or 'not run'}"
+                    f"  - `PYTORCH_CUDA_ALLOC_CONF={rerun.alloc_conf}`: {rerun.verdict or 'not run'}"
                 )
-            if record.get("note"):
-                lines.append(f"  - {record['note']}")
+            if triaged.note:
+                lines.append(f"  - {triaged.note}")
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -642,96 +647,88 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
 
-def _above_errors(points: list[dict[str, Any]]) -> str:
+def _above_errors(points: Sequence[ScalePoint]) -> str:
     return ", ".join(
-        f"{p['x']}: {p['estimate_above_fixed_rel_err']:+.0%}"
+        f"{p.x}: {p.estimate_above_fixed_rel_err:+.0%}"
         for p in points
-        if "estimate_above_fixed_rel_err" in p
+        if p.estimate_above_fixed_rel_err is not None
     )
 
 
-def _estimate_cell(point: dict[str, Any]) -> str:
-    if "estimate_exceeds_budget" in point:  # an oom point: the estimate foresaw it, or not
-        return "foresaw oom" if point["estimate_exceeds_budget"] else "missed oom"
-    return _pct(point.get("estimate_rel_err"))
+def _estimate_cell(point: ScalePoint) -> str:
+    if point.estimate_exceeds_budget is not None:  # an oom point: the estimate foresaw it, or not
+        return "foresaw oom" if point.estimate_exceeds_budget else "missed oom"
+    return _pct(point.estimate_rel_err)
 
 
-def _seconds_cell(point: dict[str, Any], key: str) -> str:
+def _seconds_cell(point: ScalePoint, value: float | None) -> str:
     """A phase's median time; `*` marks a host-bound point (the note under the table says what it is)."""
-    value = point.get(key)
     if value is None:
         return "-"
-    return f"{value:.3f} s" + ("*" if point.get("host_bound") else "")
+    return f"{value:.3f} s" + ("*" if point.host_bound else "")
 
 
-def render_scale(report: dict[str, Any]) -> None:
+def render_scale(report: ScaleReport) -> None:
     """The sweep as a table on stdout, then one line per fit, the culprits and the predicted limits."""
     from rich.table import Table
 
-    from nsa_diag.analysis.scaling import GrowthFit, describe_fit
+    from nsa_diag.analysis.scaling import describe_fit
     from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
 
     console = stdout_console()
-    for a in report["series"]:
-        table = Table(title=f"{a['name']} (branch {a['branch']}, backend {a['backend'] or '-'})")
-        for column in (a["x"], "verdict", "peak memory", "estimate", "est. error", "fwd", "bwd", "tokens/s"):
+    for a in report.series:
+        table = Table(title=f"{a.name} (branch {a.branch}, backend {a.backend or '-'})")
+        for column in (a.x, "verdict", "peak memory", "estimate", "est. error", "fwd", "bwd", "tokens/s"):
             table.add_column(column)
-        for p in a["points"]:
-            est = p.get("estimate") or {}
-            tokens = p.get("tokens_per_s")
+        for p in a.points:
+            tokens = p.tokens_per_s
             table.add_row(
-                str(p["x"]),
-                p["verdict"],
-                format_bytes(p.get("peak_memory_bytes")),
-                format_bytes(est.get("total")),
+                str(p.x),
+                p.verdict or "-",
+                format_bytes(p.peak_memory_bytes),
+                format_bytes(p.estimate.total if p.estimate is not None else None),
                 _estimate_cell(p),
-                _seconds_cell(p, "forward_s"),
-                _seconds_cell(p, "backward_s"),
+                _seconds_cell(p, p.forward_s),
+                _seconds_cell(p, p.backward_s),
                 "-" if tokens is None else f"{tokens:,.0f}",
             )
         console.print(table)
         for note in (fit_points_note(a), host_bound_note(a)):
             if note:
                 console.print(f"  {note}", markup=False, highlight=False)
-        for what in ("memory", "time"):
-            fit = a[f"{what}_fit"]
-            gfit = None
-            if fit:
-                ci = tuple(fit["ci95"]) if fit["ci95"] else None
-                gfit = GrowthFit(fit["exponent"], ci, fit["fixed"], fit["coef"], fit["n"], fit["r2"])
-            text = describe_fit(what + (" above the fixed part" if what == "memory" else ""), gfit)
-            console.print("  " + text.replace("x^", f"{a['x']}^"), markup=False, highlight=False)
-        if a["memory_fit"]:
+        for what, fit in (("memory", a.memory_fit), ("time", a.time_fit)):
+            text = describe_fit(what + (" above the fixed part" if what == "memory" else ""), fit)
+            console.print("  " + text.replace("x^", f"{a.x}^"), markup=False, highlight=False)
+        if a.memory_fit:
             console.print(
-                f"  fixed part {format_bytes(int(a['memory_fit']['fixed']))}",
+                f"  fixed part {format_bytes(int(a.memory_fit.fixed))}",
                 markup=False,
                 highlight=False,
             )
-        if a["estimate_max_abs_rel_err"] is not None:
-            compared = next((p["estimate_compared"] for p in a["points"] if "estimate_compared" in p), "")
-            above = a["estimate_above_fixed_max_abs_rel_err"]
+        if a.estimate_max_abs_rel_err is not None:
+            compared = next((p.estimate_compared for p in a.points if p.estimate_compared is not None), "")
+            above = a.estimate_above_fixed_max_abs_rel_err
             console.print(
-                f"  estimator: largest error {a['estimate_max_abs_rel_err']:.0%} ({compared})"
-                + (f"; of the growing part alone, per point: {_above_errors(a['points'])}" if above else ""),
+                f"  estimator: largest error {a.estimate_max_abs_rel_err:.0%} ({compared})"
+                + (f"; of the growing part alone, per point: {_above_errors(a.points)}" if above else ""),
                 markup=False,
                 highlight=False,
             )
-        elif a.get("estimate_not_compared"):
+        elif a.estimate_not_compared:
             console.print(
-                f"  estimator: not compared: {a['estimate_not_compared']}", markup=False, highlight=False
+                f"  estimator: not compared: {a.estimate_not_compared}", markup=False, highlight=False
             )
-        limit = a["memory_limit"]
+        limit = a.memory_limit
         if limit:
-            at = limit["seq_len"]
+            at = limit.seq_len
             console.print(
-                f"  memory runs out at S ≈ {at:,} ({limit['budget_source']}, "
-                f"{format_bytes(limit['budget_bytes'])})"
+                f"  memory runs out at S ≈ {at:,} ({limit.budget_source}, {format_bytes(limit.budget_bytes)})"
                 if at
-                else f"  memory limit: not predictable from the fit ({limit['budget_source']})",
+                else f"  memory limit: not predictable from the fit ({limit.budget_source})",
                 markup=False,
                 highlight=False,
             )
-        if a["stopped_by"]:
-            console.print(f"  sweep stopped: {a['stopped_by']}", markup=False, highlight=False)
+        if a.stopped_by:
+            console.print(f"  sweep stopped: {a.stopped_by}", markup=False, highlight=False)
     for line in report["culprits"]:
         console.print(line, markup=False, highlight=False)

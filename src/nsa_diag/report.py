@@ -13,15 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
-from nsa_diag.analysis.sweep import fit_points_note, host_bound_note
+from nsa_diag.analysis.scaling import GrowthFit, describe_fit
+from nsa_diag.analysis.sweep import ScaleReport, ScaleSeries, fit_points_note, host_bound_note
 from nsa_diag.errors import UsageError
 from nsa_diag.runfolder import (
     NO_RESULT,
     NOT_RUN,
+    Failure,
     Grid,
     RunFolder,
     axis_text,
@@ -54,92 +56,85 @@ def _grid_markdown(grid: Grid) -> list[str]:
 # ------------------------------------------------------------------------------- growth against length
 
 
-def _fit_line(what: str, fit: Mapping[str, Any] | None, x_name: str) -> str:
-    from nsa_diag.analysis.scaling import GrowthFit, describe_fit
-
-    growth = None
-    if fit:
-        ci = tuple(fit["ci95"]) if fit.get("ci95") else None
-        growth = GrowthFit(fit["exponent"], ci, fit["fixed"], fit["coef"], fit["n"], fit.get("r2"))
-    return describe_fit(what, growth).replace("x^", f"{x_name}^")
+def _fit_line(what: str, fit: GrowthFit | None, x_name: str) -> str:
+    return describe_fit(what, fit).replace("x^", f"{x_name}^")
 
 
-def _series_markdown(series: Mapping[str, Any]) -> list[str]:
-    x = series["x"]
-    lines = [f"### {series['name']} (branch {series['branch']}, backend {series.get('backend') or '-'})", ""]
+def _series_markdown(series: ScaleSeries) -> list[str]:
+    x = series.x
+    lines = [f"### {series.name} (branch {series.branch}, backend {series.backend or '-'})", ""]
     rows = []
-    for p in series["points"]:
-        tokens = p.get("tokens_per_s")
-        step = p.get("step_s")
+    for p in series.points:
+        tokens, step = p.tokens_per_s, p.step_s
         rows.append(
             [
-                str(p["x"]),
-                p.get("verdict", "-"),
-                render.format_bytes(p.get("peak_memory_bytes")),
+                str(p.x),
+                p.verdict or "-",
+                render.format_bytes(p.peak_memory_bytes),
                 "-" if step is None else f"{step:.3f} s",
                 "-" if tokens is None else f"{tokens:,.0f}",
             ]
         )
     lines += _table([x, "verdict", "peak memory", "forward + backward", "tokens/s"], rows)
-    memory_fit = series.get("memory_fit")
+    memory_fit = series.memory_fit
     lines += ["", f"- {_fit_line('memory above the fixed part', memory_fit, x)}"]
     note = fit_points_note(series)
     if note:
         lines.append(f"- {note}")
     if memory_fit:
-        lines.append(f"- fixed part {render.format_bytes(int(memory_fit['fixed']))}")
+        lines.append(f"- fixed part {render.format_bytes(int(memory_fit.fixed))}")
     bound = host_bound_note(series)
     if bound:
         lines.append(f"- {bound}")
-    lines.append(f"- {_fit_line('time', series.get('time_fit'), x)}")
-    limit = series.get("memory_limit")
+    lines.append(f"- {_fit_line('time', series.time_fit, x)}")
+    limit = series.memory_limit
     if limit:
-        at = limit.get("seq_len")
-        budget = f"{limit['budget_source']}, {render.format_bytes(limit['budget_bytes'])}"
+        at = limit.seq_len
+        budget = f"{limit.budget_source}, {render.format_bytes(limit.budget_bytes)}"
         lines.append(
             f"- memory runs out at S ≈ {at:,} ({budget})"
             if at
             else f"- memory limit not predictable ({budget})"
         )
-    if series.get("stopped_by"):
-        lines.append(f"- sweep stopped: {series['stopped_by']}")
+    if series.stopped_by:
+        lines.append(f"- sweep stopped: {series.stopped_by}")
     return [*lines, ""]
 
 
 # ------------------------------------------------------------------------------------------ failures
 
 
-def _failure_markdown(record: Mapping[str, Any], case_dir: str) -> list[str]:
-    kind = f" / {record['hang_kind']}" if record["hang_kind"] else ""
-    where = f" at {record['where']}" if record["where"] else ""
-    expected = " (expected)" if record["expected"] else ""
+def _failure_markdown(record: Failure, case_dir: str) -> list[str]:
+    kind = f" / {record.hang_kind}" if record.hang_kind else ""
+    where = f" at {record.where}" if record.where else ""
+    expected = " (expected)" if record.expected else ""
     lines = [
-        f"### {record['case']}: {record['verdict']}{kind}{where}{expected}",
+        f"### {record.case}: {record.verdict}{kind}{where}{expected}",
         "",
-        f"{record['reason']}",
+        f"{record.reason}",
         "",
     ]
     facts = []
-    if record["stall_limit"] and record["verdict"] in ("hang", "slow"):
-        facts.append(f"stall limit: {record['stall_limit']}")
-    if record["cpu_percent"] is not None:
-        facts.append(f"worker CPU {record['cpu_percent']:.0f}%")
-    if record["main_thread_state"]:
-        facts.append(f"main thread state {record['main_thread_state']}")
+    if record.stall_limit and record.verdict in ("hang", "slow"):
+        facts.append(f"stall limit: {record.stall_limit}")
+    if record.cpu_percent is not None:
+        facts.append(f"worker CPU {record.cpu_percent:.0f}%")
+    if record.main_thread_state:
+        facts.append(f"main thread state {record.main_thread_state}")
     if facts:
         lines += ["- " + "; ".join(facts), ""]
-    if record["stack"]:
+    if record.stack:
         lines += [
-            f"Main thread, last stack sample (`{case_dir}/{record['stack_file']}`):",
+            f"Main thread, last stack sample (`{case_dir}/{record.stack_file}`):",
             "",
             "```",
-            *record["stack"],
+            *record.stack,
             "```",
         ]
-    if record["native_stack"]:
-        pyspy = Path(record["stack_file"]).parent / "pyspy.txt"
+    if record.native_stack:
+        pyspy = Path(record.stack_file).parent / "pyspy.txt"
         lines += ["", f"Main thread with native frames (`{case_dir}/{pyspy.as_posix()}`):", "", "```"]
-        lines += [*record["native_stack"], "```"]
+        lines += [*record.native_stack, "```"]
     return [*lines, ""]
 
 
@@ -360,7 +355,7 @@ def build_report(run: RunFolder, plots: Mapping[str, str], plot_error: str | Non
                 lines += [f"![verdict grid {grid.title}]({plots[f'grid-{index}']})", ""]
     series = length_series(run)
     if series:
-        x_name = series[0].get("x", "seq_len")
+        x_name = series[0].x
         what = "sequence length" if x_name == "seq_len" else x_name
         source = "scale.json" if run.scale else "the cases that differ only in S"
         lines += [f"## Memory and time against {what}", "", f"From {source}.", ""]
@@ -374,7 +369,7 @@ def build_report(run: RunFolder, plots: Mapping[str, str], plot_error: str | Non
         if "failures" in plots:
             lines += [f"![where the cases failed]({plots['failures']})", ""]
         for record in failures:
-            lines += _failure_markdown(record, f"cases/{record['case']}")
+            lines += _failure_markdown(record, f"cases/{record.case}")
     if plot_error:
         lines += [f"Plots could not be drawn: {plot_error}", ""]
     lines += ["## Environment", "", *_env_markdown(run.env), *_nodes_markdown(run.nodes)]
@@ -407,9 +402,9 @@ def draw_plots(run: RunFolder) -> dict[str, str]:
     series = length_series(run)
     if series:
         name = f"{PNG_PREFIX}scaling.png"
-        plots.plot_scale({"series": series}, run.path / name)
+        plots.plot_scale(ScaleReport(series=series), run.path / name)
         made["scaling"] = name
-    located = [r for r in failure_records(run) if r["phase"] or r["layer"] is not None]
+    located = [r for r in failure_records(run) if r.phase or r.layer is not None]
     if located:
         name = f"{PNG_PREFIX}failures.png"
         plots.plot_failure_locations(located, run.path / name)
@@ -417,7 +412,21 @@ def draw_plots(run: RunFolder) -> dict[str, str]:
     return made
 
 
-def write_report(path: Path) -> dict[str, Any]:
+class ReportWritten(TypedDict):
+    """What `write_report` wrote (``nsa-diag report --json``): the files, the cases' verdicts, the notes."""
+
+    run_dir: str
+    command: str
+    report: str
+    plots: list[str]
+    plot_error: str | None
+    cases: int
+    counts: dict[str, int]
+    not_run: list[str]
+    notes: list[str]
+
+
+def write_report(path: Path) -> ReportWritten:
     """Read the run folder at `path`, write report.md and its PNGs there; what was written."""
     run = load_run(path)
     plot_error = None

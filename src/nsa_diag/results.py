@@ -17,7 +17,6 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -25,6 +24,7 @@ from nsa_diag import artifacts
 from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import Evidence, classify, pause_reason
 from nsa_diag.evidence import stacks
+from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
 from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
@@ -216,45 +216,47 @@ def unit_result(
     unit_dir: Path,
     watched: WatchResult,
     hang: HangEvidence | None,
-    stop: dict[str, Any],
+    stop: StopReport,
     elapsed: float,
     workers: dict[str, str | None] | None = None,
 ) -> CaseResult:
     """The classified result of one unit, from its watch record, its hang evidence and its files."""
     last = watched.last_state
     where = Where(**last.where()) if last is not None else None
-    code = stop.get("exit_code")
+    code = stop.exit_code
     decision = watched.decision
     ev = unit_evidence(spec, unit_dir, watched, hang, exit_code=code, elapsed=elapsed, workers=workers)
     report, rate = ev.worker_result, ev.rate
     stack_file = stacks.read_stacks(Path(unit_dir) / artifacts.STACKS)
     verdict = classify(ev)
-    evidence: dict[str, Any] = {"outcome": watched.outcome, "stop": stop}
-    if hang is not None:
-        evidence.update(
-            cpu_percent=hang.cpu_percent,
-            heartbeat={
-                "advancing": hang.heartbeat_advancing,
-                "before_samples": hang.heartbeat_before,
-                "between_samples": hang.heartbeat_between,
-            },
-            main_thread={"state": hang.main_state, "wchan": hang.main_wchan},
-            gpu_utilization=hang.gpu_utilization,
-            stack_samples=len(hang.samples),
-            progressed_during_evidence=hang.progressed,
-            longest_progress_gap_s=watched.longest_gap_s,
-            io_bytes_during_evidence=hang.io_bytes,
-            **hang.notes,
+    evidence = CaseEvidence(outcome=watched.outcome, stop=stop)
+    if hang is not None:  # what was gathered before any kill
+        evidence.add(
+            CaseEvidence(
+                cpu_percent=hang.cpu_percent,
+                heartbeat=Heartbeat(
+                    advancing=hang.heartbeat_advancing,
+                    before_samples=hang.heartbeat_before,
+                    between_samples=hang.heartbeat_between,
+                ),
+                main_thread=MainThread(state=hang.main_state, wchan=hang.main_wchan),
+                gpu_utilization=hang.gpu_utilization,
+                stack_samples=len(hang.samples),
+                progressed_during_evidence=hang.progressed,
+                longest_progress_gap_s=watched.longest_gap_s,
+                io_bytes_during_evidence=hang.io_bytes,
+            )
         )
+        evidence.add(hang.notes)
     if watched.work is not None:
-        evidence["work"] = watched.work.to_json()
+        evidence.work = watched.work.to_json()
     if ev.exec_from is not None:  # the process runs another program than the one first seen
-        evidence["exec"] = {"from": ev.exec_from, "into": ev.exe, "argv": hang.argv if hang else []}
+        evidence.exec = ExecChange(from_=ev.exec_from, into=ev.exe, argv=hang.argv if hang else [])
     if hang is not None:  # what it was doing, when that was not being stuck (a DataLoader worker reading)
         working = watched.work is not None and watched.work.working
-        evidence["activity"] = pause_reason(ev) or (watched.work.describe() if working else None)
+        evidence.activity = pause_reason(ev) or (watched.work.describe() if working else None)
     if stack_file.fatal:
-        evidence["fatal_error"] = stacks.fatal_error(stack_file.fatal)
+        evidence.fatal_error = stacks.fatal_error(stack_file.fatal)
     # The limit that decided a stall or timeout; for a worker that exited, the one its steps ran under.
     if decision is not None:
         limit = StallLimit(decision.stall_limit_s, decision.limit_reason)
@@ -276,7 +278,7 @@ def unit_result(
         exit_code=code,
         signal=signal_name(code),
         steps_done=_steps(spec, report, last),
-        metrics=report.metrics if report else {},
+        metrics=report.metrics if report else Metrics(),
         rate=rate,
         missing_grads=list(report.missing_grads) if report else [],
         nonfinite=report.nonfinite if report else None,
@@ -286,35 +288,38 @@ def unit_result(
     )
 
 
-def error_result(spec: CaseSpec, reason: str, elapsed: float, evidence: dict[str, Any]) -> CaseResult:
+def error_result(spec: CaseSpec, reason: str, elapsed: float, evidence: CaseEvidence) -> CaseResult:
     """verdict error with ``reason`` (one line) for a case that ended before anything was classified."""
+    limit_s, limit_reason = _configured_limit(spec)
     return CaseResult(
         name=spec.name,
         spec_hash=spec.spec_hash(),
         verdict="error",
         reason=" ".join(reason.split()),
         elapsed_s=round(elapsed, 3),
-        **_configured_limit_fields(spec),
+        stall_limit_s=limit_s,
+        stall_limit_reason=limit_reason,
         timeout_s=spec.timeout,
         evidence=evidence,
     )
 
 
-def _configured_limit_fields(spec: CaseSpec) -> dict[str, Any]:
+def _configured_limit(spec: CaseSpec) -> tuple[float | None, str]:
     """stall_limit_s and its reason for a case that ended before the watchdog measured anything."""
     limit = configured_limit(spec)
     if limit is None:
-        return {"stall_limit_s": None, "stall_limit_reason": "auto: not measured (the case ended first)"}
-    return {"stall_limit_s": limit.seconds, "stall_limit_reason": limit.reason}
+        return None, "auto: not measured (the case ended first)"
+    return limit.seconds, limit.reason
 
 
 def interrupted_result(
-    spec: CaseSpec, unit_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+    spec: CaseSpec, unit_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
 ) -> CaseResult:
     """The result of a one-unit case whose nsa-diag got SIGINT/SIGTERM (``by``), after it was stopped:
     where its beacon last was, and whether one last stack sample was taken (``sampled``)."""
     where = last_where(unit_dir)
     evidence = Evidence(outcome="interrupted", interrupted_by=by, elapsed_s=elapsed, where=where)
+    limit_s, limit_reason = _configured_limit(spec)
     return CaseResult(
         name=spec.name,
         spec_hash=spec.spec_hash(),
@@ -322,16 +327,14 @@ def interrupted_result(
         reason=classify(evidence).reason,
         where=where,
         elapsed_s=round(elapsed, 3),
-        **_configured_limit_fields(spec),
+        stall_limit_s=limit_s,
+        stall_limit_reason=limit_reason,
         timeout_s=spec.timeout,
         device=device_from_progress(unit_dir),
-        exit_code=stop.get("exit_code"),
-        signal=signal_name(stop.get("exit_code")),
+        exit_code=stop.exit_code,
+        signal=signal_name(stop.exit_code),
         model=model_from_progress(unit_dir) if spec.model is not None else None,
-        evidence={
-            "outcome": "interrupted",
-            "interrupted_by": by,
-            "stack_samples": int(sampled),
-            "stop": stop,
-        },
+        evidence=CaseEvidence(
+            outcome="interrupted", interrupted_by=by, stack_samples=int(sampled), stop=stop
+        ),
     )

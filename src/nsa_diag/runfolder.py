@@ -23,11 +23,15 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
+
+from pydantic import JsonValue
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import ComparedCase, ComparedRun
+from nsa_diag.analysis.sweep import ScalePoint, ScaleReport, ScaleSeries, fit_points, point_record
 from nsa_diag.errors import UsageError
+from nsa_diag.records import CaseEvidence, MainThread, PhaseSeconds
 from nsa_diag.spec import CaseResult, CaseSpec, Where
 from nsa_diag.summary import CaseEntry
 
@@ -43,15 +47,52 @@ _FAILED = {"hang", "slow", "crash", "error", "oom", "nonfinite", "grad-missing",
 _WATCHDOG_FIELDS = {"name", "seq_len", "stall", "timeout"}  # not part of what a scaling series computes
 
 
+JsonObject = dict[str, JsonValue]  # a JSON file's object as read: any version's, or edited by hand
+
+
+class CaseRow(TypedDict, total=False):
+    """A case's row in a run folder read back (`load_run`): summary.json's `CaseEntry` of its result.json
+    (the JSON of `CaseEntry.to_json`), summary.json's own row when it has no result, or a stand-in
+    (name, ok, verdict None, reason, where, expected); with the last step's time, the timed steps and how
+    the stall limit came about."""
+
+    name: str
+    ok: bool
+    verdict: str | None
+    hang_kind: str | None
+    reason: str | None
+    where: str | None
+    elapsed_s: float
+    device: str | None
+    steps_done: int
+    tokens_per_s: float | None
+    loss: float | None
+    peak_memory_bytes: int | None
+    peak_memory_kind: str | None
+    parity: JsonObject | None
+    rate: JsonObject | None
+    missing_grads: list[str]
+    nonfinite: JsonObject | None
+    dir: str
+    replay: str
+    stack: list[str]
+    stack_file: str
+    expected: JsonObject
+    model: JsonObject | None
+    step_s: float | None
+    timed_steps: int | None
+    stall_limit_reason: str | None
+
+
 @dataclass
 class CaseRecord:
     """One case of a run folder: its spec and result as found on disk, and its summary row."""
 
     name: str
     dir: Path
-    spec: dict[str, Any] | None
+    spec: JsonObject | None
     result: CaseResult | None
-    entry: dict[str, Any]  # a `CaseEntry` as JSON, or a stand-in when there is no result
+    entry: CaseRow
     axes: dict[str, Any] = field(default_factory=dict)  # matrix runs: the values of the axes that made it
     tags: list[str] = field(default_factory=list)
 
@@ -66,13 +107,13 @@ class RunFolder:
 
     path: Path
     command: str
-    summary: dict[str, Any] | None
-    env: dict[str, Any] | None
+    summary: JsonObject | None
+    env: dict[str, Any] | None  # env.json: the machine's environment
     cases: list[CaseRecord]
     not_run: list[str]
-    matrix: dict[str, Any] | None = None
-    scale: dict[str, Any] | None = None
-    bisect: dict[str, Any] | None = None
+    matrix: JsonObject | None = None
+    scale: ScaleReport | None = None
+    bisect: JsonObject | None = None
     notes: list[str] = field(default_factory=list)
     # a multi-node ddp run: each node's env.json (nodes/<r>/env.json) by node rank, "0", "1", ...
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -117,7 +158,7 @@ SUMMARY_SHAPE: dict[str, type] = {"command": str, "cases": list, "not_run": list
 MATRIX_SHAPE: dict[str, type] = {"name": str, "file": str, "cases": list, "axes": dict}
 
 
-def _shaped(data: Any, file: str, shape: Mapping[str, type], notes: list[str]) -> dict[str, Any] | None:
+def _shaped(data: Any, file: str, shape: Mapping[str, type], notes: list[str]) -> JsonObject | None:
     """`data` if it is a JSON object, less each field of `shape` of another type (noted): a file edited by
     hand, or of another tool, is read as far as it makes sense, never raised on."""
     if data is None:
@@ -151,17 +192,15 @@ def _memory_at_hang(case_dir: Path) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _last(values: Any) -> float | None:
-    if isinstance(values, list) and values and isinstance(values[-1], int | float):
-        return float(values[-1])
-    return None
+def _last(values: Sequence[float | None]) -> float | None:
+    return values[-1] if values else None
 
 
-def _timed_steps(step_s: Any) -> int | None:
+def _timed_steps(step_s: Sequence[float]) -> int | None:
     """The steps a case's step time and tokens/s are over, warm: steps 2.. (step 1 warms up: Triton
     compiles, the allocator settles); 0 for a case of one step, whose timings are its warm-up's; None
     without step times (a job under `watch`)."""
-    if not isinstance(step_s, list) or not step_s:
+    if not step_s:
         return None
     return len(step_s) - 1
 
@@ -190,7 +229,7 @@ def _entry(
     summary_entry: Mapping[str, Any] | None,
     expected: Mapping[str, Any] | None,
     why: str,
-) -> dict[str, Any]:
+) -> CaseRow:
     """The case's summary row from its result.json (summary.json's own row only when there is none):
     `CaseEntry.of`, plus the peak at a hang from memory_stats.json, the last step's time and how
     the stall limit came about."""
@@ -198,29 +237,34 @@ def _entry(
 
     if result is None:
         if summary_entry:
-            return dict(summary_entry)
+            return cast(CaseRow, dict(summary_entry))
         where = _last_progress(case_dir)
-        return {
-            "name": name,
-            "ok": False,
-            "verdict": None,
-            "hang_kind": None,
-            "reason": why,
-            "where": f"last progress: {where.describe()}" if where else None,
-            **({"expected": dict(expected)} if isinstance(expected, Mapping) else {}),
-        }
+        row = CaseRow(
+            name=name,
+            ok=False,
+            verdict=None,
+            hang_kind=None,
+            reason=why,
+            where=f"last progress: {where.describe()}" if where else None,
+        )
+        if isinstance(expected, Mapping):
+            row["expected"] = dict(expected)
+        return row
     expectation = (
         Expectation(name, expected["verdict"], expected.get("hang_kind"))
         if isinstance(expected, Mapping) and expected.get("verdict")
         else None
     )
-    entry = CaseEntry.of(
-        result, expectation, stack=lambda stacks_file: render.main_thread_stack(case_dir, stacks_file)
-    ).to_json()
+    entry = cast(
+        CaseRow,
+        CaseEntry.of(
+            result, expectation, stack=lambda stacks_file: render.main_thread_stack(case_dir, stacks_file)
+        ).to_json(),
+    )
     if entry["peak_memory_bytes"] is None:
         entry["peak_memory_bytes"], entry["peak_memory_kind"] = _memory_at_hang(case_dir)
-    entry["step_s"] = _last(result.metrics.get("step_s"))
-    entry["timed_steps"] = _timed_steps(result.metrics.get("step_s"))
+    entry["step_s"] = _last(result.metrics.step_s)
+    entry["timed_steps"] = _timed_steps(result.metrics.step_s)
     entry["stall_limit_reason"] = result.stall_limit_reason
     return entry
 
@@ -353,7 +397,7 @@ def load_run(path: Path) -> RunFolder:
         found = _read_json(node_env, notes)
         if isinstance(found, dict):
             nodes[node_env.parent.name] = found
-    scale = _read_json(path / SCALE_JSON, notes)
+    scale = _scale(_read_json(path / SCALE_JSON, notes), notes)
     bisect = _read_json(path / BISECT_JSON, notes)
     return RunFolder(
         path=path,
@@ -363,11 +407,23 @@ def load_run(path: Path) -> RunFolder:
         cases=records,
         not_run=not_run,
         matrix=matrix,
-        scale=scale if isinstance(scale, dict) else None,
+        scale=scale,
         bisect=bisect if isinstance(bisect, dict) else None,
         notes=notes,
         nodes=nodes,
     )
+
+
+def _scale(data: object, notes: list[str]) -> ScaleReport | None:
+    """scale.json as read (None where there is none); one that does not read as a scale report is noted,
+    and the series are then fitted from the cases (`length_series`)."""
+    if data is None:
+        return None
+    try:
+        return ScaleReport.model_validate(data)
+    except ValueError as exc:
+        notes.append(f"{SCALE_JSON} is not a scale report: {' '.join(str(exc).split())[:200]}: ignored")
+        return None
 
 
 def axis_text(value: Any) -> str:
@@ -455,7 +511,7 @@ def cell_text(cases: Sequence[CaseRecord]) -> str:
     return " / ".join(verdict_text(c) for c in cases) or "-"
 
 
-def _flat_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+def _flat_spec(spec: Mapping[str, JsonValue]) -> JsonObject:
     flat = {k: v for k, v in spec.items() if k != "overrides"}
     flat.update(spec.get("overrides") or {})
     return flat
@@ -463,8 +519,8 @@ def _flat_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
 
 def _step_time(result: CaseResult) -> float | None:
     """Forward plus backward of the last step, as `nsa-diag scale` measures it."""
-    phases = result.metrics.get("phase_s") or {}
-    fwd, bwd = _last(phases.get("forward")), _last(phases.get("backward"))
+    phases = result.metrics.phase_s or PhaseSeconds()
+    fwd, bwd = _last(phases.forward), _last(phases.backward)
     return fwd + bwd if fwd is not None and bwd is not None else None
 
 
@@ -479,13 +535,11 @@ def _device_total(env: Mapping[str, Any] | None, device: str | None) -> tuple[in
     return (total, "total memory of the machine (env.json)") if isinstance(total, int) else None
 
 
-def _series_point(case: CaseRecord) -> dict[str, Any]:
+def _series_point(case: CaseRecord) -> ScalePoint:
     """A passed case as a point of a length series: `sweep.point_record`, the memory estimator's estimate
     (with the phase of its peak) next to the measurement, from spec.json validated as a `CaseSpec`; a
     spec.json that no longer validates (another version's fields) gives the point without an estimate.
     The peak is the case's summary row's where the result has none (memory_stats.json)."""
-    from nsa_diag.analysis.sweep import point_record
-
     assert case.spec is not None
     assert case.result is not None
     result = case.result
@@ -496,22 +550,22 @@ def _series_point(case: CaseRecord) -> dict[str, Any]:
     if spec is not None:
         point = point_record(spec.seq_len, spec, result)
     else:
-        point = {
-            "x": case.spec["seq_len"],
-            "estimate": None,
-            "verdict": result.verdict,
-            "device": result.device,
-            "step_s": _step_time(result),
-            "tokens_per_s": case.entry.get("tokens_per_s"),
-        }
-    point["case"] = case.name  # spec.json's name can be another's (a copied case folder)
-    if point.get("peak_memory_bytes") is None:
-        point["peak_memory_bytes"] = case.entry.get("peak_memory_bytes")
-        point["peak_memory_kind"] = case.entry.get("peak_memory_kind")
+        point = ScalePoint(
+            x=case.spec["seq_len"],
+            estimate=None,
+            verdict=result.verdict,
+            device=result.device,
+            step_s=_step_time(result),
+            tokens_per_s=result.metrics.tokens_per_s,
+        )
+    point.case = case.name  # spec.json's name can be another's (a copied case folder)
+    if point.peak_memory_bytes is None:
+        point.peak_memory_bytes = case.entry.get("peak_memory_bytes")
+        point.peak_memory_kind = case.entry.get("peak_memory_kind")
     return point
 
 
-def length_series(run: RunFolder) -> list[dict[str, Any]]:
+def length_series(run: RunFolder) -> list[ScaleSeries]:
     """Series of memory and time against S, in scale.json's shape (`plots.plot_scale` draws them).
 
     From scale.json when the run has one; otherwise from the cases that passed and differ only in S
@@ -519,10 +573,8 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
     (`sweep.fit_points`: CUDA points whose estimated peak is the optimizer step are left out of the
     memory fit), with the memory budget for the limit from env.json, not from this machine.
     """
-    if run.scale and isinstance(run.scale.get("series"), list):
-        return run.scale["series"]
-    from nsa_diag.analysis.sweep import fit_points
-
+    if run.scale is not None:
+        return run.scale.series
     groups: dict[str, list[CaseRecord]] = {}
     for case in run.cases:
         if case.spec is None or case.result is None or not case.result.passed:
@@ -538,17 +590,16 @@ def length_series(run: RunFolder) -> list[dict[str, Any]]:
         backends = ",".join(
             f"{b}={flat[f'{b}_backend']}" for b in ("sel", "cmp", "win") if f"{b}_backend" in flat
         )
-        series.append(
-            {
-                "name": ", ".join(f"{k}={axis_text(flat.get(k))}" for k in varying) or run.command,
-                "branch": flat.get("force_branch") or "all",
-                "backend": backends or None,
-                "x": "seq_len",
-                "points": points,
-                "stopped_by": None,
-                **fit_points(points, "seq_len", lambda device: _device_total(run.env, device)),
-            }
+        found = ScaleSeries(
+            name=", ".join(f"{k}={axis_text(flat.get(k))}" for k in varying) or run.command,
+            branch=flat.get("force_branch") or "all",
+            backend=backends or None,
+            x="seq_len",
+            points=points,
+            stopped_by=None,
         )
+        found.add(fit_points(points, "seq_len", lambda device: _device_total(run.env, device)))
+        series.append(found)
     return series
 
 
@@ -568,20 +619,42 @@ def pyspy_main_frames(case_dir: Path, depth: int = STACK_FRAMES) -> list[str]:
 def _location(result: CaseResult) -> Where | None:
     """Where the case stopped; for non-finite values, the module where they first appeared (the beacon
     has moved on to the end of the step by then)."""
-    nonfinite = result.nonfinite or {}
-    module = nonfinite.get("module")
-    if isinstance(module, str):
-        layer = re.search(r"blocks\.(\d+)", module)
-        phase = "backward" if nonfinite.get("where") == "grad" else "forward"
+    nonfinite = result.nonfinite
+    if nonfinite is not None and nonfinite.module is not None:
+        layer = re.search(r"blocks\.(\d+)", nonfinite.module)
+        phase = "backward" if nonfinite.where == "grad" else "forward"
         return Where(
-            phase=phase, step=nonfinite.get("step"), layer=int(layer[1]) if layer else None, module=module
+            phase=phase, step=nonfinite.step, layer=int(layer[1]) if layer else None, module=nonfinite.module
         )
     if result.where is None or result.where.phase == "done":
         return None
     return result.where
 
 
-def failure_records(run: RunFolder) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Failure:
+    """Where a failing case went wrong (`failure_records`): its verdict and hang kind, where and why, the
+    stall limit, CPU and main thread state at the stall, and its stacks (Python, then native frames)."""
+
+    case: str
+    verdict: str
+    hang_kind: str | None
+    expected: bool  # the case was expected to fail so (selftest, a matrix's expect)
+    where: str | None
+    phase: str | None
+    layer: int | None
+    step: int | None
+    branch: str | None
+    reason: str | None
+    stall_limit: str | None
+    cpu_percent: float | None
+    main_thread_state: str | None
+    stack: list[str]
+    stack_file: str
+    native_stack: list[str]
+
+
+def failure_records(run: RunFolder) -> list[Failure]:
     """Where each case that failed went wrong: verdict, hang kind, location, why, and its stacks."""
     records = []
     for case in run.cases:
@@ -589,27 +662,27 @@ def failure_records(run: RunFolder) -> list[dict[str, Any]]:
             continue
         result = case.result
         where = _location(result) if result is not None else _last_progress(case.dir)
-        evidence = result.evidence if result is not None else {}
-        main_thread = evidence.get("main_thread") or {}
+        evidence = result.evidence if result is not None else CaseEvidence()
+        main_thread = evidence.main_thread or MainThread()
         stacks_file = result.stacks_file() if result is not None else artifacts.STACKS
         records.append(
-            {
-                "case": case.name,
-                "verdict": case.verdict,
-                "hang_kind": case.entry.get("hang_kind"),
-                "expected": bool(case.entry.get("expected")) and bool(case.entry.get("ok")),
-                "where": case.entry.get("where"),
-                "phase": where.phase if where else None,
-                "layer": where.layer if where else None,
-                "step": where.step if where else None,
-                "branch": where.branch if where else None,
-                "reason": case.entry.get("reason"),
-                "stall_limit": result.stall_limit_reason if result is not None else None,
-                "cpu_percent": evidence.get("cpu_percent"),
-                "main_thread_state": main_thread.get("state"),
-                "stack": render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
-                "stack_file": stacks_file,
-                "native_stack": pyspy_main_frames(case.dir / Path(stacks_file).parent),
-            }
+            Failure(
+                case=case.name,
+                verdict=case.verdict,
+                hang_kind=case.entry.get("hang_kind"),
+                expected=bool(case.entry.get("expected")) and bool(case.entry.get("ok")),
+                where=case.entry.get("where"),
+                phase=where.phase if where else None,
+                layer=where.layer if where else None,
+                step=where.step if where else None,
+                branch=where.branch if where else None,
+                reason=case.entry.get("reason"),
+                stall_limit=result.stall_limit_reason if result is not None else None,
+                cpu_percent=evidence.cpu_percent,
+                main_thread_state=main_thread.state,
+                stack=render.main_thread_stack(case.dir, stacks_file, STACK_FRAMES),
+                stack_file=stacks_file,
+                native_stack=pyspy_main_frames(case.dir / Path(stacks_file).parent),
+            )
         )
     return records

@@ -172,7 +172,7 @@ def settings_from_options(
     slurm_opts: Sequence[str] = (),
 ) -> SlurmSettings:
     """The settings the command-line options give (only those given count as set); `UsageError`."""
-    given: dict[str, Any] = {
+    given: dict[str, str | int | dict[str, str]] = {
         k: v
         for k, v in dict(
             partition=partition, account=account, gpus_per_node=gpus_per_node, time=time, nodes=nodes
@@ -187,7 +187,7 @@ def settings_from_options(
     options = dict(parse_slurm_opt(text) for text in slurm_opts)
     if options:
         given["options"] = options
-    return SlurmSettings(**given)
+    return SlurmSettings.model_validate(given)
 
 
 # --- submitit ----------------------------------------------------------------------------------------------

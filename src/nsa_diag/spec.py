@@ -45,6 +45,7 @@ from nsa_diag.options import (
     WinBackend,
     literal_of,
 )
+from nsa_diag.records import CaseEvidence, DdpResult, Metrics, NonFinite, Parity, RankDdp, Rate
 
 # `unchecked`: the case ran, but a check it was asked to make (a reference check, a correctness property)
 # could not run (the reference does not fit, nothing to compare): never a pass, counted apart.
@@ -106,7 +107,7 @@ class Injection(BaseModel):
     def parse(cls, text: str) -> Injection:
         """``"deadlock:layer=1,phase=backward"`` -> `Injection`; ValueError naming the bad part."""
         kind, _, rest = text.strip().partition(":")
-        fields: dict[str, Any] = {"kind": kind}
+        fields: dict[str, str] = {"kind": kind}
         for item in filter(None, (part.strip() for part in rest.split(","))):
             key, sep, value = item.partition("=")
             if not sep or not key:
@@ -531,7 +532,9 @@ class CaseSpec(BaseModel):
         # so does a case without layers_attr.
         later = {field for field in ("ddp", "layers_attr", "command") if getattr(self, field) is None}
         # the probe's detail changes nothing the case computes
-        exclude: dict[str, Any] = {"name": True, "branch_marks": True, **dict.fromkeys(later, True)}
+        exclude: dict[str, bool | dict[str, bool]] = {
+            "name": True, "branch_marks": True, **dict.fromkeys(later, True)
+        }  # fmt: skip
         if self.ddp is not None:  # how long nodes wait for each other changes nothing the case computes
             exclude["ddp"] = {"rdzv_timeout": True, "run_id": True}
         data = self.model_dump(mode="json", exclude=exclude)
@@ -655,17 +658,17 @@ class WorkerReport(BaseModel):
     exception: WorkerException | None = None
     device: str | None = None
     steps_done: int = 0
-    metrics: dict[str, Any] = Field(default_factory=dict)  # phase times, tokens/s, losses, grad norm, memory
+    metrics: Metrics = Field(default_factory=Metrics)  # phase times, tokens/s, losses, grad norm, memory
     missing_grads: list[str] = Field(default_factory=list)
-    nonfinite: dict[str, Any] | None = None  # {"where": "loss"|"grad", "module": "blocks.1", ...}
-    parity: dict[str, Any] | None = None  # reference_check / verify: relative errors and bounds
+    nonfinite: NonFinite | None = None  # where values first went non-finite
+    parity: Parity | None = None  # reference_check / verify: relative errors and bounds
     # One rank of `nsa-diag ddp`: pre-flight, gradient arrival, parameter hashes, buckets, collectives,
     # DDP's own error (nsa_diag.worker.ddp). Absent from the JSON of a single worker.
-    ddp: dict[str, Any] | None = None
+    ddp: RankDdp | None = None
 
     @model_serializer(mode="wrap")
-    def _without_absent_ddp(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data: dict[str, Any] = handler(self)
+    def _without_absent_ddp(self, handler: SerializerFunctionWrapHandler) -> object:
+        data = handler(self)
         if self.ddp is None:
             data.pop("ddp", None)
         return data
@@ -691,15 +694,15 @@ class CaseResult(BaseModel):
     exit_code: int | None = None
     signal: str | None = None
     steps_done: int = 0
-    metrics: dict[str, Any] = Field(default_factory=dict)  # phase times, tokens/s, losses, grad norm, memory
-    rate: dict[str, Any] | None = None  # slow: progress rate and the estimated time it would need
+    metrics: Metrics = Field(default_factory=Metrics)  # phase times, tokens/s, losses, grad norm, memory
+    rate: Rate | None = None  # slow: progress rate and the estimated time it would need
     missing_grads: list[str] = Field(default_factory=list)
-    nonfinite: dict[str, Any] | None = None  # {"where": "loss"|"grad", "module": "blocks.1", ...}
-    parity: dict[str, Any] | None = None  # reference_check: relative errors of loss and gradients
-    evidence: dict[str, Any] = Field(default_factory=dict)  # cpu%, heartbeat, gpu util, file names
+    nonfinite: NonFinite | None = None  # where values first went non-finite
+    parity: Parity | None = None  # reference_check / verify: relative errors and bounds
+    evidence: CaseEvidence = Field(default_factory=CaseEvidence)  # how it ended, what was gathered
     # nsa-diag ddp (issue 6): per-rank verdicts, missing gradients per rank, minority ranks, first divergent
     # frame, pre-flight, parameter hashes, buckets (nsa_diag.analysis.ranks.aggregate)
-    ddp: dict[str, Any] | None = None
+    ddp: DdpResult | None = None
     model: BuiltModel | None = None  # a --model: its layers and vocabulary as the worker found them
     files: list[str] = Field(default_factory=list)  # artifact files of the case folder
 
@@ -711,8 +714,7 @@ class CaseResult(BaseModel):
         """The ``stacks.txt`` of the process this verdict is about, relative to the case folder: the
         worker's own, a ddp rank's (``evidence.rank_of_verdict``) or, under ``watch``, the deciding
         process's (``evidence.stacks_file``: ``procs/pid-<pid>/stacks.txt``)."""
-        named = self.evidence.get("stacks_file")
-        if isinstance(named, str) and named:
-            return named
-        rank = self.evidence.get("rank_of_verdict")
-        return f"ranks/{rank}/stacks.txt" if isinstance(rank, int) else "stacks.txt"
+        if self.evidence.stacks_file:
+            return self.evidence.stacks_file
+        rank = self.evidence.rank_of_verdict
+        return f"ranks/{rank}/stacks.txt" if rank is not None else "stacks.txt"

@@ -20,16 +20,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from nsa_diag import __version__
 from nsa_diag.errors import EXIT_ABORTED
+from nsa_diag.records import Metrics, NonFinite, Parity, PeakMemory, Rate, Record
 from nsa_diag.redact import redact_argv
-from nsa_diag.spec import BuiltModel, CaseResult
+from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec
 
 if TYPE_CHECKING:
     from nsa_diag.cases import Expectation
-    from nsa_diag.spec import CaseSpec
 
 SHOWS_STACK = {"hang", "slow", "crash"}  # verdicts whose entry carries the main thread's last frames
 
@@ -51,7 +51,7 @@ class _JsonRecord(BaseModel):
             raise KeyError(key)
         return getattr(self, key)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         """The record as written to its file, in field order."""
         data = self.model_dump(mode="json")
         return {key: value for key, value in data.items() if key in self}
@@ -86,10 +86,10 @@ class CaseEntry(_JsonRecord):
     loss: float | None = None
     peak_memory_bytes: int | None = None
     peak_memory_kind: str | None = None
-    parity: dict[str, Any] | None = None
-    rate: dict[str, Any] | None = None
+    parity: Parity | None = None
+    rate: Rate | None = None
     missing_grads: list[str] = []
-    nonfinite: dict[str, Any] | None = None
+    nonfinite: NonFinite | None = None
     dir: str
     replay: str
     stack: list[str] | None = None
@@ -108,7 +108,7 @@ class CaseEntry(_JsonRecord):
         """The entry of `result`; `stack(stacks_file)` gives the main thread's last frames in that file of
         the case folder (`CaseResult.stacks_file`), asked only for a verdict that shows them
         (`SHOWS_STACK`)."""
-        metrics = result.metrics or {}
+        metrics = result.metrics
         frames = stack(result.stacks_file()) if stack is not None and result.verdict in SHOWS_STACK else None
         peak, peak_kind = peak_memory(metrics)
         return cls(
@@ -121,8 +121,8 @@ class CaseEntry(_JsonRecord):
             elapsed_s=round(result.elapsed_s, 3),
             device=result.device,
             steps_done=result.steps_done,
-            tokens_per_s=metrics.get("tokens_per_s"),
-            loss=_last(metrics.get("loss")),
+            tokens_per_s=metrics.tokens_per_s,
+            loss=metrics.last_loss(),
             peak_memory_bytes=peak,
             peak_memory_kind=peak_kind,
             parity=result.parity,
@@ -138,6 +138,174 @@ class CaseEntry(_JsonRecord):
             else None,
             model=result.model,
         )
+
+
+# --- the follow-ups' sections (`nsa_diag.analysis.repeat`, `minimize`, `triage`) ----------------------
+
+
+class Spread(Record):
+    """min, median and max of some seconds (rounded to ms), and how many there were."""
+
+    min: float
+    median: float
+    max: float
+    n: int
+
+
+class HangOdds(Record):
+    """How many runs of a case hung, the probability k/n and its 95% Wilson score interval."""
+
+    count: int
+    probability: float | None = None
+    ci95: list[float] = Field(default_factory=list)
+
+
+class CaseRepeats(Record):
+    """What the runs of one case say together (``repeats.cases``; `nsa_diag.analysis.repeat`)."""
+
+    case: str
+    repeat: int
+    runs: int
+    ok_runs: int
+    failed_runs: int
+    status: str  # pass | fail | transient
+    ok: bool
+    counts: dict[str, int] = Field(default_factory=dict)  # runs per verdict
+    hang_kinds: dict[str, int] = Field(default_factory=dict)
+    hang: HangOdds
+    time_to_hang_s: Spread | None = None
+    hang_steps: list[int] = Field(default_factory=list)
+    elapsed_s: Spread | None = None
+    failing_runs: list[str] = Field(default_factory=list)
+    reasons: list[str] = Field(default_factory=list)
+
+
+class RepeatsSection(Record):
+    """summary.json's ``repeats`` (--repeat N): per case, what its runs say together."""
+
+    repeat: int
+    folders: str
+    transient: list[str] = Field(default_factory=list)
+    cases: list[CaseRepeats] = Field(default_factory=list)
+
+
+class CaseShape(Record):
+    """The dimensions minimization shrinks (``layers``: None for a --model)."""
+
+    layers: int | None = None
+    seq_len: int
+    batch: int
+    steps: int
+    branch: str
+
+
+class MinimizeTrial(Record):
+    """One trial of a minimization: the change, whether it ran and reproduced, its verdict."""
+
+    name: str
+    change: str
+    ran: bool
+    reproduces: bool
+    verdict: str | None = None
+    hang_kind: str | None = None
+    reason: str
+    elapsed_s: float | None = None
+
+
+class MinimizeRecord(Record):
+    """One failing case minimized (``minimize`` of summary.json, `nsa_diag.analysis.minimize`): from its
+    shape to the smallest that still fails so, the trials, and the command that reproduces it."""
+
+    case: str
+    target: str
+    target_verdict: str
+    target_hang_kind: str | None = None
+    start: CaseShape
+    smallest: CaseShape
+    reduced: bool
+    runs: int
+    trials: list[MinimizeTrial] = Field(default_factory=list)
+    stopped: str | None = None
+    interrupted: bool
+    argv: list[str] = Field(default_factory=list)
+    command: str
+    spec: CaseSpec  # the smallest
+    dir: str | None = None  # its trials' folder in the run folder
+    reproduce: str | None = None  # its reproduce.sh there
+
+
+class OomFigures(Record):
+    """The memory figures at an out-of-memory failure: those its message gives (`parse_oom_message`: the
+    request, the device's total and free memory, PyTorch's allocated and reserved, other processes by
+    pid) and those derived with the case's metrics (`measure`)."""
+
+    source: str | None = None  # cuda-caching-allocator | cpu-allocator | unknown
+    requested_bytes: int | None = None
+    requested_is_lower_bound: bool | None = None  # CUDA's "more than 1EB"
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    process_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    max_allocated_bytes: int | None = None
+    max_reserved_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    device_used_bytes: int | None = None
+    outside_pytorch_bytes: int | None = None
+    other_processes: dict[int, int] | None = None  # pid -> bytes
+
+
+class OomRerun(Record):
+    """The oom case run again with one allocator setting (PYTORCH_CUDA_ALLOC_CONF)."""
+
+    name: str
+    alloc_conf: str
+    verdict: str | None = None  # None: not rerun (the case already runs with it)
+    reason: str
+    peak_memory: PeakMemory | None = None
+
+
+class TriageRecord(Record):
+    """One oom case triaged (``triage`` of summary.json, `nsa_diag.analysis.triage`): its class
+    (capacity, fragmentation, outside-pytorch, undetermined) and why, the figures and the reruns."""
+
+    case: str
+    device: str | None = None
+    kind: str = Field(alias="class")
+    why: str
+    figures: OomFigures
+    message: str
+    reruns: list[OomRerun] = Field(default_factory=list)
+    note: str | None = None
+    interrupted: bool
+    dir: str | None = None  # its reruns' folder in the run folder
+
+
+class SlurmSection(Record):
+    """How a matrix ran on Slurm: the cluster, the settings given, each case's job id, how many jobs
+    at a time (None: all at once) and the logs' folder."""
+
+    cluster: str
+    settings: dict[str, str | int | dict[str, str]] = Field(default_factory=dict)  # those set (SlurmSettings)
+    jobs: dict[str, str] = Field(default_factory=dict)
+    at_a_time: int | None = None
+    logs: str
+
+
+class MatrixSection(Record):
+    """summary.json's ``matrix`` (nsa-diag matrix): the file, the jobs, whether it resumed, the cases not
+    rerun or skipped here, each case's GPU, and the executor (with Slurm's part)."""
+
+    file: str
+    name: str
+    jobs: int
+    resumed: bool
+    not_rerun: list[str] = Field(default_factory=list)
+    skipped_here: dict[str, str] = Field(default_factory=dict)
+    gpus: dict[str, str] = Field(default_factory=dict)
+    executor: str  # local | slurm
+    slurm: SlurmSection | None = None
 
 
 class RunSummary(_JsonRecord):
@@ -163,11 +331,11 @@ class RunSummary(_JsonRecord):
     cases: list[CaseEntry]
     # checks the command left out because they cannot run here, with why (selftest's gpu-spin without CUDA)
     left_out: dict[str, str] | None = None
-    matrix: dict[str, Any] | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
-    bisect: dict[str, Any] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
-    repeats: dict[str, Any] | None = None  # --repeat (nsa_diag.analysis.repeat.repeats_section)
-    minimize: list[dict[str, Any]] | None = None  # --minimize: one record per failing case
-    triage: list[dict[str, Any]] | None = None  # --triage: one record per oom case
+    matrix: MatrixSection | None = None  # nsa-diag matrix: the file, jobs, resume, GPUs
+    bisect: dict[str, JsonValue] | None = None  # nsa-diag gc-bisect: bisect.json less the starting spec
+    repeats: RepeatsSection | None = None  # --repeat (nsa_diag.analysis.repeat.repeats_section)
+    minimize: list[MinimizeRecord] | None = None  # --minimize: one record per failing case
+    triage: list[TriageRecord] | None = None  # --triage: one record per oom case
     junit: str | None = None  # --junit: the file written
 
     @classmethod
@@ -221,7 +389,7 @@ class RunSummary(_JsonRecord):
         summary.decide()
         return summary
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         data = super().to_json()
         data["cases"] = [case.to_json() for case in self.cases]
         return data
@@ -271,30 +439,26 @@ def status_text(
     return ("all ok" if ok else "not all ok") + (f"; {', '.join(notes)}" if notes else "")
 
 
-def peak_memory(metrics: Mapping[str, Any]) -> tuple[int | None, str | None]:
+PEAK_KINDS = {
+    "cuda_max_allocated_bytes": "CUDA max allocated",
+    "cpu_peak_rss_bytes": "peak RSS of the worker",
+}
+
+
+def peak_memory(metrics: Metrics) -> tuple[int | None, str | None]:
     """The headline peak memory of a case and what it measures."""
-    peak = metrics.get("peak_memory") or {}
-    for key, kind in (
-        ("cuda_max_allocated_bytes", "CUDA max allocated"),
-        ("cpu_peak_rss_bytes", "peak RSS of the worker"),
-    ):
-        if isinstance(peak.get(key), int):
-            return peak[key], kind
-    return None, None
-
-
-def _last(values: Any) -> float | None:
-    if isinstance(values, list) and values and isinstance(values[-1], int | float):
-        return float(values[-1])
-    return None
+    if metrics.peak_memory is None:
+        return None, None
+    peak, key = metrics.peak_memory.headline()
+    return peak, PEAK_KINDS[key] if key is not None else None
 
 
 def _where(result: CaseResult) -> str | None:
     """Where the case went wrong: the first non-finite module, else the beacon's last location."""
-    nonfinite = result.nonfinite or {}
-    if nonfinite.get("module"):
-        step = f" step {nonfinite['step']}" if nonfinite.get("step") is not None else ""
-        return f"{nonfinite['module']} ({nonfinite.get('where', '?')}){step}"
+    nonfinite = result.nonfinite
+    if nonfinite is not None and nonfinite.module:
+        step = f" step {nonfinite.step}" if nonfinite.step is not None else ""
+        return f"{nonfinite.module} ({nonfinite.where or '?'}){step}"
     if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing
         return None
     return result.where.describe()

@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 from nsa_diag import artifacts
 from nsa_diag.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 from nsa_diag.evidence import gpu, procfs, stacks
+from nsa_diag.records import CaseEvidence, GpuFiles, MemoryDump, Rate, WorkSeen
 from nsa_diag.spec import CaseSpec
 
 Status = Literal["running", "stalled", "timeout"]
@@ -159,14 +160,15 @@ class Work:
             return f"no work in the last {self.window_s:.0f} s ({self.moves} frame moves, CPU {cpu})"
         return ", ".join(parts) + f" in the last {self.window_s:.0f} s"
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "window_s": round(self.window_s, 3), "working": self.working, "signals": self.signals,
-            "moves": self.moves, "allocs": self.allocs, "cpu_percent": self.cpu_percent,
-            "io_bytes": self.io_bytes, "frame": self.frame,
-            "waits_for_batch": bool(self.flags & FLAG_DATALOADER), "saving": bool(self.flags & FLAG_SAVING),
-            "text": self.describe(),
-        }  # fmt: skip
+    def to_json(self) -> WorkSeen:
+        """The record of result.json (``evidence.work``)."""
+        return WorkSeen(
+            window_s=round(self.window_s, 3), working=self.working, signals=self.signals,
+            moves=self.moves, allocs=self.allocs, cpu_percent=self.cpu_percent,
+            io_bytes=self.io_bytes, frame=self.frame,
+            waits_for_batch=bool(self.flags & FLAG_DATALOADER), saving=bool(self.flags & FLAG_SAVING),
+            text=self.describe(),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -392,7 +394,7 @@ def _phase_fraction(state: BeaconState, layers: int | None) -> float | None:
 
 def progress_rate(
     history: Sequence[Observation], now: float, spec: CaseSpec, layers: int | None = None
-) -> dict[str, Any]:
+) -> Rate:
     """Progress events/s, steps/s, steps done and the estimated seconds still needed (``eta_s``).
 
     The fraction done is (steps done + the fraction of the current step) / steps; the current step's
@@ -403,15 +405,16 @@ def progress_rate(
     elapsed = max(now - started, 1e-9)
     state = _last_state(history)
     first = next((obs for obs in history if obs.state is not None), None)
-    rate: dict[str, Any] = {"elapsed_s": round(elapsed, 3), "steps_total": spec.steps}
+    rate = Rate(elapsed_s=round(elapsed, 3), steps_total=spec.steps)
     if state is None or first is None or first.state is None:
-        return {**rate, "steps_done": 0, "events_per_s": 0.0, "steps_per_s": 0.0, "fraction_done": 0.0}
+        rate.steps_done, rate.events_per_s, rate.steps_per_s, rate.fraction_done = 0, 0.0, 0.0, 0.0
+        return rate
     done = steps_done(state, spec.steps)
     events_span = max(state.time - first.state.time, 1e-9)
-    rate["events"] = state.seq
-    rate["events_per_s"] = round((state.seq - first.state.seq) / events_span, 3) if state.seq > 1 else 0.0
-    rate["steps_done"] = done
-    rate["steps_per_s"] = round(done / elapsed, 4)
+    rate.events = state.seq
+    rate.events_per_s = round((state.seq - first.state.seq) / events_span, 3) if state.seq > 1 else 0.0
+    rate.steps_done = done
+    rate.steps_per_s = round(done / elapsed, 4)
     within = 0.0
     starts = _step_starts(history)
     current = state.step
@@ -424,10 +427,10 @@ def progress_rate(
         else:
             within = _phase_fraction(state, layers) or 0.0
     fraction = min((done + within) / spec.steps, 1.0)
-    rate["fraction_done"] = round(fraction, 4)
+    rate.fraction_done = round(fraction, 4)
     if 0 < fraction < 1:
-        rate["eta_s"] = round(elapsed / fraction - elapsed, 1)
-        rate["estimated_total_s"] = round(elapsed / fraction, 1)
+        rate.eta_s = round(elapsed / fraction - elapsed, 1)
+        rate.estimated_total_s = round(elapsed / fraction, 1)
     return rate
 
 
@@ -659,7 +662,9 @@ class HangEvidence:
     progressed: bool | None = None
     exe: str | None = None  # the program the process runs (/proc/<pid>/exe), and its command line
     argv: list[str] = field(default_factory=list)
-    notes: dict[str, Any] = field(default_factory=dict)
+    # what else was gathered (memory at the hang, py-spy, GPU files, why stacks were not sampled), as the
+    # case's evidence writes it
+    notes: CaseEvidence = field(default_factory=CaseEvidence)
 
     @property
     def heartbeat_advancing(self) -> bool | None:
@@ -677,18 +682,18 @@ def catches_sigusr1(pid: int) -> bool | None:
     return bool(int(mask, 16) & (1 << (signal.SIGUSR1 - 1)))
 
 
-def _request_memory_dump(case_dir: Path, proc: ProcessHandle, heartbeat: bool | None) -> dict[str, Any]:
+def _request_memory_dump(case_dir: Path, proc: ProcessHandle, heartbeat: bool | None) -> MemoryDump:
     """Ask the worker's heartbeat thread for memory evidence; a stopped heartbeat cannot answer."""
     artifacts.write_text(case_dir / artifacts.DUMP_REQUEST, time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
     if heartbeat is False:
-        return {"written": False, "why": "the heartbeat thread has stopped (GIL held): it cannot answer"}
+        return MemoryDump(written=False, why="the heartbeat thread has stopped (GIL held): it cannot answer")
     deadline = time.monotonic() + DUMP_WAIT_S
     done = case_dir / artifacts.DUMP_DONE
     while time.monotonic() < deadline and proc.poll() is None:
         if done.exists():
-            return {"written": True, "answer": done.read_text(errors="replace").strip()}
+            return MemoryDump(written=True, answer=done.read_text(errors="replace").strip())
         time.sleep(0.05)
-    return {"written": False, "why": f"the worker did not answer within {DUMP_WAIT_S:g} s"}
+    return MemoryDump(written=False, why=f"the worker did not answer within {DUMP_WAIT_S:g} s")
 
 
 def _heartbeat(case_dir: Path) -> int | None:
@@ -714,18 +719,18 @@ def gather_hang_evidence(
     ev = HangEvidence(
         heartbeat_before=heartbeat_alive(read_beacon(case_dir / artifacts.BEACON) or last, time.time())
     )
-    ev.notes["memory_at_hang"] = _request_memory_dump(case_dir, proc, ev.heartbeat_before)
+    ev.notes.memory_at_hang = _request_memory_dump(case_dir, proc, ev.heartbeat_before)
     stacks_path = case_dir / artifacts.STACKS
     if may_signal is None:
         sampling = catches_sigusr1(pid) is not False
         if not sampling:
-            ev.notes["stack_samples_why"] = (
+            ev.notes.stack_samples_why = (
                 "not taken: the worker had not registered faulthandler for SIGUSR1 yet"
             )
     else:  # no signal; a probe's heartbeat thread, when it runs, dumps the stacks from Python instead
         sampling = ev.heartbeat_before is True
         how = "taken by the probe's heartbeat thread" if sampling else "not taken"
-        ev.notes["stack_samples_why"] = f"no SIGUSR1 ({may_signal}): {how}"
+        ev.notes.stack_samples_why = f"no SIGUSR1 ({may_signal}): {how}"
 
     signal_ok = may_signal is None
     before = len(stacks.read_stacks(stacks_path).samples)
@@ -755,13 +760,13 @@ def gather_hang_evidence(
             )
         )
         if "heartbeat thread" in writers:
-            ev.notes["stack_samples_written_by"] = writers  # the SIGUSR1 handler did not answer
+            ev.notes.stack_samples_written_by = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
     ev.exe, ev.argv = procfs.exe(pid), procfs.cmdline(pid)
     ev.io_bytes = io1 - io0 if io0 is not None and io1 is not None else None
     if beat0 is not None and beat1 is not None and beat0 > 0:
         ev.heartbeat_between = beat1 > beat0
-    ev.notes["heartbeat_ticks_between_samples"] = None if beat0 is None or beat1 is None else beat1 - beat0
+    ev.notes.heartbeat_ticks_between_samples = None if beat0 is None or beat1 is None else beat1 - beat0
 
     main = next((p for p in proc_json.get("processes", ()) if p.get("pid") == pid), None)
     if main is None and proc_json.get("available"):  # not a session leader (a job's child process)
@@ -773,18 +778,18 @@ def gather_hang_evidence(
     artifacts.write_json(case_dir / artifacts.PROC, proc_json)
 
     pyspy = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY)
-    ev.notes["pyspy"] = pyspy
-    if pyspy.get("taken"):
+    ev.notes.pyspy = pyspy
+    if pyspy.taken:
         ev.pyspy_text = (case_dir / artifacts.PYSPY).read_text(errors="replace")
         if (ev.cpu_percent or 0.0) >= WORK_CPU_MIN:  # computing in C, or spinning in a wait: look again
             for _ in range(PYSPY_MORE):
                 more = stacks.pyspy_dump(pid, case_dir / artifacts.PYSPY_MORE)
-                if not more.get("taken"):
+                if not more.taken:
                     break
                 ev.pyspy_more.append((case_dir / artifacts.PYSPY_MORE).read_text(errors="replace"))
 
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
-    ev.notes["gpu"] = _gpu_files(case_dir, snapshot)
+    ev.notes.gpu = _gpu_files(case_dir, snapshot)
     ev.samples = list(stacks.read_stacks(stacks_path).samples[before:])
     after = read_beacon(case_dir / artifacts.BEACON)
     if after is not None:
@@ -792,11 +797,11 @@ def gather_hang_evidence(
     return ev
 
 
-def _gpu_files(case_dir: Path, snapshot: dict[str, Any]) -> dict[str, Any]:
+def _gpu_files(case_dir: Path, snapshot: dict[str, Any]) -> GpuFiles:
     if not snapshot.get("available"):
-        return {"available": False, "why": snapshot.get("why")}
+        return GpuFiles(available=False, why=snapshot.get("why"))
     artifacts.write_json(case_dir / artifacts.GPU, snapshot)
     text, why = gpu.nvidia_smi()
     if text is not None:
         artifacts.write_text(case_dir / artifacts.NVIDIA_SMI, text)
-    return {"available": True, "file": artifacts.GPU, "nvidia_smi": artifacts.NVIDIA_SMI if text else why}
+    return GpuFiles(available=True, file=artifacts.GPU, nvidia_smi=artifacts.NVIDIA_SMI if text else why)

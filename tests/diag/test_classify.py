@@ -23,6 +23,7 @@ from nsa_diag import artifacts
 from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind, pause_reason
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
+from nsa_diag.records import Rate
 from nsa_diag.spec import Where, WorkerReport
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -322,7 +323,7 @@ def test_exit_without_a_result_is_a_crash() -> None:
 
 
 def test_timeout_is_slow_with_rate_and_eta() -> None:
-    rate = {"steps_per_s": 0.4, "events_per_s": 23.0, "steps_done": 2, "steps_total": 20, "eta_s": 45.0}
+    rate = Rate(steps_per_s=0.4, events_per_s=23.0, steps_done=2, steps_total=20, eta_s=45.0)
     v = classify(Evidence(outcome="timeout", where=WHERE, timeout_s=6.0, elapsed_s=6.1, rate=rate))
     assert v.verdict == "slow"
     assert v.hang_kind is None
@@ -413,7 +414,7 @@ def test_a_process_that_exec_d_another_program_is_no_gil_held_hang() -> None:
 
 def test_an_idle_program_that_reported_no_progress_is_a_hang_at_the_timeout_not_slow() -> None:
     # Issue 27 #13: `watch --timeout 5 -- sleep 60` was slow, "progress continued ... 0 steps at 0 steps/s".
-    rate = {"steps_done": 0, "steps_per_s": 0.0, "events_per_s": 0.0, "steps_total": None}
+    rate = Rate(steps_done=0, steps_per_s=0.0, events_per_s=0.0, steps_total=None)
     idle = Evidence(
         outcome="timeout", timeout_s=5.0, elapsed_s=5.2, rate=rate, cpu_percent=0.0, main_state="S",
         main_wchan="hrtimer_nanosleep", io_bytes=0, program="sleep 60", exe="/usr/bin/sleep",

@@ -25,6 +25,7 @@ from nsa_diag.analysis.ranks import rank_exit_codes
 from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import Ending
+from nsa_diag.records import JobNotes, StopReport
 from nsa_diag.spec import CaseResult, CaseSpec
 
 RECORDED = Path(__file__).resolve().parent / "recorded"
@@ -280,7 +281,9 @@ def _unit(verdict: str, reason: str, code: int | None, signal: str | None = None
 def _combine(case: Path, name: str, per_rank: dict[int, CaseResult], root_result: CaseResult) -> CaseResult:
     ranks = {int(r): info["pid"] for r, info in _meta(name)["ranks"].items()}
     infos = {int(r): info for r, info in _meta(name)["ranks"].items()}
-    end = Ending(case, "exited", {99: root_result, **per_rank}, None, {"exit_code": 1}, 1.0, {})
+    end = Ending(
+        case, "exited", {99: root_result, **per_rank}, None, StopReport(exit_code=1), 1.0, JobNotes()
+    )
     return job.combine(CaseSpec(name="watch"), end, root=99, infos=infos, ranks=ranks, rates={}, folders={})
 
 

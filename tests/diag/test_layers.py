@@ -36,7 +36,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the vocabulary: specs and results, option declarations, file names and atomic writes (the logs: their
     # cap), which values
     # are secrets, errors, the shipped matrices, Slurm settings (a matrix file's `slurm:` section) and
-    # submitit's executor; the wire format (beacon), parsed stacks and the one stop routine
+    # submitit's executor; the wire format (beacon), parsed stacks and the one stop routine; the records
+    # that pass between the layers
     ("nsa_diag.errors", "nsa_diag.options", "nsa_diag.records", "nsa_diag.spec", "nsa_diag.summary",
      "nsa_diag.artifacts",
      "nsa_diag.logcap",

@@ -357,7 +357,7 @@ def test_matrix_length_series_on_the_cpu_fits_every_point(
     assert series["memory_fit_points"] == seq_lens
     expected = fit_growth(seq_lens, peaks)
     assert expected is not None
-    assert series["memory_fit"] == expected.to_json()
+    assert series["memory_fit"] == expected
     assert series["memory_quadratic"] is True
     assert series["memory_limit"]["budget_source"] == "total memory of the machine (env.json)"
 

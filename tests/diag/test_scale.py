@@ -18,6 +18,7 @@ from diag_cli import run_cli
 
 from nsa_diag.analysis.memory_model import count_params, estimate_peak_memory, plan_reference
 from nsa_diag.analysis.scaling import QUADRATIC_EXPONENT, fit_growth, predict_limit
+from nsa_diag.analysis.sweep import ScalePoint, ScaleReport
 from nsa_diag.commands.scale import parse_budget, parse_int_list
 from nsa_diag.errors import UsageError
 
@@ -133,10 +134,10 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     report = {
         "series": [
             {"name": "sel", "branch": "sel", "backend": "masked", "x": "seq_len", "points": points,
-             "memory_fit": fit.to_json() if fit else None, "time_fit": None}
+             "memory_fit": fit, "time_fit": None}
         ]
     }  # fmt: skip
-    path = plot_scale(report, tmp_path / "scale.png")
+    path = plot_scale(ScaleReport.model_validate(report), tmp_path / "scale.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -212,10 +213,10 @@ def test_estimator_names_the_phase_of_the_peak_and_the_fit_skips_optimizer_bound
         64 << 20
     )  # AdamW's foreach temporaries, cuBLAS
     points = [
-        {"x": 512, "device": "cuda:0", "estimate": small.to_json()},
-        {"x": 8192, "device": "cuda:0", "estimate": big.to_json()},
-        {"x": 512, "device": "cpu", "estimate": cpu.to_json()},  # peak RSS: every point counts
-        {"x": 1024, "device": "cuda:0", "estimate": None},
+        ScalePoint(x=512, device="cuda:0", estimate=small),
+        ScalePoint(x=8192, device="cuda:0", estimate=big),
+        ScalePoint(x=512, device="cpu", estimate=cpu),  # peak RSS: every point counts
+        ScalePoint(x=1024, device="cuda:0", estimate=None),
     ]
     assert [p["x"] for p in growth_points(points)] == [8192, 512, 1024]
 
@@ -336,10 +337,11 @@ def test_an_estimator_comparison_that_did_not_run_says_why(capsys: pytest.Captur
     assert fit_points(measured, "seq_len", lambda device: None)["estimate_not_compared"] is None  # CUDA
     points = [_point(x, [1, 0.1], [1, 0.2], None) for x in (64, 128)]
     for p in points:
-        p["estimate"] = None  # as for a --model
+        p.estimate = None  # as for a --model
     series = fit_points(points, "seq_len", lambda device: None)
     assert series["estimate_max_abs_rel_err"] is None
     assert series["estimate_not_compared"].startswith("no estimate: the estimator models nsa_core's model")
     head = {"name": "all", "branch": "all", "backend": None, "x": "seq_len", "points": points}
-    render_scale({"series": [{**head, "stopped_by": None, **series}], "culprits": []})
+    scale = {"series": [{**head, "stopped_by": None, **series.given()}], "culprits": []}
+    render_scale(ScaleReport.model_validate(scale))
     assert "estimator: not compared: no estimate" in capsys.readouterr().out

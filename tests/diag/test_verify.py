@@ -125,4 +125,5 @@ def test_a_property_that_compared_nothing_is_unchecked(monkeypatch: pytest.Monke
     assert failed.value.reason == (
         "causality: nothing to compare (no position t with 1 <= t < S to change the tokens from)"
     )
-    assert failed.value.fields["parity"]["checked"] is False
+    assert failed.value.parity is not None
+    assert failed.value.parity.checked is False

@@ -24,6 +24,7 @@ from diag_cli import cli_env, run_cli
 
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.launchers import job
+from nsa_diag.records import StackDiff
 
 JOBS = Path(__file__).resolve().parent / "jobs"
 PY = sys.executable
@@ -115,18 +116,18 @@ def test_collective_counts_name_the_rank_that_never_reached_the_collective(tmp_p
     for r, data in at_hang.items():
         folders[r].mkdir()
         (folders[r] / "at_hang.json").write_text(json.dumps(data))
-    diff: dict[str, Any] = {}
+    diff = StackDiff()
     job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # NCCL: rank 0 called all_reduce 12 times, rank 1 only 8
     for r, data in {0: {"all_reduce": 9}, 1: {"all_reduce": 8, "barrier": 1}}.items():
         waits = {"op": "all_reduce", "n": 9} if r == 0 else {"op": "barrier", "n": 1}
         (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": waits}))
-    diff = {}
+    diff = StackDiff()
     job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # gloo: rank 0 waits in all_reduce #9, which rank 1 never entered
     for r, data in {0: {"all_reduce": 12}, 1: {"all_reduce": 12, "barrier": 1}}.items():
         (folders[r] / "at_hang.json").write_text(json.dumps({"collectives": data, "waiting": None}))
-    diff = {}
+    diff = StackDiff()
     job.collective_minority(diff, folders, {0: 100, 1: 101})
     assert diff["minority_ranks"] == [1]  # NCCL: rank 1's barrier paired with an all_reduce of rank 0's
 

@@ -11,9 +11,11 @@ resumed bisection replays the algorithm over the recorded answers, so only the t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from nsa_diag.records import Parity
+from nsa_diag.spec import CaseSpec
 
 STATE_FILE = "bisect.json"
 
@@ -50,7 +52,7 @@ class Trial(BaseModel):
     case: str
     verdict: str
     reason: str = ""
-    parity: dict[str, Any] | None = None
+    parity: Parity | None = None
 
 
 class BisectState(BaseModel):
@@ -59,7 +61,7 @@ class BisectState(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: str = "range"  # "range": bisect the verdict; "grads": per-layer gradient comparison
-    spec: dict[str, Any]  # the starting CaseSpec (model_dump, json mode)
+    spec: CaseSpec  # the starting case
     out: str
     layers: int
     start: tuple[int, int]

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict, cast
+
+from pydantic import JsonValue
 
 from nsa_diag.redact import is_secret_name
 
@@ -39,6 +41,7 @@ WORK_FIELDS = (
     "inject", "reference_check",
 )  # fmt: skip
 RATIOS = ("peak_memory", "step_time", "tokens_per_s")
+Fact = str | int | float | bool | None  # one fact of an environment, as compared
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,89 @@ class ComparedRun:
     notes: Sequence[str] = ()  # what could not be read
 
 
-def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
+class FactDifference(TypedDict):
+    fact: str
+    a: Fact
+    b: Fact
+    differs: bool
+
+
+class VariableDifference(TypedDict):
+    name: str
+    a: str | None
+    b: str | None
+
+
+class EnvDifferences(TypedDict):
+    """Two environments side by side (`env_differences`)."""
+
+    a_recorded: bool
+    b_recorded: bool
+    facts: list[FactDifference]
+    env_vars: list[VariableDifference]
+
+
+class SpecDifference(TypedDict):
+    """A field of spec.json (a model override as ``overrides.<field>``) that differs, both values."""
+
+    field: str
+    a: JsonValue
+    b: JsonValue
+
+
+class CaseSide(TypedDict):
+    """One run's side of a case compared: its summary row's verdict, place, reason and numbers."""
+
+    verdict: str | None
+    hang_kind: str | None
+    ok: bool | None
+    where: str | None
+    reason: str | None
+    peak_memory_bytes: int | None
+    peak_memory_kind: str | None
+    step_s: float | None
+    timed_steps: int | None
+    tokens_per_s: float | None
+    device: str | None
+
+
+class CaseComparison(TypedDict):
+    """A case in both runs: both sides, how its outcome moved, the ratios B/A (None where they do not
+    compare like with like, and why) and the spec fields that differ."""
+
+    name: str
+    a: CaseSide
+    b: CaseSide
+    change: str
+    ratios: dict[str, float | None]
+    not_comparable: dict[str, str]
+    spec_differences: list[SpecDifference]
+
+
+class RunSide(TypedDict):
+    run_dir: str
+    command: str
+    cases: int
+    notes: list[str]
+
+
+class RunComparison(TypedDict):
+    """`compare A B` as JSON (``--json``): the runs, their environments (per node too), every case in
+    both, the cases in one only, the counts per change and the cases that got worse; ``exit_code``."""
+
+    a: RunSide
+    b: RunSide
+    environment: EnvDifferences
+    nodes: dict[str, EnvDifferences]
+    cases: list[CaseComparison]
+    only_in_a: list[str]
+    only_in_b: list[str]
+    counts: dict[str, int]
+    worse: list[str]
+    exit_code: int
+
+
+def env_facts(env: Mapping[str, Any] | None) -> dict[str, Fact]:
     """The facts of an env.json a diagnosis turns on, flat and labelled: versions (torch, CUDA, cuDNN,
     NCCL, Triton, driver), GPUs, the machine and the git revision. A missing fact is None, or why."""
     env = env or {}
@@ -105,40 +190,37 @@ def env_facts(env: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def env_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> dict[str, Any]:
+def env_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> EnvDifferences:
     """Every fact of `env_facts` with both values and whether they differ, and the recorded environment
     variables (NSA_*, PYTORCH_*, ...) that are set on one side only or differ."""
     fa, fb = env_facts(a), env_facts(b)
-    facts = [{"fact": k, "a": fa[k], "b": fb[k], "differs": fa[k] != fb[k]} for k in fa]
+    facts = [FactDifference(fact=k, a=fa[k], b=fb[k], differs=fa[k] != fb[k]) for k in fa]
     va, vb = (a or {}).get("env_vars") or {}, (b or {}).get("env_vars") or {}
     variables = [
-        {"name": name, "a": va.get(name), "b": vb.get(name)}
+        VariableDifference(name=name, a=va.get(name), b=vb.get(name))
         for name in sorted(set(va) | set(vb))
         if va.get(name) != vb.get(name) and not is_secret_name(name)  # an older env.json may hold one
     ]
-    return {
-        "a_recorded": a is not None,
-        "b_recorded": b is not None,
-        "facts": facts,
-        "env_vars": variables,
-    }
+    return EnvDifferences(a_recorded=a is not None, b_recorded=b is not None, facts=facts, env_vars=variables)
 
 
-def _flat(spec: Mapping[str, Any] | None) -> dict[str, Any]:
+def _flat(spec: Mapping[str, JsonValue] | None) -> dict[str, JsonValue]:
     spec = spec or {}
     flat = {k: v for k, v in spec.items() if k != "overrides" and k not in _SPEC_IGNORED}
     flat.update({f"overrides.{k}": v for k, v in (spec.get("overrides") or {}).items()})
     return flat
 
 
-def spec_differences(a: Mapping[str, Any] | None, b: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def spec_differences(
+    a: Mapping[str, JsonValue] | None, b: Mapping[str, JsonValue] | None
+) -> list[SpecDifference]:
     """Fields of two spec.json that differ (model overrides as `overrides.<field>`); none when either is
     missing."""
     if a is None or b is None:
         return []
     fa, fb = _flat(a), _flat(b)
     return [
-        {"field": k, "a": fa.get(k), "b": fb.get(k)}
+        SpecDifference(field=k, a=fa.get(k), b=fb.get(k))
         for k in sorted(set(fa) | set(fb))
         if fa.get(k) != fb.get(k)
     ]
@@ -219,14 +301,14 @@ _SIDE_KEYS = (
 )
 
 
-def _side(case: ComparedCase) -> dict[str, Any]:
-    return {k: case.entry.get(k) for k in _SIDE_KEYS}
+def _side(case: ComparedCase) -> CaseSide:
+    return cast(CaseSide, {k: case.entry.get(k) for k in _SIDE_KEYS})
 
 
-def compare_cases(a_cases: Sequence[ComparedCase], b_cases: Sequence[ComparedCase]) -> list[dict[str, Any]]:
+def compare_cases(a_cases: Sequence[ComparedCase], b_cases: Sequence[ComparedCase]) -> list[CaseComparison]:
     """One record per case name in both runs, in A's order."""
     by_name = {case.name: case for case in b_cases}
-    records = []
+    records: list[CaseComparison] = []
     for case_a in a_cases:
         case_b = by_name.get(case_a.name)
         if case_b is None:
@@ -236,35 +318,35 @@ def compare_cases(a_cases: Sequence[ComparedCase], b_cases: Sequence[ComparedCas
         apart = not_comparable(side_a, side_b, differences)
         given = ratios(side_a, side_b)
         records.append(
-            {
-                "name": case_a.name,
-                "a": side_a,
-                "b": side_b,
-                "change": verdict_change(side_a, side_b),
-                "ratios": {key: None if key in apart else value for key, value in given.items()},
-                "not_comparable": apart,
-                "spec_differences": differences,
-            }
+            CaseComparison(
+                name=case_a.name,
+                a=side_a,
+                b=side_b,
+                change=verdict_change(side_a, side_b),
+                ratios={key: None if key in apart else value for key, value in given.items()},
+                not_comparable=apart,
+                spec_differences=differences,
+            )
         )
     return records
 
 
-def compare_runs(a: ComparedRun, b: ComparedRun) -> dict[str, Any]:
+def compare_runs(a: ComparedRun, b: ComparedRun) -> RunComparison:
     """The whole comparison, JSON-ready; ``exit_code`` 1 when a case got worse, else 0."""
     cases = compare_cases(a.cases, b.cases)
     names_a, names_b = [c.name for c in a.cases], [c.name for c in b.cases]
     counts = {change: sum(1 for c in cases if c["change"] == change) for change in CHANGES}
     worse = [c["name"] for c in cases if c["change"] == WORSE]
-    return {
-        "a": {"run_dir": a.run_dir, "command": a.command, "cases": len(a.cases), "notes": list(a.notes)},
-        "b": {"run_dir": b.run_dir, "command": b.command, "cases": len(b.cases), "notes": list(b.notes)},
-        "environment": env_differences(a.env, b.env),
+    return RunComparison(
+        a=RunSide(run_dir=a.run_dir, command=a.command, cases=len(a.cases), notes=list(a.notes)),
+        b=RunSide(run_dir=b.run_dir, command=b.command, cases=len(b.cases), notes=list(b.notes)),
+        environment=env_differences(a.env, b.env),
         # multi-node runs: each node's environment against the same node's of the other run
-        "nodes": {n: env_differences(a.nodes.get(n), b.nodes.get(n)) for n in sorted({*a.nodes, *b.nodes})},
-        "cases": cases,
-        "only_in_a": [n for n in names_a if n not in set(names_b)],
-        "only_in_b": [n for n in names_b if n not in set(names_a)],
-        "counts": counts,
-        "worse": worse,
-        "exit_code": 1 if worse else 0,
-    }
+        nodes={n: env_differences(a.nodes.get(n), b.nodes.get(n)) for n in sorted({*a.nodes, *b.nodes})},
+        cases=cases,
+        only_in_a=[n for n in names_a if n not in set(names_b)],
+        only_in_b=[n for n in names_b if n not in set(names_a)],
+        counts=counts,
+        worse=worse,
+        exit_code=1 if worse else 0,
+    )

@@ -27,7 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+from nsa_diag.records import DdpErrorInfo
 
 _GRAPH_CHANGED = re.compile(r"training graph has changed", re.IGNORECASE)
 _UNFINISHED = re.compile(r"Expected to have finished reduction in the prior iteration")
@@ -58,9 +59,9 @@ class DdpError:
     def explanation(self) -> str:
         return f"DDP: {self.cause}; fix: {self.fix}"
 
-    def as_dict(self) -> dict[str, Any]:
-        """The JSON form a rank's report keeps (``ddp_error``)."""
-        return {"kind": self.kind, "params": list(self.params), "explanation": self.explanation}
+    def info(self) -> DdpErrorInfo:
+        """The record a rank's report and the case's evidence keep (``ddp_error``)."""
+        return DdpErrorInfo(kind=self.kind, params=list(self.params), explanation=self.explanation)
 
 
 def _name(index: int, names: Sequence[str]) -> str:

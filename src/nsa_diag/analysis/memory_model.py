@@ -47,8 +47,12 @@ comparison is therefore made above the fitted fixed part.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+from pydantic import Field
+
+from nsa_diag.records import Record
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCORE_CHUNK_ELEMENTS = 1 << 24  # nsa_core.layers.attention: query chunks of the no-grad block ranking
@@ -66,19 +70,18 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20  # per thread running matmuls, Hopper (CUBLAS_
 CUDA_MATMUL_THREADS = 2  # the main thread (forward) and the autograd engine's thread (backward)
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes of each part of the estimated peak; `total` is the peak itself."""
+class MemoryEstimate(Record):
+    """Bytes of each part of the estimated peak; `total` is the peak itself (scale.json's ``estimate``)."""
 
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    per_branch: dict[str, int]
-    logits: int
-    transient: int
-    workspace: int
-    total: int
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    per_branch: dict[str, int] = Field(default_factory=dict)
+    logits: int = 0
+    transient: int = 0
+    workspace: int = 0
+    total: int = 0
     # Which phase holds the peak: "backward" (activations, growing with S) or "optimizer" (the AdamW
     # step: parameters, gradients, moments and the step's temporaries; the same at every S).
     phase: str = "backward"
@@ -87,9 +90,6 @@ class MemoryEstimate:
     def fixed(self) -> int:
         """The part that does not grow with S: parameters, gradients, optimizer state."""
         return self.params + self.grads + self.optimizer
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def count_params(cfg: Any) -> int:

@@ -19,12 +19,13 @@ until step 1 ends).
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.summary import CaseShape, MinimizeRecord, MinimizeTrial
 
 MAX_TRIALS = 30  # a bound on the runs one minimization may take (each is a worker, a hang costs its stall)
 SEQ_LEN_FLOOR = 2  # the next-token loss needs two tokens
@@ -51,18 +52,18 @@ class Target:
         return self.verdict + (f" / {self.hang_kind}" if self.hang_kind else "")
 
 
-def shape(spec: CaseSpec) -> dict[str, Any]:
+def shape(spec: CaseSpec) -> CaseShape:
     """The dimensions minimization shrinks, as they are in `spec`."""
     layers = None
     if spec.model is None:
         layers = spec.nsa_config().layers
-    return {
-        "layers": layers,
-        "seq_len": spec.seq_len,
-        "batch": spec.batch,
-        "steps": spec.steps,
-        "branch": spec.overrides.get("force_branch") or "all",
-    }
+    return CaseShape(
+        layers=layers,
+        seq_len=spec.seq_len,
+        batch=spec.batch,
+        steps=spec.steps,
+        branch=str(spec.overrides.get("force_branch") or "all"),
+    )
 
 
 def layer_floor(spec: CaseSpec) -> int:
@@ -113,16 +114,16 @@ class Minimizer:
     run_trial: Callable[[CaseSpec], CaseResult]
     say: Callable[[str], None] = lambda text: None
     max_trials: int = MAX_TRIALS
-    trials: list[dict[str, Any]] = field(default_factory=list)
+    trials: list[MinimizeTrial] = field(default_factory=list)
     stopped: str | None = None
 
     def __post_init__(self) -> None:
         self.current = self.spec
 
-    def _label(self, changes: dict[str, Any]) -> str:
+    def _label(self, changes: Mapping[str, int | str]) -> str:
         return f"{len(self.trials) + 1:02d}-" + "-".join(f"{k}{v}" for k, v in changes.items())
 
-    def reproduces(self, **changes: Any) -> bool:
+    def reproduces(self, **changes: int | str) -> bool:
         """Run the current spec with `changes`; keep it as the current one when it reproduces."""
         if len(self.trials) >= self.max_trials:
             self.stopped = f"stopped after {self.max_trials} trials (the limit)"
@@ -131,22 +132,31 @@ class Minimizer:
         change = ", ".join(f"{k}={v}" for k, v in changes.items())
         spec = candidate(self.current, label, **changes)
         if isinstance(spec, str):
-            invalid = {"verdict": None, "hang_kind": None, "reason": f"not valid: {spec}"}
             self.trials.append(
-                {"name": label, "change": change, "ran": False, "reproduces": False, **invalid}
-            )
+                MinimizeTrial(
+                    name=label, change=change, ran=False, reproduces=False, verdict=None, hang_kind=None,
+                    reason=f"not valid: {spec}",
+                )
+            )  # fmt: skip
             self.say(f"  {change}: not valid ({spec})")
             return False
         try:
             result = self.run_trial(spec)
         except KeyboardInterrupt:
-            stopped = {"verdict": None, "hang_kind": None, "reason": "interrupted while it ran"}
-            self.trials.append({"name": label, "change": change, "ran": True, "reproduces": False, **stopped})
+            self.trials.append(
+                MinimizeTrial(
+                    name=label, change=change, ran=True, reproduces=False, verdict=None, hang_kind=None,
+                    reason="interrupted while it ran",
+                )
+            )  # fmt: skip
             raise
         hit = self.target.met_by(result)
-        self.trials.append({"name": label, "change": change, "ran": True, "reproduces": hit,
-                            "verdict": result.verdict, "hang_kind": result.hang_kind,
-                            "reason": result.reason, "elapsed_s": result.elapsed_s})  # fmt: skip
+        self.trials.append(
+            MinimizeTrial(
+                name=label, change=change, ran=True, reproduces=hit, verdict=result.verdict,
+                hang_kind=result.hang_kind, reason=result.reason, elapsed_s=result.elapsed_s,
+            )
+        )  # fmt: skip
         kind = f" / {result.hang_kind}" if result.hang_kind else ""
         self.say(f"  {change}: {result.verdict}{kind}" + (" (reproduces)" if hit else ""))
         if hit:
@@ -156,7 +166,7 @@ class Minimizer:
     def shrink(self, name: str, floor: int, *, coarse: bool = False) -> None:
         """The smallest value of the integer dimension `name` in [floor, current] that reproduces, assuming
         that a value that reproduces keeps reproducing above it (bisection)."""
-        value = shape(self.current)[name]
+        value = getattr(shape(self.current), name)
         if value is None or value <= floor or self.reproduces(**{name: floor}):
             return
         low, high = floor, value  # low does not reproduce, high does
@@ -215,7 +225,7 @@ def minimize_case(
     name: str,
     say: Callable[[str], None] = lambda text: None,
     max_trials: int = MAX_TRIALS,
-) -> dict[str, Any]:
+) -> MinimizeRecord:
     """Minimize the failing case (`spec`, `result`); the record summary.json keeps under ``minimize``.
 
     The smallest spec is renamed `name`; ``command`` is the shell line that reproduces it. An interrupt
@@ -232,19 +242,19 @@ def minimize_case(
     smallest = CaseSpec.model_validate({**minimizer.current.model_dump(), "name": name})
     argv = reproduce_argv(smallest)
     start, end = shape(spec), shape(smallest)
-    return {
-        "case": spec.name,
-        "target": target.describe(),
-        "target_verdict": target.verdict,
-        "target_hang_kind": target.hang_kind,
-        "start": start,
-        "smallest": end,
-        "reduced": start != end,
-        "runs": sum(1 for t in minimizer.trials if t["ran"]),
-        "trials": minimizer.trials,
-        "stopped": minimizer.stopped,
-        "interrupted": interrupted,
-        "argv": argv,
-        "command": shlex.join(argv),
-        "spec": smallest.model_dump(mode="json"),
-    }
+    return MinimizeRecord(
+        case=spec.name,
+        target=target.describe(),
+        target_verdict=target.verdict,
+        target_hang_kind=target.hang_kind,
+        start=start,
+        smallest=end,
+        reduced=start != end,
+        runs=sum(1 for t in minimizer.trials if t.ran),
+        trials=minimizer.trials,
+        stopped=minimizer.stopped,
+        interrupted=interrupted,
+        argv=argv,
+        command=shlex.join(argv),
+        spec=smallest,
+    )

@@ -21,8 +21,21 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from nsa_diag.probe.runtime import AtHang
+from nsa_diag.records import (
+    CaseEvidence,
+    CollectiveState,
+    CollectiveWait,
+    DdpResult,
+    DivergentFrame,
+    JobNotes,
+    RankDdp,
+    RankVerdict,
+    StackCluster,
+    StackDiff,
+    StopReport,
+)
 from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
 from nsa_diag.stackframes import ThreadStack, gpu_wait
 
@@ -53,11 +66,11 @@ def rank_exit_codes(torchrun_stderr: str) -> dict[int, int]:
 # --- the cross-rank diff ------------------------------------------------------------------------------
 
 
-def collective_state(progress_lines: Sequence[str]) -> dict[str, Any]:
+def collective_state(progress_lines: Sequence[str]) -> CollectiveState:
     """From a rank's progress.jsonl: explicit collectives entered per group, and the one it waits in."""
     entered: dict[str, int] = {}
-    waiting: dict[str, Any] | None = None
-    skipped: list[int] = []
+    waiting: CollectiveWait | None = None
+    skipped: list[int | None] = []
     for line in progress_lines:
         if '"collective"' not in line and '"skip-collective"' not in line:
             continue
@@ -72,15 +85,12 @@ def collective_state(progress_lines: Sequence[str]) -> dict[str, Any]:
         if rec.get("event") == "begin":
             if rec.get("n") is not None:
                 entered[group] = max(entered.get(group, 0), int(rec["n"]))
-            waiting = {
-                "group": group,
-                "op": rec.get("collective"),
-                "n": rec.get("n"),
-                "module": rec.get("module"),
-            }
+            waiting = CollectiveWait(
+                group=group, op=rec.get("collective"), n=rec.get("n"), module=rec.get("module")
+            )
         elif rec.get("event") == "end":
             waiting = None
-    return {"entered": entered, "waiting": waiting, "skipped_at_steps": skipped}
+    return CollectiveState(entered=entered, waiting=waiting, skipped_at_steps=skipped)
 
 
 def _signature(thread: ThreadStack) -> tuple[tuple[str, str], ...]:
@@ -89,8 +99,8 @@ def _signature(thread: ThreadStack) -> tuple[tuple[str, str], ...]:
 
 
 def cross_rank_diff(
-    threads: Mapping[int, ThreadStack | None], collectives: Mapping[int, Mapping[str, Any]]
-) -> dict[str, Any]:
+    threads: Mapping[int, ThreadStack | None], collectives: Mapping[int, CollectiveState]
+) -> StackDiff:
     """Cluster the ranks' training-thread stacks; name the minority ranks and their first divergent frame.
 
     Largest cluster = majority. On a tie (two ranks, two places) the minority is the ranks that never
@@ -103,38 +113,37 @@ def cross_rank_diff(
     for rank, sig in sorted(sigs.items()):
         clusters.setdefault(sig, []).append(rank)
     groups = sorted(clusters.values(), key=lambda ranks: (-len(ranks), ranks))
-    out: dict[str, Any] = {
-        "clusters": [
-            {
-                "ranks": ranks,
-                "top": threads[ranks[0]].python_frames[0].short()
-                if threads[ranks[0]].python_frames
-                else None,
-            }
+    out = StackDiff(
+        clusters=[
+            StackCluster(
+                ranks=ranks,
+                top=threads[ranks[0]].python_frames[0].short() if threads[ranks[0]].python_frames else None,
+            )
             for ranks in groups
         ],
-        "minority_ranks": [],
-        "basis": "",
-    }
+        minority_ranks=[],
+        basis="",
+    )
     if len(groups) <= 1:
-        out["basis"] = "every rank is at the same frame" if groups else "no stack sample of any rank"
+        out.basis = "every rank is at the same frame" if groups else "no stack sample of any rank"
         return out
     majority: list[int] = []
     if len(groups[0]) > len(groups[1]):
         majority = groups[0]
-        out["basis"] = f"stack clusters: {_who(majority)} share one stack"
+        out.basis = f"stack clusters: {_who(majority)} share one stack"
     else:
         waits = [
-            (r, c["waiting"]) for r, c in collectives.items()
-            if c.get("waiting") and c["waiting"].get("group") == TRAIN_GROUP and c["waiting"].get("n")
+            (r, c.waiting) for r, c in collectives.items()
+            if c.waiting is not None and c.waiting.group == TRAIN_GROUP and c.waiting.n
         ]  # fmt: skip
         if waits:
-            n = max(w["n"] for _, w in waits)
-            behind = [r for r in sigs if collectives.get(r, {}).get("entered", {}).get(TRAIN_GROUP, 0) < n]
+            n = max(w.n or 0 for _, w in waits)
+            nothing = CollectiveState()
+            behind = [r for r in sigs if collectives.get(r, nothing).entered.get(TRAIN_GROUP, 0) < n]
             if behind and len(behind) < len(sigs):
                 majority = [r for r in sigs if r not in behind]
-                op = next(w["op"] for _, w in waits if w["n"] == n)
-                out["basis"] = (
+                op = next(w.op for _, w in waits if w.n == n)
+                out.basis = (
                     f"collective sequence: {_who(majority)} wait(s) in {op} #{n} of the training group, "
                     f"which {_who(behind)} never entered"
                 )
@@ -142,31 +151,35 @@ def cross_rank_diff(
             in_collective = [
                 r
                 for r, t in threads.items()
-                if t is not None and (_in_torch_distributed(t) or collectives.get(r, {}).get("waiting"))
+                if t is not None and (_in_torch_distributed(t) or _waits(collectives.get(r)))
             ]
             if in_collective and len(in_collective) < len(sigs):
                 majority = in_collective
-                out["basis"] = f"{_who(majority)} wait(s) in a collective, the others do not"
+                out.basis = f"{_who(majority)} wait(s) in a collective, the others do not"
         if not majority:
             on_device = [r for r, t in threads.items() if t is not None and gpu_wait(t) is not None]
             if on_device and len(on_device) < len(sigs):
                 majority = on_device
-                out["basis"] = (
+                out.basis = (
                     f"{_who(majority)} wait(s) for the GPU, the others do not (an NCCL collective whose "
                     "partner never comes waits on the device)"
                 )
     if not majority:
-        out["basis"] = "the ranks split evenly with nothing to tell the odd ones out"
+        out.basis = "the ranks split evenly with nothing to tell the odd ones out"
         return out
     minority = sorted(r for r in sigs if r not in majority)
-    out["minority_ranks"] = minority
-    out["majority_ranks"] = sorted(majority)
+    out.minority_ranks = minority
+    out.majority_ranks = sorted(majority)
     ref = threads[majority[0]]
-    out["first_divergent_frame"] = {str(r): _first_divergence(threads[r], ref) for r in minority}
+    out.first_divergent_frame = {str(r): _first_divergence(threads[r], ref) for r in minority}
     return out
 
 
-def minority_by_counts(diff: dict[str, Any], at_hang: Mapping[int, Mapping[str, Any]]) -> None:
+def _waits(state: CollectiveState | None) -> bool:
+    return state is not None and state.waiting is not None
+
+
+def minority_by_counts(diff: StackDiff, at_hang: Mapping[int, AtHang]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in are the
     minority: the others wait for them. ``at_hang``: each rank's probe counts at the hang (``at_hang.json``:
     ``collectives`` per op, the call under way as ``waiting``). Sets ``minority_ranks``, ``majority_ranks``
@@ -191,16 +204,16 @@ def minority_by_counts(diff: dict[str, Any], at_hang: Mapping[int, Mapping[str, 
         # a barrier for a skipped all_reduce). Under NCCL the others' calls return at once and pair with
         # whatever comes, so the others are not behind; these ranks are the odd ones.
         majority = sorted(r for r in counts if r not in callers)
-        diff["minority_ranks"], diff["majority_ranks"] = callers, majority
-        diff["basis"] = (
+        diff.minority_ranks, diff.majority_ranks = callers, majority
+        diff.basis = (
             f"collective counts: rank(s) {', '.join(map(str, callers))} {how} {op} #{n}, which rank(s) "
             f"{', '.join(map(str, majority))} never called; every other collective even"
         )
         return
     if behind and len(behind) < len(counts):
         majority = sorted(r for r in counts if r not in behind)
-        diff["minority_ranks"], diff["majority_ranks"] = behind, majority
-        diff["basis"] = (
+        diff.minority_ranks, diff.majority_ranks = behind, majority
+        diff.basis = (
             f"collective counts: rank(s) {', '.join(map(str, majority))} {how} {op} #{n}, which rank(s) "
             f"{', '.join(map(str, behind))} never reached"
         )
@@ -232,7 +245,7 @@ def _in_torch_distributed(thread: ThreadStack) -> bool:
     return any("torch/distributed/" in f.file.replace("\\", "/") for f in thread.python_frames)
 
 
-def _first_divergence(thread: ThreadStack, ref: ThreadStack) -> dict[str, str | None]:
+def _first_divergence(thread: ThreadStack, ref: ThreadStack) -> DivergentFrame:
     mine, theirs = list(reversed(thread.python_frames)), list(reversed(ref.python_frames))
     for i, frame in enumerate(mine):
         other = theirs[i] if i < len(theirs) else None
@@ -240,8 +253,8 @@ def _first_divergence(thread: ThreadStack, ref: ThreadStack) -> dict[str, str | 
             os.path.basename(other.file),
             other.func,
         ):
-            return {"frame": frame.short(), "majority_frame": other.short() if other else None}
-    return {"frame": mine[-1].short() if mine else None, "majority_frame": None}
+            return DivergentFrame(frame=frame.short(), majority_frame=other.short() if other else None)
+    return DivergentFrame(frame=mine[-1].short() if mine else None, majority_frame=None)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -257,7 +270,7 @@ def _who(ranks: Sequence[int]) -> str:
 class RankInputs:
     """What the launcher read of one rank for `aggregate`."""
 
-    ddp_report: Mapping[str, Any]  # the rank's WorkerReport.ddp ({} when it wrote none)
+    ddp_report: RankDdp | None  # the rank's WorkerReport.ddp (None when it wrote none)
     last_thread: ThreadStack | None  # its training thread in its last stack sample
     progress_lines: Sequence[str]  # its progress.jsonl
 
@@ -268,74 +281,70 @@ def aggregate(
     per_rank: Mapping[int, CaseResult],
     inputs: Mapping[int, RankInputs],
     decider: int | None,
-    stop: dict[str, Any],
+    stop: StopReport,
     elapsed: float,
-    notes: dict[str, Any],
+    notes: JobNotes,
 ) -> CaseResult:
     """The case's result from the ranks' results and what was read of each rank (module docstring)."""
     ds = spec.ddp
     assert ds is not None
     ranks = sorted(per_rank)
-    reports = {r: inputs[r].ddp_report for r in ranks}
+    reports = {r: inputs[r].ddp_report or RankDdp(rank=r, world_size=ds.world_size) for r in ranks}
     missing = {str(r): per_rank[r].missing_grads for r in ranks if per_rank[r].missing_grads}
     arrival = {
-        str(r): {
-            step: info["missing"]
-            for step, info in (reports[r].get("grad_arrival") or {}).items()
-            if info["missing"]
-        }
+        str(r): {step: info.missing for step, info in reports[r].grad_arrival.items() if info.missing}
         for r in ranks
     }
     arrival = {r: v for r, v in arrival.items() if v}
-    ddp: dict[str, Any] = {
-        "nproc": ds.nproc, "nnodes": ds.nnodes, "node_rank": ds.node_rank, "world_size": ds.world_size,
-        "backend": ds.backend, "static_graph": ds.static_graph, "find_unused": ds.find_unused,
-        "bucket_mb": ds.bucket_mb,
-        "ranks": {
-            str(r): {"verdict": per_rank[r].verdict, "reason": per_rank[r].reason,
-                     "hang_kind": per_rank[r].hang_kind,
-                     "where": per_rank[r].where.describe() if per_rank[r].where else None,
-                     "steps_done": per_rank[r].steps_done, "exit_code": per_rank[r].exit_code,
-                     "missing_grads": per_rank[r].missing_grads}
+    ddp = DdpResult(
+        nproc=ds.nproc, nnodes=ds.nnodes, node_rank=ds.node_rank, world_size=ds.world_size,
+        backend=ds.backend, static_graph=ds.static_graph, find_unused=ds.find_unused,
+        bucket_mb=ds.bucket_mb,
+        ranks={
+            str(r): RankVerdict(verdict=per_rank[r].verdict, reason=per_rank[r].reason,
+                                hang_kind=per_rank[r].hang_kind,
+                                where=per_rank[r].where.describe() if per_rank[r].where else None,
+                                steps_done=per_rank[r].steps_done, exit_code=per_rank[r].exit_code,
+                                missing_grads=per_rank[r].missing_grads)
             for r in ranks
         },
-        "missing_grads": missing,
-        "grad_arrival_missing": arrival,
-    }  # fmt: skip
+        missing_grads=missing,
+        grad_arrival_missing=arrival,
+    )  # fmt: skip
     if missing:
         every = set.intersection(*(set(v) for v in missing.values())) if len(missing) == len(ranks) else set()
-        ddp["missing_grads_diff"] = {r: sorted(set(v) - every) for r, v in missing.items() if set(v) - every}
-        ddp["missing_grads_on_every_rank"] = sorted(every)
-    preflight = next((reports[r]["preflight"] for r in ranks if reports[r].get("preflight")), None)
+        ddp.missing_grads_diff = {r: sorted(set(v) - every) for r, v in missing.items() if set(v) - every}
+        ddp.missing_grads_on_every_rank = sorted(every)
+    preflight = next((reports[r].preflight for r in ranks if reports[r].preflight), None)
     if preflight:
-        ddp["preflight"] = preflight
-    hashes = next((reports[r]["param_hash"] for r in ranks if reports[r].get("param_hash")), None)
+        ddp.preflight = preflight
+    hashes = next((reports[r].param_hash for r in ranks if reports[r].param_hash), None)
     if hashes:
-        ddp["param_hash"] = hashes
-        ddp["params_in_sync"] = all(len(set(h)) == 1 for h in hashes.values())
-    buckets = {str(r): reports[r]["buckets"] for r in ranks if reports[r].get("buckets")}
+        ddp.param_hash = hashes
+        ddp.params_in_sync = all(len(set(h)) == 1 for h in hashes.values())
+    buckets = {str(r): b for r in ranks if (b := reports[r].buckets)}
     if buckets:
-        ddp["buckets"] = buckets
-    errors = {str(r): reports[r]["ddp_error"] for r in ranks if reports[r].get("ddp_error")}
+        ddp.buckets = buckets
+    errors = {str(r): e for r in ranks if (e := reports[r].ddp_error)}
     if errors:
-        ddp["ddp_error"] = errors
-    ddp.update(notes)
+        ddp.ddp_error = errors
+    ddp.add(notes)
 
     hang_kind = None
     if outcome == "stalled":
         threads = {r: inputs[r].last_thread for r in ranks}
         collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
         diff = cross_rank_diff(threads, collectives)
-        diff["collectives"] = {str(r): c for r, c in collectives.items()}
-        ddp["stack_diff"] = diff
-        ddp["minority_ranks"] = diff["minority_ranks"]
-        ddp["first_divergent_frame"] = diff.get("first_divergent_frame")
-        waiting = {r for r, c in collectives.items() if c.get("waiting")}
+        diff.collectives = {str(r): c for r, c in collectives.items()}
+        ddp.stack_diff = diff
+        ddp.minority_ranks = diff.minority_ranks
+        ddp.first_divergent_frame = diff.first_divergent_frame if "first_divergent_frame" in diff else None
+        waiting = {r for r, c in collectives.items() if c.waiting is not None}
         for r in waiting:  # NCCL waits show as a device sync in the stack; the progress record says which
             if per_rank[r].hang_kind not in (None, "collective"):
-                ddp["ranks"][str(r)]["hang_kind_from_stacks"] = per_rank[r].hang_kind
-                ddp["ranks"][str(r)]["hang_kind"] = "collective"
-        kinds = {r: ddp["ranks"][str(r)]["hang_kind"] for r in ranks}
+                ddp.ranks[str(r)].hang_kind_from_stacks = per_rank[r].hang_kind
+                ddp.ranks[str(r)].hang_kind = "collective"
+        kinds = {r: ddp.ranks[str(r)].hang_kind for r in ranks}
         verdict, hang_kind, reason, source = _hang(per_rank, kinds, diff, decider)
     else:
         verdict, reason, source = _worst(per_rank, outcome)
@@ -353,7 +362,7 @@ def aggregate(
         stall_limit_reason=src.stall_limit_reason,
         timeout_s=spec.timeout,
         device=per_rank[ranks[0]].device,
-        exit_code=stop.get("exit_code"),
+        exit_code=stop.exit_code,
         signal=src.signal,
         steps_done=min(per_rank[r].steps_done for r in ranks),
         metrics=per_rank[ranks[0]].metrics,
@@ -362,12 +371,12 @@ def aggregate(
         nonfinite=src.nonfinite,
         parity=src.parity,
         model=next((per_rank[r].model for r in ranks if per_rank[r].model is not None), None),
-        evidence={
-            "outcome": outcome,
-            "stop": stop,
-            "rank_of_verdict": source,
-            "ranks": {str(r): per_rank[r].evidence for r in ranks},
-        },
+        evidence=CaseEvidence(
+            outcome=outcome,
+            stop=stop,
+            rank_of_verdict=source,
+            ranks={str(r): per_rank[r].evidence for r in ranks},
+        ),
         ddp=ddp,
     )
 
@@ -400,10 +409,10 @@ def _worst(per_rank: Mapping[int, CaseResult], outcome: str) -> tuple[str, str, 
 def _hang(
     per_rank: Mapping[int, CaseResult],
     kinds: Mapping[int, str | None],
-    diff: Mapping[str, Any],
+    diff: StackDiff,
     decider: int | None,
 ) -> tuple[str, str | None, str, int]:
-    minority = list(diff.get("minority_ranks") or [])
+    minority = list(diff.minority_ranks)
     minority_kinds = {kinds.get(r) for r in minority} - {None, "collective", "unknown"}
     if minority_kinds:
         kind = sorted(minority_kinds)[0]  # the odd rank's own hang (a deadlock) explains the others' wait
@@ -415,22 +424,22 @@ def _hang(
     stalled = per_rank[decider if decider is not None else source]
     idle = stalled.reason.partition(" at ")[0] if stalled.reason.startswith("no progress") else "no progress"
     parts = [f"{idle} on rank {decider if decider is not None else source}"]
-    majority = diff.get("majority_ranks") or []
+    majority = diff.majority_ranks
     if not majority and not minority and stalled.where is not None:  # all alike: say where they are
         parts[0] += f" at {stalled.where.describe()}"
     if majority:
         ref = per_rank[majority[0]]
         parts.append(f"{_who(majority)} at {ref.where.describe() if ref.where else 'an unknown place'}")
     if minority:
-        div = (diff.get("first_divergent_frame") or {}).get(str(minority[0])) or {}
+        div = diff.first_divergent_frame.get(str(minority[0])) or DivergentFrame()
         src = per_rank[minority[0]]
         text = f"minority {_who(minority)} at {src.where.describe() if src.where else 'an unknown place'}"
-        if div.get("frame"):
-            text += f", first divergent frame {div['frame']}"
-            if div.get("majority_frame"):
-                text += f" (the others: {div['majority_frame']})"
+        if div.frame:
+            text += f", first divergent frame {div.frame}"
+            if div.majority_frame:
+                text += f" (the others: {div.majority_frame})"
         parts.append(text)
-    parts.append(diff.get("basis") or "")
+    parts.append(diff.basis)
     why = per_rank[source].reason.partition("; ")[2]
     if why:
         parts.append(f"rank {source}: {why}")

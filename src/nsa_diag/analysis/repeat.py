@@ -22,11 +22,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag.spec import CaseSpec
+from nsa_diag.summary import CaseRepeats, HangOdds, RepeatsSection, Spread
 
 Z_95 = 1.959963984540054  # two-sided 95% quantile of the standard normal
+
+
+class HangTiming(TypedDict):
+    """When a hung run stopped progressing and when the watchdog called it, in seconds from its first
+    progress record, and the step it hung in (`nsa_diag.session.followups.hang_timing`)."""
+
+    onset_s: float
+    detected_s: float
+    step: int | None
 
 
 def repeat_name(name: str, index: int) -> str:
@@ -63,16 +73,16 @@ def wilson_interval(k: int, n: int, z: float = Z_95) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def spread(values: Sequence[float]) -> dict[str, float] | None:
+def spread(values: Sequence[float]) -> Spread | None:
     """min, median and max of `values` (rounded to ms); None when there are none."""
     if not values:
         return None
-    return {
-        "min": round(min(values), 3),
-        "median": round(statistics.median(values), 3),
-        "max": round(max(values), 3),
-        "n": len(values),
-    }
+    return Spread(
+        min=round(min(values), 3),
+        median=round(statistics.median(values), 3),
+        max=round(max(values), 3),
+        n=len(values),
+    )
 
 
 def _status(ok_runs: int, runs: int) -> str:
@@ -85,8 +95,8 @@ def case_repeats(
     case: str,
     entries: Sequence[Mapping[str, Any]],
     repeat: int,
-    timings: Mapping[str, Mapping[str, Any] | None] | None = None,
-) -> dict[str, Any]:
+    timings: Mapping[str, HangTiming | None] | None = None,
+) -> CaseRepeats:
     """The repeats entry of one case from its runs' summary entries (`nsa_diag.summary.CaseEntry` as
     JSON: name, ok, verdict, hang_kind, reason, elapsed_s) and the timing of its hung runs by run name
     (`nsa_diag.session.followups.hang_timing`)."""
@@ -108,29 +118,27 @@ def case_repeats(
     detected = [t["detected_s"] for t in hung_timings]
     status = _status(ok_runs, runs)
     failing = [e for e in entries if not e["ok"]]
-    return {
-        "case": case,
-        "repeat": repeat,
-        "runs": runs,
-        "ok_runs": ok_runs,
-        "failed_runs": runs - ok_runs,
-        "status": status,
-        "ok": status == "pass" and runs == repeat,
-        "counts": counts,
-        "hang_kinds": kinds,
-        "hang": {
-            "count": len(hung),
-            "probability": round(len(hung) / runs, 4) if runs else None,
-            "ci95": [round(low, 4), round(high, 4)],
-        },
-        "time_to_hang_s": spread(detected),
-        "hang_steps": [
-            t["step"] for e in hung if (t := timings.get(e["name"])) and t.get("step") is not None
-        ],
-        "elapsed_s": spread([float(e["elapsed_s"]) for e in entries]),
-        "failing_runs": [e["name"] for e in failing],
-        "reasons": reasons[:3],
-    }
+    return CaseRepeats(
+        case=case,
+        repeat=repeat,
+        runs=runs,
+        ok_runs=ok_runs,
+        failed_runs=runs - ok_runs,
+        status=status,
+        ok=status == "pass" and runs == repeat,
+        counts=counts,
+        hang_kinds=kinds,
+        hang=HangOdds(
+            count=len(hung),
+            probability=round(len(hung) / runs, 4) if runs else None,
+            ci95=[round(low, 4), round(high, 4)],
+        ),
+        time_to_hang_s=spread(detected),
+        hang_steps=[t["step"] for e in hung if (t := timings.get(e["name"])) and t.get("step") is not None],
+        elapsed_s=spread([float(e["elapsed_s"]) for e in entries]),
+        failing_runs=[e["name"] for e in failing],
+        reasons=reasons[:3],
+    )
 
 
 def repeats_section(
@@ -138,8 +146,8 @@ def repeats_section(
     base_of: Mapping[str, str],
     order: Sequence[str],
     repeat: int,
-    timings: Mapping[str, Mapping[str, Any] | None] | None = None,
-) -> dict[str, Any]:
+    timings: Mapping[str, HangTiming | None] | None = None,
+) -> RepeatsSection:
     """summary.json's ``repeats``: per case (in `order`), `case_repeats` over its runs' entries."""
     grouped: dict[str, list[Mapping[str, Any]]] = {name: [] for name in order}
     for entry in cases:
@@ -147,9 +155,9 @@ def repeats_section(
         if base in grouped:
             grouped[base].append(entry)
     per_case = [case_repeats(name, grouped[name], repeat, timings) for name in order]
-    return {
-        "repeat": repeat,
-        "folders": "cases/<case>-r<i>, i = 1..repeat",
-        "transient": [c["case"] for c in per_case if c["status"] == "transient"],
-        "cases": per_case,
-    }
+    return RepeatsSection(
+        repeat=repeat,
+        folders="cases/<case>-r<i>, i = 1..repeat",
+        transient=[c.case for c in per_case if c.status == "transient"],
+        cases=per_case,
+    )

@@ -16,36 +16,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+
+from pydantic import model_validator
+
+from nsa_diag.records import Record
 
 QUADRATIC_EXPONENT = 1.3
 _K_GRID = [0.1 + 0.0025 * i for i in range(1561)]  # 0.1 .. 4.0
 
 
-@dataclass(frozen=True)
-class GrowthFit:
-    """``y ≈ fixed + coef * x**exponent`` over ``n`` points; interval `ci95` on the exponent."""
+class GrowthFit(Record):
+    """``y ≈ fixed + coef * x**exponent`` over ``n`` points; interval `ci95` on the exponent; quadratic
+    when the exponent passes `QUADRATIC_EXPONENT` (scale.json's ``memory_fit`` and ``time_fit``)."""
 
     exponent: float
-    ci95: tuple[float, float] | None
+    ci95: tuple[float, float] | None = None
     fixed: float
     coef: float
     n: int
-    r2: float | None
+    r2: float | None = None
+    quadratic: bool  # from the exponent, when not read back from a file
 
-    @property
-    def quadratic(self) -> bool:
-        return self.exponent > QUADRATIC_EXPONENT
+    @model_validator(mode="before")
+    @classmethod
+    def _quadratic(cls, data: object) -> object:
+        if (
+            isinstance(data, dict)
+            and "quadratic" not in data
+            and isinstance(data.get("exponent"), int | float)
+        ):
+            return {**data, "quadratic": data["exponent"] > QUADRATIC_EXPONENT}
+        return data
 
     def predict(self, x: float) -> float:
         return self.fixed + self.coef * x**self.exponent
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["ci95"] = list(self.ci95) if self.ci95 else None
-        data["quadratic"] = self.quadratic
-        return data
 
 
 # Two-sided 95% Student-t quantiles for 1..10 degrees of freedom; beyond, the Cornish-Fisher expansion

@@ -2,8 +2,11 @@
 
 A series holds the points of one branch setting (and one layer count when S is swept), in increasing
 order, with the result of each point that ran (the sweep stops a series at its first point that does not
-pass: the larger points are listed as not run). Pure: the results come in, scale.json's records go out;
-running the points is `nsa_diag.session.plans.Sweep`'s, drawing them `nsa_diag.render.render_scale`'s.
+pass: the larger points are listed as not run). Pure: the results come in, scale.json's records go out
+(`ScalePoint`, `ScaleFits`, `ScaleSeries`, `ScaleReport`: `nsa_diag.records.Record`s, whose JSON is the
+file's); running the points is `nsa_diag.session.plans.Sweep`'s, drawing them
+`nsa_diag.render.render_scale`'s and `nsa_diag.plots.plot_scale`'s, reading them back
+`nsa_diag.runfolder.length_series`'s.
 """
 
 from __future__ import annotations
@@ -11,14 +14,92 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from nsa_diag.analysis.memory_model import estimate_peak_memory
+from pydantic import Field
+
+from nsa_diag.analysis.memory_model import MemoryEstimate, estimate_peak_memory
 from nsa_diag.analysis.scaling import GrowthFit, fit_growth, predict_limit
+from nsa_diag.records import PhaseSeconds, Record
 from nsa_diag.spec import CaseResult, CaseSpec
 
 ABOVE_FIXED_MIN_SHARE = 0.1  # compare the growing part alone only where it is 10% of the peak or more
 Budget = tuple[int, str]  # memory in bytes, and where the number comes from
+
+
+class ScalePoint(Record):
+    """One point of a series: the case at ``x``, its verdict, peak memory and phase times (median of the
+    timed steps), and the estimator next to them with its error (`point_record`, `fit_points`)."""
+
+    x: int
+    case: str | None = None
+    seq_len: int | None = None
+    batch: int | None = None
+    layers: int | None = None
+    estimate: MemoryEstimate | None = None
+    verdict: str | None = None  # not-run: the series stopped below it
+    reason: str | None = None
+    device: str | None = None
+    peak_memory_bytes: int | None = None
+    peak_memory_kind: str | None = None
+    forward_s: float | None = None
+    backward_s: float | None = None
+    step_s: float | None = None  # forward + backward
+    timed_steps: int | None = None
+    issue_s: float | None = None  # CUDA: the host's time to issue forward and backward
+    host_bound: bool | None = None
+    tokens_per_s: float | None = None
+    estimate_compared: str | None = None
+    estimate_rel_err: float | None = None
+    estimate_above_fixed_bytes: int | None = None
+    measured_above_fixed_bytes: int | None = None
+    estimate_above_fixed_rel_err: float | None = None
+    estimate_exceeds_budget: bool | None = None  # an oom point: whether the estimate foresaw it
+
+
+class MemoryLimit(Record):
+    """Where the memory fit reaches the budget: S, the budget and where its number comes from."""
+
+    budget_bytes: int
+    budget_source: str
+    seq_len: int | None = None  # None: not predictable from the fit
+
+
+class ScaleFits(Record):
+    """The fits of a series' points (`fit_points`): memory and time, the points each used, quadratic
+    flags, the estimator's largest errors (or why it was not compared) and the predicted limit."""
+
+    memory_fit: GrowthFit | None = None
+    memory_fit_points: list[int] = Field(default_factory=list)
+    time_fit: GrowthFit | None = None
+    time_fit_points: list[int] = Field(default_factory=list)
+    host_bound_points: list[int] = Field(default_factory=list)
+    memory_quadratic: bool = False
+    time_quadratic: bool = False
+    estimate_max_abs_rel_err: float | None = None
+    estimate_not_compared: str | None = None
+    estimate_above_fixed_max_abs_rel_err: float | None = None
+    memory_limit: MemoryLimit | None = None
+
+
+class ScaleSeries(ScaleFits):
+    """One series of scale.json: its branch setting, what grows (``x``), its points and their fits."""
+
+    name: str
+    branch: str
+    backend: str | None = None
+    x: str  # seq_len | layers
+    points: list[ScalePoint] = Field(default_factory=list)
+    stopped_by: str | None = None
+
+
+class ScaleReport(Record):
+    """scale.json: every series, the quadratic culprits, and the plot (or why there is none)."""
+
+    run_dir: str | None = None
+    series: list[ScaleSeries] = Field(default_factory=list)
+    culprits: list[str] = Field(default_factory=list)
+    plot: str | None = None
+    plot_error: str | None = None
 
 
 @dataclass
@@ -35,11 +116,8 @@ class Series:
 
 
 def _peak_bytes(result: CaseResult) -> tuple[int | None, str | None]:
-    peak = result.metrics.get("peak_memory") or {}
-    for key in ("cuda_max_allocated_bytes", "cpu_peak_rss_bytes"):
-        if isinstance(peak.get(key), int):
-            return peak[key], key
-    return None, None
+    peak = result.metrics.peak_memory
+    return peak.headline() if peak is not None else (None, None)
 
 
 # On CUDA, a point whose forward and backward the host took at least this fraction of their time to issue
@@ -49,22 +127,19 @@ def _peak_bytes(result: CaseResult) -> tuple[int | None, str | None]:
 HOST_BOUND_FRACTION = 0.9
 
 
-def _timed(values: Any) -> list[float]:
+def _timed(values: list[float]) -> list[float]:
     """The timed steps' values: all but step 1 (one-off warm-up: Triton compiles, cuDNN and the allocator
     settle) when there are several."""
-    if not isinstance(values, list) or not values:
-        return []
-    timed = values[1:] if len(values) > 1 else values
-    return [float(v) for v in timed if isinstance(v, int | float)]
+    return values[1:] if len(values) > 1 else values
 
 
-def _phase(result: CaseResult, phase: str, key: str = "phase_s") -> float | None:
+def _phase(phases: PhaseSeconds | None, phase: str) -> float | None:
     """The median of the phase's time over the timed steps."""
-    timed = _timed((result.metrics.get(key) or {}).get(phase))
+    timed = _timed(phases.of(phase)) if phases is not None else []
     return statistics.median(timed) if timed else None
 
 
-def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str, Any]:
+def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> ScalePoint:
     """One measured point with the estimator next to it."""
     cfg = spec.nsa_config() if spec.model is None else None
     device = (result.device if result is not None else None) or spec.device
@@ -75,64 +150,71 @@ def point_record(x: int, spec: CaseSpec, result: CaseResult | None) -> dict[str,
         if cfg is not None
         else None
     )
-    record: dict[str, Any] = {"x": x, "case": spec.name, "seq_len": spec.seq_len, "batch": spec.batch}
-    record["layers"] = cfg.layers if cfg is not None else None
-    record["estimate"] = estimate.to_json() if estimate else None
+    record = ScalePoint(
+        x=x,
+        case=spec.name,
+        seq_len=spec.seq_len,
+        batch=spec.batch,
+        layers=cfg.layers if cfg is not None else None,
+        estimate=estimate,
+    )
     if result is None:
-        record["verdict"] = "not-run"
+        record.verdict = "not-run"
         return record
     peak, kind = _peak_bytes(result)
-    fwd, bwd = _phase(result, "forward"), _phase(result, "backward")
+    metrics = result.metrics
+    fwd, bwd = _phase(metrics.phase_s, "forward"), _phase(metrics.phase_s, "backward")
     step = fwd + bwd if fwd is not None and bwd is not None else None
-    issued = [_phase(result, phase, "phase_issue_s") for phase in ("forward", "backward")]
+    issued = [_phase(metrics.phase_issue_s, phase) for phase in ("forward", "backward")]
     issue = sum(v for v in issued if v is not None) if None not in issued else None
     host_bound = issue >= HOST_BOUND_FRACTION * step if issue is not None and step else None
-    record.update(
-        verdict=result.verdict,
-        reason=result.reason,
-        device=result.device,
-        peak_memory_bytes=peak,
-        peak_memory_kind=kind,
-        forward_s=fwd,
-        backward_s=bwd,
-        step_s=step,
-        timed_steps=len(_timed((result.metrics.get("phase_s") or {}).get("forward"))),
-        issue_s=issue,
-        host_bound=host_bound,
-        tokens_per_s=result.metrics.get("tokens_per_s"),
+    return record.model_copy(
+        update={
+            "verdict": result.verdict,
+            "reason": result.reason,
+            "device": result.device,
+            "peak_memory_bytes": peak,
+            "peak_memory_kind": kind,
+            "forward_s": fwd,
+            "backward_s": bwd,
+            "step_s": step,
+            "timed_steps": len(_timed(metrics.phase_s.forward if metrics.phase_s is not None else [])),
+            "issue_s": issue,
+            "host_bound": host_bound,
+            "tokens_per_s": metrics.tokens_per_s,
+        }
     )
-    return record
 
 
-def _add_estimator_errors(points: list[dict[str, Any]], fit: GrowthFit | None, on_cuda: bool) -> None:
+def _add_estimator_errors(points: list[ScalePoint], fit: GrowthFit | None, on_cuda: bool) -> None:
     """Relative errors of the estimate. On CUDA: the total against max allocated. On the CPU, peak RSS
     holds the runtime (torch, Python) the estimator does not model, so the fit's fixed part stands for
     the runtime plus model state: ``estimate_rel_err`` compares the total with that added, and
     ``estimate_above_fixed_rel_err`` compares what grows with S alone, where that is at least
     `ABOVE_FIXED_MIN_SHARE` of the peak (below, it is within RSS noise)."""
     for p in points:
-        est, peak = p.get("estimate"), p.get("peak_memory_bytes")
+        est, peak = p.estimate, p.peak_memory_bytes
         if not est or not peak:
             continue
-        if p.get("verdict") != "pass":  # an oom's peak is what was allocated when it failed, not the need
+        if p.verdict != "pass":  # an oom's peak is what was allocated when it failed, not the need
             continue
         if on_cuda:
-            p["estimate_compared"] = "total vs CUDA max allocated"
-            p["estimate_rel_err"] = (est["total"] - peak) / peak
+            p.estimate_compared = "total vs CUDA max allocated"
+            p.estimate_rel_err = (est.total - peak) / peak
             continue
         if fit is None:
             continue
-        growing = est["activations"] + est["logits"] + est["transient"]
-        p["estimate_compared"] = "fitted fixed part + estimated growing part vs peak RSS"
-        p["estimate_rel_err"] = (fit.fixed + growing - peak) / peak
+        growing = est.activations + est.logits + est.transient
+        p.estimate_compared = "fitted fixed part + estimated growing part vs peak RSS"
+        p.estimate_rel_err = (fit.fixed + growing - peak) / peak
         measured = peak - fit.fixed
-        p["estimate_above_fixed_bytes"] = growing
-        p["measured_above_fixed_bytes"] = measured
+        p.estimate_above_fixed_bytes = growing
+        p.measured_above_fixed_bytes = round(measured)
         if measured > ABOVE_FIXED_MIN_SHARE * peak:  # below it, the growing part is lost in RSS noise
-            p["estimate_above_fixed_rel_err"] = (growing - measured) / measured
+            p.estimate_above_fixed_rel_err = (growing - measured) / measured
 
 
-def growth_points(passed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def growth_points(passed: list[ScalePoint]) -> list[ScalePoint]:
     """The points whose peak comes from the activations: where the estimate puts a point's peak in the
     optimizer step (parameters, gradients, moments: the same at every S), its peak says nothing of the
     growth, and a flat run of such points ahead of the growing ones makes a power law look steep (the
@@ -140,21 +222,21 @@ def growth_points(passed: list[dict[str, Any]]) -> list[dict[str, Any]]:
     high-water mark that keeps the activations' pages whichever phase the estimate names, and its fit has
     the runtime in the fixed part. All points when the estimate is absent."""
 
-    def optimizer_bound(p: dict[str, Any]) -> bool:
-        on_cuda = (p.get("device") or "").startswith("cuda")
-        return on_cuda and (p.get("estimate") or {}).get("phase") == "optimizer"
+    def optimizer_bound(p: ScalePoint) -> bool:
+        on_cuda = (p.device or "").startswith("cuda")
+        return on_cuda and p.estimate is not None and p.estimate.phase == "optimizer"
 
     return [p for p in passed if not optimizer_bound(p)]
 
 
-def _measured(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _measured(points: list[ScalePoint]) -> list[ScalePoint]:
     """The points that passed with a peak memory: what the memory fit may use."""
-    return [p for p in points if p.get("verdict") == "pass" and p.get("peak_memory_bytes")]
+    return [p for p in points if p.verdict == "pass" and p.peak_memory_bytes]
 
 
 def fit_points(
-    points: list[dict[str, Any]], x_name: str, total: Callable[[str | None], Budget | None]
-) -> dict[str, Any]:
+    points: list[ScalePoint], x_name: str, total: Callable[[str | None], Budget | None]
+) -> ScaleFits:
     """The fits, estimator errors, quadratic flags and predicted limit of a series' points (as
     `point_record` makes them), in scale.json's keys; the estimator's errors are added to the points.
     The memory fit is over `growth_points`, named in ``memory_fit_points``. `total(device)`: the memory
@@ -163,45 +245,46 @@ def fit_points(
     passed = _measured(points)
     growing = growth_points(passed)
     memory_fit = fit_growth(
-        [p["x"] for p in growing], [p["peak_memory_bytes"] for p in growing], with_fixed=True
+        [p.x for p in growing], [p.peak_memory_bytes or 0 for p in growing], with_fixed=True
     )
-    timed = [p for p in passed if p.get("step_s") and not p.get("host_bound")]
-    time_fit = fit_growth([p["x"] for p in timed], [p["step_s"] for p in timed], with_fixed=False)
-    on_cuda = any((p.get("device") or "").startswith("cuda") for p in passed)
+    timed = [p for p in passed if p.step_s and not p.host_bound]
+    time_fit = fit_growth([p.x for p in timed], [p.step_s or 0.0 for p in timed], with_fixed=False)
+    on_cuda = any((p.device or "").startswith("cuda") for p in passed)
     _add_estimator_errors(points, memory_fit, on_cuda)
-    errors = [abs(p["estimate_rel_err"]) for p in points if "estimate_rel_err" in p]
-    above = [abs(p["estimate_above_fixed_rel_err"]) for p in points if "estimate_above_fixed_rel_err" in p]
-    ooms = [p for p in points if p["verdict"] == "oom" and p.get("estimate")]
+    errors = [abs(p.estimate_rel_err) for p in points if p.estimate_rel_err is not None]
+    above = [abs(e) for p in points if (e := p.estimate_above_fixed_rel_err) is not None]
+    ooms = [p for p in points if p.verdict == "oom" and p.estimate]
     wants_limit = memory_fit is not None and x_name == "seq_len"
     budget = None
     if ooms or wants_limit:  # asked only where used: `scale` on CUDA queries the device through torch
-        budget = total(next((p.get("device") for p in points if p.get("device")), None))
+        budget = total(next((p.device for p in points if p.device), None))
     if budget is not None:
         for p in ooms:  # did the estimate see it coming?
-            p["estimate_exceeds_budget"] = p["estimate"]["total"] > budget[0]
-    limit: dict[str, Any] | None = None
+            assert p.estimate is not None
+            p.estimate_exceeds_budget = p.estimate.total > budget[0]
+    limit: MemoryLimit | None = None
     if wants_limit and budget is not None:
         assert memory_fit is not None
         at = predict_limit(memory_fit, budget[0])
-        limit = {"budget_bytes": budget[0], "budget_source": budget[1], "seq_len": int(at) if at else None}
-    return {
-        "memory_fit": memory_fit.to_json() if memory_fit else None,
-        "memory_fit_points": [p["x"] for p in growing],
-        "time_fit": time_fit.to_json() if time_fit else None,
-        "time_fit_points": [p["x"] for p in timed],
-        "host_bound_points": [p["x"] for p in passed if p.get("host_bound")],
-        "memory_quadratic": bool(memory_fit and memory_fit.quadratic),
-        "time_quadratic": bool(time_fit and time_fit.quadratic),
-        "estimate_max_abs_rel_err": max(errors) if errors else None,
-        "estimate_not_compared": None if errors else _not_compared(points, passed, on_cuda),
-        "estimate_above_fixed_max_abs_rel_err": max(above) if above else None,
-        "memory_limit": limit,
-    }
+        limit = MemoryLimit(budget_bytes=budget[0], budget_source=budget[1], seq_len=int(at) if at else None)
+    return ScaleFits(
+        memory_fit=memory_fit,
+        memory_fit_points=[p.x for p in growing],
+        time_fit=time_fit,
+        time_fit_points=[p.x for p in timed],
+        host_bound_points=[p.x for p in passed if p.host_bound],
+        memory_quadratic=bool(memory_fit and memory_fit.quadratic),
+        time_quadratic=bool(time_fit and time_fit.quadratic),
+        estimate_max_abs_rel_err=max(errors) if errors else None,
+        estimate_not_compared=None if errors else _not_compared(points, passed, on_cuda),
+        estimate_above_fixed_max_abs_rel_err=max(above) if above else None,
+        memory_limit=limit,
+    )
 
 
-def _not_compared(points: list[dict[str, Any]], passed: list[dict[str, Any]], on_cuda: bool) -> str:
+def _not_compared(points: list[ScalePoint], passed: list[ScalePoint], on_cuda: bool) -> str:
     """Why the estimator's error was measured at no point of a series (said, never left blank)."""
-    if not any(p.get("estimate") for p in points):
+    if not any(p.estimate for p in points):
         return "no estimate: the estimator models nsa_core's model, not a --model"
     if not passed:
         return "no point passed with a measured peak memory"
@@ -213,53 +296,56 @@ def _not_compared(points: list[dict[str, Any]], passed: list[dict[str, Any]], on
     return "no point with both an estimate and a measured peak"
 
 
-def analyse_series(series: Series, total: Callable[[str | None], Budget | None]) -> dict[str, Any]:
+def analyse_series(series: Series, total: Callable[[str | None], Budget | None]) -> ScaleSeries:
     """The series' points, fits, quadratic flag and predicted limit, as written to scale.json;
     `total(device)` is the memory budget (`--memory-budget`, or the device's total), asked only where used."""
     points = [point_record(x, spec, series.results.get(x)) for x, spec in series.points]
-    return {
-        "name": series.name,
-        "branch": series.branch,
-        "backend": series.backend,
-        "x": series.x_name,
-        "points": points,
-        "stopped_by": series.stopped_by,
-        **fit_points(points, series.x_name, total),
-    }
+    analysed = ScaleSeries(
+        name=series.name,
+        branch=series.branch,
+        backend=series.backend,
+        x=series.x_name,
+        points=points,
+        stopped_by=series.stopped_by,
+    )
+    analysed.add(fit_points(points, series.x_name, total))
+    return analysed
 
 
-def quadratic_culprits(analyses: list[dict[str, Any]]) -> list[str]:
+def quadratic_culprits(analyses: list[ScaleSeries]) -> list[str]:
     """`--per-branch`: the branch and backend of each series whose memory or time grows quadratically."""
     lines = []
     for a in analyses:
-        if a["x"] != "seq_len" or a["branch"] == "all":
+        if a.x != "seq_len" or a.branch == "all":
             continue
-        for what in ("memory", "time"):
-            if a[f"{what}_quadratic"]:
-                fit = a[f"{what}_fit"]
+        for what, quadratic, fit in (
+            ("memory", a.memory_quadratic, a.memory_fit),
+            ("time", a.time_quadratic, a.time_fit),
+        ):
+            if quadratic and fit is not None:
                 lines.append(
-                    f"{what} grows quadratically in branch {a['branch']} (backend {a['backend']}): "
-                    f"exponent {fit['exponent']:.2f}"
+                    f"{what} grows quadratically in branch {a.branch} (backend {a.backend}): "
+                    f"exponent {fit.exponent:.2f}"
                 )
     return lines
 
 
-def host_bound_note(series: dict[str, Any]) -> str | None:
+def host_bound_note(series: ScaleFits) -> str | None:
     """Which points the time fit left out as host-bound; None when none was."""
-    bound = series.get("host_bound_points") or []
+    bound = series.host_bound_points
     if not bound:
         return None
     return (
-        f"time fit over {series.get('time_fit_points') or []}: {len(bound)} point(s) left out, host-bound "
+        f"time fit over {series.time_fit_points}: {len(bound)} point(s) left out, host-bound "
         f"{bound} (the host took >= {HOST_BOUND_FRACTION:.0%} of forward + backward to issue the work: the "
         "GPU waited for Python and kernel launches, so their time is not the model's)"
     )
 
 
-def fit_points_note(series: dict[str, Any]) -> str | None:
+def fit_points_note(series: ScaleSeries) -> str | None:
     """Which points the memory fit used, where `growth_points` left some passed ones out; else None."""
-    measured = _measured(series["points"])
-    used = series.get("memory_fit_points")
+    measured = _measured(series.points)
+    used = series.memory_fit_points if "memory_fit_points" in series else None
     if used is None or len(measured) <= len(used):
         return None
     return (

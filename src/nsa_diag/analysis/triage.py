@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
+from nsa_diag.records import PeakMemory
 from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.summary import OomFigures, OomRerun, TriageRecord
 
 OUTSIDE_SHARE = 0.10  # memory outside PyTorch above this share of the device: the cause
 CAPACITY_SHARE = 0.90  # request + allocated above this share of the device: it does not fit
@@ -62,7 +63,7 @@ def parse_size(number: str, unit: str) -> int:
     return int(float(number.replace(",", "")) * _UNITS[unit.lower()])
 
 
-def parse_oom_message(message: str) -> dict[str, Any]:
+def parse_oom_message(message: str) -> OomFigures:
     """The numbers of an out-of-memory message: CUDA's caching allocator or the CPU allocator.
 
     Keys present only when the message has them: requested_bytes (``requested_is_lower_bound`` for CUDA's
@@ -70,27 +71,27 @@ def parse_oom_message(message: str) -> dict[str, Any]:
     other_processes ({pid: bytes}); ``source`` is
     ``cuda-caching-allocator``, ``cpu-allocator`` or ``unknown``.
     """
-    facts: dict[str, Any] = {}
+    facts = OomFigures()
     if "CUDA out of memory" in message or "Tried to allocate" in message:
-        facts["source"] = "cuda-caching-allocator"
+        facts.source = "cuda-caching-allocator"
         for key, pattern in _CUDA_PATTERNS.items():
             match = pattern.search(message)
             if match:
-                facts[key] = parse_size(match.group(1), match.group(2))
+                setattr(facts, key, parse_size(match.group(1), match.group(2)))
         huge = _CUDA_HUGE_REQUEST.search(message)
-        if huge and "requested_bytes" not in facts:
-            facts["requested_bytes"] = parse_size(huge.group(1), huge.group(2) + "iB")
-            facts["requested_is_lower_bound"] = True
+        if huge and facts.requested_bytes is None:
+            facts.requested_bytes = parse_size(huge.group(1), huge.group(2) + "iB")
+            facts.requested_is_lower_bound = True
         others = {
             int(m.group(1)): parse_size(m.group(2), m.group(3)) for m in _OTHER_PROCESS.finditer(message)
         }
         if others:
-            facts["other_processes"] = others
+            facts.other_processes = others
     elif (match := _CPU_REQUEST.search(message)) is not None:
-        facts["source"] = "cpu-allocator"
-        facts["requested_bytes"] = int(match.group(1))
+        facts.source = "cpu-allocator"
+        facts.requested_bytes = int(match.group(1))
     else:
-        facts["source"] = "unknown"
+        facts.source = "unknown"
     return facts
 
 
@@ -122,65 +123,65 @@ def _share(part: int | None, whole: int | None) -> float | None:
     return part / whole if part is not None and whole else None
 
 
-def measure(facts: Mapping[str, Any], result: CaseResult) -> dict[str, Any]:
+def measure(facts: OomFigures, result: CaseResult) -> OomFigures:
     """The memory figures at the failure, derived from the message's facts and the case's metrics."""
-    peak = result.metrics.get("peak_memory") or {}
-    m: dict[str, Any] = {k: facts.get(k) for k in ("requested_bytes", "total_bytes", "free_bytes")}
-    m["requested_is_lower_bound"] = bool(facts.get("requested_is_lower_bound"))
-    m["allocated_bytes"] = facts.get("allocated_bytes")
-    m["reserved_unallocated_bytes"] = facts.get("reserved_unallocated_bytes")
-    if m["allocated_bytes"] is not None and m["reserved_unallocated_bytes"] is not None:
-        m["reserved_bytes"] = m["allocated_bytes"] + m["reserved_unallocated_bytes"]
-    else:
-        m["reserved_bytes"] = None
-    m["max_allocated_bytes"] = peak.get("cuda_max_allocated_bytes")
-    m["max_reserved_bytes"] = peak.get("cuda_max_reserved_bytes")
-    m["peak_rss_bytes"] = peak.get("cpu_peak_rss_bytes")
-    used = None
-    if m["total_bytes"] is not None and m["free_bytes"] is not None:
-        used = m["total_bytes"] - m["free_bytes"]
-    m["device_used_bytes"] = used
-    m["outside_pytorch_bytes"] = (
-        used - m["reserved_bytes"] if used is not None and m["reserved_bytes"] else None
+    peak = result.metrics.peak_memory or PeakMemory()
+    allocated, unallocated = facts.allocated_bytes, facts.reserved_unallocated_bytes
+    reserved = allocated + unallocated if allocated is not None and unallocated is not None else None
+    total, free = facts.total_bytes, facts.free_bytes
+    used = total - free if total is not None and free is not None else None
+    return OomFigures(
+        requested_bytes=facts.requested_bytes,
+        total_bytes=total,
+        free_bytes=free,
+        requested_is_lower_bound=bool(facts.requested_is_lower_bound),
+        allocated_bytes=allocated,
+        reserved_unallocated_bytes=unallocated,
+        reserved_bytes=reserved,
+        max_allocated_bytes=peak.cuda_max_allocated_bytes,
+        max_reserved_bytes=peak.cuda_max_reserved_bytes,
+        peak_rss_bytes=peak.cpu_peak_rss_bytes,
+        device_used_bytes=used,
+        outside_pytorch_bytes=used - reserved if used is not None and reserved else None,
+        other_processes=facts.other_processes,
     )
-    m["other_processes"] = facts.get("other_processes")
-    return m
 
 
 def classify_oom(
     device: str,
-    m: Mapping[str, Any],
-    reruns: Sequence[Mapping[str, Any]] = (),
+    m: OomFigures,
+    reruns: Sequence[OomRerun | Mapping[str, str | None]] = (),
 ) -> tuple[str, str]:
-    """(class, why) from the figures at the failure `m` (`measure`) and the reruns' outcomes."""
+    """(class, why) from the figures at the failure `m` (`measure`) and the reruns' outcomes (records, or
+    their JSON)."""
     passed = [r for r in reruns if r.get("verdict") == "pass"]
     if passed:
-        names = " and ".join(r["alloc_conf"] for r in passed)
+        names = " and ".join(str(r.get("alloc_conf")) for r in passed)
         return (
             "fragmentation",
             f"passes with PYTORCH_CUDA_ALLOC_CONF={names}: the allocator's layout, not the total",
         )
-    req, total = m.get("requested_bytes"), m.get("total_bytes")
+    req, total = m.requested_bytes, m.total_bytes
     if req is not None and total and req > total:
         where = "this machine's memory" if device == "cpu" else "the device's total"
-        req_text = f"more than {_gib(req)}" if m.get("requested_is_lower_bound") else _gib(req)
+        req_text = f"more than {_gib(req)}" if m.requested_is_lower_bound else _gib(req)
         return "capacity", f"the request alone ({req_text}) is more than {where} ({_gib(total)})"
-    unalloc = m.get("reserved_unallocated_bytes")
+    unalloc = m.reserved_unallocated_bytes
     if req is not None and unalloc is not None and unalloc >= req:
         return "fragmentation", (
             f"PyTorch held {_gib(unalloc)} reserved but unallocated, enough for the {_gib(req)} request, "
             "but not in one piece"
         )
-    outside = m.get("outside_pytorch_bytes")
+    outside = m.outside_pytorch_bytes
     share = _share(outside, total)
     if share is not None and share >= OUTSIDE_SHARE:
         return "outside-pytorch", (
             f"{_gib(outside)} ({share:.0%} of the device) was in use outside PyTorch's reserved memory "
             "(device used minus reserved: CUDA context, other libraries, other processes)"
         )
-    allocated = m.get("allocated_bytes")
+    allocated = m.allocated_bytes
     if allocated is None and device == "cpu":
-        allocated = m.get("peak_rss_bytes")
+        allocated = m.peak_rss_bytes
     near = _share((req or 0) + (allocated or 0), total) if req is not None else None
     all_failed = bool(reruns) and all(r.get("verdict") == "oom" for r in reruns)
     if near is not None and near >= CAPACITY_SHARE:
@@ -213,7 +214,7 @@ def triage_oom(
     *,
     device_total: Callable[[bool], int | None] = lambda on_cuda: None,
     say: Callable[[str], None] = lambda text: None,
-) -> dict[str, Any]:
+) -> TriageRecord:
     """Triage the oom case (`spec`, `result`, the worker's out-of-memory `message`): reruns on CUDA,
     then the class.
 
@@ -222,9 +223,9 @@ def triage_oom(
     ends the reruns; the class then comes from what ran (``interrupted`` true).
     """
     facts = parse_oom_message(message)
-    on_cuda = (result.device or "").startswith("cuda") or facts["source"] == "cuda-caching-allocator"
+    on_cuda = (result.device or "").startswith("cuda") or facts.source == "cuda-caching-allocator"
     figures = measure(facts, result)
-    reruns: list[dict[str, Any]] = []
+    reruns: list[OomRerun] = []
     note = None
     interrupted = False
     if not on_cuda:
@@ -232,15 +233,21 @@ def triage_oom(
             "CPU: PYTORCH_CUDA_ALLOC_CONF configures CUDA's caching allocator and has no effect here, so "
             "nothing was rerun; classified from the CPU allocator's request against this machine's memory"
         )
-        if figures["total_bytes"] is None:
-            figures["total_bytes"] = device_total(False)
+        if figures.total_bytes is None:
+            figures.total_bytes = device_total(False)
     else:
-        if figures["total_bytes"] is None:  # e.g. "Tried to allocate more than 1EB memory."
-            figures["total_bytes"] = device_total(True)
+        if figures.total_bytes is None:  # e.g. "Tried to allocate more than 1EB memory."
+            figures.total_bytes = device_total(True)
         for name, conf, variant in variant_specs(spec):
             if variant is None:
-                reruns.append({"name": name, "alloc_conf": conf, "verdict": None,
-                               "reason": "the case already runs with this setting"})  # fmt: skip
+                reruns.append(
+                    OomRerun(
+                        name=name,
+                        alloc_conf=conf,
+                        verdict=None,
+                        reason="the case already runs with this setting",
+                    )
+                )
                 continue
             say(f"  rerun with PYTORCH_CUDA_ALLOC_CONF={conf} ...")
             try:
@@ -248,19 +255,25 @@ def triage_oom(
             except KeyboardInterrupt:
                 interrupted = True
                 break
-            reruns.append({"name": name, "alloc_conf": conf, "verdict": rerun.verdict, "reason": rerun.reason,
-                           "peak_memory": rerun.metrics.get("peak_memory")})  # fmt: skip
+            reruns.append(
+                OomRerun(
+                    name=name, alloc_conf=conf, verdict=rerun.verdict, reason=rerun.reason,
+                    peak_memory=rerun.metrics.peak_memory,
+                )
+            )  # fmt: skip
             say(f"  PYTORCH_CUDA_ALLOC_CONF={conf}: {rerun.verdict}")
-    ran = [r for r in reruns if r["verdict"] is not None]
+    ran = [r for r in reruns if r.verdict is not None]
     kind, why = classify_oom("cuda" if on_cuda else "cpu", figures, ran)
-    return {
-        "case": spec.name,
-        "device": result.device,
-        "class": kind,
-        "why": why,
-        "figures": figures,
-        "message": " ".join(message.split())[:600],
-        "reruns": reruns,
-        "note": note,
-        "interrupted": interrupted,
-    }
+    return TriageRecord.model_validate(
+        {
+            "case": spec.name,
+            "device": result.device,
+            "class": kind,
+            "why": why,
+            "figures": figures,
+            "message": " ".join(message.split())[:600],
+            "reruns": reruns,
+            "note": note,
+            "interrupted": interrupted,
+        }
+    )

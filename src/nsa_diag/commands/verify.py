@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 import typer
 
@@ -18,6 +18,7 @@ from nsa_diag.options import (
     TRAINING,
     WATCHDOG,
 )
+from nsa_diag.spec import OverrideValue
 
 PROPERTIES = ("backends", "causality", "prefill", "gc")
 CHECK_TIMEOUT_S = 1800.0  # float64 on the CPU: m7c-125m takes minutes per property
@@ -38,19 +39,27 @@ def parse_properties(text: str | None) -> tuple[str, ...]:
     return parse_choice_list("--only", text, PROPERTIES, "property")
 
 
+class _CheckFields(TypedDict, total=False):
+    """The `CaseSpec` fields every property's case shares."""
+
+    seq_len: int
+    stall: float
+    dtype: str
+
+
 def verify_specs(options: CaseOptions, on_cuda: bool, properties: tuple[str, ...] = PROPERTIES) -> list[Any]:
     """One `check` case per property; on CUDA in bf16 unless another low precision is asked for."""
     from nsa_diag.cases import build_spec, model_config, parse_stall, preset_overrides
 
     cfg = model_config(options.preset.value, preset_overrides(options))
-    fields: dict[str, Any] = {"seq_len": options.seq_len or verify_seq_len(cfg)}
+    fields = _CheckFields(seq_len=options.seq_len or verify_seq_len(cfg))
     if parse_stall(options.stall) == "auto":  # no training step to measure: a fixed, generous limit
         fields["stall"] = CHECK_STALL_S
     if on_cuda and options.dtype.value == "fp32":
         fields["dtype"] = "bf16"
     specs = []
     for prop in properties:
-        overrides: dict[str, Any] = {}
+        overrides: dict[str, OverrideValue] = {}
         if prop == "prefill":
             overrides = {"gc": "none", "gc_reentrant": False, "prefill": "batched"}
         if prop == "gc":

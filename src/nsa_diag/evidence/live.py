@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import psutil
 
@@ -45,7 +45,9 @@ from nsa_diag.beacon import BeaconState
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
-from nsa_diag.evidence.probefiles import ProbeInfo, find_probe, read_at_hang, read_probe_beacon
+from nsa_diag.evidence.probefiles import ProbeInfo, ProbeInfoJson, find_probe, read_at_hang, read_probe_beacon
+from nsa_diag.probe.runtime import AtHang
+from nsa_diag.records import PyspyDump
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")
@@ -177,6 +179,22 @@ def _is_python(pid: int, exe: str) -> bool:
         return False
 
 
+class ProcessInfoJson(TypedDict):
+    """`ProcessInfo` as attach's result.json writes it (each process's record begins with it)."""
+
+    pid: int
+    ppid: int | None
+    cmdline: list[str]
+    python: bool
+    started: float | None
+    env_vars: dict[str, str]
+    env_vars_withheld: list[str]
+    probe: ProbeInfoJson | None
+    probe_note: str
+    sigusr1_caught: bool | None
+    sigusr1: str
+
+
 @dataclass(frozen=True)
 class ProcessInfo:
     """What a process of the tree is, read once before sampling."""
@@ -194,7 +212,7 @@ class ProcessInfo:
     signal_plan: str  # why it is or is not signalled
     signalled: bool  # whether attach sends it SIGUSR1
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ProcessInfoJson:
         return {
             "pid": self.pid, "ppid": self.ppid, "cmdline": list(self.cmdline), "python": self.python,
             "started": self.started, "env_vars": self.env_vars,
@@ -358,7 +376,7 @@ class Sample:
 
     at: float  # time.monotonic()
     wall: float  # time.time()
-    proc: dict[str, Any]
+    proc: procfs.ProcessSnapshot
     beacon: BeaconState | None
     sched: tuple[int, int] | None = None  # main thread's ns on a CPU and ns waiting for one (schedstat)
     io_bytes: int | None = None  # read + written so far (/proc/<pid>/io)
@@ -372,12 +390,12 @@ class ProcessObservation:
     samples: list[Sample] = field(default_factory=list)
     dumps: list[str] = field(default_factory=list)  # faulthandler texts, one per signal that came back
     dump_notes: list[str] = field(default_factory=list)
-    pyspy: dict[str, Any] = field(default_factory=dict)
+    pyspy: PyspyDump | None = None  # the final dump's outcome; None: not tried (the process was gone)
     pyspy_text: str | None = None  # the final ``py-spy dump --native``
     pyspy_more: list[str] = field(default_factory=list)  # further native dumps of a process using the CPU
     pyspy_samples: list[str] = field(default_factory=list)  # py-spy dumps of the rounds (no handler)
     gpu: list[dict[str, Any]] = field(default_factory=list)  # NVML rows of this pid, one per GPU it uses
-    at_hang: dict[str, Any] | None = None  # the probe's at_hang.json, where a watchdog left one
+    at_hang: AtHang | None = None  # the probe's at_hang.json, where a watchdog left one
     no_more_dumps: bool = False  # a signal's dump did not come back: not signalled again
 
     @property
@@ -412,12 +430,12 @@ class ProcessObservation:
         values = [s.io_bytes for s in self.samples if s.io_bytes is not None and not s.proc.get("gone")]
         return max(values[-1] - values[0], 0) if len(values) >= 2 else None
 
-    def main_threads(self) -> list[dict[str, Any]]:
+    def main_threads(self) -> list[procfs.ThreadState]:
         """The main thread's record in every round it was alive."""
         found = [procfs.main_thread(s.proc) for s in self.samples if not s.proc.get("gone")]
         return [t for t in found if t is not None]
 
-    def main_thread(self) -> dict[str, Any] | None:
+    def main_thread(self) -> procfs.ThreadState | None:
         live = [s for s in self.samples if not s.proc.get("gone")]
         return procfs.main_thread(live[-1].proc) if live else None
 
@@ -436,7 +454,7 @@ class TreeObservation:
     gpu_snapshot: dict[str, Any]
     gpu_usage: dict[str, Any]
     pyspy_installed: bool
-    ptrace: dict[str, Any]
+    ptrace: PtraceFacts
     # Descendants not observed (--no-children), for what the observed ones are (a launcher of ranks)
     relatives: list[ProcessInfo] = field(default_factory=list)
     send_signal: bool = True
@@ -444,7 +462,15 @@ class TreeObservation:
     pyspy_advice: str | None = None  # what to run for stacks py-spy could not take (once for the tree)
 
 
-def ptrace_facts() -> dict[str, Any]:
+class PtraceFacts(TypedDict, total=False):
+    """kernel.yama.ptrace_scope (None where there is no Yama), what it means, and whether we are root."""
+
+    ptrace_scope: int | None
+    meaning: str | None
+    root: bool
+
+
+def ptrace_facts() -> PtraceFacts:
     """kernel.yama.ptrace_scope (None where there is no Yama), what it means, and whether we are root."""
     try:
         scope: int | None = int(PTRACE_SCOPE.read_text().strip())
@@ -462,7 +488,7 @@ def ptrace_refused(why: str) -> bool:
     return "ermission" in why or "not permitted" in why or "ptrace" in why
 
 
-def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: dict[str, Any]) -> str | None:
+def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: PtraceFacts) -> str | None:
     """What to run when py-spy could not dump the processes ``pids`` (not installed, or ptrace not
     permitted); said once for the tree. None when neither."""
     if not pids:
@@ -544,19 +570,21 @@ class _PySpy:
     def final(self, ob: ProcessObservation, folder: Path) -> None:
         """The ``py-spy dump --native`` of a live Python process, into ``pyspy.txt``."""
         if not self.installed:
-            ob.pyspy = {"taken": False, "why": f"py-spy is not on PATH; {stacks.PYSPY_HINT}"}
+            ob.pyspy = PyspyDump(taken=False, why=f"py-spy is not on PATH; {stacks.PYSPY_HINT}")
         elif self.refused:
-            ob.pyspy = {"taken": False, "why": "not tried: ptrace was refused for this tree (see the advice)"}
+            ob.pyspy = PyspyDump(
+                taken=False, why="not tried: ptrace was refused for this tree (see the advice)"
+            )
         else:
             ob.pyspy = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY)
-            if ob.pyspy.get("taken"):
+            if ob.pyspy.taken:
                 ob.pyspy_text = (folder / artifacts.PYSPY).read_text(errors="replace")
-            elif ptrace_refused(str(ob.pyspy.get("why", ""))):
+            elif ptrace_refused(ob.pyspy.why or ""):
                 self.refused = True
             busy = (ob.cpu_percent() or 0.0) >= PYSPY_MORE_CPU
             for _ in range(PYSPY_MORE if ob.pyspy_text and busy else 0):
                 more = stacks.pyspy_dump(ob.pid, folder / artifacts.PYSPY_MORE)
-                if not more.get("taken"):
+                if not more.taken:
                     break
                 ob.pyspy_more.append((folder / artifacts.PYSPY_MORE).read_text(errors="replace"))
 

@@ -26,14 +26,31 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag.beacon import BeaconState, read_beacon
-from nsa_diag.probe.runtime import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS
+from nsa_diag.probe.runtime import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS, AtHang
 
 # A probe.json whose start time is this much earlier than the process's own start was written by an
 # earlier process with the same pid (the probe writes it during interpreter start-up, after the exec).
 STALE_SLACK_S = 2.0
+
+
+class ProbeInfoJson(TypedDict):
+    """`ProbeInfo` as attach's result.json writes it."""
+
+    folder: str
+    pid: int
+    ppid: int | None
+    argv: list[str]
+    started: float | None
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    sigusr1: str | None
+    torch: bool
+    role: str | None
+    forked_from: int | None
 
 
 @dataclass(frozen=True)
@@ -65,7 +82,7 @@ class ProbeInfo:
     def stacks_path(self) -> Path:
         return self.folder / STACKS
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ProbeInfoJson:
         return {
             "folder": str(self.folder), "pid": self.pid, "ppid": self.ppid, "argv": list(self.argv),
             "started": self.started, "rank": self.rank, "local_rank": self.local_rank,
@@ -161,7 +178,7 @@ def read_probe_beacon(probe: ProbeInfo) -> BeaconState | None:
     return read_beacon(probe.beacon_path)
 
 
-def read_at_hang(probe: ProbeInfo) -> dict[str, Any] | None:
+def read_at_hang(probe: ProbeInfo) -> AtHang | None:
     """The probe's ``at_hang.json`` (collective counts per op, the one under way), or None where there is
     none: it exists only after a watchdog asked for it."""
     try:

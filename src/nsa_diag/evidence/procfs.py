@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -25,6 +25,60 @@ STATE_NAMES = {
 }  # fmt: skip
 
 
+class Stat(TypedDict):
+    """The fields of ``/proc/<pid>/stat`` the evidence uses (`parse_stat`)."""
+
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    utime_s: float
+    stime_s: float
+    num_threads: int
+
+
+class ThreadState(TypedDict):
+    """One thread of a process: its name, state, wait channel and CPU seconds."""
+
+    tid: int
+    comm: str
+    state: str
+    wchan: str | None
+    utime_s: float
+    stime_s: float
+
+
+class ProcessSnapshot(TypedDict, total=False):
+    """`process_snapshot`: ``{"pid", "gone": True}`` for a process that has exited, else its command line,
+    `Stat`, state name, wait channel, the `STATUS_FIELDS` of ``/proc/<pid>/status`` (the kernel's text)
+    and its threads."""
+
+    pid: int
+    gone: bool
+    cmdline: str
+    comm: str
+    state: str
+    ppid: int
+    pgrp: int
+    session: int
+    utime_s: float
+    stime_s: float
+    num_threads: int
+    state_name: str
+    wchan: str | None
+    status: dict[str, str]
+    threads: list[ThreadState]
+
+
+class GroupSnapshot(TypedDict, total=False):
+    """``proc.json``: every process of a case (its session), or why /proc says nothing."""
+
+    available: bool
+    why: str
+    processes: list[ProcessSnapshot]
+
+
 def available() -> bool:
     return (PROC / "self" / "stat").exists()
 
@@ -36,24 +90,24 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def parse_stat(text: str) -> dict[str, Any]:
+def parse_stat(text: str) -> Stat:
     """Fields of a ``/proc/<pid>/stat`` line (the command name may hold spaces and parentheses)."""
     head, _, tail = text.rpartition(")")
     fields = tail.split()
     # fields[0] is field 3 of proc(5): state; ppid 4, pgrp 5, session 6, utime 14, stime 15, threads 20
-    return {
-        "comm": head.partition("(")[2],
-        "state": fields[0],
-        "ppid": int(fields[1]),
-        "pgrp": int(fields[2]),
-        "session": int(fields[3]),
-        "utime_s": int(fields[11]) / CLOCK_TICKS,
-        "stime_s": int(fields[12]) / CLOCK_TICKS,
-        "num_threads": int(fields[17]),
-    }
+    return Stat(
+        comm=head.partition("(")[2],
+        state=fields[0],
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        session=int(fields[3]),
+        utime_s=int(fields[11]) / CLOCK_TICKS,
+        stime_s=int(fields[12]) / CLOCK_TICKS,
+        num_threads=int(fields[17]),
+    )
 
 
-def read_stat(pid: int, tid: int | None = None) -> dict[str, Any] | None:
+def read_stat(pid: int, tid: int | None = None) -> Stat | None:
     """``/proc/<pid>/stat`` (or the thread's ``task/<tid>/stat``) parsed; None if the process is gone."""
     base = PROC / str(pid) if tid is None else PROC / str(pid) / "task" / str(tid)
     text = _read(base / "stat")
@@ -139,8 +193,8 @@ def _status(pid: int) -> dict[str, str]:
     return fields
 
 
-def _threads(pid: int) -> list[dict[str, Any]]:
-    threads = []
+def _threads(pid: int) -> list[ThreadState]:
+    threads: list[ThreadState] = []
     try:
         tids = sorted(int(t.name) for t in (PROC / str(pid) / "task").iterdir() if t.name.isdigit())
     except OSError:
@@ -150,43 +204,43 @@ def _threads(pid: int) -> list[dict[str, Any]]:
         if stat is None:
             continue
         threads.append(
-            {
-                "tid": tid,
-                "comm": stat["comm"],
-                "state": stat["state"],
-                "wchan": wchan(pid, tid),
-                "utime_s": stat["utime_s"],
-                "stime_s": stat["stime_s"],
-            }
+            ThreadState(
+                tid=tid,
+                comm=stat["comm"],
+                state=stat["state"],
+                wchan=wchan(pid, tid),
+                utime_s=stat["utime_s"],
+                stime_s=stat["stime_s"],
+            )
         )
     return threads
 
 
-def process_snapshot(pid: int) -> dict[str, Any]:
+def process_snapshot(pid: int) -> ProcessSnapshot:
     """State, CPU time, wait channel and threads of ``pid`` (``{"pid", "gone": True}`` if it has exited)."""
     stat = read_stat(pid)
     if stat is None:
-        return {"pid": pid, "gone": True}
+        return ProcessSnapshot(pid=pid, gone=True)
     cmdline = (_read(PROC / str(pid) / "cmdline") or "").replace("\0", " ").strip()
-    return {
-        "pid": pid,
-        "cmdline": cmdline,
+    return ProcessSnapshot(
+        pid=pid,
+        cmdline=cmdline,
         **stat,
-        "state_name": STATE_NAMES.get(stat["state"], stat["state"]),
-        "wchan": wchan(pid),
-        "status": _status(pid),
-        "threads": _threads(pid),
-    }
+        state_name=STATE_NAMES.get(stat["state"], stat["state"]),
+        wchan=wchan(pid),
+        status=_status(pid),
+        threads=_threads(pid),
+    )
 
 
-def group_snapshot(session: int) -> dict[str, Any]:
+def group_snapshot(session: int) -> GroupSnapshot:
     """`process_snapshot` of every process of the case (its session), for ``proc.json``."""
     if not available():
-        return {"available": False, "why": "/proc is not available on this system"}
-    return {"available": True, "processes": [process_snapshot(pid) for pid in session_pids(session)]}
+        return GroupSnapshot(available=False, why="/proc is not available on this system")
+    return GroupSnapshot(available=True, processes=[process_snapshot(pid) for pid in session_pids(session)])
 
 
-def main_thread(snapshot: dict[str, Any]) -> dict[str, Any] | None:
+def main_thread(snapshot: ProcessSnapshot) -> ThreadState | None:
     """The main thread's record (tid == pid) of a `process_snapshot`."""
     for thread in snapshot.get("threads", ()):
         if thread["tid"] == snapshot.get("pid"):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_diag import artifacts
+from nsa_diag.records import PyspyDump
 from nsa_diag.redact import redact_argv, redact_line
 from nsa_diag.stackframes import Frame, ThreadStack
 
@@ -272,14 +273,14 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
-def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> dict[str, object]:
+def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> PyspyDump:
     """``py-spy dump --native --pid`` into ``out_path``; returns what happened (and why not, if not).
 
     Falls back to a dump without ``--native`` when the native unwinder fails (some kernels and builds).
     """
     exe = shutil.which("py-spy")
     if exe is None:
-        return {"taken": False, "why": f"py-spy is not on PATH; {PYSPY_HINT}"}
+        return PyspyDump(taken=False, why=f"py-spy is not on PATH; {PYSPY_HINT}")
     attempts = []
     for args in (["dump", "--native", "--pid", str(pid)], ["dump", "--pid", str(pid)]):
         try:
@@ -294,13 +295,13 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
         text += f"\n--- stderr ---\n{done.stderr}" if done.stderr.strip() else ""
         if done.returncode == 0 and parse_pyspy(done.stdout):
             artifacts.write_text(out_path, text)
-            return {"taken": True, "native": "--native" in args, "file": out_path.name}
+            return PyspyDump(taken=True, native="--native" in args, file=out_path.name)
         said = _last_line(done.stderr or done.stdout)
         if "ermission" in said or "not permitted" in said:
             said += " (py-spy needs ptrace rights: run as root or set kernel.yama.ptrace_scope=0)"
         attempts.append(f"py-spy {' '.join(args)} exited {done.returncode}: {said}")
     artifacts.write_text(out_path, "\n".join(attempts) + "\n")
-    return {"taken": False, "why": "; ".join(attempts), "file": out_path.name}
+    return PyspyDump(taken=False, why="; ".join(attempts), file=out_path.name)
 
 
 def pyspy_sample(pid: int, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str | None, str]:

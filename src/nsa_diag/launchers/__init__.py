@@ -1,4 +1,5 @@
-"""Launchers: how a case's job starts, which processes and beacons it has, and how it stops (`base`).
+"""Launchers: how a case's job starts, which processes and beacons it has, and how it stops; the job
+protocol the executor talks to (`base`: `Launcher` and its records).
 
 `WorkerLauncher` runs our worker (one process), `TorchrunLauncher` the case on N ranks through torchrun,
 `NodeLauncher` one node's part of a multi-node case (`nsa_diag.launchers.nodes`).
@@ -6,7 +7,18 @@
 
 from __future__ import annotations
 
-from nsa_diag.launchers.base import Ending, Launcher, Unit, pinned_env
+from nsa_diag.launchers.base import (
+    Ending,
+    Evidence,
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    dataloader_workers,
+    observed_units,
+    pinned_env,
+)
 from nsa_diag.launchers.nodes import NodeLauncher
 from nsa_diag.launchers.torchrun import TorchrunLauncher
 from nsa_diag.launchers.worker import WorkerLauncher
@@ -23,11 +35,17 @@ def default_launcher(spec: CaseSpec) -> Launcher:
 
 __all__ = [
     "Ending",
+    "Evidence",
+    "JobEnd",
+    "LaunchPlan",
     "Launcher",
     "NodeLauncher",
+    "Stage",
     "TorchrunLauncher",
     "Unit",
     "WorkerLauncher",
+    "dataloader_workers",
     "default_launcher",
+    "observed_units",
     "pinned_env",
 ]

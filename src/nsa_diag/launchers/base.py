@@ -1,57 +1,82 @@
-"""The launcher interface: how a job starts, which processes and beacons it has, how it stops.
+"""The job protocol: how the executor starts a case's job, watches it, takes its evidence, stops it and
+judges it, whatever hosts it.
 
-The executor (`nsa_diag.executor.run_case`) runs every case the same way, whatever hosts it:
+The executor (`nsa_diag.executor.run_case`) talks to a job only through these methods of its `Launcher`,
+in this order, each with a typed result:
 
-1. ``prepare`` the case folder, write ``spec.json`` and ``replay.sh`` (`command`, `replay_argv`,
-   `replay_env`, and of `child_env` the `REPLAY_PINNED` variables; it runs in this working directory);
-2. `start` the job: `command` with `child_env`, stdin closed, stdout/stderr appended to the case's logs,
-   in a session of its own (its own process group) so that it can be stopped as a whole;
-3. watch its `units` (`nsa_diag.watchdog.watch`): each unit is a process the watchdog judges, with its
-   folder and its beacon (one for our worker; one per local rank, ``ranks/<r>/``, under torchrun);
-4. after a stall or a timeout, before any kill: `evidence_before_stop` (what only this launcher can take:
-   torchrun's NCCL flight recorder), then the watchdog's evidence of every process in `sample_targets`
-   (stacks, /proc, py-spy, GPU, memory);
-5. `before_stop` (a multi-node case: every node has taken its evidence), then `stop` everything the job
-   started, and report what it took;
-6. each unit's result is classified (`nsa_diag.results.unit_result`) from `unit_ends` (each unit's watch
-   record and stop report), and `combine` makes the case's result of them and the rest of the job's
-   `Ending` (a worker: its one unit's result; torchrun: the cross-rank aggregation,
-   `nsa_diag.analysis.ranks.aggregate`);
-7. `internal_files` (beacons, dump requests, debug pipes) are removed before ``result.json`` lists the
-   case's files.
+- ``home(case_dir) -> Path``: where the launcher's own files go (spec.json, replay.sh, the logs,
+  result.json);
+- ``plan(case_dir, extra_env) -> LaunchPlan``: the job's folders made; its command line, environment,
+  working directory, where its output is echoed, replay.sh's command and variables;
+- ``start(plan) -> ProcessHandle``: the job started in a new session, stdin closed, its output through
+  the logs' cap (`nsa_diag.logcap`);
+- ``units(case_dir) -> list[Unit]``: the processes the watchdog judges (`nsa_diag.watchdog.watch`), each
+  with its folder and beacon;
+- ``evidence(case_dir, stage, units) -> Evidence``: what only the launcher takes, at each `Stage`: the
+  watch ended (the ranks' pids), a hang (before any kill: the NCCL flight recorder, and which processes
+  the watchdog samples), before the stop (a multi-node case's barrier), after it, at an interrupt;
+- ``stop() -> StopReport``: every process of the job stopped, and what it took;
+- ``outcome(end: JobEnd) -> CaseResult``: the case's result from what the executor saw;
+- ``interrupted(case_dir, by, elapsed, stop, sampled) -> CaseResult``: nsa-diag itself was interrupted;
+- ``internal_files(case_dir) -> list[Path]``: the files only the running job uses, removed at the end.
 
 A launcher object runs one case: it keeps what it learns of the job (the process, the ranks' pids).
+`Launcher` holds the defaults, so a simple launcher is short (`nsa_diag.launchers.worker`): it implements
+`plan`, `units`, `stop_processes` (what `stop` does once the job started) and `outcome`, which composes
+`classified` (each unit's result, `nsa_diag.results.unit_result`) with its own way of combining them
+(a worker: its one unit's result; torchrun: the cross-rank aggregation, `nsa_diag.analysis.ranks`).
 
-Adding a launcher is one more module here and nothing else: subclass `Launcher`, implement the abstract
-methods, and pass an instance to `run_case` (or teach `nsa_diag.launchers.default_launcher` when a spec
-field should pick it). A user's own command (``nsa-diag watch -- python train.py``): `command` is that
-argv, `child_env` adds the probe's ``sitecustomize`` to ``PYTHONPATH``; `units` gives each process a
-folder and the probe's beacon, or ``beacon=None`` for one without the probe: the watchdog then never calls
-it stalled, only the timeout applies, and its verdict comes from its exit status, /proc and py-spy;
-`combine` keeps the unit's result. A cluster launcher: `start` submits and returns a handle whose
-``poll``/``pid`` follow the job (`ProcessHandle`), `units` are the ranks' folders on shared storage, `stop`
-cancels the job.
+Adding a launcher is one more module here and nothing else: subclass `Launcher`, implement those four,
+and pass an instance to `run_case` (or teach `nsa_diag.launchers.default_launcher` when a spec field
+should pick it). A user's own command (``nsa-diag watch -- python train.py``): `plan`'s argv is that
+command, its environment adds the probe's ``sitecustomize`` to ``PYTHONPATH``; `units` gives each process
+a folder and the probe's beacon, or ``beacon=None`` for one without the probe: the watchdog then never
+calls it stalled, only the timeout applies, and its verdict comes from its exit status, /proc and py-spy.
+A cluster launcher: `start` submits and returns a handle whose ``poll``/``pid`` follow the job
+(`ProcessHandle`), `units` are the ranks' folders on shared storage, `stop_processes` cancels the job.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import subprocess
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.logcap import LogPump
-from nsa_diag.results import interrupted_result
+from nsa_diag.records import JobNotes, StopReport
+from nsa_diag.results import Observed, interrupted_result, unit_result, worker_activity
 from nsa_diag.spec import CaseResult, CaseSpec
-from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
+from nsa_diag.watchdog import HangEvidence, ProcessHandle, Watched, WatchResult
 from nsa_diag.worker import tether
 
 # The package root above nsa_diag: children import the same nsa_diag as this process, installed or not.
 SOURCE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+# --- the records of the protocol ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a case's job starts, decided before it does (`Launcher.plan`)."""
+
+    home: Path  # the launcher's own files of the case (`Launcher.home`)
+    argv: list[str]  # the command line that starts the job
+    env: Mapping[str, str]  # the job's whole environment (this run's extra variables included)
+    replay_argv: list[str]  # what replay.sh runs when the caller gives no replay command
+    # the variables replay.sh exports: those the job depends on, not this machine's others (the executor
+    # adds, of `env`, the `REPLAY_PINNED` ones)
+    replay_env: Mapping[str, str]
+    cwd: str | None = None  # the job's working directory (None: this process's)
+    # where the job's stdout and stderr are shown while nsa-diag runs, besides the logs (None: not shown):
+    # a user's command is followed on the terminal; our worker's output only goes to the logs
+    echo: tuple[int | None, int | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -70,20 +95,107 @@ class Unit:
     parent: int | None = None
 
 
+class Stage(enum.Enum):
+    """When the executor asks a launcher for its evidence (`Launcher.evidence`)."""
+
+    WATCHED = "watched"  # the polling loop ended (also when the job exited): learn what the rest needs
+    HANG = "hang"  # a stall or a timeout, before any process is stopped
+    STOPPING = "stopping"  # the evidence is taken, the job is about to be stopped (interrupts not held)
+    STOPPED = "stopped"  # the job was stopped: what it left as it stopped
+    INTERRUPTED = "interrupted"  # nsa-diag itself was interrupted, before the stop
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a launcher took of its job at one `Stage`: ``notes`` for the case's result; at `Stage.HANG`
+    the processes (by unit key) whose stacks, /proc, py-spy and memory the watchdog takes; at
+    `Stage.INTERRUPTED` whether it took a quick stack sample itself."""
+
+    notes: JobNotes = field(default_factory=JobNotes)
+    targets: Mapping[int, ProcessHandle] = field(default_factory=dict)
+    sampled: bool = False
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """What the executor saw of a job, for `Launcher.outcome`: the units watched, how the watch ended
+    (``watched``: the outcome, each unit's record in the order of ``units``, the unit that decided), the
+    watchdog's evidence of each unit at a hang (by key), what stopping it took, the launcher's notes, and
+    when the case started (``t0``, `time.monotonic`)."""
+
+    case_dir: Path
+    units: Sequence[Unit]
+    watched: Watched
+    hangs: Mapping[int, HangEvidence]
+    stop: StopReport
+    notes: JobNotes
+    t0: float
+
+    @property
+    def decider(self) -> int | None:
+        """The key of the unit that stalled or timed out first (None when the job exited)."""
+        return self.units[self.watched.decider].key if self.watched.decider is not None else None
+
+
 @dataclass(frozen=True)
 class Ending:
-    """How a case's job ended, for `Launcher.combine`: ``outcome`` is the watch's (``exited``,
-    ``stalled``, ``timeout``), ``per_unit`` each unit's classified result by key, ``decider`` the key of
-    the unit that stalled or timed out first (None when the job exited), ``stop`` what stopping the job
-    took, ``elapsed`` seconds since the start, ``notes`` the launcher's evidence for ``result.json``."""
+    """How a case's job ended, each unit classified (`classified`): ``outcome`` is the watch's
+    (``exited``, ``stalled``, ``timeout``), ``per_unit`` each unit's classified result by key, ``decider``
+    the key of the unit that stalled or timed out first (None when the job exited), ``stop`` what
+    stopping the job took, ``elapsed`` seconds since the start, ``notes`` the launcher's evidence for
+    ``result.json``."""
 
     case_dir: Path
     outcome: str
     per_unit: Mapping[int, CaseResult]
     decider: int | None
-    stop: dict[str, Any]
+    stop: StopReport
     elapsed: float
-    notes: dict[str, Any]
+    notes: JobNotes
+
+
+# --- each unit's result -------------------------------------------------------------------------------
+
+# Each unit's watch record and stop report, by key: how it ended, for its classification.
+UnitEnds = Mapping[int, tuple[WatchResult, StopReport]]
+
+
+def observed_units(
+    units: Sequence[Unit], watched: Sequence[WatchResult], hangs: Mapping[int, HangEvidence]
+) -> dict[int, Observed]:
+    """Each unit as the executor saw it, by key."""
+    return {
+        u.key: Observed(f"pid {u.key}" if u.role else f"unit {u.key}", u.folder, w, hangs.get(u.key))
+        for u, w in zip(units, watched, strict=True)
+    }
+
+
+def dataloader_workers(key: int, units: Sequence[Unit], observed: Mapping[int, Observed]) -> list[Observed]:
+    """The DataLoader workers of unit ``key`` (forked from it), as observed."""
+    return [observed[u.key] for u in units if u.parent == key and u.role == "dataloader-worker"]
+
+
+def classified(spec: CaseSpec, end: JobEnd, ends: UnitEnds | None = None) -> Ending:
+    """The job's end with each unit classified (`nsa_diag.results.unit_result`) from its end in ``ends``;
+    by default each unit ends as the job did (one process: its own)."""
+    if ends is None:
+        ends = {u.key: (w, end.stop) for u, w in zip(end.units, end.watched.units, strict=True)}
+    observed = observed_units(end.units, end.watched.units, end.hangs)
+    per_unit = {}
+    for unit in end.units:
+        unit_watched, unit_stop = ends[unit.key]
+        workers = {
+            w.label: worker_activity(spec, w) for w in dataloader_workers(unit.key, end.units, observed)
+        }
+        per_unit[unit.key] = unit_result(
+            spec, unit.folder, unit_watched, end.hangs.get(unit.key), unit_stop, time.monotonic() - end.t0,
+            workers,
+        )  # fmt: skip
+    elapsed = time.monotonic() - end.t0
+    return Ending(end.case_dir, end.watched.outcome, per_unit, end.decider, end.stop, elapsed, end.notes)
+
+
+# --- the job's environment ----------------------------------------------------------------------------
 
 
 def worker_env(spec: CaseSpec) -> dict[str, str]:
@@ -101,7 +213,7 @@ def worker_env(spec: CaseSpec) -> dict[str, str]:
     return env
 
 
-# What replay.sh keeps of the environment the job ran with, beyond the launcher's `replay_env`: the import
+# What replay.sh keeps of the environment the job ran with, beyond the plan's `replay_env`: the import
 # path (a --model module's package, nsa_diag from a checkout) and the GPUs it saw (a matrix job's own).
 REPLAY_PINNED = ("PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 
@@ -123,6 +235,9 @@ def python_env(spec: CaseSpec, extra_env: Mapping[str, str] | None = None) -> di
     return env
 
 
+# --- the protocol, with its defaults -------------------------------------------------------------------
+
+
 class Launcher(ABC):
     """How one case's job starts, what the watchdog watches of it, and how it ends (module docstring).
 
@@ -140,11 +255,6 @@ class Launcher(ABC):
         self.proc: subprocess.Popen[bytes] | None = None
         self.logs: LogPump | None = None
 
-    # --- starting ------------------------------------------------------------------------------------
-
-    def prepare(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
-        """Folders the job expects before it starts."""
-
     def home(self, case_dir: Path) -> Path:
         """Where this launcher's own files of the case go: spec.json, replay.sh, the job's stdout.log and
         stderr.log, result.json. The case folder, except for a node r > 0 of a multi-node case, which
@@ -152,144 +262,86 @@ class Launcher(ABC):
         return Path(case_dir)
 
     @abstractmethod
-    def command(self, case_dir: Path) -> list[str]:
-        """The command line that starts the job (asked once per case)."""
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        """Make the folders the job expects; how it starts (asked once per case). ``extra_env``: for this
+        run only, in the job's environment, not in ``replay.sh``."""
 
-    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
-        """What ``replay.sh`` runs when the caller gives no replay command: by default the job's own."""
-        return list(argv)
-
-    @abstractmethod
-    def replay_env(self, case_dir: Path) -> dict[str, str]:
-        """The variables ``replay.sh`` exports (those the job depends on; not this machine's others)."""
-
-    @abstractmethod
-    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
-        """The job's whole environment (``extra_env``: for this run only, not in ``replay.sh``)."""
-
-    def cwd(self) -> str | None:
-        """The job's working directory (None: this process's)."""
-        return None
-
-    def echo_fds(self) -> tuple[int | None, int | None]:
-        """Where the job's stdout and stderr are shown while nsa-diag runs, besides the logs (None: not
-        shown). A user's command is followed on the terminal; our worker's output only goes to the logs."""
-        return None, None
-
-    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        """Start ``argv`` in a new session with stdin closed, its output going to the case's logs through
-        their cap (`nsa_diag.logcap`: head and tail kept, room left for the case's own files); straight
-        into the log files when that process cannot start."""
-        home = self.home(case_dir)
+    def start(self, plan: LaunchPlan) -> ProcessHandle:
+        """Start ``plan.argv`` in a new session with stdin closed, its output going to the case's logs
+        through their cap (`nsa_diag.logcap`: head and tail kept, room left for the case's own files);
+        straight into the log files when that process cannot start."""
         try:
-            out, err = self.echo_fds()
-            self.logs = LogPump([(home / artifacts.STDOUT, out), (home / artifacts.STDERR, err)])
+            out, err = plan.echo
+            self.logs = LogPump([(plan.home / artifacts.STDOUT, out), (plan.home / artifacts.STDERR, err)])
         except OSError:
             self.logs = None
         if self.logs is not None:
             try:
-                self.proc = self._popen(argv, env, *self.logs.job_fds)
+                self.proc = _popen(plan, *self.logs.job_fds)
             finally:
                 self.logs.started()
             return self.proc
         with (
-            artifacts.open_append(home / artifacts.STDOUT, binary=True) as out,
-            artifacts.open_append(home / artifacts.STDERR, binary=True) as err,
+            artifacts.open_append(plan.home / artifacts.STDOUT, binary=True) as out,
+            artifacts.open_append(plan.home / artifacts.STDERR, binary=True) as err,
         ):
-            self.proc = self._popen(argv, env, out.fileno(), err.fileno())
+            self.proc = _popen(plan, out.fileno(), err.fileno())
         return self.proc
-
-    def _popen(
-        self, argv: Sequence[str], env: Mapping[str, str], out: int, err: int
-    ) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=err,
-            env=dict(env),
-            cwd=self.cwd(),
-            start_new_session=True,
-        )
-
-    def close_logs(self) -> None:
-        """The job was stopped: wait (briefly) for its logs' last bytes. A job left running on purpose
-        (``watch --keep-alive``) keeps its logs; only their copy to the terminal ends."""
-        if self.logs is None:
-            return
-        if self.kept_alive():
-            self.logs.detach()
-        else:
-            self.logs.finish()
-
-    # --- watching ------------------------------------------------------------------------------------
 
     @abstractmethod
     def units(self, case_dir: Path) -> list[Unit]:
         """The processes the watchdog judges, each with its folder and beacon."""
 
-    def after_watch(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
-        """The polling loop has ended: learn what `stop` and the evidence need (e.g. the ranks' pids)."""
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """What only this launcher takes of its job at ``stage`` (`Stage`; ``units``: those watched). By
+        default nothing but, at a hang, the job's own process for its first unit (one process: our
+        worker)."""
+        if stage is Stage.HANG and self.proc is not None and units:
+            return Evidence(targets={units[0].key: self.proc})
+        return Evidence()
 
-    def notes(self) -> dict[str, Any]:
-        """Launcher facts for the case's result (torchrun: its command line)."""
-        return {}
-
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
-        """Evidence only this launcher can take, before any process is stopped (notes for the result)."""
-        return {}
+    def stop(self) -> StopReport:
+        """Stop every process of the job (`stop_processes`), then wait (briefly) for its logs' last bytes:
+        its result reads them. ``StopReport(started=False)`` when nothing was started. A job left running
+        on purpose (``watch --keep-alive``) keeps its logs; only their copy to the terminal ends."""
+        report = self.stop_processes() if self.proc is not None else StopReport(started=False)
+        if self.logs is not None:
+            if report.kept_alive:
+                self.logs.detach()
+            else:
+                self.logs.finish()
+        return report
 
     @abstractmethod
-    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
-        """The processes (by unit key) whose stacks, /proc, py-spy and memory to take at a hang."""
-
-    # --- stopping and the result ---------------------------------------------------------------------
-
-    def before_stop(self, case_dir: Path) -> None:  # noqa: B027 (a hook: most launchers need nothing here)
-        """The evidence is taken, the job is about to be stopped (interrupts are not held back here): a
-        node of a multi-node case waits for the other nodes to have taken theirs."""
+    def stop_processes(self) -> StopReport:
+        """Stop every process of the started job (also those it started in sessions of their own); what it
+        took, with ``exit_code`` and any ``survivors`` (`nsa_diag.stopping.stop_tree`)."""
 
     @abstractmethod
-    def stop(self) -> dict[str, Any]:
-        """Stop every process of the job (also those it started in sessions of their own); what it took,
-        with ``exit_code`` and any ``survivors``. ``{"started": False}`` when nothing was started."""
+    def outcome(self, end: JobEnd) -> CaseResult:
+        """The case's result from what the executor saw of the job (`JobEnd`): its units classified
+        (`classified`), combined as this launcher's job needs."""
+
+    def interrupted(
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
+    ) -> CaseResult:
+        """The result of a case nsa-diag's SIGINT/SIGTERM (``by``) ended, after `stop` (``sampled``: the
+        launcher took a stack sample first, `Stage.INTERRUPTED`)."""
+        return interrupted_result(self.spec, case_dir, by, elapsed, stop, sampled)
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         """The files only the running job uses, removed when the case ends (after its result is built):
         by default `artifacts.INTERNAL_FILES` in each unit's folder."""
         return [unit.folder / name for unit in self.units(case_dir) for name in artifacts.INTERNAL_FILES]
 
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:  # noqa: B027 (a hook)
-        """Evidence the job left as it stopped, added to ``notes``."""
 
-    def unit_ends(
-        self,
-        case_dir: Path,
-        units: Sequence[Unit],
-        watched: Sequence[WatchResult],
-        hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
-        """Each unit's watch record and stop report, for its classification. By default each unit ends as
-        the job did (one process: its own)."""
-        return {u.key: (w, stop) for u, w in zip(units, watched, strict=True)}
-
-    @abstractmethod
-    def combine(self, end: Ending) -> CaseResult:
-        """The case's result from its units' results (`Ending`)."""
-
-    # --- nsa-diag interrupted ------------------------------------------------------------------------
-
-    def kept_alive(self) -> bool:
-        """Whether the job was left running on purpose (`watch --keep-alive`): nothing of it is swept."""
-        return False
-
-    def sample_on_interrupt(self, case_dir: Path) -> bool:
-        """One quick stack sample when nsa-diag is interrupted, before the stop; whether one was taken."""
-        return False
-
-    def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
-    ) -> CaseResult:
-        """The result of a case nsa-diag's SIGINT/SIGTERM (``by``) ended, after `stop`."""
-        return interrupted_result(self.spec, case_dir, by, elapsed, stop, sampled)
+def _popen(plan: LaunchPlan, out: int, err: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        plan.argv,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=err,
+        env=dict(plan.env),
+        cwd=plan.cwd,
+        start_new_session=True,
+    )

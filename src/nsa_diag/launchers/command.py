@@ -44,13 +44,32 @@ from nsa_diag.evidence.env import select_env_vars
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
 from nsa_diag.evidence.stacks import read_stacks, take_sample
 from nsa_diag.launchers import job
-from nsa_diag.launchers.base import SOURCE_ROOT, Ending, Launcher, Unit
-from nsa_diag.launchers.torchrun import FR_BUFFER, FR_FILE, FR_PREFIX, FR_WAIT_S, PIPE_PREFIX, RankProcess
+from nsa_diag.launchers.base import (
+    SOURCE_ROOT,
+    Evidence,
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    classified,
+)
+from nsa_diag.launchers.torchrun import (
+    FR_BUFFER,
+    FR_FILE,
+    FR_PREFIX,
+    FR_WAIT_S,
+    PIPE_PREFIX,
+    RankProcess,
+    with_files,
+)
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
+from nsa_diag.probe.runtime import ProbeJson
+from nsa_diag.records import FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.stopping import ProcessTree, stop_tree
-from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult, steps_done
+from nsa_diag.watchdog import ProcessHandle, steps_done
 
 PROCS_DIR = "procs"
 RANKS_DIR = "ranks"
@@ -95,9 +114,9 @@ class Proc:
 
     def __init__(self, pid: int, handle: psutil.Process | None, folder: Path | None) -> None:
         self.pid, self.handle, self.folder = pid, handle, folder
-        self.info: dict[str, Any] = {}
+        self.info = ProbeJson()
 
-    def read_info(self) -> dict[str, Any]:
+    def read_info(self) -> ProbeJson:
         if self.folder is not None:
             with contextlib.suppress(OSError, ValueError):
                 self.info = artifacts.read_json(self.folder / job.PROBE_JSON)
@@ -128,37 +147,32 @@ class CommandLauncher(Launcher):
         self.keys: dict[int, int] = {}  # pid -> unit key (rank, or pid)
         self.evidence_taken = False
         self.force_stop = False
-        self.stop_report: dict[str, Any] | None = None
-        self.rates: dict[int, dict[str, Any]] = {}  # unit key -> progress rate (past the timeout)
-        self.folders: dict[int, Path] = {}
+        self.stop_report: StopReport | None = None
+        self.recorder: FlightRecorder | None = None  # asked at the last hang of the watch
         self.exited_by_itself = False  # the command had exited when the case came to stop it
         self.alive_at_evidence: list[int] = []  # pids alive when the evidence was taken (the last time)
 
     # --- starting ------------------------------------------------------------------------------------
 
-    def prepare(self, case_dir: Path) -> None:
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        """The command in its directory with the user's environment and the probe; its stdout shown on
+        ours (on our stderr under ``--json``), its stderr on our stderr. replay.sh exports nothing more:
+        the user's environment is theirs."""
         (case_dir / PROCS_DIR).mkdir(parents=True, exist_ok=True)
-
-    def command(self, case_dir: Path) -> list[str]:
-        return list(self.cmd.argv)
-
-    def replay_env(self, case_dir: Path) -> dict[str, str]:
-        return {}
-
-    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
         env = {**os.environ, **(extra_env or {})}
-        return {**env, **probe_env(case_dir, env, self.spec.branch_marks)}
-
-    def cwd(self) -> str | None:
-        return self.cmd.cwd
-
-    def echo_fds(self) -> tuple[int | None, int | None]:
-        """The job's stdout on ours (on our stderr under ``--json``), its stderr on our stderr."""
         out_stream = self.echo_stdout if self.echo_stdout is not None else sys.stdout
-        return _fileno(out_stream), _fileno(sys.stderr)
+        return LaunchPlan(
+            home=self.home(case_dir),
+            argv=list(self.cmd.argv),
+            env={**env, **probe_env(case_dir, env, self.spec.branch_marks)},
+            replay_argv=list(self.cmd.argv),
+            replay_env={},
+            cwd=self.cmd.cwd,
+            echo=(_fileno(out_stream), _fileno(sys.stderr)),
+        )
 
-    def start(self, case_dir: Path, argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-        proc = super().start(case_dir, argv, env)
+    def start(self, plan: LaunchPlan) -> ProcessHandle:
+        proc = super().start(plan)
         self._see(proc.pid, None)
         return proc
 
@@ -190,7 +204,7 @@ class CommandLauncher(Launcher):
                 if child.pid not in self.procs:
                     self.procs[child.pid] = Proc(child.pid, child, None)
 
-    def _key(self, case_dir: Path, proc: Proc, info: Mapping[str, Any]) -> None:
+    def _key(self, case_dir: Path, proc: Proc, info: ProbeJson) -> None:
         assert self.proc is not None
         rank, parent = info.get("rank"), self.procs.get(info.get("ppid", -1))
         same_rank_parent = parent is not None and parent.info.get("rank") == rank
@@ -282,11 +296,24 @@ class CommandLauncher(Launcher):
 
     # --- evidence ------------------------------------------------------------------------------------
 
-    def notes(self) -> dict[str, Any]:
-        assert self.proc is not None
-        return {"command": list(self.cmd.argv), "cwd": self.cmd.cwd, "root_pid": self.proc.pid}
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """The watch ended: the command's facts. At a hang, before anything stops: ``tree.json`` (/proc of
+        every live process of the job), every rank's NCCL flight recorder, and every live unit for the
+        watchdog. After the stop: the dumps NCCL's own timeout wrote, and the job's own account when it
+        ended by itself. At an interrupt: a stack sample of each training process (`_sample_on_interrupt`)."""
+        if stage is Stage.WATCHED:
+            assert self.proc is not None
+            self.recorder = None
+            return Evidence(JobNotes(command=list(self.cmd.argv), cwd=self.cmd.cwd, root_pid=self.proc.pid))
+        if stage is Stage.HANG:
+            return Evidence(self._at_hang(case_dir), self._targets(units))
+        if stage is Stage.STOPPED:
+            return Evidence(self._after_stop(case_dir))
+        if stage is Stage.INTERRUPTED:
+            return Evidence(sampled=self._sample_on_interrupt(case_dir))
+        return Evidence()
 
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
+    def _at_hang(self, case_dir: Path) -> JobNotes:
         self.evidence_taken = True
         self._scan(case_dir)
         tree = {
@@ -296,12 +323,12 @@ class CommandLauncher(Launcher):
         }
         artifacts.write_json(case_dir / TREE_JSON, tree)
         self.alive_at_evidence = sorted(int(p) for p in tree)
-        notes: dict[str, Any] = {"processes_alive": self.alive_at_evidence}
+        notes = JobNotes(processes_alive=self.alive_at_evidence)
         if self.ranks():
-            notes["flight_recorder"] = self._flight_recorder(case_dir)
+            self.recorder = notes.flight_recorder = self._flight_recorder(case_dir)
         return notes
 
-    def _flight_recorder(self, case_dir: Path) -> dict[str, Any]:
+    def _flight_recorder(self, case_dir: Path) -> FlightRecorder:
         """Ask every rank's NCCL flight recorder for a dump through its debug pipe (NCCL jobs only)."""
         procs = case_dir / PROCS_DIR
         asked = {}
@@ -320,7 +347,7 @@ class CommandLauncher(Launcher):
             ):
                 time.sleep(0.1)
             time.sleep(0.3)  # a dump being written
-        return {"asked": asked, "files": self._collect_flight_recorder(case_dir)}
+        return FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
 
     def _collect_flight_recorder(self, case_dir: Path) -> dict[str, str]:
         found = {}
@@ -333,7 +360,7 @@ class CommandLauncher(Launcher):
                 found[str(rank)] = f"{RANKS_DIR}/{rank}/{FR_FILE}"
         return found
 
-    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
+    def _targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
         targets: dict[int, ProcessHandle] = {}
         for unit in units:
             pid = self.pid_of(unit.key)
@@ -343,25 +370,21 @@ class CommandLauncher(Launcher):
 
     # --- stopping ------------------------------------------------------------------------------------
 
-    def stop(self) -> dict[str, Any]:
-        if self.proc is None:
-            return {"started": False}
+    def stop_processes(self) -> StopReport:
+        assert self.proc is not None
         self.exited_by_itself = self.proc.poll() is not None
         if self.cmd.keep_alive and self.evidence_taken and not self.force_stop:
             alive = sorted(pid for pid, p in self.procs.items() if p.alive())
-            report: dict[str, Any] = {"kept_alive": alive, "exit_code": self.proc.poll()}
+            report = StopReport(kept_alive=alive, exit_code=self.proc.poll())
         else:
             # the command's session, every process seen, their descendants and the sessions they lead
             handles = [p.handle for p in self.procs.values() if p.handle]
             tree = ProcessTree([self.proc.pid], handles, follow=True)
-            report = stop_tree(tree, self.proc, name_signalled=True).model_dump()
+            report = stop_tree(tree, self.proc, name_signalled=True)
         self.stop_report = report
         return report
 
-    def kept_alive(self) -> bool:
-        return bool(self.stop_report and self.stop_report.get("kept_alive"))
-
-    def sample_on_interrupt(self, case_dir: Path) -> bool:
+    def _sample_on_interrupt(self, case_dir: Path) -> bool:
         """Ctrl-C: nothing of the job outlives nsa-diag, --keep-alive or not; but first one stack sample of
         each training process whose probe takes SIGUSR1, so that the case says where the job was."""
         self.force_stop = True
@@ -380,7 +403,7 @@ class CommandLauncher(Launcher):
         return taken
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         """The job's result when nsa-diag was interrupted: where each training process was (its beacon),
         and which stacks were taken. Where no training process reported progress but another process of
@@ -410,22 +433,26 @@ class CommandLauncher(Launcher):
             if (u.folder / artifacts.STACKS).exists()
         ]
         reason = f"interrupted by {by} after {elapsed:.1f} s at {at}"
-        evidence = {**result.evidence, "location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}  # type: ignore[union-attr]
+        assert self.proc is not None
+        evidence = result.evidence.model_copy(
+            update={"location": at, "stacks": stacks_taken, "root_pid": self.proc.pid}
+        )
         steps = max((steps_done(state, sys.maxsize) for state in states.values()), default=0)
         update = {"reason": reason, "where": first[1], "evidence": evidence, "steps_done": steps}
         return result.model_copy(update=update)
 
     def internal_files(self, case_dir: Path) -> list[Path]:
-        if self.stop_report is not None and self.stop_report.get("kept_alive"):
+        if self.stop_report is not None and self.stop_report.kept_alive:
             return []  # the job still runs: its beacons and requests are in use
         pipes = list((case_dir / PROCS_DIR).glob(f"{PIPE_PREFIX}*"))
         folders = [p.folder for p in self.procs.values() if p.folder is not None]
         return [f / name for f in folders for name in artifacts.INTERNAL_FILES] + pipes
 
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
+    def _after_stop(self, case_dir: Path) -> JobNotes:
+        notes = JobNotes()
         found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
         if found:
-            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
+            notes.flight_recorder = with_files(self.recorder, found)
         assert self.proc is not None
         root = self._root_folder(case_dir)
         root.mkdir(parents=True, exist_ok=True)
@@ -435,25 +462,19 @@ class CommandLauncher(Launcher):
             report = job.job_report(code, case_dir, infos)
             if report is not None:
                 artifacts.write_json(root / artifacts.WORKER_RESULT, report)
+        return notes
 
-    def unit_ends(
-        self,
-        case_dir: Path,
-        units: Sequence[Unit],
-        watched: Sequence[WatchResult],
-        hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
-        ends = job.unit_ends(case_dir, units, watched, hangs, stop, self.ranks())
-        self.folders = {unit.key: unit.folder for unit in units}
-        for unit, w in zip(units, watched, strict=True):
+    def outcome(self, end: JobEnd) -> CaseResult:
+        """Each unit's end (`job.unit_ends`) and, past the timeout, its rate; the job's verdict
+        (`job.combine`)."""
+        assert self.proc is not None
+        ends = job.unit_ends(end.case_dir, end.units, end.watched.units, end.hangs, end.stop, self.ranks())
+        rates = {}
+        for unit, w in zip(end.units, end.watched.units, strict=True):
             if w.outcome == "timeout":
                 total = self.cmd.total_steps or _info_total(self.procs[self.pid_of(unit.key)].read_info())
-                self.rates[unit.key] = job.job_rate(w, self.spec, total)
-        return ends
-
-    def combine(self, end: Ending) -> CaseResult:
-        assert self.proc is not None
+                rates[unit.key] = job.job_rate(w, self.spec, total)
+        ending = classified(self.spec, end, ends)
         infos = {
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
@@ -465,9 +486,10 @@ class CommandLauncher(Launcher):
                 self.keys.get(forked, forked) if isinstance(forked, int) else None
             )
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
+        folders = {unit.key: unit.folder for unit in end.units}
         return job.combine(
-            self.spec, end,
-            root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=self.rates, folders=self.folders,
+            self.spec, ending,
+            root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=rates, folders=folders,
             roles=roles, parents=parents, alive=alive,
         )  # fmt: skip
 
@@ -476,6 +498,6 @@ def _where(state: BeaconState | None) -> Where | None:
     return Where(**state.where()) if state is not None else None
 
 
-def _info_total(info: Mapping[str, Any]) -> int | None:
+def _info_total(info: ProbeJson) -> int | None:
     total = info.get("total_steps")
     return total if isinstance(total, int) and total > 0 else None

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
@@ -31,7 +31,16 @@ from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progre
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending
-from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON
+from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
+from nsa_diag.records import (
+    CaseEvidence,
+    NonFinite,
+    ProcessRecord,
+    RankException,
+    Rate,
+    StackDiff,
+    StopReport,
+)
 from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
@@ -41,7 +50,7 @@ __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "unit_ends"]
 STDERR_READ_BYTES = 256 * 1024
 
 
-def no_signal(info: Mapping[str, Any]) -> str | None:
+def no_signal(info: ProbeJson) -> str | None:
     """Why SIGUSR1 must not be sent to a process with this ``probe.json`` (None: its probe takes it)."""
     if not info:
         return "no probe in this process (not Python, or started without it): SIGUSR1 could end it"
@@ -78,22 +87,23 @@ def _is_oom(exc: WorkerException | Traceback) -> bool:
     return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in exc.message
 
 
-def _nonfinite(case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> dict[str, Any] | None:
+def _nonfinite(case_dir: Path, infos: Mapping[int, ProbeJson]) -> NonFinite | None:
+    """The first non-finite loss a probed process of the job was told of (its ``nonfinite.json``)."""
     for pid in infos:
         with contextlib.suppress(OSError, ValueError):
             record = artifacts.read_json(case_dir / "procs" / f"pid-{pid}" / NONFINITE_JSON)
-            return {**record, "pid": pid}
+            return NonFinite.model_validate({**record, "pid": pid})
     return None
 
 
-def job_report(code: int, case_dir: Path, infos: Mapping[int, Mapping[str, Any]]) -> WorkerReport | None:
+def job_report(code: int, case_dir: Path, infos: Mapping[int, ProbeJson]) -> WorkerReport | None:
     """The job's account (module docstring); None when its exit status alone tells (a crash).
     ``infos``: every probed process's ``probe.json``, by pid."""
     nonfinite = _nonfinite(case_dir, infos)
     if nonfinite is not None:
         reason = (
-            f"non-finite loss {nonfinite.get('value')} at step {nonfinite.get('step')} "
-            f"(pid {nonfinite['pid']}, {nonfinite.get('seen') or 'told to nsa_diag.probe.loss'}); "
+            f"non-finite loss {nonfinite.value} at step {nonfinite.step} "
+            f"(pid {nonfinite.pid}, {nonfinite.seen or 'told to nsa_diag.probe.loss'}); "
             f"the job exited with code {code}"
         )
         return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
@@ -148,7 +158,7 @@ _ROOT_CAUSE = re.compile(
 _OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
 
 
-def rank_infos(infos: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+def rank_infos(infos: Mapping[int, ProbeJson]) -> dict[int, ProbeJson]:
     """rank -> ``probe.json`` of the job's rank processes, from every probed process's (by pid): a
     process with a rank that is neither a fork (a DataLoader worker) nor the child of one of that rank."""
     by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
@@ -160,14 +170,14 @@ def rank_infos(infos: Mapping[int, Mapping[str, Any]]) -> dict[int, Mapping[str,
     return ranks
 
 
-def rank_errors(text: str, infos: Mapping[int, Mapping[str, Any]]) -> dict[int, RankError]:
+def rank_errors(text: str, infos: Mapping[int, ProbeJson]) -> dict[int, RankError]:
     """Each rank's exception on the job's stderr ``text`` (`nsa_diag.analysis.tracebacks`), explained
     with that rank's ``probe.json`` (``infos``, by rank: DDP's parameter order)."""
     found = rank_exceptions(text, infos.keys(), rank_exit_codes(text))
     return {rank: _explain(tb, infos.get(rank, {})) for rank, tb in found.items()}
 
 
-def _explain(tb: Traceback, info: Mapping[str, Any]) -> RankError:
+def _explain(tb: Traceback, info: ProbeJson) -> RankError:
     names = info.get("ddp_params")
     options = info.get("ddp_options")
     find_unused = options.get("find_unused_parameters") if isinstance(options, dict) else None
@@ -257,9 +267,9 @@ def unit_ends(
     units: Sequence[Any],
     watched: Sequence[WatchResult],
     hangs: Mapping[int, HangEvidence],
-    stop: dict[str, Any],
+    stop: StopReport,
     ranks: Mapping[int, int],
-) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
+) -> dict[int, tuple[WatchResult, StopReport]]:
     """Each unit's end: the command's own exit status; a rank's from torchrun's failure summary; any other
     process that had exited before the evidence: 0 when its probe saw a normal exit, else unknown."""
     codes = rank_exit_codes(_stderr(case_dir))
@@ -269,22 +279,25 @@ def unit_ends(
         own = info.get("exit_code") if isinstance(info.get("exit_code"), int) else None  # os._exit's
         normal = own if own is not None else (0 if info.get("exited") else None)
         if i == 0:
-            code = stop.get("exit_code")
+            code = stop.exit_code
         elif unit.key in ranks:
             code = codes.get(unit.key, normal)
         else:
             code = normal
         if w.outcome != "exited" and unit.key not in hangs and i != 0:
             w = replace(w, outcome="exited", decision=None, exit_code=code)
-        ends[unit.key] = (w, {**stop, "exit_code": code if w.outcome == "exited" else stop.get("exit_code")})
+        ends[unit.key] = (
+            w,
+            stop.model_copy(update={"exit_code": code if w.outcome == "exited" else stop.exit_code}),
+        )
     return ends
 
 
-def _info(folder: Path) -> dict[str, Any]:
+def _info(folder: Path) -> ProbeJson:
     try:
-        return dict(artifacts.read_json(folder / PROBE_JSON))
+        return cast(ProbeJson, dict(artifacts.read_json(folder / PROBE_JSON)))
     except (OSError, ValueError):
-        return {}
+        return ProbeJson()
 
 
 def location(result: CaseResult, rank: int | None) -> str:
@@ -307,7 +320,7 @@ def place(w: Where | None, rank: int | None) -> str:
     return ", ".join(parts) or "before any progress the probe could see"
 
 
-def _label(key: int, info: Mapping[str, Any], ranks: Mapping[int, int], root: int) -> str:
+def _label(key: int, info: ProbeJson, ranks: Mapping[int, int], root: int) -> str:
     pid = ranks.get(key, key)
     what = f"rank {key} (pid {pid})" if key in ranks else f"pid {pid}"
     if key == root:
@@ -348,46 +361,41 @@ def _waited_on(
     return []
 
 
-def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> dict[str, Any]:
+def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> Rate:
     """Progress rate of a unit; with the job's total steps, the fraction done and the ETA."""
     now = w.history[-1].t
     if total:
         return progress_rate(w.history, now, spec.model_copy(update={"steps": total}))
     rate = progress_rate(w.history, now, spec.model_copy(update={"steps": sys.maxsize}))
-    for key in ("fraction_done", "eta_s", "estimated_total_s"):
-        rate.pop(key, None)
-    rate["steps_total"] = None
-    rate["eta"] = (
+    known = rate.model_dump(exclude={"fraction_done", "eta_s", "estimated_total_s"})
+    eta = (
         "unknown: the job's total steps are unknown "
         "(nsa-diag watch --total-steps N, or nsa_diag.probe.total_steps(n))"
     )
-    return rate
+    return Rate.model_validate({**known, "steps_total": None, "eta": eta})
 
 
-def _slow_reason(rate: Mapping[str, Any], timeout: float, where: str, evidence: Mapping[str, Any]) -> str:
+def _slow_reason(rate: Rate, timeout: float, where: str, evidence: CaseEvidence) -> str:
     """A slow job's reason: what showed it still worked (the liveness signals) or the pause it was in
     (``evidence``'s ``work`` and ``activity``), its steps and rate, and its ETA."""
-    work, activity = evidence.get("work") or {}, evidence.get("activity")
-    if work.get("working"):
-        still = f"still working past the {timeout:g} s timeout ({work['text']})"
+    work, activity = evidence.work, evidence.activity
+    if work is not None and work.working:
+        still = f"still working past the {timeout:g} s timeout ({work.text})"
     elif activity:
         still = f"not stuck when the {timeout:g} s timeout ran out ({activity})"
     else:
         still = f"progress continued past the {timeout:g} s timeout"
-    text = (
-        f"{still}: {rate.get('steps_done', 0)} step(s) done "
-        f"at {rate.get('steps_per_s', 0):g} steps/s, now at {where}"
-    )
-    if rate.get("eta_s") is not None:
+    text = f"{still}: {rate.steps_done} step(s) done at {rate.steps_per_s:g} steps/s, now at {where}"
+    if rate.eta_s is not None:
         return (
-            text + f"; ETA {rate['eta_s']:g} s more ({rate.get('steps_total')} steps, "
-            f"~{rate.get('estimated_total_s'):g} s in all)"
+            text + f"; ETA {rate.eta_s:g} s more ({rate.steps_total} steps, "
+            f"~{rate.estimated_total_s:g} s in all)"
         )
     return text + "; ETA unknown (total steps unknown)"
 
 
 def process_state(
-    key: int, res: CaseResult, role: str | None, info: Mapping[str, Any], folder: Path | None, alive: bool
+    key: int, res: CaseResult, role: str | None, info: ProbeJson, folder: Path | None, alive: bool
 ) -> str:
     """What one process of the job was doing when the case ended, true of it whatever its role (module
     docstring): exited normally, killed, idle, waiting on its ranks, working, stuck, or its own verdict."""
@@ -401,7 +409,7 @@ def process_state(
             return f"exited with code {code}"
         return "ended (exit status unknown: not nsa-diag's child, and its probe saw no normal exit)"
     thread = _focus(folder) if folder is not None else None
-    activity = res.evidence.get("activity")
+    activity = res.evidence.activity
     if role == "dataloader-worker":
         if activity:
             return f"working: {activity}"
@@ -423,20 +431,20 @@ def _record(
     key: int,
     res: CaseResult,
     role: str | None,
-    info: Mapping[str, Any],
+    info: ProbeJson,
     ranks: Mapping[int, int],
     root: int,
     folder: Path | None,
     alive: bool,
-) -> dict[str, Any]:
+) -> ProcessRecord:
     training = role in TRAINING_ROLES or role is None
-    return {
-        "label": _label(key, info, ranks, root), "role": role,
-        "state": process_state(key, res, role, info, folder, alive),
-        "verdict": res.verdict if training else None, "hang_kind": res.hang_kind if training else None,
-        "reason": res.reason, "where": location(res, key if key in ranks else None),
-        "exit_code": res.exit_code,
-    }  # fmt: skip
+    return ProcessRecord(
+        label=_label(key, info, ranks, root), role=role,
+        state=process_state(key, res, role, info, folder, alive),
+        verdict=res.verdict if training else None, hang_kind=res.hang_kind if training else None,
+        reason=res.reason, where=location(res, key if key in ranks else None),
+        exit_code=res.exit_code,
+    )  # fmt: skip
 
 
 def _timeout_decider(per_unit: Mapping[int, CaseResult], training: Sequence[int], fallback: int) -> int:
@@ -452,9 +460,9 @@ def combine(
     end: Ending,
     *,
     root: int,
-    infos: Mapping[int, Mapping[str, Any]],
+    infos: Mapping[int, ProbeJson],
     ranks: Mapping[int, int],
-    rates: Mapping[int, dict[str, Any]],
+    rates: Mapping[int, Rate],
     folders: Mapping[int, Path],
     roles: Mapping[int, str] | None = None,
     parents: Mapping[int, int | None] | None = None,
@@ -472,7 +480,9 @@ def combine(
         )
         for key, res in per_unit.items()
     }
-    evidence: dict[str, Any] = {"stop": stop, **end.notes, "processes": processes}
+    evidence = CaseEvidence(stop=stop)
+    evidence.add(end.notes)
+    evidence.processes = processes
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
     if outcome == "exited":
@@ -485,9 +495,11 @@ def combine(
             # A rank's exception is the cause; the ranks torchrun stopped after it (SIGTERM) are not, nor
             # those that exited without a traceback. A rank killed by a signal of its own still is.
             report = raised_report(raised, text, per_unit[root].exit_code)
-            base, found = per_unit[root], {"verdict": report.status, "missing_grads": report.missing_grads}
-            update = {**found, "reason": report.reason, "steps_done": steps,
-                      "evidence": {**base.evidence, **evidence}}  # fmt: skip
+            base = per_unit[root]
+            update = {
+                "verdict": report.status, "missing_grads": report.missing_grads, "reason": report.reason,
+                "steps_done": steps, "evidence": _merged(base.evidence, evidence),
+            }  # fmt: skip
             return base.model_copy(update=update)
         source = root
         if crashed and per_unit[root].verdict in ("crash", "error"):
@@ -496,10 +508,11 @@ def combine(
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
         if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
             reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
-        if base.signal == "SIGKILL" and not stop.get("sigkill"):
+        if base.signal == "SIGKILL" and not stop.sigkill:
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
-        evidence.update(_stacks_file(folders.get(source), end.case_dir))
-        update = {"reason": reason, "steps_done": steps, "evidence": {**base.evidence, **evidence}}
+        if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
+            evidence.stacks_file = stacks_file
+        update = {"reason": reason, "steps_done": steps, "evidence": _merged(base.evidence, evidence)}
         return base.model_copy(update=update)
 
     key = decider if decider is not None else root
@@ -508,51 +521,65 @@ def combine(
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
-    evidence = {**base.evidence, **evidence, "location": where}
-    evidence.update(_stacks_file(folders.get(key), end.case_dir))
-    update: dict[str, Any] = {"steps_done": steps, "evidence": evidence}
+    evidence = _merged(base.evidence, evidence)
+    evidence.location = where
+    if (stacks_file := _stacks_file(folders.get(key), end.case_dir)) is not None:
+        evidence.stacks_file = stacks_file
     if base.verdict == "slow":
-        rate = rates.get(key) or {}
+        rate = rates.get(key) or Rate()
         # a unit that reported no progress has no rate to give: its own reason says what it was doing
         reason = (
             base.reason
             if never_progressed(base.where)
             else _slow_reason(rate, spec.timeout, where, base.evidence)
         )
-        if stop.get("kept_alive"):
-            reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
-        update.update(rate=rate, reason=reason)
-        return base.model_copy(update=update)
+        if stop.kept_alive:
+            reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop.kept_alive))}"
+        return base.model_copy(
+            update={"steps_done": steps, "evidence": evidence, "rate": rate, "reason": reason}
+        )
     reason, kind = base.reason, base.hang_kind
     if len(ranks) > 1:
         kind, reason = _rank_hang(per_unit, ranks, folders, key, evidence, reason, kind)
     thread = _focus(folders[key]) if key in folders else None
     waited = _waited_on(key, thread, per_unit, roles, parents)
     if waited:
-        texts = [f"{_label(k, infos.get(k, {}), ranks, root)}: {processes[str(k)]['state']}" for k in waited]
+        texts = [f"{_label(k, infos.get(k, {}), ranks, root)}: {processes[str(k)].state}" for k in waited]
         what = (
             "its next batch from its DataLoader worker(s)"
             if waits_on_dataloader(thread)
             else "its child process"
         )
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
-        evidence["waits_on"] = waited
+        evidence.waits_on = waited
     where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {where}"
-    if stop.get("kept_alive"):
-        reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop['kept_alive']))}"
-    update.update(reason=f"{where_text}: {reason}", hang_kind=kind)
+    if stop.kept_alive:
+        reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop.kept_alive))}"
+    update = {
+        "steps_done": steps,
+        "evidence": evidence,
+        "reason": f"{where_text}: {reason}",
+        "hang_kind": kind,
+    }
     return base.model_copy(update=update)
 
 
-def _stacks_file(folder: Path | None, case_dir: Path) -> dict[str, str]:
-    """``stacks_file``: the deciding process's stacks.txt in the case folder (`CaseResult.stacks_file`),
-    where it took one."""
+def _merged(base: CaseEvidence, more: CaseEvidence) -> CaseEvidence:
+    """``base`` with the fields ``more`` was given (``{**base, **more}``)."""
+    merged = base.model_copy()
+    merged.add(more)
+    return merged
+
+
+def _stacks_file(folder: Path | None, case_dir: Path) -> str | None:
+    """The deciding process's stacks.txt in the case folder (`CaseResult.stacks_file`), where it took
+    one."""
     if folder is None or not (folder / artifacts.STACKS).is_file():
-        return {}
+        return None
     try:
-        return {"stacks_file": (folder / artifacts.STACKS).relative_to(case_dir).as_posix()}
+        return (folder / artifacts.STACKS).relative_to(case_dir).as_posix()
     except ValueError:
-        return {}
+        return None
 
 
 _WORDLESS = re.compile(r"^[^A-Za-z0-9]*$")  # a rule of "=" or "-" (torchrun's summary) says nothing
@@ -572,25 +599,24 @@ def _exit_reason(code: int, w: Where | None, steps: int, stderr: str) -> str:
 
 
 def _note_raised(
-    raised: Mapping[int, RankError], processes: dict[str, dict[str, Any]], evidence: dict[str, Any]
+    raised: Mapping[int, RankError], processes: Mapping[str, ProcessRecord], evidence: CaseEvidence
 ) -> None:
     """Each rank that raised: its own exception in its record of ``processes`` and in the evidence."""
     for rank, error in raised.items():
         record = processes.get(str(rank))
         if record is not None:
             guessed = f" ({GUESSED})" if error.exception.found_by == "order" else ""
-            reason = error.reason() + guessed
-            state = f"raised {error.exception.type}" + (
+            record.verdict, record.hang_kind = error.status, None
+            record.reason = error.reason() + guessed
+            record.state = f"raised {error.exception.type}" + (
                 f" ({error.status})" if error.status != "error" else ""
             )
-            record.update(verdict=error.status, hang_kind=None, reason=reason, state=state)
     if raised:
-        evidence["rank_exceptions"] = {
-            str(rank): {
-                "type": e.exception.type, "message": e.exception.first_line[:500],
-                "found_by": e.exception.found_by,
-                **({"ddp_error": e.ddp_error.as_dict()} if e.ddp_error is not None else {}),
-            }
+        evidence.rank_exceptions = {
+            str(rank): RankException(
+                type=e.exception.type, message=e.exception.first_line[:500], found_by=e.exception.found_by,
+                **({"ddp_error": e.ddp_error.info()} if e.ddp_error is not None else {}),
+            )
             for rank, e in sorted(raised.items())
         }  # fmt: skip
 
@@ -600,37 +626,37 @@ def _rank_hang(
     ranks: Mapping[int, int],
     folders: Mapping[int, Path],
     decider: int,
-    evidence: dict[str, Any],
+    evidence: CaseEvidence,
     reason: str,
     kind: str | None,
 ) -> tuple[str | None, str]:
     """The ranks' minority (stack clusters; on a tie, the ranks outside a collective) and the hang kind."""
     threads = {r: _focus(folders[r]) for r in ranks if r in folders}
     diff = cross_rank_diff(threads, {})
-    evidence["stack_diff"] = diff
-    if not diff.get("minority_ranks"):
+    evidence.stack_diff = diff
+    if not diff.minority_ranks:
         collective_minority(diff, folders, ranks)
-    minority = diff.get("minority_ranks") or []
-    evidence["minority_ranks"] = minority
+    minority = diff.minority_ranks
+    evidence.minority_ranks = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
-    counted = str(diff.get("basis", "")).startswith("collective counts")
+    counted = diff.basis.startswith("collective counts")
     kind = minority_hang_kind(kinds, minority, counted, kind)
     if minority:
         r = minority[0]
-        div = (diff.get("first_divergent_frame") or {}).get(str(r)) or {}
+        div = diff.first_divergent_frame.get(str(r))
         text = f"minority rank(s) {', '.join(map(str, minority))}"
         if r in per_unit:
             text += f" at {location(per_unit[r], r)}"
-        if div.get("frame"):
-            text += f", first divergent frame {div['frame']}"
-        reason += f"; {text} ({diff.get('basis')})"
+        if div is not None and div.frame:
+            text += f", first divergent frame {div.frame}"
+        reason += f"; {text} ({diff.basis})"
     return kind, reason
 
 
-def collective_minority(diff: dict[str, Any], folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
+def collective_minority(diff: StackDiff, folders: Mapping[int, Path], ranks: Mapping[int, int]) -> None:
     """On a tie of stacks: the ranks that entered fewer calls of the collective the others wait in (the
     probe's counts at the hang in each rank's ``at_hang.json``; `analysis.ranks.minority_by_counts`)."""
-    at_hang = {}
+    at_hang: dict[int, AtHang] = {}
     for r in ranks:
         with contextlib.suppress(OSError, ValueError):
             at_hang[r] = artifacts.read_json(folders[r] / AT_HANG_JSON)

@@ -13,7 +13,7 @@ shared case folder, so any shared file system works and no service of ours liste
    ranks nodes by host name and process id), so global rank = node rank x nproc + local rank. Node 0's
    agent hosts the store, listening on HOST only (`nsa_diag.worker.agent`); it waits ``--rdzv-timeout``
    for the other nodes to join.
-4. Each node watches its local ranks (``ranks/<global rank>/``). Before it stops them (`before_stop`) it
+4. Each node watches its local ranks (``ranks/<global rank>/``). Before it stops them (`wait_for_nodes`) it
    says so in ``nodes/<R>/node.json`` and waits, bounded, until every node has: no node's kill breaks a
    rank of another node (gloo and NCCL fail at once when a peer dies) before its evidence is taken.
 5. Each node classifies its ranks into ``ranks/<r>/rank_result.json`` and its end into ``node.json``.
@@ -31,14 +31,26 @@ import errno
 import re
 import socket
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+
+from pydantic import Field
 
 from nsa_diag import artifacts
 from nsa_diag.errors import UsageError
-from nsa_diag.launchers.base import Ending
+from nsa_diag.launchers.base import Ending, Evidence, JobEnd, LaunchPlan, Stage, Unit, classified
 from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
+from nsa_diag.records import (
+    Barrier,
+    CaseEvidence,
+    DdpResult,
+    JobNotes,
+    NodeEnd,
+    RankVerdict,
+    Record,
+    StopReport,
+)
 from nsa_diag.results import error_result
 from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec
 from nsa_diag.worker.ddp import RANKS_DIR, rank_dir
@@ -122,12 +134,34 @@ def barrier_s(spec: CaseSpec) -> float:
     return min(stall + EVIDENCE_MARGIN_S, spec.timeout + EVIDENCE_MARGIN_S)
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _read(path: Path) -> object:
+    """The JSON in ``path``; None where there is none yet (or half of one: another node writes it)."""
     try:
-        data = artifacts.read_json(path)
+        return artifacts.read_json(path)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+
+
+class NodeFile(Record):
+    """What a node says of itself in ``nodes/<R>/node.json`` (step 4 and 5 of the module docstring): its
+    state (stopping, ended, interrupted) and, ended, how its watch ended and what stopping took."""
+
+    state: str
+    node_rank: int
+    host: str
+    time: float
+    outcome: str | None = None
+    decider: int | None = None
+    stop: StopReport | None = None
+    ranks: list[int] = Field(default_factory=list)
+    by: str | None = None  # interrupted: the signal
+
+
+def _node_file(path: Path) -> NodeFile | None:
+    try:
+        return NodeFile.model_validate(_read(path))
+    except ValueError:
+        return None
 
 
 class NodeLauncher(TorchrunLauncher):
@@ -143,7 +177,6 @@ class NodeLauncher(TorchrunLauncher):
         self.ds: DdpSpec = spec.ddp
         self.node = spec.ddp.node_rank
         self.host = socket.gethostname()
-        self.waited: dict[str, Any] = {}
 
     def home(self, case_dir: Path) -> Path:
         return Path(case_dir) if self.node == 0 else artifacts.node_dir(case_dir, self.node)
@@ -151,14 +184,16 @@ class NodeLauncher(TorchrunLauncher):
     def _node_file(self, case_dir: Path, node: int) -> Path:
         return artifacts.node_dir(case_dir, node) / artifacts.NODE
 
-    def _say(self, case_dir: Path, state: str, **facts: Any) -> None:
-        record = {"state": state, "node_rank": self.node, "host": self.host, "time": time.time(), **facts}
+    def _say(self, case_dir: Path, state: str, **facts: object) -> None:
+        record = NodeFile.model_validate(
+            {"state": state, "node_rank": self.node, "host": self.host, "time": time.time(), **facts}
+        )
         artifacts.write_json(self._node_file(case_dir, self.node), record)
 
-    def prepare(self, case_dir: Path) -> None:
-        """Clear what an earlier attempt in this folder left: this node's ranks and node files; at node 0
-        also every node's and rank's results (the other nodes write theirs only after the rendezvous,
-        which needs node 0)."""
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        """First clear what an earlier attempt in this folder left: this node's ranks and node files; at
+        node 0 also every node's and rank's results (the other nodes write theirs only after the
+        rendezvous, which needs node 0). A node R > 0's ranks read the spec in its folder."""
         for rank in local_ranks(self.spec):
             artifacts.remove_tree(rank_dir(case_dir, rank))
         stale = [self._node_file(case_dir, self.node), self.home(case_dir) / artifacts.RESULT]
@@ -166,19 +201,23 @@ class NodeLauncher(TorchrunLauncher):
             stale += [self._node_file(case_dir, n) for n in range(self.ds.nnodes)]
             stale += list((Path(case_dir) / RANKS_DIR).glob(f"*/{artifacts.RANK_RESULT}"))
         artifacts.remove_files(stale)
-        super().prepare(case_dir)
+        plan = super().plan(case_dir, extra_env)
         self.home(case_dir).mkdir(parents=True, exist_ok=True)
-
-    def command(self, case_dir: Path) -> list[str]:
         own_spec = [] if self.node == 0 else [str((self.home(case_dir) / artifacts.SPEC).resolve())]
         self.argv = torchrun_argv(self.spec, case_dir, worker_args=own_spec)
-        return self.argv
+        return replace(plan, argv=self.argv, replay_argv=self.argv)
 
-    def notes(self) -> dict[str, Any]:
-        return {**super().notes(), "node_rank": self.node, "host": self.host}
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """torchrun's, with this node's rank and host; before the stop, the barrier (`wait_for_nodes`)."""
+        if stage is Stage.STOPPING:
+            return Evidence(JobNotes(barrier=self.wait_for_nodes(case_dir)))
+        taken = super().evidence(case_dir, stage, units)
+        if stage is Stage.WATCHED:
+            taken.notes.node_rank, taken.notes.host = self.node, self.host
+        return taken
 
     def _never_started(self, case_dir: Path) -> bool:
-        """No local rank ever started (`prepare` removed their folders): the rendezvous did not complete."""
+        """No local rank ever started (`plan` removed their folders): the rendezvous did not complete."""
         return not any(rank_dir(case_dir, r).exists() for r in local_ranks(self.spec))
 
     def _rendezvous_failure(self, case_dir: Path) -> str:
@@ -194,63 +233,62 @@ class NodeLauncher(TorchrunLauncher):
         )
         return text + (f"; torchrun: {said}" if said else "")
 
-    def _not_met(self, case_dir: Path, elapsed: float, stop: dict[str, Any]) -> CaseResult:
+    def _not_met(self, case_dir: Path, elapsed: float, stop: StopReport) -> CaseResult:
         """The case's result when the rendezvous did not complete: an error saying so, each rank's part."""
         ranks = {
-            str(r): {
-                "verdict": "error",
-                "reason": "never started: the rendezvous did not complete"
+            str(r): RankVerdict(
+                verdict="error",
+                reason="never started: the rendezvous did not complete"
                 if node_of(self.spec, r) == self.node
                 else f"node {node_of(self.spec, r)} never reported",
-            }
+            )
             for r in range(self.ds.world_size)
         }
-        ddp = {"nnodes": self.ds.nnodes, "node_rank": self.node, "world_size": self.ds.world_size,
-               "backend": self.ds.backend, "ranks": ranks, "torchrun": self.argv}  # fmt: skip
+        ddp = DdpResult(nnodes=self.ds.nnodes, node_rank=self.node, world_size=self.ds.world_size,
+                        backend=self.ds.backend, ranks=ranks, torchrun=self.argv)  # fmt: skip
         result = error_result(
             self.spec,
             self._rendezvous_failure(case_dir),
             elapsed,
-            {"outcome": "rendezvous-failed", "stop": stop},
+            CaseEvidence(outcome="rendezvous-failed", stop=stop),
         )
         return result.model_copy(update={"ddp": ddp})
 
-    def before_stop(self, case_dir: Path) -> None:
+    def wait_for_nodes(self, case_dir: Path) -> Barrier:
         """Say this node has its evidence, and wait (`barrier_s`, at most ``--rdzv-timeout``) until every
-        node has said so; not when no local rank started (there is nothing to break)."""
+        node has said so; not when no local rank started (there is nothing to break). How long it waited."""
         self._say(case_dir, "stopping")
         if self._never_started(case_dir):
-            self.waited = {"waited_s": 0.0, "skipped": "no rank started on this node"}
-            return
+            return Barrier(waited_s=0.0, skipped="no rank started on this node")
         others = [n for n in range(self.ds.nnodes) if n != self.node]
         started = time.monotonic()
         deadline = started + min(barrier_s(self.spec), self.ds.wait_s)
         while True:
-            missing = [n for n in others if _read(self._node_file(case_dir, n)) is None]
+            missing = [n for n in others if _node_file(self._node_file(case_dir, n)) is None]
             if not missing or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-        self.waited = {"waited_s": round(time.monotonic() - started, 2), "nodes_not_ready": missing}
+        return Barrier(waited_s=round(time.monotonic() - started, 2), nodes_not_ready=missing)
 
-    def combine(self, end: Ending) -> CaseResult:
+    def outcome(self, end: JobEnd) -> CaseResult:
         """Publish this node's ranks' results and its end; node 0 then aggregates every rank, a node R > 0
         takes node 0's result (module docstring)."""
         case_dir = end.case_dir
+        ending = classified(self.spec, end, self.rank_ends(end))
         if self._never_started(case_dir):
             self._say(case_dir, "ended", outcome="rendezvous-failed", stop=end.stop)
-            return self._not_met(case_dir, end.elapsed, end.stop)
-        for rank, result in end.per_unit.items():
+            return self._not_met(case_dir, ending.elapsed, end.stop)
+        for rank, result in ending.per_unit.items():
             artifacts.write_json(rank_dir(case_dir, rank) / artifacts.RANK_RESULT, result)
-        end = replace(end, notes={**end.notes, "barrier": self.waited})
         self._say(
             case_dir,
             "ended",
-            outcome=end.outcome,
-            decider=end.decider,
-            stop=end.stop,
-            ranks=sorted(end.per_unit),
+            outcome=ending.outcome,
+            decider=ending.decider,
+            stop=ending.stop,
+            ranks=sorted(ending.per_unit),
         )
-        return self._aggregate_all(end) if self.node == 0 else self._await_case(end)
+        return self._aggregate_all(ending) if self.node == 0 else self._await_case(ending)
 
     def _aggregate_all(self, end: Ending) -> CaseResult:
         """Node 0: every rank's result (waiting for the other nodes), aggregated across nodes."""
@@ -269,27 +307,29 @@ class NodeLauncher(TorchrunLauncher):
             except ValueError:
                 node = node_of(self.spec, rank)
                 reason = f"node {node} never reported: no result for rank {rank} within {wait:g} s"
-                per_rank[rank] = error_result(self.spec, reason, end.elapsed, {"outcome": "node-missing"})
-        nodes: dict[str, Any] = {}
+                per_rank[rank] = error_result(
+                    self.spec, reason, end.elapsed, CaseEvidence(outcome="node-missing")
+                )
+        nodes: dict[str, NodeEnd] = {}
         for n in range(self.ds.nnodes):
-            record = _read(self._node_file(case_dir, n)) if n != self.node else None
+            record = _node_file(self._node_file(case_dir, n)) if n != self.node else None
             if n == self.node:
-                nodes[str(n)] = {"host": self.host, "outcome": outcome, "decider": decider}
-            elif record is None or record.get("state") != "ended":
-                nodes[str(n)] = {"never_reported": True, "state": (record or {}).get("state")}
+                nodes[str(n)] = NodeEnd(host=self.host, outcome=outcome, decider=decider)
+            elif record is None or record.state != "ended":
+                nodes[str(n)] = NodeEnd(never_reported=True, state=record.state if record else None)
             else:
-                nodes[str(n)] = {k: record.get(k) for k in ("host", "outcome", "decider", "stop")}
-        outcomes = [outcome, *(v.get("outcome") for v in nodes.values())]
+                nodes[str(n)] = NodeEnd(
+                    host=record.host, outcome=record.outcome, decider=record.decider, stop=record.stop
+                )
+        outcomes = [outcome, *(v.outcome for v in nodes.values())]
         combined = "stalled" if "stalled" in outcomes else "timeout" if "timeout" in outcomes else outcome
         if decider is None:
-            decider = next((v["decider"] for v in nodes.values() if v.get("decider") is not None), None)
-        notes = {**end.notes, "nodes": nodes}
+            decider = next((v.decider for v in nodes.values() if v.decider is not None), None)
+        notes = end.notes.model_copy(update={"nodes": nodes})
         result = aggregate_ranks(
             self.spec, replace(end, outcome=combined, per_unit=per_rank, decider=decider, notes=notes)
         )
-        survivors = {
-            n: v["stop"]["survivors"] for n, v in nodes.items() if (v.get("stop") or {}).get("survivors")
-        }
+        survivors = {n: v.stop.survivors for n, v in nodes.items() if v.stop is not None and v.stop.survivors}
         if survivors:
             result = result.model_copy(update={"reason": result.reason + f"; processes left: {survivors}"})
         return result
@@ -312,14 +352,14 @@ class NodeLauncher(TorchrunLauncher):
     def _node_0s(self, case: CaseResult, end: Ending) -> CaseResult:
         """Node 0's result of the case, as this node R > 0 ends with it: where node 0's nsa-diag was
         interrupted, that is said of node 0 (this node was not), with what became of this node's ranks."""
-        if case.evidence.get("outcome") != "interrupted":
+        if case.evidence.outcome != "interrupted":
             return case
         own = aggregate_ranks(self.spec, end)
         reason = f"node 0 was {case.reason} (not this node); node {self.node}'s ranks: {own.reason}"
         return case.model_copy(update={"reason": reason})
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         self._say(case_dir, "interrupted", by=by)
         return super().interrupted(case_dir, by, elapsed, stop, sampled)

@@ -23,7 +23,6 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -32,12 +31,24 @@ from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
 from nsa_diag.beacon import read_beacon
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence.stacks import read_stacks
-from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
+from nsa_diag.launchers.base import (
+    Ending,
+    Evidence,
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    UnitEnds,
+    classified,
+    python_env,
+    worker_env,
+)
+from nsa_diag.records import CaseEvidence, FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import error_result, read_worker_report
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.stopping import ProcessTree, alive, stop_tree
-from nsa_diag.watchdog import HangEvidence, ProcessHandle, WatchResult
 from nsa_diag.worker.ddp import RANKS_DIR, pg_timeout_s, rank_dir
 
 LOOPBACK = "127.0.0.1"
@@ -123,11 +134,11 @@ def _descendants(pid: int) -> list[int]:
 # --- the NCCL flight recorder ------------------------------------------------------------------------
 
 
-def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> dict[str, Any]:
+def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> FlightRecorder:
     """NCCL only: ask every rank's flight recorder for a dump through its debug pipe, wait for the files."""
     assert spec.ddp is not None
     if spec.ddp.backend != "nccl":
-        return {"taken": False, "why": "gloo has no flight recorder (NCCL only)"}
+        return FlightRecorder(taken=False, why="gloo has no flight recorder (NCCL only)")
     ranks_dir = Path(case_dir) / RANKS_DIR
     asked: dict[str, str] = {}
     for rank in pids:
@@ -143,7 +154,14 @@ def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]
     while time.monotonic() < deadline and not all((ranks_dir / f"{FR_PREFIX}{r}").exists() for r in pids):
         time.sleep(0.1)
     time.sleep(0.3)  # a dump being written
-    return {"asked": asked, "files": collect_flight_recorder(case_dir, pids)}
+    return FlightRecorder(asked=asked, files=collect_flight_recorder(case_dir, pids))
+
+
+def with_files(recorder: FlightRecorder | None, found: Mapping[str, str]) -> FlightRecorder:
+    """``recorder`` with the dumps ``found`` after the stop (NCCL's own timeout wrote them) among its
+    files."""
+    recorder = recorder if recorder is not None else FlightRecorder()
+    return recorder.model_copy(update={"files": {**recorder.files, **found}})
 
 
 def collect_flight_recorder(case_dir: Path, ranks: Sequence[int] | Mapping[int, int]) -> dict[str, str]:
@@ -174,7 +192,7 @@ def rank_inputs(unit_dir: Path) -> RankInputs:
         lines = (unit_dir / artifacts.PROGRESS).read_text(errors="replace").splitlines()
     except OSError:
         lines = []
-    return RankInputs((report.ddp if report else None) or {}, last, lines)
+    return RankInputs(report.ddp if report else None, last, lines)
 
 
 def aggregate_ranks(spec: CaseSpec, end: Ending) -> CaseResult:
@@ -194,19 +212,18 @@ class TorchrunLauncher(Launcher):
         assert spec.ddp is not None
         self.argv: list[str] = []
         self.pids: dict[int, int] = {}  # rank -> pid, from the ranks' beacons
+        self.recorder: FlightRecorder | None = None  # asked at the last hang of the watch
 
-    def prepare(self, case_dir: Path) -> None:
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
         (case_dir / RANKS_DIR).mkdir(parents=True, exist_ok=True)
-
-    def command(self, case_dir: Path) -> list[str]:
         self.argv = torchrun_argv(self.spec, case_dir)  # picks a free port: asked once per case
-        return self.argv
-
-    def replay_env(self, case_dir: Path) -> dict[str, str]:
-        return {**worker_env(self.spec), **ddp_env(self.spec, case_dir)}
-
-    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
-        return {**python_env(self.spec), **ddp_env(self.spec, case_dir), **(extra_env or {})}
+        return LaunchPlan(
+            home=self.home(case_dir),
+            argv=self.argv,
+            env={**python_env(self.spec), **ddp_env(self.spec, case_dir), **(extra_env or {})},
+            replay_argv=self.argv,
+            replay_env={**worker_env(self.spec), **ddp_env(self.spec, case_dir)},
+        )
 
     def units(self, case_dir: Path) -> list[Unit]:
         return [
@@ -214,74 +231,74 @@ class TorchrunLauncher(Launcher):
             for r in local_ranks(self.spec)
         ]
 
-    def after_watch(self, case_dir: Path) -> None:
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """The watch ended: the ranks' pids (for the evidence and the stop) and torchrun's command line. At
+        a hang: every rank's NCCL flight recorder, and every live rank for the watchdog. After the stop:
+        the dumps NCCL's own timeout wrote."""
+        if stage is Stage.WATCHED:
+            self.pids = self._rank_pids(case_dir)
+            self.recorder = None
+            return Evidence(JobNotes(torchrun=self.argv))
+        if stage is Stage.HANG:
+            self.recorder = flight_recorder_dump(case_dir, self.spec, self.pids)
+            targets = {r: RankProcess(pid) for r, pid in self.pids.items() if alive(pid)}
+            return Evidence(JobNotes(flight_recorder=self.recorder), targets)
+        if stage is Stage.STOPPED:
+            found = collect_flight_recorder(case_dir, local_ranks(self.spec))
+            if found:
+                return Evidence(JobNotes(flight_recorder=with_files(self.recorder, found)))
+        return Evidence()
+
+    def _rank_pids(self, case_dir: Path) -> dict[int, int]:
+        """rank -> pid of the ranks still of this job, from their beacons."""
         assert self.proc is not None
         beacons = {r: read_beacon(rank_dir(case_dir, r) / artifacts.BEACON) for r in local_ranks(self.spec)}
         pids = {r: s.pid for r, s in beacons.items() if s is not None and s.pid > 0}
         children = set(_descendants(self.proc.pid))
-        self.pids = {r: p for r, p in pids.items() if p in children or alive(p)}
+        return {r: p for r, p in pids.items() if p in children or alive(p)}
 
-    def notes(self) -> dict[str, Any]:
-        return {"torchrun": self.argv}
+    def stop_processes(self) -> StopReport:
+        assert self.proc is not None
+        # torchrun's session, every rank and every session a rank leads, at once
+        report = stop_tree(ProcessTree([self.proc.pid], self.pids.values(), follow=True), self.proc)
+        report.rank_pids = list(self.pids.values())
+        return report
 
     def internal_files(self, case_dir: Path) -> list[Path]:
         # and the NCCL debug pipes (FIFOs) each rank's process group made for flight-recorder requests
         pipes = [Path(case_dir) / RANKS_DIR / f"{PIPE_PREFIX}{r}.pipe" for r in local_ranks(self.spec)]
         return super().internal_files(case_dir) + pipes
 
-    def evidence_before_stop(self, case_dir: Path) -> dict[str, Any]:
-        return {"flight_recorder": flight_recorder_dump(case_dir, self.spec, self.pids)}
-
-    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
-        return {r: RankProcess(pid) for r, pid in self.pids.items() if alive(pid)}
-
-    def stop(self) -> dict[str, Any]:
-        if self.proc is None:
-            return {"started": False}
-        # torchrun's session, every rank and every session a rank leads, at once
-        report = stop_tree(ProcessTree([self.proc.pid], self.pids.values(), follow=True), self.proc)
-        report.rank_pids = list(self.pids.values())
-        return report.model_dump()
-
-    def evidence_after_stop(self, case_dir: Path, notes: dict[str, Any]) -> None:
-        found = collect_flight_recorder(case_dir, local_ranks(self.spec))  # written on NCCL's own timeout
-        if found:
-            notes.setdefault("flight_recorder", {}).setdefault("files", {}).update(found)
-
-    def unit_ends(
-        self,
-        case_dir: Path,
-        units: Sequence[Unit],
-        watched: Sequence[WatchResult],
-        hangs: Mapping[int, HangEvidence],
-        stop: dict[str, Any],
-    ) -> dict[int, tuple[WatchResult, dict[str, Any]]]:
-        """A rank that had exited before the others were stopped ended by itself, with the code torchrun's
-        failure summary gives it (0 when it wrote its result and is not in the summary)."""
-        codes = rank_exit_codes((self.home(case_dir) / artifacts.STDERR).read_text(errors="replace"))
+    def rank_ends(self, end: JobEnd) -> UnitEnds:
+        """Each rank's end: a rank that had exited before the others were stopped ended by itself, with
+        the code torchrun's failure summary gives it (0 when it wrote its result and is not in the
+        summary)."""
+        stderr = (self.home(end.case_dir) / artifacts.STDERR).read_text(errors="replace")
+        codes = rank_exit_codes(stderr)
         ends = {}
-        for unit, w in zip(units, watched, strict=True):
+        for unit, w in zip(end.units, end.watched.units, strict=True):
             rank = unit.key
-            if w.outcome != "exited" and rank not in hangs:  # this rank had already exited
+            if w.outcome != "exited" and rank not in end.hangs:  # this rank had already exited
                 w = replace(w, outcome="exited", decision=None, exit_code=codes.get(rank, 0))
             code = codes.get(rank, 0 if (unit.folder / artifacts.WORKER_RESULT).exists() else None)
             ends[rank] = (
                 w,
-                {"exit_code": code if w.outcome == "exited" else None, "pid": self.pids.get(rank)},
+                StopReport(exit_code=code if w.outcome == "exited" else None, pid=self.pids.get(rank)),
             )
         return ends
 
-    def combine(self, end: Ending) -> CaseResult:
-        result = aggregate_ranks(self.spec, end)
-        if end.stop.get("survivors"):
+    def outcome(self, end: JobEnd) -> CaseResult:
+        """The ranks' cross-rank aggregation (`aggregate_ranks`), naming any process left."""
+        result = aggregate_ranks(self.spec, classified(self.spec, end, self.rank_ends(end)))
+        if end.stop.survivors:
             result = result.model_copy(
-                update={"reason": result.reason + f"; processes left: {end.stop['survivors']}"}
+                update={"reason": result.reason + f"; processes left: {end.stop.survivors}"}
             )
         return result
 
     def interrupted(
-        self, case_dir: Path, by: str, elapsed: float, stop: dict[str, Any], sampled: bool
+        self, case_dir: Path, by: str, elapsed: float, stop: StopReport, sampled: bool
     ) -> CaseResult:
         """One line: the ranks' own states are not gathered when nsa-diag itself is interrupted."""
         reason = f"interrupted by {by} after {elapsed:.1f} s"
-        return error_result(self.spec, reason, elapsed, {"outcome": "interrupted", "stop": stop})
+        return error_result(self.spec, reason, elapsed, CaseEvidence(outcome="interrupted", stop=stop))

@@ -11,14 +11,24 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts
 from nsa_diag.evidence import stacks
-from nsa_diag.launchers.base import Ending, Launcher, Unit, python_env, worker_env
+from nsa_diag.launchers.base import (
+    Evidence,
+    JobEnd,
+    Launcher,
+    LaunchPlan,
+    Stage,
+    Unit,
+    classified,
+    python_env,
+    worker_env,
+)
+from nsa_diag.records import StopReport
 from nsa_diag.spec import CaseResult
 from nsa_diag.stopping import ProcessTree, stop_tree
-from nsa_diag.watchdog import ProcessHandle, catches_sigusr1
+from nsa_diag.watchdog import catches_sigusr1
 
 
 def worker_argv(case_dir: Path) -> list[str]:
@@ -29,38 +39,33 @@ def worker_argv(case_dir: Path) -> list[str]:
 class WorkerLauncher(Launcher):
     """One worker process in the case folder (the default for a spec without ``ddp``)."""
 
-    def command(self, case_dir: Path) -> list[str]:
-        return worker_argv(case_dir)
-
-    def replay_argv(self, case_dir: Path, argv: Sequence[str]) -> list[str]:
-        # replay.sh runs from anywhere: the case folder as an absolute path
-        return worker_argv(case_dir.resolve())
-
-    def replay_env(self, case_dir: Path) -> dict[str, str]:
-        return worker_env(self.spec)
-
-    def child_env(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> dict[str, str]:
-        return python_env(self.spec, extra_env)
+    def plan(self, case_dir: Path, extra_env: Mapping[str, str] | None) -> LaunchPlan:
+        return LaunchPlan(
+            home=self.home(case_dir),
+            argv=worker_argv(case_dir),
+            env=python_env(self.spec, extra_env),
+            replay_argv=worker_argv(case_dir.resolve()),  # replay.sh runs from anywhere
+            replay_env=worker_env(self.spec),
+        )
 
     def units(self, case_dir: Path) -> list[Unit]:
         return [Unit(0, case_dir, case_dir / artifacts.BEACON)]
 
-    def sample_targets(self, units: Sequence[Unit]) -> dict[int, ProcessHandle]:
-        assert self.proc is not None
-        return {0: self.proc}
-
-    def stop(self) -> dict[str, Any]:
-        if self.proc is None:
-            return {"started": False}
-        return stop_tree(ProcessTree([self.proc.pid]), self.proc).model_dump()
-
-    def combine(self, end: Ending) -> CaseResult:
-        return end.per_unit[0]
-
-    def sample_on_interrupt(self, case_dir: Path) -> bool:
-        """A user's Ctrl-C on a hung run wants to see where it was: one sample, when the worker can answer."""
+    def evidence(self, case_dir: Path, stage: Stage, units: Sequence[Unit] = ()) -> Evidence:
+        """At an interrupt, a user's Ctrl-C on a hung run wants to see where it was: one sample, when the
+        worker can answer."""
+        if stage is not Stage.INTERRUPTED:
+            return super().evidence(case_dir, stage, units)
         proc = self.proc
         if proc is None or proc.poll() is not None or not catches_sigusr1(proc.pid):
-            return False
+            return Evidence()
         path = case_dir / artifacts.STACKS
-        return stacks.take_sample(proc.pid, case_dir, path, 1, None, note="nsa-diag interrupted") is not None
+        taken = stacks.take_sample(proc.pid, case_dir, path, 1, None, note="nsa-diag interrupted")
+        return Evidence(sampled=taken is not None)
+
+    def stop_processes(self) -> StopReport:
+        assert self.proc is not None
+        return stop_tree(ProcessTree([self.proc.pid]), self.proc)
+
+    def outcome(self, end: JobEnd) -> CaseResult:
+        return classified(self.spec, end).per_unit[0]

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag.beacon import PHASES, BeaconWriter
 from nsa_diag.probe.liveness import LivenessSampler
@@ -74,6 +74,79 @@ def current() -> Probe | None:
     return _probe
 
 
+class DdpOptions(TypedDict):
+    """The DistributedDataParallel options a rank's job built its model with."""
+
+    find_unused_parameters: bool
+    static_graph: bool
+
+
+class ModelFound(TypedDict):
+    """The model the probe hooked: its class and where its blocks are."""
+
+    type: str
+    blocks: str
+
+
+class ProbeJson(TypedDict, total=False):
+    """``probe.json``: what the probe of one process knows of it, rewritten as it learns more (a rank, a
+    DataLoader worker's role, DDP's parameters, its exit). Read by the launcher of a watched job
+    (`nsa_diag.launchers.command`) and by attach (`nsa_diag.evidence.probefiles`)."""
+
+    pid: int
+    ppid: int
+    argv: list[str]
+    executable: str
+    started: float
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    sigusr1: str  # probe | user
+    torch: bool
+    role: str | None  # launcher | dataloader-worker
+    forked_from: int
+    worker_id: int | None
+    exit_code: int
+    exited: float
+    total_steps: int
+    ddp_options: DdpOptions
+    ddp_params: list[str]
+    model: ModelFound
+    torch_hooks_error: str
+    loss_watch_error: str
+    ddp_params_error: str
+    model_hooks_error: str
+
+
+class Waiting(TypedDict):
+    """The collective a process's call is under way in, and its number among that op's calls."""
+
+    op: str
+    n: int
+
+
+class AtHang(TypedDict, total=False):
+    """``at_hang.json``: the heartbeat thread's answer to a watchdog's dump request: memory (RSS, and
+    CUDA's allocator statistics: torch's keys), the step, the collectives entered per op, the one under
+    way."""
+
+    memory: dict[str, Any]
+    step: int
+    collectives: dict[str, int]
+    waiting: Waiting | None
+
+
+class NonFiniteLoss(TypedDict):
+    """``nonfinite.json``: the first non-finite loss the job told the probe of (`nsa_diag.probe.loss`, or
+    the tensor ``backward()`` was called on)."""
+
+    where: str  # loss
+    value: str
+    step: int
+    time: float
+    seen: str
+
+
 def _int_env(name: str) -> int | None:
     try:
         return int(os.environ[name])
@@ -81,7 +154,7 @@ def _int_env(name: str) -> int | None:
         return None
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: ProbeJson | AtHang | NonFiniteLoss) -> None:
     """Atomic (temporary sibling, rename); on a failure (a full disk) no temporary file stays."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -108,7 +181,7 @@ class Sink:
         self.optimizer: int | None = None  # id() of the optimizer whose steps count
         self.lock = threading.Lock()
         self.collectives: dict[str, int] = {}  # op -> calls entered
-        self.waiting: dict[str, Any] | None = None  # the collective under way: {"op", "n"}
+        self.waiting: Waiting | None = None  # the collective under way
 
     @property
     def forward_phase(self) -> str:
@@ -180,19 +253,19 @@ class Probe:
         self.root = root
         self.folder = root / f"pid-{os.getpid()}"
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.info: dict[str, Any] = {
-            "pid": os.getpid(),
-            "ppid": os.getppid(),
-            "argv": redact_argv(getattr(sys, "argv", [sys.executable]), env_secret_values(os.environ)),
-            "executable": sys.executable,
-            "started": time.time(),
-            "rank": _int_env("RANK"),
-            "local_rank": _int_env("LOCAL_RANK"),
-            "world_size": _int_env("WORLD_SIZE"),
-            "sigusr1": "probe",
-            "torch": False,
-            "role": "launcher" if launcher_argv(list(getattr(sys, "orig_argv", None) or sys.argv)) else None,
-        }
+        self.info = ProbeJson(
+            pid=os.getpid(),
+            ppid=os.getppid(),
+            argv=redact_argv(getattr(sys, "argv", [sys.executable]), env_secret_values(os.environ)),
+            executable=sys.executable,
+            started=time.time(),
+            rank=_int_env("RANK"),
+            local_rank=_int_env("LOCAL_RANK"),
+            world_size=_int_env("WORLD_SIZE"),
+            sigusr1="probe",
+            torch=False,
+            role="launcher" if launcher_argv(list(getattr(sys, "orig_argv", None) or sys.argv)) else None,
+        )
         self.beacon = BeaconWriter(self.folder / BEACON)
         self.liveness = LivenessSampler(self.beacon, threading.get_ident())
         if sink is None:
@@ -216,8 +289,9 @@ class Probe:
         with contextlib.suppress(OSError):
             _write_json(self.folder / PROBE_JSON, self.info)
 
-    def note(self, key: str, value: Any) -> None:
-        self.info[key] = value
+    def note(self, key: str, value: object) -> None:
+        """Set ``key`` of probe.json (one of `ProbeJson`'s) and rewrite the file."""
+        self.info[key] = value  # type: ignore[literal-required]
         self.save()
 
     # --- signals ------------------------------------------------------------------------------------
@@ -264,8 +338,12 @@ class Probe:
             if not answered and request.exists():
                 answered = True
                 try:
-                    at_hang = {"memory": memory_now(), "step": self.sink.step}
-                    at_hang.update(collectives=dict(self.sink.collectives), waiting=self.sink.waiting)
+                    at_hang = AtHang(
+                        memory=memory_now(),
+                        step=self.sink.step,
+                        collectives=dict(self.sink.collectives),
+                        waiting=self.sink.waiting,
+                    )
                     _write_json(self.folder / AT_HANG_JSON, at_hang)
                     done.write_text("ok\n")
                 except Exception as exc:  # evidence is best effort; say what failed
@@ -287,10 +365,10 @@ class Probe:
             return
         if not math.isfinite(number) and not self.nonfinite_seen:
             self.nonfinite_seen = True
-            record = {
-                "where": "loss", "value": str(number), "step": self.sink.step if step is None else step,
-                "time": time.time(), "seen": seen,
-            }  # fmt: skip
+            record = NonFiniteLoss(
+                where="loss", value=str(number), step=self.sink.step if step is None else step,
+                time=time.time(), seen=seen,
+            )  # fmt: skip
             _write_json(self.folder / NONFINITE_JSON, record)
 
     def set_total_steps(self, n: int) -> None:
@@ -439,7 +517,7 @@ def _wrap_collectives(torch: Any) -> None:
             if sink is None:
                 return fn(*args, **kwargs)
             n = sink.collectives[name] = sink.collectives.get(name, 0) + 1
-            sink.waiting = {"op": name, "n": n}
+            sink.waiting = Waiting(op=name, n=n)
             try:
                 return fn(*args, **kwargs)
             finally:

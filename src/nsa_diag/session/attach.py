@@ -23,14 +23,22 @@ import datetime
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from nsa_diag import artifacts, interrupts, render
-from nsa_diag.activity import TreeActivity, judge_tree
+from nsa_diag.activity import ProcessActivityJson, TreeActivity, judge_tree
 from nsa_diag.cases import check_output
 from nsa_diag.errors import EXIT_ABORTED, UsageError
 from nsa_diag.evidence import gpu
-from nsa_diag.evidence.live import PROCESSES, TreeObservation, check_target, observe_tree
+from nsa_diag.evidence.live import (
+    PROCESSES,
+    ProcessInfoJson,
+    PtraceFacts,
+    TreeObservation,
+    check_target,
+    observe_tree,
+)
+from nsa_diag.records import GpuFiles, PyspyDump, StackDiff
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -83,12 +91,52 @@ def _files(run_dir: Path, pid: int) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in folder.iterdir()) if folder.is_dir() else []
 
 
+class AttachedProcess(ProcessInfoJson, ProcessActivityJson):
+    """One process of attach's result.json: what it is, what it did, and the evidence taken of it."""
+
+    signals_sent: int
+    dumps: list[str]
+    stack_samples: int
+    pyspy_samples: int
+    pyspy: PyspyDump | None
+    gpu: list[dict[str, Any]]  # NVML's rows of this pid
+    files: list[str]
+
+
+class AttachResult(TypedDict, total=False):
+    """attach's result.json: the tree's state (attach gives no verdict), its focus, the ranks' minority,
+    how it was observed, and each process (`AttachedProcess`); only the first five when attach itself was
+    interrupted."""
+
+    command: str
+    pid: int
+    state: str
+    hang_kind: str | None
+    reason: str
+    focus_pid: int | None
+    minority_ranks: list[int]
+    stack_diff: StackDiff | None
+    pyspy_advice: str | None
+    no_verdict: str
+    started_at: str
+    observed_s: float
+    samples: int
+    samples_asked: int
+    interval_s: float
+    children: bool
+    signal: bool
+    pyspy_installed: bool
+    ptrace: PtraceFacts
+    gpu: GpuFiles
+    processes: list[AttachedProcess]
+
+
 def result_record(
     req: AttachRequest, tree: TreeObservation, act: TreeActivity, run_dir: Path
-) -> dict[str, Any]:
+) -> AttachResult:
     """``result.json``."""
     by_pid = {a.pid: a for a in act.processes}
-    processes = []
+    processes: list[AttachedProcess] = []
     for ob in tree.processes:
         processes.append(
             {
@@ -128,15 +176,15 @@ def result_record(
     }
 
 
-def _gpu_files(run_dir: Path, tree: TreeObservation) -> dict[str, Any]:
+def _gpu_files(run_dir: Path, tree: TreeObservation) -> GpuFiles:
     snapshot = tree.gpu_snapshot
     if not snapshot.get("available"):
-        return {"available": False, "why": snapshot.get("why")}
+        return GpuFiles(available=False, why=snapshot.get("why"))
     artifacts.write_json(run_dir / artifacts.GPU, {**snapshot, "processes_of_tree": tree.gpu_usage})
     text, why = gpu.nvidia_smi()
     if text is not None:
         artifacts.write_text(run_dir / artifacts.NVIDIA_SMI, text)
-    return {"available": True, "file": artifacts.GPU, "nvidia_smi": artifacts.NVIDIA_SMI if text else why}
+    return GpuFiles(available=True, file=artifacts.GPU, nvidia_smi=artifacts.NVIDIA_SMI if text else why)
 
 
 def _short(cmdline: list[str], width: int = 60) -> str:
@@ -144,22 +192,22 @@ def _short(cmdline: list[str], width: int = 60) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _stacks_cell(p: dict[str, Any]) -> str:
+def _stacks_cell(p: AttachedProcess) -> str:
     """Where the process's stacks came from: faulthandler dumps, py-spy, or none."""
     parts = [f"{p['stack_samples']} dump(s)"] if p["stack_samples"] else []
     if p.get("pyspy_samples"):
         parts.append(f"{p['pyspy_samples']} py-spy sample(s)")
-    if p.get("pyspy", {}).get("taken"):
+    if (p.get("pyspy") or {}).get("taken"):
         parts.append("py-spy --native")
     return " + ".join(parts) or "none"
 
 
-def _advice(record: dict[str, Any]) -> list[str]:
+def _advice(record: AttachResult) -> list[str]:
     """The notes a user acts on, once for the tree: what to run for the stacks py-spy could not take."""
     return [record["pyspy_advice"]] if record.get("pyspy_advice") else []
 
 
-def summary_markdown(record: dict[str, Any]) -> str:
+def summary_markdown(record: AttachResult) -> str:
     lines = [
         f"# nsa-diag attach {record['pid']}",
         "",
@@ -184,7 +232,7 @@ def summary_markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_attach(record: dict[str, Any], run_dir: Path, console: Console | None = None) -> None:
+def render_attach(record: AttachResult, run_dir: Path, console: Console | None = None) -> None:
     """The short console summary (rich)."""
     from rich.markup import escape
     from rich.table import Table

@@ -40,6 +40,7 @@ from nsa_diag.cases import replay_argv
 from nsa_diag.executor import InterruptGuard
 from nsa_diag.matrix import MatrixCase
 from nsa_diag.node import run_case_job
+from nsa_diag.records import CaseEvidence, JobFacts
 from nsa_diag.results import case_files, error_result
 from nsa_diag.session.core import Session, read_result
 from nsa_diag.slurm import (
@@ -255,21 +256,24 @@ class SlurmRun:
 
     # --- results --------------------------------------------------------------------------------------
 
-    def _job_facts(self, tracked: Tracked) -> dict[str, Any]:
+    def _job_facts(self, tracked: Tracked, evidence: CaseEvidence) -> JobFacts:
+        """The job as this nsa-diag saw it, added to what its node said of it in ``evidence``."""
         job = tracked.job
         log = Path(job.paths.stderr)
         run_dir = self.session.run_dir.resolve()
-        facts: dict[str, Any] = {
-            "executor": "slurm",
-            "cluster": self.config.cluster,
-            "id": str(job.job_id),
-            "state": tracked.state,
-            "nodes": job_nodes(job),
-            "log": str(log.relative_to(run_dir)) if log.is_relative_to(run_dir) else str(log),
-        }
+        facts = (evidence.job or JobFacts()).model_copy(
+            update={
+                "executor": "slurm",
+                "cluster": self.config.cluster,
+                "id": str(job.job_id),
+                "state": tracked.state,
+                "nodes": job_nodes(job),
+                "log": str(log.relative_to(run_dir)) if log.is_relative_to(run_dir) else str(log),
+            }
+        )
         tail = log_tail(log)
         if tail:
-            facts["log_tail"] = tail
+            facts.log_tail = tail
         return facts
 
     def _write(self, tracked: Tracked, result: CaseResult) -> CaseResult:
@@ -287,16 +291,20 @@ class SlurmRun:
         reach a verdict, or written here when it has none."""
         spec = tracked.case.spec
         elapsed = time.time() - tracked.started if tracked.started is not None else 0.0
-        outcome = result.evidence.get("outcome") if result is not None else None
+        outcome = result.evidence.outcome if result is not None else None
         if interrupted_by is not None:
             if result is None or outcome in NO_VERDICT:
                 how = f"interrupted by {interrupted_by}: nsa-diag cancelled its job {tracked.job.job_id}"
                 before = "" if result is None else f"; on its node: {result.reason}"
-                facts = self._job_facts(tracked)
                 if result is None:
-                    result = error_result(spec, how, elapsed, {"outcome": "interrupted"})
-                evidence = {**result.evidence, "outcome": "interrupted", "interrupted_by": interrupted_by}
-                evidence["job"] = {**evidence.get("job", {}), **facts}
+                    result = error_result(spec, how, elapsed, CaseEvidence(outcome="interrupted"))
+                evidence = result.evidence.model_copy(
+                    update={
+                        "outcome": "interrupted",
+                        "interrupted_by": interrupted_by,
+                        "job": self._job_facts(tracked, result.evidence),
+                    }
+                )
                 result = self._write(
                     tracked, result.model_copy(update={"reason": how + before, "evidence": evidence})
                 )
@@ -310,17 +318,17 @@ class SlurmRun:
                 exit_signal=exit_signal(tracked.job),
                 result_saved=result_saved(tracked.job),
             )
-            facts = self._job_facts(tracked)
             if result is None:
-                result = error_result(spec, end.reason, elapsed, {})
+                result = error_result(spec, end.reason, elapsed, CaseEvidence())
                 reason = end.reason
             elif outcome == "nsa-diag-ended":  # the case's guardian wrote it: the job's process was killed
                 stopped = result.reason.partition("; ")[2]
                 reason = end.reason + (f"; {stopped}" if stopped else "")
             else:  # stopped on its node by a signal (SIGTERM from Slurm, its SIGUSR2 warning, ...)
                 reason = f"{end.head}; on its node: {result.reason}"
-            evidence = {**result.evidence, "outcome": "scheduler-ended"}
-            evidence["job"] = {**evidence.get("job", {}), **facts}
+            evidence = result.evidence.model_copy(
+                update={"outcome": "scheduler-ended", "job": self._job_facts(tracked, result.evidence)}
+            )
             update = {"verdict": end.verdict, "reason": reason, "evidence": evidence}
             result = self._write(tracked, result.model_copy(update=update))
         assert result is not None

@@ -21,15 +21,16 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.minimize import MAX_TRIALS, Target, minimize_case
-from nsa_diag.analysis.repeat import repeats_section
+from nsa_diag.analysis.repeat import HangTiming, repeats_section
 from nsa_diag.analysis.triage import triage_oom
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu
 from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.summary import MinimizeRecord, RepeatsSection, TriageRecord
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -115,9 +116,7 @@ def follow_up(
 # --- --repeat ------------------------------------------------------------------------------------------
 
 
-def hang_timing(
-    case_dir: Path, stall_limit_s: float | None, step: int | None = None
-) -> dict[str, Any] | None:
+def hang_timing(case_dir: Path, stall_limit_s: float | None, step: int | None = None) -> HangTiming | None:
     """When a hung run stopped progressing and when the watchdog called it, in seconds from the worker's
     first progress record (``progress.jsonl``), and the `step` it hung in; None when there is no progress."""
     first = last = None
@@ -139,7 +138,7 @@ def hang_timing(
         return None
     onset = last - first
     detected = onset + (stall_limit_s or 0.0)
-    return {"onset_s": round(onset, 3), "detected_s": round(detected, 3), "step": step}
+    return HangTiming(onset_s=round(onset, 3), detected_s=round(detected, 3), step=step)
 
 
 def _repeats(
@@ -149,7 +148,7 @@ def _repeats(
     results: Sequence[CaseResult],
     base_of: Mapping[str, str],
     repeat: int,
-) -> dict[str, Any]:
+) -> RepeatsSection:
     timings = {
         r.name: hang_timing(
             Path(run_dir) / "cases" / r.name, r.stall_limit_s, r.where.step if r.where else None
@@ -202,7 +201,7 @@ def _say(err: Console) -> Say:
 
 
 def _minimize(
-    records: list[dict[str, Any]],
+    records: list[MinimizeRecord],
     run_dir: Path,
     failing: Sequence[_Failing],
     run_trials: TrialRunner,
@@ -222,19 +221,19 @@ def _minimize(
         record = minimize_case(
             case.spec, case.result, run_trials(folder), name=f"{case.spec.name}-min", say=_say(err)
         )
-        record["dir"] = f"{MINIMIZE_DIR}/{case.spec.name}"
+        record.dir = f"{MINIMIZE_DIR}/{case.spec.name}"
         records.append(record)
-        if record["interrupted"]:
+        if record.interrupted:
             return True
-        argv = [sys.executable, "-m", "nsa_diag", *record["argv"][1:]]
+        argv = [sys.executable, "-m", "nsa_diag", *record.argv[1:]]
         artifacts.write_replay(folder / REPRODUCE, argv)
-        record["reproduce"] = f"{record['dir']}/{REPRODUCE}"
-        err.print(f"  smallest reproducing command: {record['command']}", markup=False, highlight=False)
+        record.reproduce = f"{record.dir}/{REPRODUCE}"
+        err.print(f"  smallest reproducing command: {record.command}", markup=False, highlight=False)
     return False
 
 
 def _triage(
-    records: list[dict[str, Any]],
+    records: list[TriageRecord],
     run_dir: Path,
     failing: Sequence[_Failing],
     run_trials: TrialRunner,
@@ -248,10 +247,10 @@ def _triage(
         err.print(f"triage {case.spec.name} (oom)", markup=False, highlight=False)
         oom_dir = Path(run_dir) / "cases" / case.oom.name
         record = triage_case(case.spec, case.oom, oom_dir, run_trials(folder), say=_say(err))
-        record["dir"] = f"{TRIAGE_DIR}/{case.spec.name}"
+        record.dir = f"{TRIAGE_DIR}/{case.spec.name}"
         records.append(record)
-        err.print(f"  {record['class']}: {record['why']}", markup=False, highlight=False, soft_wrap=True)
-        if record["interrupted"]:
+        err.print(f"  {record.kind}: {record.why}", markup=False, highlight=False, soft_wrap=True)
+        if record.interrupted:
             return True
     return False
 
@@ -263,7 +262,7 @@ def triage_case(
     run_trial: Callable[[CaseSpec], CaseResult],
     *,
     say: Say = lambda text: None,
-) -> dict[str, Any]:
+) -> TriageRecord:
     """`nsa_diag.analysis.triage.triage_oom` of the oom case in `case_dir`: its worker's message, and
     the device's memory from NVML (CUDA) or psutil (the CPU) where the message does not say it."""
 

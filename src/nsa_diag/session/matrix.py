@@ -33,15 +33,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from nsa_diag import artifacts, interrupts, render
 from nsa_diag.cases import Expectation, replay_argv
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.matrix import Matrix, MatrixCase
+from nsa_diag.records import CaseEvidence
 from nsa_diag.session.cluster import ClusterConfig, SlurmRun
 from nsa_diag.session.core import Plan, Session, read_result
-from nsa_diag.spec import CaseResult
+from nsa_diag.spec import CaseResult, OverrideValue
+from nsa_diag.summary import MatrixSection, SlurmSection
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -93,7 +95,7 @@ def finished(result: CaseResult | None, case: MatrixCase) -> bool:
         result is not None
         and result.spec_hash == case.spec.spec_hash()
         and result.verdict not in RERUN_VERDICTS
-        and result.evidence.get("outcome") not in UNFINISHED_OUTCOMES
+        and result.evidence.outcome not in UNFINISHED_OUTCOMES
     )
 
 
@@ -152,7 +154,7 @@ def _skipped_result(case: MatrixCase, case_dir: Path, reason: str) -> CaseResult
         verdict="skipped",
         reason=reason,
         timeout_s=case.spec.timeout,
-        evidence={"outcome": "not-started"},
+        evidence=CaseEvidence(outcome="not-started"),
         files=[artifacts.SPEC, artifacts.RESULT],
     )
     artifacts.write_json(case_dir / artifacts.RESULT, result)
@@ -288,6 +290,17 @@ class ParallelRun:
 # --- progress ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Running:
+    """A running case as the display shows it: its number, its beacon's state, time, steps and GPU."""
+
+    index: int
+    steps: int
+    gpu: str | None
+    state: Any = None  # the last beacon state the job's thread saw
+    elapsed: float = 0.0
+
+
 class MatrixProgress(render.LiveDisplay):
     """The live display on stderr: one line per running case (where its worker is), and a count.
 
@@ -300,7 +313,7 @@ class MatrixProgress(render.LiveDisplay):
         self.total = total
         self.started = already
         self.finished = already
-        self._running: dict[str, dict[str, Any]] = {}
+        self._running: dict[str, _Running] = {}
         self._lock = threading.RLock()
 
     def _renderable(self) -> Any:
@@ -312,29 +325,23 @@ class MatrixProgress(render.LiveDisplay):
             Spinner("dots", f"{self.finished}/{self.total} done, {len(self._running)} running", style="bold")
         ]
         for name, info in self._running.items():
-            where = render.describe_state(info["state"], info["steps"])
-            gpu = f" [GPU {info['gpu']}]" if info["gpu"] is not None else ""
-            head = f"  [{info['index']}/{self.total}] {escape(name)}{gpu}"
-            lines.append(f"{head}: {escape(where)} · {info['elapsed']:.1f} s")
+            where = render.describe_state(info.state, info.steps)
+            gpu = f" [GPU {info.gpu}]" if info.gpu is not None else ""
+            head = f"  [{info.index}/{self.total}] {escape(name)}{gpu}"
+            lines.append(f"{head}: {escape(where)} · {info.elapsed:.1f} s")
         return Group(*lines)
 
     def start(self, case: MatrixCase, gpu: str | None) -> None:
         with self._lock:
             self.started += 1
-            info = {
-                "index": self.started,
-                "state": None,
-                "elapsed": 0.0,
-                "steps": case.spec.steps,
-                "gpu": gpu,
-            }
+            info = _Running(index=self.started, steps=case.spec.steps, gpu=gpu)
             self._running[case.name] = info
             if self.live:
                 self._refresh()
                 return
             on_gpu = f" on GPU {gpu}" if gpu is not None else ""
             self.console.print(
-                f"[{info['index']}/{self.total}] {case.name}: running{on_gpu} "
+                f"[{info.index}/{self.total}] {case.name}: running{on_gpu} "
                 f"(stall {render.stall_text(case.spec.stall)}, timeout {case.spec.timeout:g} s)",
                 markup=False,
                 highlight=False,
@@ -344,14 +351,14 @@ class MatrixProgress(render.LiveDisplay):
         with self._lock:
             info = self._running.get(name)
             if info is not None:
-                info["state"], info["elapsed"] = state, elapsed
+                info.state, info.elapsed = state, elapsed
                 self._refresh()
 
     def end(self, result: CaseResult) -> None:
         with self._lock:
-            info = self._running.pop(result.name, {"index": "?"})
+            info = self._running.pop(result.name, None)
             self.finished += 1
-            head = f"[{info['index']}/{self.total}] {result.name}"
+            head = f"[{info.index if info is not None else '?'}/{self.total}] {result.name}"
             self.console.print(render.verdict_line(head, result), highlight=False)
             self._refresh()
 
@@ -475,24 +482,24 @@ class MatrixPlan(Plan):
         return [self._results[case.name] for case in self.plan.cases if case.name in self._results]
 
     def extend(self, summary: RunSummary) -> None:
-        summary.matrix = {
-            "file": str(self.matrix.path),
-            "name": self.matrix.name,
-            "jobs": self.jobs,
-            "resumed": self.resume_dir is not None,
-            "not_rerun": sorted(self.plan.done),
-            "skipped_here": dict(self.plan.skip),
-            "gpus": dict(self.assigned),
-            "executor": "local" if self.cluster is None else "slurm",
-        }
+        summary.matrix = MatrixSection(
+            file=str(self.matrix.path),
+            name=self.matrix.name,
+            jobs=self.jobs,
+            resumed=self.resume_dir is not None,
+            not_rerun=sorted(self.plan.done),
+            skipped_here=dict(self.plan.skip),
+            gpus=dict(self.assigned),
+            executor="local" if self.cluster is None else "slurm",
+        )
         if self.cluster is not None:
-            summary.matrix["slurm"] = {
-                "cluster": self.cluster.cluster,
-                "settings": self.cluster.settings.model_dump(exclude_defaults=True),
-                "jobs": dict(self.job_ids),
-                "at_a_time": self.cluster.jobs,  # None: every case submitted at once
-                "logs": "slurm",
-            }
+            summary.matrix.slurm = SlurmSection(
+                cluster=self.cluster.cluster,
+                settings=self.cluster.settings.model_dump(exclude_defaults=True),
+                jobs=dict(self.job_ids),
+                at_a_time=self.cluster.jobs,  # None: every case submitted at once
+                logs="slurm",
+            )
 
     def junit_suite(self, summary: RunSummary) -> str:
         return f"matrix.{self.matrix.name}"
@@ -522,9 +529,31 @@ def environment_gpus(jobs: int, cases: Sequence[MatrixCase]) -> tuple[bool, list
     return cuda, gpu_slots(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
-def plan_rows(matrix: Matrix, plan: ResumePlan) -> list[dict[str, Any]]:
+class PlanRow(TypedDict):
+    """One case of ``matrix --dry-run``: what it is and what would happen to it."""
+
+    name: str
+    status: str
+    tags: list[str]
+    axes: dict[str, Any]  # the matrix file's axis values (the user's)
+    origin: str
+    model: str | None
+    preset: str
+    overrides: dict[str, OverrideValue]
+    seq_len: int
+    batch: int
+    steps: int
+    dtype: str
+    device: str
+    inject: list[str]
+    expect: str | None
+    spec_hash: str
+    replay: list[str]
+
+
+def plan_rows(matrix: Matrix, plan: ResumePlan) -> list[PlanRow]:
     """One row per selected case: what `--dry-run` lists."""
-    rows = []
+    rows: list[PlanRow] = []
     for case in plan.cases:
         spec = case.spec
         rows.append(

@@ -22,13 +22,14 @@ import socket
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from nsa_diag import artifacts, interrupts, render
 from nsa_diag.errors import UsageError
 from nsa_diag.executor import InterruptGuard
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers.nodes import check_rendezvous
+from nsa_diag.records import CaseEvidence
 from nsa_diag.results import error_result
 from nsa_diag.session.core import Session, read_result
 from nsa_diag.session.followups import FollowUps
@@ -119,7 +120,18 @@ def run_node(
     return Session(plan, out=out, tag=tag, json_output=json_output, follow=follow).run()
 
 
-def node_job(job: NodeJob) -> dict[str, Any]:
+class NodeOutcome(TypedDict, total=False):
+    """What became of one task of the submitit job (`node_job`'s result, read by `_task_notes`)."""
+
+    node_rank: int
+    host: str
+    job_id: str
+    exit_code: int
+    error: str  # a bad setting on the node, in one line
+    endpoint: str
+
+
+def node_job(job: NodeJob) -> NodeOutcome:
     """The function each task of the submitit job runs (pickled by reference): this node's rank from
     submitit's job environment, the endpoint, then `run_node`. Returns what became of it; a bad setting
     is its one line, not an exception (the login node reports it)."""
@@ -129,7 +141,7 @@ def node_job(job: NodeJob) -> dict[str, Any]:
     spec = CaseSpec.model_validate_json(job.spec_json)
     assert spec.ddp is not None
     node = int(env.global_rank)
-    facts: dict[str, Any] = {"node_rank": node, "host": socket.gethostname(), "job_id": str(env.job_id)}
+    facts = NodeOutcome(node_rank=node, host=socket.gethostname(), job_id=str(env.job_id))
     try:
         endpoint = _endpoint(job, node, str(env.hostnames[0]), spec.ddp.wait_s)
         ddp = spec.ddp.model_copy(update={"node_rank": node, "rdzv_endpoint": endpoint})
@@ -246,7 +258,7 @@ def _result_or_end(spec: CaseSpec, case_dir: Path, job: Any, state: str, cluster
     job_id = str(job.job_id) if job is not None else "(not submitted)"
     end = job_end(state, job_id=job_id)
     notes = _task_notes(job)
-    result = error_result(spec, end.reason + notes, 0.0, {"outcome": "scheduler-ended", "state": state})
+    result = error_result(spec, end.reason + notes, 0.0, CaseEvidence(outcome="scheduler-ended", state=state))
     result = result.model_copy(update={"verdict": end.verdict})
     artifacts.write_json(case_dir / artifacts.RESULT, result)
     return result

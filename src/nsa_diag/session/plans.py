@@ -14,17 +14,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.bisect import STATE_FILE, BisectState, Trial, range_text, smallest_range
 from nsa_diag.analysis.repeat import expand
-from nsa_diag.analysis.sweep import Budget, Series, analyse_series, quadratic_culprits
+from nsa_diag.analysis.sweep import Budget, ScaleReport, Series, analyse_series, quadratic_culprits
 from nsa_diag.cases import build_spec, parse_stall
 from nsa_diag.errors import UsageError
 from nsa_diag.options import Branch
 from nsa_diag.session.core import Plan, Session, read_result
-from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.spec import CaseResult, CaseSpec, Injection, OverrideValue
 
 if TYPE_CHECKING:
     from nsa_diag.cases import CaseOptions, Expectation
@@ -196,7 +196,7 @@ class Sweep(Plan):
         self.series = series
         self.budget = budget
         self._results: list[CaseResult] = []
-        self.report: dict[str, Any] = {}
+        self.report = ScaleReport()
 
     def specs(self) -> Sequence[CaseSpec]:
         return [spec for s in self.series for _, spec in s.points]
@@ -227,24 +227,22 @@ class Sweep(Plan):
     def finish(self, session: Session, summary: RunSummary) -> None:
         """scale.json (the fits), then scale.png; the numbers stand without the picture."""
         analyses = [analyse_series(s, self._total) for s in self.series]
-        report = {
-            "run_dir": str(session.run_dir),
-            "series": analyses,
-            "culprits": quadratic_culprits(analyses),
-        }
+        report = ScaleReport(
+            run_dir=str(session.run_dir), series=analyses, culprits=quadratic_culprits(analyses)
+        )
         artifacts.write_json(session.run_dir / SCALE_JSON, report)
         try:
             from nsa_diag.plots import plot_scale
 
             plot_scale(report, session.run_dir / SCALE_PNG)
-            report["plot"] = SCALE_PNG
+            report.plot = SCALE_PNG
         except Exception as exc:  # the numbers stand without the picture
-            report["plot_error"] = f"{type(exc).__name__}: {exc}"
+            report.plot_error = f"{type(exc).__name__}: {exc}"
         artifacts.write_json(session.run_dir / SCALE_JSON, report)
         self.report = report
 
     def to_json(self, summary: RunSummary) -> Any:
-        return {"summary": summary.to_json(), "scale": self.report}
+        return {"summary": summary.to_json(), "scale": self.report.model_dump(mode="json")}
 
     def render(self, session: Session, summary: RunSummary) -> None:
         render.render_scale(self.report)
@@ -254,7 +252,15 @@ class Sweep(Plan):
 # --- nsa-diag gc-bisect -----------------------------------------------------------------------------------
 
 
-def _trial_spec(base: CaseSpec, name: str, overrides: dict[str, Any], **fields: Any) -> CaseSpec:
+class _GradsFields(TypedDict, total=False):
+    """The `CaseSpec` fields of ``--grads``' trials beyond their checkpointing."""
+
+    check: str
+    inject: tuple[Injection, ...]
+    stall: float
+
+
+def _trial_spec(base: CaseSpec, name: str, overrides: Mapping[str, OverrideValue], **fields: Any) -> CaseSpec:
     data = base.model_dump()
     data.update(name=name, overrides={**base.overrides, **overrides}, **fields)
     return CaseSpec.model_validate(data)
@@ -299,7 +305,7 @@ def new_bisection(spec: CaseSpec, *, out: Path, grads: bool, layers: int | None 
     start = (gc_layers.start, gc_layers.stop) if len(gc_layers) else (0, layers)
     return BisectState(
         mode="grads" if grads else "range",
-        spec=spec.model_dump(mode="json"),
+        spec=spec,
         out=str(Path(out).resolve()),
         layers=layers,
         start=start,
@@ -314,8 +320,7 @@ def resumed_bisection(run_dir: Path) -> BisectState:
     if not path.is_file():
         raise UsageError(f"--resume {run_dir}: no {STATE_FILE} there (not a gc-bisect run folder)")
     try:
-        state = BisectState.model_validate(artifacts.read_json(path))
-        CaseSpec.model_validate(state.spec)  # the base case the trials are made from
+        state = BisectState.model_validate(artifacts.read_json(path))  # its spec: the trials' base case
     except (OSError, ValueError) as exc:  # unreadable, not JSON, or not a bisection's state (pydantic's)
         why = exc.strerror if isinstance(exc, OSError) else " ".join(str(exc).split())[:200]
         raise UsageError(f"--resume {run_dir}: its {STATE_FILE} cannot be resumed: {why}") from None
@@ -335,7 +340,7 @@ class Bisection(Plan):
     def __init__(self, state: BisectState, *, resume_dir: Path | None = None) -> None:
         self.state = state
         self.resume_dir = resume_dir
-        self.base = CaseSpec.model_validate(state.spec)
+        self.base = state.spec
         self.ran: list[CaseSpec] = []
         self._results: list[CaseResult] = []
         self._session: Session | None = None
@@ -352,7 +357,7 @@ class Bisection(Plan):
 
     def reopened(self, session: Session) -> None:
         self.state = resumed_bisection(session.run_dir)
-        self.base = CaseSpec.model_validate(self.state.spec)
+        self.base = self.state.spec
 
     def begin(self, session: Session) -> None:
         self.save(session)
@@ -364,7 +369,7 @@ class Bisection(Plan):
         self.state.done = True
         self.save(session)
 
-    def _trial(self, gc: str, name: str, overrides: dict[str, Any], **fields: Any) -> Trial:
+    def _trial(self, gc: str, name: str, overrides: Mapping[str, OverrideValue], **fields: Any) -> Trial:
         """The trial of `gc`: recorded (resume) or run now as an isolated case."""
         session = self._session
         assert session is not None
@@ -423,7 +428,7 @@ class Bisection(Plan):
 
     def _grads(self) -> bool:
         state = self.state
-        fields: dict[str, Any] = {"check": "gc", "inject": ()}
+        fields = _GradsFields(check="gc", inject=())
         if parse_stall(self.base.stall) == "auto":
             fields["stall"] = GRADS_STALL_S
         differ, same, failed = [], [], []

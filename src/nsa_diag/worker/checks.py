@@ -29,10 +29,11 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from nsa_diag.records import Parity
 from nsa_diag.worker.contract import logits_of
 from nsa_diag.worker.nsa_variant import nsa_config, with_nsa
 from nsa_diag.worker.outcome import CaseFailed, TrainingRun
-from nsa_diag.worker.probes import checking, finite_or_none
+from nsa_diag.worker.probes import checking
 
 if TYPE_CHECKING:
     import torch
@@ -97,8 +98,9 @@ class Checker:
                 + (" or, for backends, a model holding nsa_core NSAAttention modules"
                    if trainer.spec.check == "backends" else "")
             )  # fmt: skip
-            parity = {"property": trainer.spec.check, "checked": False, "why": why}
-            raise CaseFailed("unchecked", why, parity=parity)
+            raise CaseFailed(
+                "unchecked", why, parity=Parity(property=trainer.spec.check, checked=False, why=why)
+            )
         self.state = {k: v.detach().cpu() for k, v in self.base.state_dict().items()}
         self.tokens = trainer.batch(1)  # [B, S + 1], as the first training step would see
         self.cpu = self.device.type == "cpu"
@@ -192,7 +194,7 @@ class Checker:
 
     # ----------------------------------------------------------------------------------- properties
 
-    def backends(self) -> dict[str, Any]:
+    def backends(self) -> Parity:
         inputs = self.tokens[:, :-1]
         size = inputs.shape[0] * inputs.shape[1] * self.cfg.layers
         against = REFERENCE if size <= REFERENCE_BUDGET else MASKED
@@ -245,8 +247,8 @@ class Checker:
                 "it would take minutes, so it is checked against masked on smaller presets)"
             )
         )
-        return {"max_err": worst, "where": where, "bound": bound, "baseline": baseline, "errors": errors,
-                "against": against_text}  # fmt: skip
+        return Parity(max_err=worst, where=where, bound=bound, baseline=baseline, errors=errors,
+                      against=against_text)  # fmt: skip
 
     def positions(self, seq_len: int) -> list[int]:
         """Cut points t for causality: near the start, at and around block boundaries, the end."""
@@ -254,7 +256,7 @@ class Checker:
         candidates = {1, nsa.block_len, nsa.sel_block_len + 1, seq_len // 3, seq_len // 2 + 1, seq_len - 1}
         return sorted(t for t in candidates if 1 <= t < seq_len)
 
-    def causality(self) -> dict[str, Any]:
+    def causality(self) -> Parity:
         import torch
 
         model = self.variant(exact=False)
@@ -277,9 +279,9 @@ class Checker:
                     where = f"tokens changed from t={t}: logits before t differ, most at " + worst_position(
                         logits[:, :t], base[:, :t]
                     )
-        return {"max_err": worst, "where": where, "bound": self.bound(None), "errors": errors}
+        return Parity(max_err=worst, where=where, bound=self.bound(None), errors=errors)
 
-    def prefill(self) -> dict[str, Any]:
+    def prefill(self) -> Parity:
         import torch
 
         inputs = self.tokens[:, :-1]
@@ -313,8 +315,8 @@ class Checker:
             errors[name] = err
             if not err <= worst:
                 worst, where = err, f"{name} vs batched: {worst_position(logits, want)}"
-        return {"max_err": worst, "where": where, "bound": self.bound(baseline), "baseline": baseline,
-                "errors": errors, "split": split}  # fmt: skip
+        return Parity(max_err=worst, where=where, bound=self.bound(baseline), baseline=baseline,
+                      errors=errors, split=split)  # fmt: skip
 
     def gc_configs(self) -> list[tuple[str, bool]]:
         """The case's own checkpointing when it sets one; else all and a middle range, reentrant and not."""
@@ -330,7 +332,7 @@ class Checker:
         match = re.match(re.escape(self.prefix) + r"\.(\d+)\.", name)
         return int(match.group(1)) if match else None
 
-    def gc(self) -> dict[str, Any]:
+    def gc(self) -> Parity:
         inputs = self.tokens[:, :-1]
         big = self.cpu and inputs.shape[0] * inputs.shape[1] * self.cfg.layers > REFERENCE_BUDGET
         # A big model in float64 without checkpointing (the truth) keeps every layer's activations: with
@@ -364,32 +366,25 @@ class Checker:
         backends_text = (
             "masked (float64 activations of the case's own backends would not fit)" if big else "own"
         )
-        return {"max_err": worst, "where": where, "bound": bound, "baseline": baseline, "errors": errors,
-                "per_layer": per_layer, "layers_differ": differ, "backends": backends_text}  # fmt: skip
+        return Parity(max_err=worst, where=where, bound=bound, baseline=baseline, errors=errors,
+                      per_layer=per_layer, layers_differ=differ, backends=backends_text)  # fmt: skip
 
 
-def _clean(value: Any) -> Any:
-    if isinstance(value, float):
-        return finite_or_none(value)
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
-
-
-def run_check(trainer: TrainingRun) -> tuple[dict[str, Any], str]:
-    """Run the spec's property; ``(parity, reason)`` when it holds, CaseFailed("mismatch") when not."""
+def run_check(trainer: TrainingRun) -> tuple[Parity, str]:
+    """Run the spec's property; ``(parity, reason)`` when it holds, CaseFailed("mismatch") when not. A
+    relative error that is not finite is written as null (`nsa_diag.records`) and fails its bound."""
     prop = trainer.spec.check
     assert prop is not None
     checker = Checker(trainer)
-    result = getattr(checker, prop)()
-    parity = _clean({"property": prop, "precision": checker.precision, **result})
-    if not result["errors"]:  # nothing was compared (no backend, no cut point): the property is not shown
+    parity = Parity.model_validate(getattr(checker, prop)())
+    parity.property, parity.precision = prop, checker.precision
+    if not parity.errors:  # nothing was compared (no backend, no cut point): the property is not shown
         why = f"{prop}: nothing to compare ({NOTHING_TO_COMPARE[prop]})"
-        raise CaseFailed("unchecked", why, parity={"property": prop, "checked": False, "why": why})
-    err, bound = result["max_err"], result["bound"]
+        raise CaseFailed("unchecked", why, parity=Parity(property=prop, checked=False, why=why))
+    err, bound = parity.max_err, parity.bound
+    assert err is not None
+    assert bound is not None
     text = f"{prop}: largest relative error {err:.3g} (bound {bound:.3g}, {checker.precision})"
     if not err <= bound:
-        raise CaseFailed("mismatch", f"{text} at {result['where']}", parity=parity)
+        raise CaseFailed("mismatch", f"{text} at {parity.where}", parity=parity)
     return parity, text

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
+from nsa_diag.records import BucketTrace, CollectiveCall, GradArrival, Preflight, RankDdp, TracedBucket
 from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP
 from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.contract import build_model
@@ -79,7 +80,7 @@ def pg_timeout_s(spec: CaseSpec) -> float:
     return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
 
 
-def preflight_verdict(unused: dict[int, list[str]]) -> dict[str, Any]:
+def preflight_verdict(unused: dict[int, list[str]]) -> Preflight:
     """From each rank's parameters without gradient in the pre-flight: static_graph safe, find_unused
     needed (the same set on every rank), or ranks disagree."""
     sets = {rank: frozenset(names) for rank, names in unused.items()}
@@ -109,7 +110,7 @@ def preflight_verdict(unused: dict[int, list[str]]) -> dict[str, Any]:
             + "; ".join(parts)
             + "): DDP with find_unused_parameters=True is needed, static_graph is not safe"
         )
-    return {"verdict": verdict, "text": text, "unused": {str(r): sorted(n) for r, n in sets.items()}}
+    return Preflight(verdict=verdict, text=text, unused={str(r): sorted(n) for r, n in sets.items()})
 
 
 @contextlib.contextmanager
@@ -179,11 +180,10 @@ class DdpTrainer(Trainer):
         self.side: Any = None
         self.arrived: set[str] = set()
         self.train_collectives = 0  # explicit collectives entered on the training group
-        self.report: dict[str, Any] = {"rank": self.rank, "world_size": self.world,
-                                       "local_rank": self.local_rank,
-                                       "backend": self.ddp_spec.backend, "grad_arrival": {},
-                                       "param_hash": {}, "collectives": []}  # fmt: skip
-        self._bucket_log: list[dict[str, Any]] | None = [] if self.ddp_spec.trace_buckets else None
+        self.report = RankDdp(rank=self.rank, world_size=self.world, local_rank=self.local_rank,
+                              backend=self.ddp_spec.backend, grad_arrival={}, param_hash={},
+                              collectives=[])  # fmt: skip
+        self._bucket_log: list[TracedBucket] | None = [] if self.ddp_spec.trace_buckets else None
 
     # -------------------------------------------------------------------------------------- setup
 
@@ -222,15 +222,13 @@ class DdpTrainer(Trainer):
         self._preflight()
         progress.event("setup", detail="preflight done")
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
-        kwargs: dict[str, Any] = {
-            "find_unused_parameters": ds.find_unused,
-            "static_graph": ds.static_graph,
-        }
-        if ds.bucket_mb is not None:
-            kwargs["bucket_cap_mb"] = ds.bucket_mb
-        if self.device.type == "cuda":
-            kwargs["device_ids"] = [self.local_rank]
-        self.ddp_model = DistributedDataParallel(loaded.model, **kwargs)
+        self.ddp_model = DistributedDataParallel(
+            loaded.model,
+            device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+            bucket_cap_mb=ds.bucket_mb,  # None: DDP's default (25)
+            find_unused_parameters=ds.find_unused,
+            static_graph=ds.static_graph,
+        )
         for name, p in loaded.model.named_parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, n=name: self.arrived.add(n))
@@ -275,7 +273,7 @@ class DdpTrainer(Trainer):
                        group=SIDE_GROUP)  # fmt: skip
         dist.all_gather_object(gathered, unused, group=self.side)
         progress.event(PRE_FLIGHT, "end")
-        self.report["preflight"] = preflight_verdict(dict(enumerate(gathered)))
+        self.report.preflight = preflight_verdict(dict(enumerate(gathered)))
 
     def _register_bucket_trace(self) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -289,10 +287,10 @@ class DdpTrainer(Trainer):
             if log is not None and self.progress.step == 1:
                 buffer = bucket.buffer()
                 params = [names.get(id(p), "?") for p in bucket.parameters()]
-                log.append({"index": bucket.index(), "numel": buffer.numel(), "dtype": str(buffer.dtype),
-                            "bytes": buffer.numel() * buffer.element_size(), "params": len(params),
-                            "first_param": params[0] if params else None,
-                            "last_param": params[-1] if params else None})  # fmt: skip
+                log.append(TracedBucket(index=bucket.index(), numel=buffer.numel(), dtype=str(buffer.dtype),
+                                        bytes=buffer.numel() * buffer.element_size(), params=len(params),
+                                        first_param=params[0] if params else None,
+                                        last_param=params[-1] if params else None))  # fmt: skip
             return default_hooks.allreduce_hook(state, bucket)
 
         # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation).
@@ -319,8 +317,9 @@ class DdpTrainer(Trainer):
         idle = set(self.loaded.idle)
         expected = [n for n, p in self.loaded.model.named_parameters() if p.requires_grad and n not in idle]
         missing = [n for n in expected if n not in self.arrived]
-        self.report["grad_arrival"][str(self.progress.step)] = {"arrived": len(expected) - len(missing),
-                                                               "missing": missing}  # fmt: skip
+        self.report.grad_arrival[str(self.progress.step)] = GradArrival(
+            arrived=len(expected) - len(missing), missing=missing
+        )
 
     def _missing_grads(self, step: int, missing: list[str]) -> None:
         """find_unused_parameters or static_graph declare parameters without a gradient tolerated: the run
@@ -335,12 +334,14 @@ class DdpTrainer(Trainer):
                 f"unused-parameters: {len(missing)} parameter(s) got no gradient at step {step} "
                 f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}), tolerated by {declared}"
             )
-        self.report.setdefault("tolerated_missing", {})[str(step)] = missing
+        self.report.tolerated_missing = {**self.report.tolerated_missing, str(step): missing}
 
     def _step(self, step: int) -> None:
         super()._step(step)
         if step == 1 and self._bucket_log is not None:
-            self.report["buckets"] = {"traced": list(self._bucket_log), "logging_data": self._logging_data()}
+            self.report.buckets = BucketTrace(
+                traced=list(self._bucket_log), logging_data=self._logging_data()
+            )
             self._bucket_log = None
         self._mean_loss(step)
         self._hash_check(step)
@@ -356,8 +357,9 @@ class DdpTrainer(Trainer):
         n = self.train_collectives + 1
         if self._skips_collective(step):
             self.progress.note("inject", kind="skip-collective", step=step, skipped=f"all_reduce #{n}")
-            self.report["collectives"].append({"group": TRAIN_GROUP, "op": "all_reduce", "n": n,
-                                               "step": step, "skipped": True})  # fmt: skip
+            self.report.collectives.append(
+                CollectiveCall(group=TRAIN_GROUP, op="all_reduce", n=n, step=step, skipped=True)
+            )
             return
         self.train_collectives = n
         value = self.losses[-1] if self.losses and self.losses[-1] is not None else float("nan")
@@ -368,8 +370,8 @@ class DdpTrainer(Trainer):
         mean = float(tensor.item()) / self.world
         self.progress.event("check", "end", module=f"all_reduce#{n}.loss", collective="all_reduce",
                             group=TRAIN_GROUP, n=n, mean_loss=mean)  # fmt: skip
-        self.report["collectives"].append({"group": TRAIN_GROUP, "op": "all_reduce", "n": n, "step": step})
-        self.report.setdefault("mean_loss", []).append(mean)
+        self.report.collectives.append(CollectiveCall(group=TRAIN_GROUP, op="all_reduce", n=n, step=step))
+        self.report.mean_loss = [*self.report.mean_loss, mean]
 
     def _hash_check(self, step: int) -> None:
         """Parameters hashed on every rank and compared over the side group: a silent desync -> mismatch."""
@@ -382,7 +384,7 @@ class DdpTrainer(Trainer):
         hashes: list[Any] = [None] * self.world
         dist.all_gather_object(hashes, mine, group=self.side)
         self.progress.event("check", "end", module="param_hash", group=SIDE_GROUP)
-        self.report["param_hash"][str(step)] = hashes
+        self.report.param_hash[str(step)] = hashes
         if len(set(hashes)) > 1:
             reference = max(set(hashes), key=hashes.count)
             odd = [r for r, h in enumerate(hashes) if h != reference]
@@ -392,7 +394,7 @@ class DdpTrainer(Trainer):
                 f"out of sync with the others (parameter hash {hashes[odd[0]]} vs {reference})",
             )
 
-    def _logging_data(self) -> dict[str, Any]:
+    def _logging_data(self) -> dict[str, object]:
         try:
             data = self.ddp_model._get_ddp_logging_data()  # type: ignore[union-attr, operator]
         except Exception as exc:  # a private API: say why it is missing rather than fail the case
@@ -413,14 +415,14 @@ class DdpTrainer(Trainer):
             str(exc), names, traceback=traceback, find_unused=self.ddp_spec.find_unused, cli=True
         )
         if explained is not None:
-            self.report["ddp_error"] = explained.as_dict()
+            self.report.ddp_error = explained.info()
             outcome.reason = f"{explained.explanation} (at {outcome.reason})"
             if explained.kind == "unused-parameters":
                 outcome.status, outcome.missing_grads = "grad-missing", list(explained.params)
         return outcome
 
-    def _ddp_report(self) -> dict[str, Any]:
-        self.report["train_collectives"] = self.train_collectives
+    def _ddp_report(self) -> RankDdp:
+        self.report.train_collectives = self.train_collectives
         return self.report
 
 

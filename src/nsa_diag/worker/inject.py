@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag.probe.hooks import on_backward
+from nsa_diag.records import Injected
 from nsa_diag.spec import Injection
 from nsa_diag.worker.probes import Progress, nsa_attentions
 
@@ -211,8 +212,8 @@ class Fault:
         phase = self.progress.forward_phase
         return self.fire(phase, output) if self.due(phase) else None
 
-    def report(self) -> dict[str, Any]:
-        return {"inject": str(self.inj), "module": self.module, "fired": self.fired}
+    def report(self) -> Injected:
+        return Injected(inject=str(self.inj), module=self.module, fired=self.fired)
 
 
 def attach(

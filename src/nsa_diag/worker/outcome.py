@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nsa_diag.records import Metrics, NonFinite, Parity, RankDdp
 from nsa_diag.spec import CaseSpec, WorkerException, WorkerReport
 
 if TYPE_CHECKING:
@@ -23,13 +24,21 @@ if TYPE_CHECKING:
 
 
 class CaseFailed(Exception):
-    """Ends the run with a status other than ok (raised inside the loop, turned into the report).
+    """Ends the run with a status other than ok (raised inside the loop, turned into the report), with
+    what was found (see `Outcome`)."""
 
-    ``fields``: any of ``missing_grads``, ``nonfinite``, ``parity`` (see `Outcome`)."""
-
-    def __init__(self, status: str, reason: str, **fields: Any) -> None:
+    def __init__(
+        self,
+        status: str,
+        reason: str,
+        *,
+        missing_grads: list[str] | None = None,
+        nonfinite: NonFinite | None = None,
+        parity: Parity | None = None,
+    ) -> None:
         super().__init__(reason)
-        self.status, self.reason, self.fields = status, reason, fields
+        self.status, self.reason = status, reason
+        self.missing_grads, self.nonfinite, self.parity = list(missing_grads or []), nonfinite, parity
 
 
 @dataclass
@@ -40,12 +49,18 @@ class Outcome:
     reason: str = ""
     exception: WorkerException | None = None
     missing_grads: list[str] = field(default_factory=list)
-    nonfinite: dict[str, Any] | None = None
-    parity: dict[str, Any] | None = None
+    nonfinite: NonFinite | None = None
+    parity: Parity | None = None
 
     @classmethod
     def failed(cls, failed: CaseFailed) -> Outcome:
-        return cls(failed.status, failed.reason, **failed.fields)
+        return cls(
+            failed.status,
+            failed.reason,
+            missing_grads=failed.missing_grads,
+            nonfinite=failed.nonfinite,
+            parity=failed.parity,
+        )
 
 
 def exception_info(exc: BaseException) -> WorkerException:
@@ -58,8 +73,8 @@ def worker_report(
     *,
     device: str | None = None,
     steps_done: int = 0,
-    metrics: dict[str, Any] | None = None,
-    ddp: dict[str, Any] | None = None,
+    metrics: Metrics | None = None,
+    ddp: RankDdp | None = None,
 ) -> WorkerReport:
     """The worker's report of a run: how it ended (``outcome``) and what it measured."""
     return WorkerReport(
@@ -68,7 +83,7 @@ def worker_report(
         exception=outcome.exception,
         device=device,
         steps_done=steps_done,
-        metrics=metrics or {},
+        metrics=metrics or Metrics(),
         missing_grads=list(outcome.missing_grads),
         nonfinite=outcome.nonfinite,
         parity=outcome.parity,

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nsa_diag import artifacts
-from nsa_diag.spec import CaseSpec, ModelFacts
+from nsa_diag.spec import CaseSpec, ModelFacts, OverrideValue
 from nsa_diag.worker.contract import (
     ContractError,
     check_logits,
@@ -35,7 +36,7 @@ PROBE_TOKENS = 16  # the forward's length: enough for the output's shape, short 
 class ReadRecorder(dict):  # type: ignore[type-arg]
     """``spec.overrides`` that notes every key the factory looks at (a full read marks them all)."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
+    def __init__(self, values: Mapping[str, OverrideValue]) -> None:
         super().__init__(values)
         self.read: set[str] = set()
 
@@ -125,17 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) < 2:
         print(USAGE, file=sys.stderr)
         return 2
-    found: list[dict[str, Any]] = []
+    found: list[ModelFacts] = []
     for path in args[1:]:
         spec = CaseSpec.model_validate_json(Path(path).read_text())
         try:
-            found.append(model_facts(spec).model_dump(mode="json"))
+            found.append(model_facts(spec))
         except Exception as exc:  # not the model's contract: nsa-diag's own failure, with its traceback
             traceback.print_exc()
-            found.append(
-                ModelFacts(model=str(spec.model), problem=f"{type(exc).__name__}: {exc}").model_dump()
-            )
-    artifacts.write_text(Path(args[0]), json.dumps(found))
+            found.append(ModelFacts(model=str(spec.model), problem=f"{type(exc).__name__}: {exc}"))
+    artifacts.write_text(Path(args[0]), json.dumps([facts.model_dump(mode="json") for facts in found]))
     return 0
 
 

@@ -104,8 +104,8 @@ class Progress:
         return f"{PRE_FLIGHT} backward" if self.pre_flight else "backward"
 
     @property
-    def where(self) -> dict[str, Any]:
-        """The last event's location."""
+    def where(self) -> dict[str, str | int | None]:
+        """The last event's location (the fields of `nsa_diag.spec.Where`)."""
         return dict(zip(("phase", "step", "layer", "branch", "module", "event"), self._where, strict=True))
 
     def event(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
+from nsa_diag.records import Metrics, NonFinite, Parity, PeakMemory, PhaseSeconds, RankDdp, ReducedCheck
 from nsa_diag.spec import BuiltModel, CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
@@ -81,17 +82,11 @@ class Trainer:
         self.spec, self.case_dir, self.progress, self.memory = spec, Path(case_dir), progress, memory
         self.notes: list[str] = []
         self.warnings: list[str] = []  # a pass that holds with these said (its reason names them)
-        self.phase_s: dict[str, Any] = {
-            "setup": None,
-            "forward": [],
-            "backward": [],
-            "optimizer": [],
-            "check": [],
-        }
+        self.phase_s = PhaseSeconds(setup=None, forward=[], backward=[], optimizer=[], check=[])
         # On CUDA, the seconds the host took to issue each phase's work before the sync that ends it: a
         # phase it takes about as long to issue as to finish is host-bound (the GPU waited for Python and
         # kernel launches; nsa-diag scale leaves such points out of its time fit).
-        self.phase_issue_s: dict[str, list[float]] = {"forward": [], "backward": []}
+        self.phase_issue_s = PhaseSeconds(forward=[], backward=[])
         self.step_s: list[float] = []
         self.losses: list[float | None] = []
         self.grad_norms: list[float | None] = []
@@ -101,7 +96,7 @@ class Trainer:
         self.loaded: LoadedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
-        self.parity: dict[str, Any] | None = None
+        self.parity: Parity | None = None
         self.faults: list[inject.Fault] = []
 
     # ---------------------------------------------------------------------------------------- the run
@@ -111,7 +106,7 @@ class Trainer:
         outcome = Outcome()
         try:
             self._setup()
-            self.phase_s["setup"] = time.perf_counter() - started
+            self.phase_s.setup = time.perf_counter() - started
             if self.spec.check is not None:  # nsa-diag verify: a correctness property, no training steps
                 self.parity, outcome.reason = run_check(self)
             else:
@@ -120,7 +115,7 @@ class Trainer:
                         with self._range(f"step {step}"):
                             self._step(step)
                 outcome.reason = self._ok_reason()
-                if self.parity is not None and self.parity.get("checked") is False:
+                if self.parity is not None and not self.parity.checked:
                     outcome.status = "unchecked"  # the steps ran, the check asked for did not: not a pass
         except CaseFailed as failed:
             outcome = Outcome.failed(failed)
@@ -132,13 +127,13 @@ class Trainer:
 
     def _exception_outcome(self, exc: Exception) -> Outcome:
         """How a run that raised ended: oom, nonfinite (anomaly mode) or error, with the exception."""
-        where = Where(**self.progress.where).describe()
+        where = Where.model_validate(self.progress.where).describe()
         exception = exception_info(exc)
         anomaly = ANOMALY_NAN.search(str(exc)) if isinstance(exc, RuntimeError) else None
         if anomaly:  # set_detect_anomaly stopped backward at the first Function that produced NaN
             seen = f"output of autograd Function {anomaly.group(1)} (anomaly mode)"
-            module = self.progress.where.get("module") or "backward"
-            nonfinite = {"where": "grad", "module": module, "seen": seen, "step": self.progress.step}
+            module = str(self.progress.where.get("module") or "backward")
+            nonfinite = NonFinite(where="grad", module=module, seen=seen, step=self.progress.step)
             reason = f"non-finite gradients at {where}, first seen in the {seen}"
             return Outcome("nonfinite", reason, exception, nonfinite=nonfinite)
         status = "oom" if is_oom(exc) else "error"
@@ -189,13 +184,14 @@ class Trainer:
         layers, its vocabulary and where from), which result.json reads back whatever becomes of the case."""
         loaded = self.loaded
         assert loaded is not None
-        found: dict[str, Any] = {}
-        if self.spec.model is not None:
-            found["model"] = BuiltModel(
-                type=type(loaded.model).__name__, layers_attr=loaded.prefix, layers=len(loaded.blocks),
-                vocab=loaded.vocab, vocab_from=loaded.vocab_from,
-            ).model_dump()  # fmt: skip
-        self.progress.event("setup", detail="model built", **found)
+        if self.spec.model is None:
+            self.progress.event("setup", detail="model built")
+            return
+        built = BuiltModel(
+            type=type(loaded.model).__name__, layers_attr=loaded.prefix, layers=len(loaded.blocks),
+            vocab=loaded.vocab, vocab_from=loaded.vocab_from,
+        )  # fmt: skip
+        self.progress.event("setup", detail="model built", model=built.model_dump())
 
     def _params(self) -> int:
         assert self.loaded is not None
@@ -216,7 +212,7 @@ class Trainer:
             loss = self._loss(model, tokens)
             issued = time.perf_counter()
             loss_value = float(loss.detach())  # syncs the device
-        self.phase_s["forward"].append(time.perf_counter() - t)
+        self.phase_s.forward.append(time.perf_counter() - t)
         self._issued("forward", issued - t)
         progress.event("forward", "end", loss=finite_or_none(loss_value))
         if step == 1:
@@ -230,7 +226,7 @@ class Trainer:
             self._backward(loss, scaled=True)
             issued = time.perf_counter()
             self._sync()
-        self.phase_s["backward"].append(time.perf_counter() - t)
+        self.phase_s.backward.append(time.perf_counter() - t)
         self._issued("backward", issued - t)
         progress.event("backward", "end")
         if step == 1:
@@ -259,10 +255,10 @@ class Trainer:
             else:
                 self.optimizer.step()
             self._sync()
-        self.phase_s["optimizer"].append(time.perf_counter() - t)
+        self.phase_s.optimizer.append(time.perf_counter() - t)
         progress.event("optimizer", "end")
 
-        self.phase_s["check"].append(check_s)
+        self.phase_s.check.append(check_s)
         self.step_s.append(time.perf_counter() - t_step - check_s)  # training time: checks left out
         self.losses.append(finite_or_none(loss_value))
         self.grad_norms.append(finite_or_none(norm))
@@ -320,7 +316,7 @@ class Trainer:
 
     def _issued(self, phase: str, seconds: float) -> None:
         if self.device is not None and self.device.type == "cuda":
-            self.phase_issue_s[phase].append(seconds)
+            self.phase_issue_s.of(phase).append(seconds)
 
     def _sync(self) -> None:
         import torch
@@ -365,7 +361,7 @@ class Trainer:
             f"non-finite {what} at step {step}, first seen in the {seen} of {module}"
             if first
             else f"non-finite {what} at step {step}, first seen in the {seen}",
-            nonfinite={"where": where, "module": module, "seen": seen, "step": step},
+            nonfinite=NonFinite(where=where, module=module, seen=seen, step=step),
         )
 
     def _reference_check(self, tokens: torch.Tensor, loss_value: float) -> None:
@@ -382,7 +378,7 @@ class Trainer:
         Where no reference fits at the case's size, or it runs out of memory anyway, the check runs at a
         smaller size with the same weights (`smaller_sizes`: fewer batch rows, then for nsa_core's model its
         first layers, then the first tokens), the model under test run again there beside the reference;
-        ``parity["reduced"]`` says which. A check that runs at no size says so in ``parity`` (checked False)
+        ``parity.reduced`` says which. A check that runs at no size says so in ``parity`` (checked False)
         and the case ends `unchecked`, never pass.
 
         A ``--model`` is compared with a copy of itself whose nsa_core NSAAttention modules run the reference
@@ -433,7 +429,7 @@ class Trainer:
         plan: ReferencePlan,
         tokens: torch.Tensor,
         loss_value: float,
-    ) -> tuple[dict[str, Any], tuple[float, float]]:
+    ) -> tuple[Parity, tuple[float, float]]:
         """The parity errors and bounds of `plan`'s reference at `size`: at the case's size against the
         training step's own loss and gradients; smaller, against a copy of the model (same weights, its first
         layers) run again on the batch's first rows and tokens."""
@@ -478,7 +474,7 @@ class Trainer:
 
         return self._parity(reference, model, loss_value, low_precision)
 
-    def _reduced_copy(self, copy: nn.Module, state: dict[str, Any] | None) -> nn.Module:
+    def _reduced_copy(self, copy: nn.Module, state: dict[str, torch.Tensor] | None) -> nn.Module:
         """`copy`, without gradients, with the weights of `state` it has (its first layers): the model under
         test of a reduced check."""
         if state is not None:
@@ -495,7 +491,7 @@ class Trainer:
 
     def _judge_parity(
         self,
-        parity: dict[str, Any],
+        parity: Parity,
         bounds: tuple[float, float],
         plan: ReferencePlan,
         size: CheckSize,
@@ -505,39 +501,38 @@ class Trainer:
     ) -> None:
         """Record the check's errors (and the size it ran at); CaseFailed("mismatch") beyond the bounds."""
         if tried:
-            parity["reference_out_of_memory"] = tried
+            parity.reference_out_of_memory = tried
         loss_bound, grad_bound = bounds
-        parity["reference_backends"] = plan.backends
+        parity.reference_backends = plan.backends
         if plan.lean:
-            parity["reference_sized"] = plan.describe()
+            parity.reference_sized = plan.describe()
         if size != full:
             why = (
                 "ran out of memory" if tried and full_plan.fits else f"would not fit: {full_plan.describe()}"
             )
-            parity["reduced"] = {
-                "batch": size.batch,
-                "seq_len": size.seq_len,
-                "layers": size.layers,
-                "what": size.describe(full),
-                "why": f"at the case's size the reference {why}",
-            }
-        parity["loss_bound"], parity["grad_bound"] = loss_bound, grad_bound
-        self.progress.event("check", "end", check="reference", **parity)
-        loss_ok = parity["loss_rel_err"] <= loss_bound  # NaN counts as a mismatch
-        grad_ok = parity["grad_rel_err_max"] <= grad_bound
+            parity.reduced = ReducedCheck(
+                batch=size.batch,
+                seq_len=size.seq_len,
+                layers=size.layers,
+                what=size.describe(full),
+                why=f"at the case's size the reference {why}",
+            )
+        parity.loss_bound, parity.grad_bound = loss_bound, grad_bound
+        self.progress.event("check", "end", check="reference", **parity.model_dump())
+        loss_err, grad_err = _measured(parity.loss_rel_err), _measured(parity.grad_rel_err_max)
+        loss_ok = loss_err <= loss_bound  # NaN counts as a mismatch
+        grad_ok = grad_err <= grad_bound
         if not (loss_ok and grad_ok):
             what, err, bound = (
-                ("loss", parity["loss_rel_err"], loss_bound)
-                if not loss_ok
-                else (parity["worst_param"], parity["grad_rel_err_max"], grad_bound)
+                ("loss", loss_err, loss_bound) if not loss_ok else (parity.worst_param, grad_err, grad_bound)
             )
             at = f" (checked at {size.describe(full)})" if size != full else ""
             raise CaseFailed(
                 "mismatch",
                 f"{what} differs from the reference backends by {err:.3g} (relative; bound {bound:.3g}){at}",
-                parity=sanitize_parity(parity),
+                parity=parity,
             )
-        self.parity = sanitize_parity(parity)
+        self.parity = parity
 
     def _parity(
         self,
@@ -545,7 +540,7 @@ class Trainer:
         model: nn.Module,
         loss_value: float,
         low_precision: bool,
-    ) -> tuple[dict[str, Any], tuple[float, float]]:
+    ) -> tuple[Parity, tuple[float, float]]:
         """The parity errors against the fp32 reference and the (loss, gradient) bounds."""
         tolerance = self.spec.parity_tolerance
         ref32, ref32_loss = reference(False)
@@ -554,17 +549,17 @@ class Trainer:
             return parity, (tolerance, tolerance)
         same_dtype, same_dtype_loss = reference(True)
         baseline = parity_errors(same_dtype, ref32, same_dtype_loss, ref32_loss, tolerance)
-        parity["reference"] = f"reference backends in fp32; bound 2x the {self.spec.dtype} reference + floor"
-        parity["baseline_loss_rel_err"] = baseline["loss_rel_err"]
-        parity["baseline_grad_rel_err_max"] = baseline["grad_rel_err_max"]
+        parity.reference = f"reference backends in fp32; bound 2x the {self.spec.dtype} reference + floor"
+        parity.baseline_loss_rel_err = baseline.loss_rel_err
+        parity.baseline_grad_rel_err_max = baseline.grad_rel_err_max
         return parity, (
-            2 * baseline["loss_rel_err"] + tolerance,
-            2 * baseline["grad_rel_err_max"] + tolerance,
+            2 * _measured(baseline.loss_rel_err) + tolerance,
+            2 * _measured(baseline.grad_rel_err_max) + tolerance,
         )
 
     def _check_not_run(self, why: str) -> None:
         """A parity check that could not run: said in ``parity`` and the notes, never counted as passed."""
-        self.parity = {"checked": False, "why": why}
+        self.parity = Parity(checked=False, why=why)
         self.notes.append(f"reference check not run: {why}")
         self.progress.note("check-not-run", check="reference", why=why)
 
@@ -642,11 +637,11 @@ class Trainer:
         loss = self.losses[-1] if self.losses else None
         text = f"{self.steps_done} step(s) done"
         text += f", final loss {loss:.4f}" if loss is not None else ""
-        parity = self.parity or {}
-        if parity.get("checked") is False:  # said first: it is the verdict (unchecked)
-            text = f"reference check not run: {parity['why']}; {text}"
-        elif parity.get("reduced"):
-            text += f"; reference check at {parity['reduced']['what']} ({parity['reduced']['why']})"
+        parity = self.parity
+        if parity is not None and not parity.checked:  # said first: it is the verdict (unchecked)
+            text = f"reference check not run: {parity.why}; {text}"
+        elif parity is not None and parity.reduced is not None:
+            text += f"; reference check at {parity.reduced.what} ({parity.reduced.why})"
         return text + "".join(f"; warning {warning}" for warning in self.warnings)
 
     def _finish(self, outcome: Outcome) -> WorkerReport:
@@ -657,22 +652,23 @@ class Trainer:
         # allocator settle): with more steps the rate is over steps 2.., so two runs compare as they run.
         timed = self.step_s[1:] if len(self.step_s) > 1 else self.step_s
         tokens = spec.batch * spec.seq_len * len(timed)
-        metrics: dict[str, Any] = {
-            "phase_s": self.phase_s,
-            **({"phase_issue_s": self.phase_issue_s} if self.phase_issue_s["forward"] else {}),
-            "step_s": self.step_s,
-            "tokens_per_s": tokens / sum(timed) if timed and sum(timed) > 0 else None,
-            "tokens_per_s_steps": "2.." if len(self.step_s) > 1 else "1",
-            "loss": self.losses,
-            "grad_norm": self.grad_norms,
-            "params": self._params() if self.loaded is not None else None,
-            "dtype": spec.dtype,
-            "peak_memory": self._safe(lambda: peak_memory(self.device), {}),
-        }
+        metrics = Metrics(
+            phase_s=self.phase_s,
+            step_s=self.step_s,
+            tokens_per_s=tokens / sum(timed) if timed and sum(timed) > 0 else None,
+            tokens_per_s_steps="2.." if len(self.step_s) > 1 else "1",
+            loss=self.losses,
+            grad_norm=self.grad_norms,
+            params=self._params() if self.loaded is not None else None,
+            dtype=spec.dtype,
+            peak_memory=self._safe(lambda: PeakMemory.model_validate(peak_memory(self.device)), PeakMemory()),
+        )
+        if self.phase_issue_s.forward:
+            metrics.phase_issue_s = self.phase_issue_s
         if self.scaler is not None:
-            metrics["scaler_skipped_steps"] = self.scaler_skipped
+            metrics.scaler_skipped_steps = self.scaler_skipped
         if self.faults:
-            metrics["injections"] = [fault.report() for fault in self.faults]
+            metrics.injections = [fault.report() for fault in self.faults]
         for fault in self.faults:
             if not fault.fired and self.steps_done >= fault.inj.step:
                 hint = " (no checkpointed layer re-ran it: recompute needs --gc over that layer)"
@@ -689,7 +685,7 @@ class Trainer:
             if self.spec.memory_snapshot:
                 self.progress.event("export", "end", module=artifacts.MEMORY_SNAPSHOT)
         if self.notes:
-            metrics["notes"] = self.notes
+            metrics.notes = self.notes
         return worker_report(
             outcome,
             device=str(self.device) if self.device is not None else None,
@@ -698,7 +694,7 @@ class Trainer:
             ddp=self._ddp_report(),
         )
 
-    def _ddp_report(self) -> dict[str, Any] | None:
+    def _ddp_report(self) -> RankDdp | None:
         """What a DDP rank adds to the report (`nsa_diag.worker.ddp.DdpTrainer`); None for one worker."""
         return None
 
@@ -710,9 +706,7 @@ class Trainer:
             return default
 
 
-def parity_errors(
-    model: nn.Module, ref: nn.Module, loss: float, ref_loss: float, tolerance: float
-) -> dict[str, Any]:
+def parity_errors(model: nn.Module, ref: nn.Module, loss: float, ref_loss: float, tolerance: float) -> Parity:
     """Relative errors ``|a - r| / |r|`` of the loss and ``||g - g_ref|| / ||g_ref||`` of every gradient (a
     gradient present on one side only counts as relative error 1: the other side is zero)."""
     ref_grads = dict(ref.named_parameters())
@@ -729,9 +723,10 @@ def parity_errors(
         if not err <= worst:  # NaN wins
             worst_name, worst = name, err
     loss_err = abs(loss - ref_loss) / max(abs(ref_loss), 1e-30)
-    return {"loss_rel_err": loss_err, "grad_rel_err_max": worst, "worst_param": worst_name,
-            "tolerance": tolerance, "reference": "all reference backends"}  # fmt: skip
+    return Parity(loss_rel_err=loss_err, grad_rel_err_max=worst, worst_param=worst_name,
+                  tolerance=tolerance, reference="all reference backends")  # fmt: skip
 
 
-def sanitize_parity(parity: dict[str, Any]) -> dict[str, Any]:
-    return {k: finite_or_none(v) if isinstance(v, float) else v for k, v in parity.items()}
+def _measured(err: float | None) -> float:
+    """A relative error as measured: NaN where it is missing (NaN fails every bound)."""
+    return math.nan if err is None else err
