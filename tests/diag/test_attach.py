@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,44 +65,59 @@ class Job:
         return code, self.stdout.read_text(), self.stderr.read_text()
 
 
-@pytest.fixture
-def start_job(tmp_path: Path) -> Iterator[Any]:
+def _start(
+    folder: Path, name: str, *args: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
+    ready_count: int = 1,
+) -> Job:  # fmt: skip
     """Start a job script (with ``launcher``, e.g. torchrun's arguments, before it) with stdin a pipe and
-    stdout/stderr into files; wait for ``ready_count`` "ready" lines. Every process of a job still running
-    at the end of the test is killed by its pid (torchrun's ranks live in sessions of their own)."""
-    started: list[Job] = []
-
-    def start(
-        name: str, *args: str, env: dict[str, str] | None = None, launcher: tuple[str, ...] = (),
-        ready_count: int = 1,
-    ) -> Job:  # fmt: skip
-        out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
-        with open(out, "w") as stdout, open(err, "w") as stderr:
-            proc = subprocess.Popen(
-                [*(launcher or (sys.executable,)), str(JOBS / f"{name}.py"), *args],
-                stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, text=True,
-                env={**os.environ, **(env or {})}, start_new_session=True,
-            )  # fmt: skip
-        job = Job(proc, out, err)
-        started.append(job)
-        deadline = time.monotonic() + READY_TIMEOUT_S * (3 if launcher else 1)
+    stdout/stderr into files in ``folder``; wait for ``ready_count`` "ready" lines."""
+    out, err = folder / f"{name}.out", folder / f"{name}.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(
+            [*(launcher or (sys.executable,)), str(JOBS / f"{name}.py"), *args],
+            stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, text=True,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )  # fmt: skip
+    job = Job(proc, out, err)
+    deadline = time.monotonic() + READY_TIMEOUT_S * (3 if launcher else 1)
+    try:
         while out.read_text().count("ready") < ready_count:
             assert proc.poll() is None, f"{name} ended early: {err.read_text()}"
             assert time.monotonic() < deadline, f"{name} did not get ready: {err.read_text()}"
             time.sleep(0.05)
-        return job
+    except BaseException:
+        _kill(job)
+        raise
+    return job
+
+
+def _kill(job: Job) -> None:
+    """Kill every process of the job still running by its pid (torchrun's ranks live in sessions of their
+    own)."""
+    if job.proc.poll() is None:
+        try:
+            tree = [job.proc.pid, *(p.pid for p in psutil.Process(job.pid).children(recursive=True))]
+        except psutil.Error:
+            tree = [job.proc.pid]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.proc.wait()
+
+
+@pytest.fixture
+def start_job(tmp_path: Path) -> Iterator[Any]:
+    """`_start` in the test's folder; every process of a job still running at the end of the test is
+    killed."""
+    started: list[Job] = []
+
+    def start(name: str, *args: str, **options: Any) -> Job:
+        started.append(_start(tmp_path, name, *args, **options))
+        return started[-1]
 
     yield start
     for job in started:
-        if job.proc.poll() is None:
-            try:
-                tree = [job.proc.pid, *(p.pid for p in psutil.Process(job.pid).children(recursive=True))]
-            except psutil.Error:
-                tree = [job.proc.pid]
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            job.proc.wait()
+        _kill(job)
 
 
 # Rounds that settle the state of a job these tests start, quicker than the default watch of up to 10 s
@@ -126,24 +142,47 @@ def by_pid(record: dict[str, Any], pid: int) -> dict[str, Any]:
     return next(p for p in record["processes"] if p["pid"] == pid)
 
 
-def test_no_file_records_a_secret_of_the_jobs_command_line_or_environment(
-    start_job: Any, tmp_path: Path
-) -> None:
-    # --hub's value is only known as a secret from the job's environment (MY_TOKEN holds it)
-    job = start_job(
-        "attach_sleep", "--api-key", "k-9f8e7d6c", "--hub", "tok-5a4b3c2d", env={"MY_TOKEN": "tok-5a4b3c2d"}
-    )
-    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
-    assert code == 1, err
-    assert "k-9f8e7d6c" not in json.dumps(record)  # nor on the console
-    assert "tok-5a4b3c2d" not in json.dumps(record)
-    written = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
+@dataclass
+class Attached:
+    """One attach run to a job, and how the job ended once told to go on after it."""
+
+    pid: int
+    code: int
+    record: dict[str, Any]
+    err: str
+    runs: Path  # attach's --out
+    finished: tuple[int, str, str]  # the job's exit code, stdout and stderr
+
+
+@pytest.fixture(scope="module")
+def sleeping(tmp_path_factory: pytest.TempPathFactory) -> Attached:
+    """attach_sleep, with secrets on its command line and in its environment (--hub's value is only known as
+    a secret from the job's environment: MY_TOKEN holds it), attached once with `QUICK` rounds, then told to
+    finish. The secret, sleeping-job and report tests below read this one run (an attach and a job each
+    were ~5 s of CPU)."""
+    folder = tmp_path_factory.mktemp("sleeping")
+    job = _start(
+        folder, "attach_sleep", "--api-key", "k-9f8e7d6c", "--hub", "tok-5a4b3c2d",
+        env={"MY_TOKEN": "tok-5a4b3c2d"},
+    )  # fmt: skip
+    try:
+        code, record, err = attach(job.pid, folder / "runs", *QUICK)
+        finished = job.finish()
+    finally:
+        _kill(job)
+    return Attached(job.pid, code, record, err, folder / "runs", finished)
+
+
+def test_no_file_records_a_secret_of_the_jobs_command_line_or_environment(sleeping: Attached) -> None:
+    assert sleeping.code == 1, sleeping.err
+    assert "k-9f8e7d6c" not in json.dumps(sleeping.record)  # nor on the console
+    assert "tok-5a4b3c2d" not in json.dumps(sleeping.record)
+    written = [p for p in sleeping.runs.rglob("*") if p.is_file()]
     assert written
     for path in written:
         data = path.read_bytes()
         for value in (b"k-9f8e7d6c", b"tok-5a4b3c2d"):
             assert value not in data, f"{path.name} records {value!r}"
-    job.proc.communicate("go\n", timeout=30)
 
 
 def test_deadlocked_job_is_python_deadlock_and_finishes_unchanged(start_job: Any, tmp_path: Path) -> None:
@@ -196,15 +235,16 @@ def test_busy_loop_at_one_frame_is_unclear_not_progressing(start_job: Any, tmp_p
     assert (code, stdout) == (0, "ready\ndone\n")
 
 
-def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path) -> None:
+def test_sleeping_job_and_its_child_get_no_signal(sleeping: Attached) -> None:
     """Neither process catches SIGUSR1: attach sends none (its default action would kill them). The job
     naps in time.sleep: paused, not stalled (a sleep ends by itself), seen in py-spy's samples or, without
     py-spy, in its main thread's kernel wait channel; its child is a helper, never the culprit. Both live
     on and finish normally."""
-    job = start_job("attach_sleep")
-    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
+    code, record, err = sleeping.code, sleeping.record, sleeping.err
     assert code == 1, err
-    assert (record["state"], record["hang_kind"], record["focus_pid"]) == ("paused", None, job.pid), record
+    assert (record["state"], record["hang_kind"], record["focus_pid"]) == ("paused", None, sleeping.pid), (
+        record
+    )
     assert "sleeping" in record["reason"]
     assert "a sleep ends by itself" in record["reason"]
     assert len(record["processes"]) == 2  # the job and its child
@@ -217,8 +257,7 @@ def test_sleeping_job_and_its_child_get_no_signal(start_job: Any, tmp_path: Path
         if not record["pyspy_installed"]:
             assert "no stack" in p["why"]
     assert "py-spy" in (record["pyspy_advice"] or "") or record["pyspy_installed"]
-    code, stdout, stderr = job.finish()
-    assert (code, stdout, stderr) == (0, "ready\nchild done\nchild exited with 0\n", "")
+    assert sleeping.finished == (0, "ready\nchild done\nchild exited with 0\n", "")
 
 
 @pytest.mark.slow
@@ -769,9 +808,12 @@ time.sleep(60)  # never waits for it: the child stays a zombie
         ),
     ],
 )
-def test_a_thread_id_or_a_zombie_is_said_as_what_it_is(job: str, says: str, tmp_path: Path) -> None:
+def test_a_thread_id_or_a_zombie_is_said_as_what_it_is(
+    job: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`attach TID`: /proc has a folder for every thread, so a thread id looked like a process; a zombie
-    read as "no process". Each is one line, exit 2, nothing written."""
+    read as "no process". Each is one line, exit 2, nothing written. In process, as the bad pids above (a
+    refusal before anything is looked at: a subprocess would add only its start-up, ~3 s of CPU)."""
     proc = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -780,9 +822,10 @@ def test_a_thread_id_or_a_zombie_is_said_as_what_it_is(job: str, says: str, tmp_
             deadline = time.monotonic() + 10
             while psutil.Process(target).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
                 time.sleep(0.05)
-        done = run_cli("attach", str(target), "--out", tmp_path / "runs", timeout=60)
-        assert done.returncode == 2, done.stderr
-        assert done.stderr.splitlines() == ["nsa-diag: " + says.format(id=target, pid=proc.pid)]
+        code = cli_main(["attach", str(target), "--out", str(tmp_path / "runs")])
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert err.splitlines() == ["nsa-diag: " + says.format(id=target, pid=proc.pid)]
         assert not (tmp_path / "runs").exists()
         assert proc.poll() is None  # looked at, not touched
     finally:
@@ -834,7 +877,9 @@ def test_another_users_process_needs_consent_as_root_and_is_refused_otherwise() 
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach to another user's process")
-def test_as_root_another_users_job_is_refused_in_one_line_and_not_signalled(tmp_path: Path) -> None:
+def test_as_root_another_users_job_is_refused_in_one_line_and_not_signalled(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Issue 27 #12: as root, attach went on into another user's job (SIGUSR1 included). A Python process
     of user nobody that catches SIGUSR1 (attach would signal it) is refused: one line, exit 2, no signal,
     no run folder; with --allow-other-user attach goes on and asks it for a dump."""
@@ -857,9 +902,11 @@ def test_as_root_another_users_job_is_refused_in_one_line_and_not_signalled(tmp_
             assert said.readline() == b"ready\n"
             os.set_blocking(read_end, False)
             out = tmp_path / "refused"
-            refused = run_cli("attach", str(child), "--out", out, "--samples", "2", timeout=60)
-            lines = refused.stderr.strip().splitlines()
-            assert (refused.returncode, len(lines)) == (2, 1), refused.stderr
+            # refused in process, as the bad pids above; the attach that goes on runs as a user runs it
+            code = cli_main(["attach", str(child), "--out", str(out), "--samples", "2"])
+            err = capsys.readouterr().err
+            lines = err.strip().splitlines()
+            assert (code, len(lines)) == (2, 1), err
             assert f"PID {child} belongs to another user (uid 65534)" in lines[0]
             assert "--allow-other-user" in lines[0]
             assert not out.exists()
@@ -942,13 +989,13 @@ def test_job_spinning_in_a_cuda_kernel_is_cuda_kernel(start_job: Any, tmp_path: 
     assert (code, stdout) == (0, "ready\ndone\n")
 
 
-def test_report_and_compare_read_an_attach_run_folder(start_job: Any, tmp_path: Path) -> None:
+def test_report_and_compare_read_an_attach_run_folder(sleeping: Attached, tmp_path: Path) -> None:
     """An attach run folder (result.json at its top, no cases/) is read by report and compare: the state
     stands where a case's verdict would, with its reason."""
-    job = start_job("attach_sleep")
-    code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
-    assert code == 1, err
-    (run,) = (tmp_path / "runs").iterdir()
+    assert sleeping.code == 1, sleeping.err
+    (attached,) = sleeping.runs.iterdir()
+    run = tmp_path / attached.name  # a copy: report writes report.md into the folder it reads
+    shutil.copytree(attached, run)
     done = run_cli("report", run)
     assert done.returncode == 0, done.stderr
     report = (run / "report.md").read_text()

@@ -736,6 +736,11 @@ def test_replay_of_a_model_case_runs_from_any_directory(tmp_path: Path) -> None:
     assert list(elsewhere.iterdir()) == []
 
 
+# 10 s of CPU and a stall waited out: make test-slow. test_runner.py's deadlock test runs the same case
+# (verdict, hang kind, layer 1 backward, the stack samples), test_watch.py's deadlock test the CLI's table
+# of a hang with its main thread's last stack sample, and test_summary_counts_and_exit_code above a run's
+# exit code and summary for one
+@pytest.mark.slow
 def test_run_reports_a_deadlock_as_a_hang_with_where(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     done = run_nsa_diag(

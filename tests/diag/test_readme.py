@@ -34,6 +34,9 @@ SLOW = {  # 20 s to minutes each here: a stall waited out, four cases, three aga
     "nsa-diag branch",
     "nsa-diag backend --sel masked,gather,packed",
     "nsa-diag ddp --nproc 2",
+    # the same command on the same script (jobs/plain_loop.py) as test_watch.py's test_plain_loop_passes,
+    # which checks more of it: two torch imports and a training loop, ~6 s of CPU
+    "nsa-diag watch -- python train.py",
 }
 # The run folder each placeholder stands for: the one this example made.
 PLACEHOLDERS = {"<run>": "nsa-diag run", "<A>": "nsa-diag run", "<B>": "nsa-diag matrix my-cases.yaml"}

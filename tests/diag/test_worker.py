@@ -1,9 +1,10 @@
 """The worker as a real process: ``python -m nsa_diag.worker <case_dir>`` on small CPU cases.
 
-Every case starts at once (module fixture) so the suite pays one round of interpreter and torch start-up
-rather than one per case; each test then reads its own case folder: worker_result.json, progress.jsonl,
-the beacon, stacks.txt. Cases that hang (deadlock, busy, gil-hog) are checked while alive and then killed
-with their process group.
+Every case starts at once (module fixture); each test then reads its own case folder: worker_result.json,
+progress.jsonl, the beacon, stacks.txt. Cases that hang (deadlock, busy, gil-hog) are checked while alive
+and then killed with their process group. One case (`ENTRY_POINT`) runs as ``python -m nsa_diag.worker``;
+the others are forked from a server that imported torch once (`diag_worker_fork`: ~4 s of CPU less each),
+then start as that command does after its imports.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from diag_worker_fork import ForkedWorker, stop_server
 
 from nsa_diag import artifacts
 from nsa_diag.beacon import BeaconState, BeaconWriter, read_beacon
@@ -55,6 +57,9 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+ENTRY_POINT = "pass-gc"  # started as `python -m nsa_diag.worker CASE`, as the runner starts a worker
+
+
 def _env() -> dict[str, str]:
     paths = [str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
@@ -71,7 +76,11 @@ def _worker(case: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def _forked(case: Path) -> ForkedWorker:
+    return ForkedWorker(case, case / artifacts.STDOUT, case / artifacts.STDERR)
+
+
+def _kill(proc: subprocess.Popen[bytes] | ForkedWorker) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
@@ -80,7 +89,7 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 class Case:
     """One running or finished worker and its case folder."""
 
-    def __init__(self, path: Path, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, path: Path, proc: subprocess.Popen[bytes] | ForkedWorker) -> None:
         self.path, self.proc = path, proc
 
     def wait(self, timeout: float = 120) -> int:
@@ -135,11 +144,12 @@ def cases(
             spec = {**TINY, **fields, "name": name}
             spec["inject"] = [Injection.parse(text) for text in spec.get("inject", [])]
             artifacts.write_json(path / artifacts.SPEC, CaseSpec(**spec))
-            started[name] = Case(path, _worker(path))
+            started[name] = Case(path, _worker(path) if name == ENTRY_POINT else _forked(path))
         yield started
     finally:
         for case in started.values():
             _kill(case.proc)
+        stop_server()
 
 
 def _events(case: Case, **match: Any) -> list[dict[str, Any]]:

@@ -243,8 +243,8 @@ def test_importance_tiles_match_reference(
     l' = 4 there are 16+ selection blocks, so a program whose tile starts past block 0 must also count the
     compressed block that reaches into its first chunk from the tile before (l = 2 d)."""
     monkeypatch.setattr(triton_compression, "LAUNCH", {"importance": tiles})
-    case = Case(
-        B=2, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2,
+    case = Case(  # one sequence: the tiles are along its rows and blocks (batches: the fused selection's)
+        B=1, T=SIZES.seq_lens[-1], HKV=2, G=3, D=SIZES.head_dims[0], block_len=4, block_stride=2,
         sel_block_len=4,
     )  # fmt: skip
     _check_importance_and_selection(case, _inputs(case, device))
@@ -297,7 +297,7 @@ def test_top_n_kernel_matches_select_blocks_on_ties(
 
 
 def test_selection_in_row_chunks_equals_one_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    case = Case(B=2, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0])
+    case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0])  # chunks of one sequence's rows
     q, k, v, _ = (x.float() for x in _inputs(case, device))
     _, whole = triton_compressed_attention(q, k, v, select=case.select, **case.geometry)
     # a buffer of a few rows: the importance and top-n run chunk after chunk
