@@ -74,8 +74,11 @@ class ForkedWorker:
 
 
 def stop_server() -> None:
-    """Stop the forkserver once its workers have ended (each holds the server's pipe that ends it; the
-    tether would kill one that outlived it)."""
-    from multiprocessing import forkserver
+    """Stop the forkserver and its resource tracker once the workers have ended (each worker holds the
+    server's pipe that ends it; the tether would kill one that outlived it)."""
+    from multiprocessing import forkserver, resource_tracker
 
     forkserver._forkserver._stop()
+    # The forkserver started multiprocessing's resource tracker as our child: stop it too, or the next
+    # module in this pytest process (test_ddp's "nothing left behind") finds it among our children.
+    resource_tracker._resource_tracker._stop()
