@@ -68,6 +68,12 @@ LOCK = ".nsa-diag.lock"  # run folder: flock-ed by the process that writes in it
 NODES = "nodes"  # a multi-node run folder, and its case folders: nodes/<node rank>/, each node's own files
 RANK_RESULT = "rank_result.json"  # a multi-node case: ranks/<r>/, the rank's classified result
 NODE = "node.json"  # a multi-node case: nodes/<r>/, how the node's part ended (read by node 0)
+RANKS_DIR = "ranks"  # a DDP case (ours or a watched torchrun job): ranks/<r>/, one folder per rank
+
+
+def rank_dir(case_dir: Path, rank: int) -> Path:
+    return Path(case_dir) / RANKS_DIR / str(rank)
+
 
 # File names of a case folder (DESIGN.md "Artifacts").
 SPEC = "spec.json"

@@ -573,6 +573,17 @@ class ModelFacts(BaseModel):
     read_overrides: list[str] = Field(default_factory=list)  # overrides the factory read from the spec
 
 
+# The process group's timeout: longer than any stall the watchdog waits for, so that a hung collective is
+# still hung (not torn down by torch) when the watchdog takes its evidence.
+PG_TIMEOUT_MARGIN_S = 600.0
+
+
+def pg_timeout_s(spec: CaseSpec) -> float:
+    """Seconds before torch gives up on a collective: the case's timeout and stall, plus a margin."""
+    stall = 120.0 if spec.stall == "auto" else float(spec.stall)
+    return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
+
+
 PRE_FLIGHT = "pre-flight"  # the phase of a ddp rank's pre-flight, and the prefix of its forward, backward
 
 

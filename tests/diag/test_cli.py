@@ -118,6 +118,36 @@ def test_the_system_facts_are_cheap() -> None:
     assert time.perf_counter() - start < 1.0
 
 
+def test_run_folders_read_torchs_build_without_importing_torch_where_no_gpu_can_answer() -> None:
+    """A run folder's env.json on a machine without a GPU device node: torch's version and build from its
+    version module, CUDA unavailable and why, in a process that never imports torch (seconds of CPU on
+    every nsa-diag start); `nsa-diag env` imports it (test_env_json_is_valid_and_names_torch)."""
+    import torch
+
+    from nsa_diag.evidence.env import _gpu_nodes
+
+    if _gpu_nodes():
+        pytest.skip("this machine has a GPU device node: torch is imported to ask it")
+    code = (
+        "import json, sys; from nsa_diag.evidence.env import collect_env; "
+        "env = collect_env(); print(json.dumps([env['torch'], env['triton'], 'torch' in sys.modules]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=True
+    )
+    facts, triton_facts, imported = json.loads(done.stdout)
+    assert imported is False
+    assert facts["version"] == torch.__version__
+    assert facts["git_version"] == torch.version.git_version
+    assert facts["cuda_build"] == torch.version.cuda
+    assert facts["cuda_available"] is False
+    assert "no GPU device node" in facts["cuda_why"]
+    assert "torch not imported" in facts["runtime_why"]
+    assert "num_threads" not in facts  # not asked, so not recorded: no guess
+    triton = pytest.importorskip("triton")
+    assert triton_facts == {"version": triton.__version__}
+
+
 def run_env_in_process(
     *args: str, env: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ def env(json_output: JsonOpt = False, debug: DebugOpt = False) -> None:
     from nsa_diag.evidence.env import collect_env
     from nsa_diag.render import print_json, render_env
 
-    snapshot = collect_env()
+    snapshot = collect_env(torch_runtime=True)  # asked for: every fact, torch's view of the GPUs too
     if json_output:
         print_json(snapshot)
     else:

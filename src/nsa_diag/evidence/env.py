@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.metadata
+import importlib.util
 import os
 import platform
 import socket
@@ -138,7 +140,27 @@ def _cpu_and_memory() -> dict[str, Any]:
     }
 
 
-def _torch() -> dict[str, Any]:
+def _torch(runtime: bool | None = None) -> dict[str, Any]:
+    """torch's build (its version module, read without importing torch) and, where `runtime`, its view of
+    the machine (CUDA devices, cuDNN, NCCL, threads), which takes importing torch: seconds of CPU.
+
+    `runtime` None: import torch where it is imported already or where a GPU could answer (`_gpu_nodes`);
+    on a machine without GPU device nodes CUDA cannot be available, and every nsa-diag run there would
+    pay torch's import for facts that say only that. `nsa-diag env` asks for the runtime always.
+    """
+    if runtime is None:
+        runtime = "torch" in sys.modules or bool(_gpu_nodes())
+    if not runtime:
+        build = _torch_build()
+        if build.get("version") is None:
+            return build
+        return {
+            **build,
+            "cuda_available": False,
+            "cuda_why": "no GPU device node on this machine (/dev/nvidia*, /dev/kfd)",
+            "devices": [],
+            "runtime_why": "torch not imported: no GPU to ask about (cuDNN, NCCL, threads: `nsa-diag env`)",
+        }
     try:
         import torch
     except Exception as exc:  # a broken CUDA install fails with OSError, not only ImportError
@@ -179,6 +201,34 @@ def _torch() -> dict[str, Any]:
     return facts
 
 
+def _gpu_nodes() -> list[str]:
+    """The device nodes of an NVIDIA (``/dev/nvidia0``...) or AMD (``/dev/kfd``) GPU: without one, neither
+    CUDA nor ROCm has a device to find."""
+    nodes = sorted(str(path) for path in Path("/dev").glob("nvidia[0-9]*"))
+    return nodes + (["/dev/kfd"] if Path("/dev/kfd").exists() else [])
+
+
+def _torch_build() -> dict[str, Any]:
+    """torch's version module (``torch/version.py``: constants only), read without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    folders = list(spec.submodule_search_locations or ()) if spec is not None else []
+    path = next((Path(f) / "version.py" for f in folders if (Path(f) / "version.py").is_file()), None)
+    if path is None:
+        return {"version": None, "why": "torch is not installed"}
+    loaded = importlib.util.spec_from_file_location("_nsa_diag_torch_version", path)
+    if loaded is None or loaded.loader is None:
+        return {"version": None, "why": f"{path} cannot be read"}
+    version = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(version)
+    return {
+        "version": version.__version__,
+        "git_version": getattr(version, "git_version", None),
+        "debug_build": bool(getattr(version, "debug", False)),
+        "cuda_build": getattr(version, "cuda", None),
+        "hip_build": getattr(version, "hip", None),
+    }
+
+
 def _nccl_version(torch: Any) -> str | None:
     if torch.version.cuda is None or not torch.distributed.is_available():
         return None
@@ -191,7 +241,15 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _triton() -> dict[str, Any]:
+def _triton(runtime: bool | None = None) -> dict[str, Any]:
+    """Triton's version: imported where torch's runtime is asked for (`_torch`), else its package's."""
+    if runtime is None:
+        runtime = "torch" in sys.modules or bool(_gpu_nodes())
+    if not runtime:
+        try:
+            return {"version": importlib.metadata.version("triton")}
+        except importlib.metadata.PackageNotFoundError:
+            return {"version": None, "why": "triton is not installed"}
     try:
         import triton
     except Exception as exc:
@@ -289,8 +347,12 @@ def _probe(section: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"why": f"probe failed: {type(exc).__name__}: {exc}"}
 
 
-def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> dict[str, Any]:
-    """Collect the snapshot. `environ` defaults to `os.environ` and `cwd` to the working directory."""
+def collect_env(
+    environ: Mapping[str, str] | None = None, cwd: Path | None = None, torch_runtime: bool | None = None
+) -> dict[str, Any]:
+    """Collect the snapshot. `environ` defaults to `os.environ` and `cwd` to the working directory;
+    `torch_runtime`: whether to import torch for its view of the machine (`_torch`; None: where a GPU
+    could answer or torch is imported already)."""
     environ = os.environ if environ is None else environ
     return {
         "nsa_diag_version": __version__,
@@ -299,8 +361,8 @@ def collect_env(environ: Mapping[str, str] | None = None, cwd: Path | None = Non
         "platform": _probe(_platform),
         "system": _probe(_system),
         "cpu_memory": _probe(_cpu_and_memory),
-        "torch": _probe(_torch),
-        "triton": _probe(_triton),
+        "torch": _probe(lambda: _torch(torch_runtime)),
+        "triton": _probe(lambda: _triton(torch_runtime)),
         "nvml": _probe(_nvml),
         "git": _probe(lambda: _git(cwd or Path.cwd())),
         "env_vars": select_env_vars(environ),

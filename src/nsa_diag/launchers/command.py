@@ -37,6 +37,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.artifacts import RANKS_DIR
 from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
 from nsa_diag.evidence import procfs
@@ -72,7 +73,6 @@ from nsa_diag.stopping import ProcessTree, stop_tree
 from nsa_diag.watchdog import ProcessHandle, steps_done
 
 PROCS_DIR = "procs"
-RANKS_DIR = "ranks"
 RANK_JSON = "rank.json"
 TREE_JSON = "tree.json"
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from pydantic import Field
 
 from nsa_diag import artifacts
+from nsa_diag.artifacts import RANKS_DIR, rank_dir
 from nsa_diag.errors import UsageError
 from nsa_diag.launchers.base import Ending, Evidence, JobEnd, LaunchPlan, Stage, Unit, classified
 from nsa_diag.launchers.torchrun import TorchrunLauncher, aggregate_ranks, local_ranks, torchrun_argv
@@ -53,7 +54,6 @@ from nsa_diag.records import (
 )
 from nsa_diag.results import error_result
 from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec
-from nsa_diag.worker.ddp import RANKS_DIR, rank_dir
 
 POLL_S = 0.2
 CONNECT_TRY_S = 1.0  # one connection attempt to the rendezvous while a node R > 0 waits for node 0

@@ -28,6 +28,7 @@ import psutil
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
+from nsa_diag.artifacts import RANKS_DIR, rank_dir
 from nsa_diag.beacon import read_beacon
 from nsa_diag.classify import focus_thread
 from nsa_diag.evidence.stacks import read_stacks
@@ -46,10 +47,9 @@ from nsa_diag.launchers.base import (
 )
 from nsa_diag.records import CaseEvidence, FlightRecorder, JobNotes, StopReport
 from nsa_diag.results import error_result, read_worker_report
-from nsa_diag.spec import CaseResult, CaseSpec
+from nsa_diag.spec import CaseResult, CaseSpec, pg_timeout_s
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.stopping import ProcessTree, alive, stop_tree
-from nsa_diag.worker.ddp import RANKS_DIR, pg_timeout_s, rank_dir
 
 LOOPBACK = "127.0.0.1"
 FR_PREFIX = "nccl_trace_rank_"  # TORCH_NCCL_DEBUG_INFO_TEMP_FILE: torch appends the rank

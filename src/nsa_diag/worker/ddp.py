@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
+from nsa_diag.artifacts import rank_dir
 from nsa_diag.records import BucketTrace, CollectiveCall, GradArrival, Preflight, RankDdp, TracedBucket
-from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP
+from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP, pg_timeout_s
 from nsa_diag.worker import agent, inject, tether
 from nsa_diag.worker.contract import build_model
 from nsa_diag.worker.outcome import CaseFailed, Outcome
@@ -62,22 +63,8 @@ USAGE = (
     "usage: torchrun ... -m nsa_diag.worker.ddp <case_dir> [<spec.json>]   (default: the case folder's; a "
     "node r > 0 of a multi-node case passes its own, nodes/<r>/spec.json)"
 )
-RANKS_DIR = "ranks"
 SIDE_GROUP = "nsa-diag"
 FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat thread at a hang (NCCL)
-# The process group's timeout: longer than any stall the watchdog waits for, so that a hung collective is
-# still hung (not torn down by torch) when the watchdog takes its evidence.
-PG_TIMEOUT_MARGIN_S = 600.0
-
-
-def rank_dir(case_dir: Path, rank: int) -> Path:
-    return Path(case_dir) / RANKS_DIR / str(rank)
-
-
-def pg_timeout_s(spec: CaseSpec) -> float:
-    """Seconds before torch gives up on a collective: the case's timeout and stall, plus a margin."""
-    stall = 120.0 if spec.stall == "auto" else float(spec.stall)
-    return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
 
 
 def preflight_verdict(unused: dict[int, list[str]]) -> Preflight:
