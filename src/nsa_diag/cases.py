@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from nsa_diag.devices import cuda_available
 from nsa_diag.errors import ConfigError, UsageError
 from nsa_diag.options import (
     CHECK_OMITS,
@@ -332,12 +333,6 @@ def check_options(options: CaseOptions) -> None:
         )
     if options.model is not None:
         check_model_factory(options.model)
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
 
 
 def runs_on_cuda(device: str) -> bool:

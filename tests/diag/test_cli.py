@@ -124,9 +124,9 @@ def test_run_folders_read_torchs_build_without_importing_torch_where_no_gpu_can_
     every nsa-diag start); `nsa-diag env` imports it (test_env_json_is_valid_and_names_torch)."""
     import torch
 
-    from nsa_diag.evidence.env import _gpu_nodes
+    from nsa_diag.devices import gpu_device_nodes
 
-    if _gpu_nodes():
+    if gpu_device_nodes():
         pytest.skip("this machine has a GPU device node: torch is imported to ask it")
     code = (
         "import json, sys; from nsa_diag.evidence.env import collect_env; "

@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "nsa_diag.logcap",
      "nsa_diag.redact",
      "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
-     "nsa_diag.stackframes",
+     "nsa_diag.stackframes", "nsa_diag.devices",
      "nsa_diag.interrupts", "nsa_diag.stopping", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
     ("nsa_diag.analysis", "nsa_diag.evidence"),

@@ -32,6 +32,7 @@ from typing import Any
 
 from nsa_diag import __version__
 from nsa_diag.artifacts import is_secret_name
+from nsa_diag.devices import worth_asking_torch
 
 ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_", "SLURM_")
 # What a distributed or slow job is debugged by: thread counts, torchrun's rendezvous and ranks, cuBLAS's
@@ -144,12 +145,12 @@ def _torch(runtime: bool | None = None) -> dict[str, Any]:
     """torch's build (its version module, read without importing torch) and, where `runtime`, its view of
     the machine (CUDA devices, cuDNN, NCCL, threads), which takes importing torch: seconds of CPU.
 
-    `runtime` None: import torch where it is imported already or where a GPU could answer (`_gpu_nodes`);
+    `runtime` None: import torch where it is imported already or a GPU could answer (`worth_asking_torch`);
     on a machine without GPU device nodes CUDA cannot be available, and every nsa-diag run there would
     pay torch's import for facts that say only that. `nsa-diag env` asks for the runtime always.
     """
     if runtime is None:
-        runtime = "torch" in sys.modules or bool(_gpu_nodes())
+        runtime = worth_asking_torch()
     if not runtime:
         build = _torch_build()
         if build.get("version") is None:
@@ -201,13 +202,6 @@ def _torch(runtime: bool | None = None) -> dict[str, Any]:
     return facts
 
 
-def _gpu_nodes() -> list[str]:
-    """The device nodes of an NVIDIA (``/dev/nvidia0``...) or AMD (``/dev/kfd``) GPU: without one, neither
-    CUDA nor ROCm has a device to find."""
-    nodes = sorted(str(path) for path in Path("/dev").glob("nvidia[0-9]*"))
-    return nodes + (["/dev/kfd"] if Path("/dev/kfd").exists() else [])
-
-
 def _torch_build() -> dict[str, Any]:
     """torch's version module (``torch/version.py``: constants only), read without importing torch."""
     spec = importlib.util.find_spec("torch")
@@ -244,7 +238,7 @@ def _nccl_version(torch: Any) -> str | None:
 def _triton(runtime: bool | None = None) -> dict[str, Any]:
     """Triton's version: imported where torch's runtime is asked for (`_torch`), else its package's."""
     if runtime is None:
-        runtime = "torch" in sys.modules or bool(_gpu_nodes())
+        runtime = worth_asking_torch()
     if not runtime:
         try:
             return {"version": importlib.metadata.version("triton")}
