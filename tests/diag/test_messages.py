@@ -241,7 +241,7 @@ def test_a_bad_matrix_file_with_json_lists_its_problems(
 def test_an_internal_error_with_json_is_a_json_object_on_stdout(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def broken() -> None:
+    def broken(**_: object) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr("nsa_diag.evidence.env.collect_env", broken)
