@@ -3,7 +3,8 @@
 #   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
 #                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
 #   make test    the test suite but the tests marked slow, then the Triton kernels once more on the CPU
-#                (TRITON_INTERPRET=1); make test-slow runs the slow ones (CI runs both)
+#                (TRITON_INTERPRET=1); make test-slow runs the slow ones (CI runs both), installing the
+#                hf extra (transformers) first
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
 #   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
@@ -41,6 +42,8 @@ MATRIX_TARGETS := $(patsubst $(MATRICES)/%.yaml,matrix-%,$(wildcard $(MATRICES)/
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The Hugging Face extra, for the slow tests only (transformers: half a minute of the install)
+STAMP_HF := $(VENV)/.installed-hf
 
 .PHONY: install demo test test-slow lint bench gpu-smoke wheel-check
 
@@ -53,6 +56,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -e '.[dev]'
 	@touch $@
 
+$(STAMP_HF): $(STAMP)
+	$(BIN)/python -m pip install -e '.[dev,hf]'
+	@touch $@
+
 demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
@@ -62,7 +69,7 @@ test: $(STAMP)
 
 # The tests marked slow (long end-to-end runs: the cpu-smoke matrix, gc-bisect, minimize, a Hugging Face
 # model, the installed wheel...). CI runs them after `make test`: every test runs in CI.
-test-slow: $(STAMP)
+test-slow: $(STAMP_HF)
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m slow $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m slow tests/core/triton $(PYTEST_ARGS)
 

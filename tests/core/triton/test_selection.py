@@ -191,7 +191,9 @@ def test_token_tiles_match_reference(
 
     monkeypatch.setattr(selection, "SHARE_PCT", share)
     monkeypatch.setattr(selection, "_TILE_ROWS", {"fwd": rows, "dq": rows})
-    case = Case(B=2, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4)  # tiles of 5 tokens end past T
+    # one sequence: the tiles run along its rows (test_matches_reference_fp32 runs batches of two); a tile of
+    # 16 or 64 rows ends past T = 37
+    case = Case(B=1, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4)
     block_idx = make_block_idx(case, device)
     kwargs = dict(sel_block_len=case.sel_block_len)
     q, k, v, do = make_inputs(case, device, torch.float64)
