@@ -649,6 +649,10 @@ def _only_run_dir(out: Path) -> Path:
     return run_dir
 
 
+# make test-slow: make test runs `nsa-diag run` end to end in test_readme (the README's example: exit 0,
+# "1 pass (all ok)", then report on its folder), test_cli (the console script, every artifact read for
+# secrets) and test_runner (result.json of a passing case)
+@pytest.mark.slow
 def test_run_passes_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     done = run_nsa_diag("run", "--device", "cpu", "--steps", "2", "--out", str(out), "--json")

@@ -48,6 +48,10 @@ def _left_behind(case_dir: Path) -> list[str]:
 # --- real torchrun jobs ------------------------------------------------------------------------------
 
 
+# make test-slow (two gloo ranks: ~10 s of CPU): make test keeps two real torchrun jobs through the same
+# launcher, ranks and pre-flight (test_unused_param_..., test_skip_collective_...), and `nsa-diag ddp`
+# from the shell in test_processes (loopback only, killed with nsa-diag)
+@pytest.mark.slow
 def test_pass_on_two_gloo_ranks_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = run_cli(["ddp", "--nproc", "2", "--backend", "gloo", "--device", "cpu", "--stall", "30",
                     "--trace-buckets", "--out", str(tmp_path), "--name", "ok", "--json"])  # fmt: skip
