@@ -138,6 +138,8 @@ INTERPRETER_SLOW = (
     "test_compression.py::test_fused_selection_matches_reference[B2-T64-HQ2-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
     "test_compression.py::test_fused_selection_matches_reference[B2-T37-HQ8-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
     "test_compression.py::test_fused_selection_matches_reference[B2-T37-HQ2-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
+    # the unmasked window tiles at an odd window: w33 (from an offset) stays, beside w40's whole tiles
+    "test_window.py::test_window_unmasked_tiles_match_reference[B1-T100-HQ2-H1-D16-w37]",
     "test_compression.py::test_compressed_fp32_matches_reference[B2-T37-HQ2-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
     "test_compression.py::test_compressed_fp32_matches_reference[B2-T37-HQ8-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
     "test_compression.py::test_compressed_fp32_matches_reference[B2-T64-HQ2-H2-D32-l8-d4-ls16-n4-i1-loc2-random]",
