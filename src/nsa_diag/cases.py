@@ -629,6 +629,8 @@ def ddp_flags(ds: DdpSpec) -> list[str]:
     argv += ["--trace-buckets"] * ds.trace_buckets
     if ds.bucket_mb is not None:
         argv += ["--bucket-mb", f"{ds.bucket_mb:g}"]
+    if ds.straggler_ratio != DdpSpec.model_fields["straggler_ratio"].default:
+        argv += ["--straggler-ratio", f"{ds.straggler_ratio:g}"]
     if ds.nnodes > 1 or ds.rdzv_endpoint:
         argv += ["--nnodes", str(ds.nnodes), "--node-rank", str(ds.node_rank)]
         argv += ["--rdzv-endpoint", ds.rdzv_endpoint] if ds.rdzv_endpoint else []

@@ -405,6 +405,37 @@ class FlightRecorder(Record):
     files: dict[str, str] = {}  # by rank: the dump's path in the case folder
 
 
+class StragglerRank(Record):
+    """A rank whose own time per step is consistently above the others' (`nsa_diag.analysis.stragglers`)."""
+
+    rank: int
+    ratio: float  # its own step time over the other ranks' median, the median over the steps compared
+    slower_steps: int  # steps in which the ratio reached the threshold
+    steps: int  # steps compared
+    phase: str | None = None  # where its extra time is: forward, optimizer, between steps (data, logging)
+    extra_s: float | None = None  # its own step time minus the others' median, median over the steps
+
+
+class Stragglers(Record):
+    """Each rank's own time per step against the others' (``ddp.stragglers``): the threshold, the steps
+    compared, each rank's median own step time, and the ranks consistently slower."""
+
+    threshold: float
+    steps: list[int]
+    own_step_s: dict[str, float]  # by rank: its step time less its wait for the others in backward
+    slow: list[StragglerRank] = []
+    why: str | None = None  # why no rank could be named (too few steps)
+
+    def describe(self) -> str:
+        """One line per straggler: "rank 1: 1.40x the other ranks' median step, in forward"."""
+        return "; ".join(
+            f"rank {s.rank}: {s.ratio:.2f}x the other ranks' median step"
+            + (f", in {s.phase}" if s.phase else "")
+            + f" ({s.slower_steps} of {s.steps} steps)"
+            for s in self.slow
+        )
+
+
 class Pause(Record):
     """A stall that was only a pause (a checkpoint save, a DataLoader worker's slow batch): the watch went
     on."""
@@ -465,6 +496,7 @@ class DdpResult(Record):
     nodes: dict[str, NodeEnd] = {}
     flight_recorder: FlightRecorder | None = None
     pauses: list[Pause] = []
+    stragglers: Stragglers | None = None
     # at a hang
     stack_diff: StackDiff | None = None
     minority_ranks: list[int] = []

@@ -186,6 +186,19 @@ class DdpSpec(BaseModel):
     trace_buckets: Annotated[
         bool, Opt("--trace-buckets", bool, "Record bucket sizes and dtypes per rank for step 1.")
     ] = Field(False, description="record bucket sizes and dtypes per rank for step 1")
+    # What counts as a straggler (`nsa_diag.analysis.stragglers`): read from the ranks' step times after
+    # the run, it changes nothing the case computes.
+    straggler_ratio: Annotated[
+        float,
+        Opt(
+            "--straggler-ratio",
+            float,
+            "Name a rank whose own step time is this many times the other ranks' median in most steps "
+            "(the verdict stays the ranks').",
+            min=1.0,
+            metavar="RATIO",
+        ),
+    ] = Field(1.25, ge=1.0, allow_inf_nan=False, description="own step time over the others' median")
     nnodes: Annotated[int, Opt("--nnodes", int, "Nodes (run the command on each).")] = Field(1, ge=1)
     node_rank: Annotated[int, Opt("--node-rank", int, "This node's index, 0..nnodes-1.")] = Field(0, ge=0)
     rdzv_endpoint: Annotated[
@@ -535,8 +548,8 @@ class CaseSpec(BaseModel):
         exclude: dict[str, bool | dict[str, bool]] = {
             "name": True, "branch_marks": True, **dict.fromkeys(later, True)
         }  # fmt: skip
-        if self.ddp is not None:  # how long nodes wait for each other changes nothing the case computes
-            exclude["ddp"] = {"rdzv_timeout": True, "run_id": True}
+        if self.ddp is not None:  # how long nodes wait, what a straggler is: nothing the case computes
+            exclude["ddp"] = {"rdzv_timeout": True, "run_id": True, "straggler_ratio": True}
         data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

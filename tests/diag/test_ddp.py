@@ -100,6 +100,26 @@ def test_unused_param_on_one_rank_names_that_rank(tmp_path: Path) -> None:
     assert not _left_behind(tmp_path / "unused1")
 
 
+@pytest.mark.slow  # two gloo ranks for five steps; the analysis's own cases are test_stragglers.py
+def test_a_rank_slower_every_step_is_named_a_straggler_and_the_job_passes(tmp_path: Path) -> None:
+    """Rank 1 sleeps 0.3 s in layer 0's forward every step (a slow data path, a throttled GPU): rank 0
+    waits for it in backward's all-reduce, so both take as long a step; rank 1 is named, in forward, and
+    the job still passes."""
+    spec = _spec("straggler", "slow:layer=0,phase=forward,rank=1,seconds=0.3").model_copy(update={"steps": 5})
+    result = run_case(spec, tmp_path / "straggler")
+    assert result.verdict == "pass", result.reason
+    assert result.ddp is not None
+    stragglers = result.ddp["stragglers"]
+    assert stragglers["steps"] == [2, 3, 4, 5]
+    (slow,) = stragglers["slow"]
+    assert (slow["rank"], slow["phase"]) == (1, "forward")
+    assert slow["ratio"] >= 1.25
+    assert slow["extra_s"] == pytest.approx(0.3, abs=0.15)
+    assert "straggler rank 1: " in result.reason
+    assert "the other ranks' median step, in forward" in result.reason
+    assert not _left_behind(tmp_path / "straggler")
+
+
 def test_skip_collective_is_a_collective_hang_with_rank_1_the_minority(tmp_path: Path) -> None:
     case_dir = tmp_path / "skip"
     result = run_case(_spec("skip", "skip-collective:rank=1", stall=3.0), case_dir)

@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from nsa_diag.analysis.stragglers import find_stragglers
 from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import (
     CaseEvidence,
@@ -329,6 +330,7 @@ def aggregate(
     if errors:
         ddp.ddp_error = errors
     ddp.add(notes)
+    ddp.stragglers = find_stragglers({r: per_rank[r].metrics for r in ranks}, ds.straggler_ratio)
 
     hang_kind = None
     if outcome == "stalled":
@@ -348,6 +350,8 @@ def aggregate(
         verdict, hang_kind, reason, source = _hang(per_rank, kinds, diff, decider)
     else:
         verdict, reason, source = _worst(per_rank, outcome)
+        if ddp.stragglers is not None and ddp.stragglers.slow:  # said even when the job passes
+            reason += f"; straggler {ddp.stragglers.describe()}"
     src = per_rank[source]
     return CaseResult(
         name=spec.name,
