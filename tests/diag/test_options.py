@@ -163,7 +163,14 @@ def _free_port() -> int:
 
 DDP_ROUND_TRIPS = [
     pytest.param(
-        {"nproc": 3, "backend": "gloo", "static_graph": True, "bucket_mb": 5.0, "trace_buckets": True},
+        {
+            "nproc": 3,
+            "backend": "gloo",
+            "static_graph": True,
+            "bucket_mb": 5.0,
+            "trace_buckets": True,
+            "straggler_ratio": 1.5,
+        },
         id="one-node",
     ),
     pytest.param(  # node 0 of two: its rendezvous is checked (it can listen there), then its session
