@@ -19,6 +19,7 @@ from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
 from nsa_diag.analysis.scaling import GrowthFit, describe_fit
 from nsa_diag.analysis.sweep import ScaleReport, ScaleSeries, fit_points_note, host_bound_note
+from nsa_diag.analysis.timeline import trace
 from nsa_diag.errors import UsageError
 from nsa_diag.runfolder import (
     NO_RESULT,
@@ -31,11 +32,13 @@ from nsa_diag.runfolder import (
     failure_records,
     length_series,
     load_run,
+    timeline_inputs,
     verdict_grids,
 )
 from nsa_diag.summary import status_text
 
 REPORT_MD = "report.md"
+TIMELINE = "timeline.json"  # every case's and rank's progress, for Perfetto (`nsa_diag.analysis.timeline`)
 PNG_PREFIX = "report-"
 MAX_GRIDS = 16  # beyond this many combinations of the other axes, the flat cases table says it all
 
@@ -324,11 +327,20 @@ def _run_lines(run: RunFolder) -> list[str]:
     return [*lines, ""]
 
 
-def build_report(run: RunFolder, plots: Mapping[str, str], plot_error: str | None = None) -> str:
-    """report.md's text; `plots` maps a section key ("grid-<i>", "scaling", "failures") to a PNG name."""
+def build_report(
+    run: RunFolder, plots: Mapping[str, str], plot_error: str | None = None, timeline: str | None = None
+) -> str:
+    """report.md's text; `plots` maps a section key ("grid-<i>", "scaling", "failures") to a PNG name;
+    `timeline`: the trace file written beside it."""
     lines = _run_lines(run)
     head, rows = _case_rows(run)
     lines += ["## Cases", "", *_table(head, rows), ""]
+    if timeline:
+        lines += [
+            f"Timeline: `{timeline}`, every case's and rank's steps, phases and layers, the stall and the "
+            "verdict; open it in https://ui.perfetto.dev (or chrome://tracing).",
+            "",
+        ]
     if run.not_run:
         lines += [f"Not run: {', '.join(run.not_run)}.", ""]
     if run.command != "attach":
@@ -419,6 +431,7 @@ class ReportWritten(TypedDict):
     command: str
     report: str
     plots: list[str]
+    timeline: str | None
     plot_error: str | None
     cases: int
     counts: dict[str, int]
@@ -434,10 +447,16 @@ def write_report(path: Path) -> ReportWritten:
         made = draw_plots(run)
     except Exception as exc:  # the tables stand without the pictures
         made, plot_error = {}, f"{type(exc).__name__}: {exc}"
+    tracks, ends = timeline_inputs(run)
+    timeline = TIMELINE if tracks else None
+    path = run.path / TIMELINE
     try:
-        artifacts.write_text(run.path / REPORT_MD, build_report(run, made, plot_error))
+        if timeline:
+            artifacts.write_json(path, trace(tracks, ends))  # JSON: secrets withheld value by value
+        path = run.path / REPORT_MD
+        artifacts.write_text(path, build_report(run, made, plot_error, timeline))
     except OSError as exc:
-        raise UsageError(f"{run.path / REPORT_MD}: cannot be written: {exc.strerror or exc}") from None
+        raise UsageError(f"{path}: cannot be written: {exc.strerror or exc}") from None
     counts: dict[str, int] = {}
     for case in run.cases:
         counts[case.verdict] = counts.get(case.verdict, 0) + 1
@@ -446,6 +465,7 @@ def write_report(path: Path) -> ReportWritten:
         "command": run.command,
         "report": str(run.path / REPORT_MD),
         "plots": [str(run.path / name) for name in made.values()],
+        "timeline": str(run.path / timeline) if timeline else None,
         "plot_error": plot_error,
         "cases": len(run.cases),
         "counts": counts,

@@ -30,6 +30,7 @@ from pydantic import JsonValue
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import ComparedCase, ComparedRun
 from nsa_diag.analysis.sweep import ScalePoint, ScaleReport, ScaleSeries, fit_points, point_record
+from nsa_diag.analysis.timeline import CaseEnd, Track
 from nsa_diag.errors import UsageError
 from nsa_diag.records import CaseEvidence, MainThread, PhaseSeconds
 from nsa_diag.spec import CaseResult, CaseSpec, Where
@@ -203,6 +204,42 @@ def _timed_steps(step_s: Sequence[float]) -> int | None:
     if not step_s:
         return None
     return len(step_s) - 1
+
+
+MAX_TIMELINE_RANKS = 1024  # a ddp case's ranks read for the timeline (a folder of more is not ours)
+
+
+def _progress_lines(path: Path) -> list[str] | None:
+    try:
+        return artifacts.read_text(path).splitlines()
+    except (OSError, ValueError):  # missing, not a regular file, too large
+        return None
+
+
+def timeline_inputs(run: RunFolder) -> tuple[list[Track], list[CaseEnd]]:
+    """Each case's progress (its worker's or watched job's ``progress.jsonl``, each rank's under
+    ``ranks/<r>/``) and how each case ended, for `nsa_diag.analysis.timeline.trace`."""
+    tracks: list[Track] = []
+    ends: list[CaseEnd] = []
+    for case in run.cases:
+        own = _progress_lines(case.dir / artifacts.PROGRESS)
+        if own:
+            tracks.append(Track(case.name, "worker" if run.command != "watch" else "job", own))
+        ranks = case.dir / artifacts.RANKS_DIR
+        folders = sorted(
+            (p for p in itertools.islice(ranks.iterdir(), MAX_TIMELINE_RANKS) if p.name.isdigit())
+            if ranks.is_dir() and not ranks.is_symlink()
+            else (),
+            key=lambda p: int(p.name),
+        )
+        for folder in folders:
+            lines = _progress_lines(folder / artifacts.PROGRESS)
+            if lines:
+                tracks.append(Track(case.name, f"rank {folder.name}", lines))
+        if case.result is not None:
+            result = case.result
+            ends.append(CaseEnd(case.name, result.verdict, result.reason, result.stall_limit_s))
+    return tracks, ends
 
 
 def _last_progress(case_dir: Path) -> Where | None:

@@ -160,6 +160,19 @@ def test_report_of_a_hang_shows_where_and_the_stacks(runs: dict[str, Path], tmp_
     assert "_deadlock_lock_acquire" in text
     assert "(at hang)" in text  # peak memory from memory_stats.json, as the step never ended
     assert (run_dir / "report-failures.png").read_bytes().startswith(PNG_MAGIC)
+    # the timeline: the worker's slices, still open where it hung (layer 1 backward), then stall and verdict
+    assert written["timeline"] == str(run_dir / "timeline.json")
+    assert "Timeline: `timeline.json`" in text
+    events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    stack: list[str] = []  # the slices still open at the end, outermost first
+    for event in events:
+        if event["ph"] == "B":
+            stack.append(event["name"])
+        elif event["ph"] == "E":
+            stack.pop()
+    assert stack[-3:] == ["step 1", "backward", "layer 1 backward"]
+    marks = [e["name"] for e in events if e.get("s") == "p"]
+    assert marks == ["stall: no progress for 5 s", "verdict: hang"]
 
 
 @pytest.mark.slow  # `runs` makes real run folders: 2 min under make test's load (hand-built ones stay)
