@@ -253,10 +253,17 @@ def _result_or_end(spec: CaseSpec, case_dir: Path, job: Any, state: str, cluster
         if result is not None or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    if result is not None:
-        return result
     job_id = str(job.job_id) if job is not None else "(not submitted)"
     end = job_end(state, job_id=job_id)
+    ended_normally = end.state in ("COMPLETED", "FINISHED")
+    if result is not None and result.evidence.outcome == "nsa-diag-ended" and not ended_normally:
+        # the job's nsa-diag was stopped before it wrote the case's result, and its guardian wrote that
+        # much: the job's end says why (a cancel after an interrupt, a time limit, a node lost)
+        reason = f"{end.reason}; {result.reason}"
+        result = result.model_copy(update={"reason": reason})
+        artifacts.write_json(case_dir / artifacts.RESULT, result)
+    if result is not None:
+        return result
     notes = _task_notes(job)
     result = error_result(spec, end.reason + notes, 0.0, CaseEvidence(outcome="scheduler-ended", state=state))
     result = result.model_copy(update={"verdict": end.verdict})
