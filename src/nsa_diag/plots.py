@@ -10,6 +10,7 @@ from nsa_diag import artifacts
 
 if TYPE_CHECKING:
     from nsa_diag.analysis.sweep import ScaleReport
+    from nsa_diag.analysis.timeline import Row
     from nsa_diag.runfolder import Failure
 
 
@@ -187,6 +188,49 @@ def plot_failure_locations(records: Sequence[Failure], path: Path) -> Path:
     ax.set_ylabel("phase")
     ax.set_title("where the failing cases were stopped")
     ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    artifacts.write_with(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    plt.close(fig)
+    return path
+
+
+_TIMELINE_DEPTH = 3  # the step, its phases (forward, backward, optimizer), their layers and collectives
+_PHASE_COLOURS = {"forward": "C0", "backward": "C1", "optimizer": "C2", "setup": "C7", "pre-flight": "C4"}
+
+
+def plot_timeline(rows: Sequence[Row], marks: Sequence[tuple[float, str]], end_s: float, path: Path) -> Path:
+    """`nsa-diag report`: one row per case unit (a worker, a rank), its steps and their phases as bars
+    against time; a slice still open at the end (where a unit stopped) hatched to the end; the stall and
+    the verdict as vertical lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, min(1.5 + 0.6 * len(rows), 14)))
+    for y, row in enumerate(rows):
+        for span in row.spans:
+            if span.depth >= _TIMELINE_DEPTH:
+                continue
+            phase = span.name.split(" (")[0]
+            colour = "0.85" if span.depth == 0 else _PHASE_COLOURS.get(phase.split(":")[0], "C5")
+            height = (0.8, 0.5, 0.2)[span.depth]
+            ax.barh(
+                y, span.end_s - span.start_s, left=span.start_s, height=height, color=colour,
+                edgecolor="k" if span.open else colour, hatch="//" if span.open else None, linewidth=0.5,
+            )  # fmt: skip
+            if span.open:
+                ax.annotate(f"open: {span.name}", (span.start_s, y - 0.05 - 0.25 * span.depth), fontsize=7)
+    for at, name in marks:
+        ax.axvline(at, color="C3", linestyle="--", linewidth=1)
+        ax.annotate(name, (at, -0.6 + 0.25 * marks.index((at, name))), fontsize=7, ha="right")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLOURS.values()]
+    ax.legend(handles, list(_PHASE_COLOURS), fontsize=7, loc="upper left", ncols=len(_PHASE_COLOURS))
+    ax.set_yticks(range(len(rows)), [row.label for row in rows])
+    ax.set_ylim(len(rows) - 0.4, -0.8)
+    ax.set_xlim(0, max(end_s, 1e-3) * 1.02)
+    ax.set_xlabel("seconds from the first event")
+    ax.set_title("progress of each unit (hatched: still open when the case ended)")
     fig.tight_layout()
     artifacts.write_with(path, lambda p: fig.savefig(p, format="png", dpi=100))
     plt.close(fig)

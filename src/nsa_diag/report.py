@@ -19,6 +19,7 @@ from nsa_diag import artifacts, render
 from nsa_diag.analysis.compare import env_facts
 from nsa_diag.analysis.scaling import GrowthFit, describe_fit
 from nsa_diag.analysis.sweep import ScaleReport, ScaleSeries, fit_points_note, host_bound_note
+from nsa_diag.analysis.timeline import rows as timeline_rows
 from nsa_diag.analysis.timeline import trace
 from nsa_diag.errors import UsageError
 from nsa_diag.runfolder import (
@@ -341,6 +342,8 @@ def build_report(
             "verdict; open it in https://ui.perfetto.dev (or chrome://tracing).",
             "",
         ]
+        if "timeline" in plots:
+            lines += [f"![progress of each unit]({plots['timeline']})", ""]
     if run.not_run:
         lines += [f"Not run: {', '.join(run.not_run)}.", ""]
     if run.command != "attach":
@@ -392,6 +395,15 @@ def build_report(
 
 def _grid_labels(grid: Grid) -> list[list[str]]:
     return [[cell_text(cell) for cell in row] for row in grid.cells]
+
+
+def _timeline_png(run: RunFolder, trace_data: Mapping[str, Any]) -> str:
+    from nsa_diag import plots
+
+    found, marks, end = timeline_rows(trace_data)
+    name = f"{PNG_PREFIX}timeline.png"
+    plots.plot_timeline(found, marks, end, run.path / name)
+    return name
 
 
 def draw_plots(run: RunFolder) -> dict[str, str]:
@@ -449,6 +461,11 @@ def write_report(path: Path) -> ReportWritten:
         made, plot_error = {}, f"{type(exc).__name__}: {exc}"
     tracks, ends = timeline_inputs(run)
     timeline = TIMELINE if tracks else None
+    if timeline and plot_error is None:
+        try:
+            made["timeline"] = _timeline_png(run, trace(tracks, ends))
+        except Exception as exc:  # the trace file stands without the picture
+            plot_error = f"{type(exc).__name__}: {exc}"
     path = run.path / TIMELINE
     try:
         if timeline:
