@@ -158,7 +158,7 @@ def _torch(runtime: bool | None = None) -> dict[str, Any]:
         return {
             **build,
             "cuda_available": False,
-            "cuda_why": "no GPU device node on this machine (/dev/nvidia*, /dev/kfd)",
+            "cuda_why": "no GPU device node on this machine (/dev/nvidia*, /dev/dxg, /dev/kfd)",
             "devices": [],
             "runtime_why": "torch not imported: no GPU to ask about (cuDNN, NCCL, threads: `nsa-diag env`)",
         }
