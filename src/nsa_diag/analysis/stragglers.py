@@ -47,6 +47,35 @@ def _excess(
     )
 
 
+def _straggler(
+    per_rank: Mapping[int, Metrics],
+    own: Mapping[int, list[float]],
+    rank: int,
+    steps: list[int],
+    threshold: float,
+) -> StragglerRank | None:
+    """`rank` as a straggler: its own time (`own`, per compared step) against the other ranks' median,
+    at `threshold` or more in most steps; None otherwise."""
+    others = [o for o in per_rank if o != rank]
+    medians = [statistics.median(own[o][i] for o in others) for i in range(len(steps))]
+    ratios = [mine / median if median > 0 else 1.0 for mine, median in zip(own[rank], medians, strict=True)]
+    extras = [mine - median for mine, median in zip(own[rank], medians, strict=True)]
+    slower = sum(ratio >= threshold for ratio in ratios)
+    if slower / len(steps) <= MOST_STEPS:
+        return None
+    excess = {phase: _excess(per_rank, rank, others, phase, steps) for phase in PLACED_PHASES}
+    phase, most = max(excess.items(), key=lambda item: item[1])
+    total = sum(max(e, 0.0) for e in extras)
+    return StragglerRank(
+        rank=rank,
+        ratio=round(statistics.median(ratios), 3),
+        slower_steps=slower,
+        steps=len(steps),
+        phase=phase if most > 0 and most >= 0.5 * total else None,
+        extra_s=round(statistics.median(extras), 6),
+    )
+
+
 def find_stragglers(per_rank: Mapping[int, Metrics], threshold: float) -> Stragglers | None:
     """The ranks whose own step time is at least `threshold` times the others' median in most steps;
     None with fewer than two ranks or no step every rank timed."""
@@ -64,36 +93,8 @@ def find_stragglers(per_rank: Mapping[int, Metrics], threshold: float) -> Stragg
             wait = _phase(per_rank[r], "backward", s) - shortest
             own[r].append(max(per_rank[r].step_s[s] - wait, 0.0))
     slow = []
-    for r in ranks if len(steps) >= MIN_STEPS else ():
-        others = [o for o in ranks if o != r]
-        ratios, extras = [], []
-        for i in range(len(steps)):
-            median = statistics.median(own[o][i] for o in others)
-            ratios.append(own[r][i] / median if median > 0 else 1.0)
-            extras.append(own[r][i] - median)
-        slower = sum(ratio >= threshold for ratio in ratios)
-        if slower / len(steps) <= MOST_STEPS:
-            continue
-        excess = {
-            phase: sum(
-                _phase(per_rank[r], phase, s)
-                - statistics.median(_phase(per_rank[o], phase, s) for o in others)
-                for s in steps
-            )
-            for phase in PLACED_PHASES
-        }
-        phase, most = max(excess.items(), key=lambda item: item[1])
-        total = sum(max(e, 0.0) for e in extras)
-        slow.append(
-            StragglerRank(
-                rank=r,
-                ratio=round(statistics.median(ratios), 3),
-                slower_steps=slower,
-                steps=len(steps),
-                phase=phase if most > 0 and most >= 0.5 * total else None,
-                extra_s=round(statistics.median(extras), 6),
-            )
-        )
+    if len(steps) >= MIN_STEPS:
+        slow = [found for r in ranks if (found := _straggler(per_rank, own, r, steps, threshold))]
     found = Stragglers(
         threshold=threshold,
         steps=[s + 1 for s in steps],
