@@ -141,16 +141,9 @@ def _cpu_and_memory() -> dict[str, Any]:
     }
 
 
-def _torch(runtime: bool | None = None) -> dict[str, Any]:
+def _torch(runtime: bool) -> dict[str, Any]:
     """torch's build (its version module, read without importing torch) and, where `runtime`, its view of
-    the machine (CUDA devices, cuDNN, NCCL, threads), which takes importing torch: seconds of CPU.
-
-    `runtime` None: import torch where it is imported already or a GPU could answer (`worth_asking_torch`);
-    on a machine without GPU device nodes CUDA cannot be available, and every nsa-diag run there would
-    pay torch's import for facts that say only that. `nsa-diag env` asks for the runtime always.
-    """
-    if runtime is None:
-        runtime = worth_asking_torch()
+    the machine (CUDA devices, cuDNN, NCCL, threads), which takes importing torch: seconds of CPU."""
     if not runtime:
         build = _torch_build()
         if build.get("version") is None:
@@ -158,7 +151,7 @@ def _torch(runtime: bool | None = None) -> dict[str, Any]:
         return {
             **build,
             "cuda_available": False,
-            "cuda_why": "no GPU device node on this machine (/dev/nvidia*, /dev/dxg, /dev/kfd)",
+            "cuda_why": "no GPU device node on this machine (nsa_diag.devices)",
             "devices": [],
             "runtime_why": "torch not imported: no GPU to ask about (cuDNN, NCCL, threads: `nsa-diag env`)",
         }
@@ -235,10 +228,8 @@ def _nccl_version(torch: Any) -> str | None:
     return str(version)
 
 
-def _triton(runtime: bool | None = None) -> dict[str, Any]:
+def _triton(runtime: bool) -> dict[str, Any]:
     """Triton's version: imported where torch's runtime is asked for (`_torch`), else its package's."""
-    if runtime is None:
-        runtime = worth_asking_torch()
     if not runtime:
         try:
             return {"version": importlib.metadata.version("triton")}
@@ -345,9 +336,12 @@ def collect_env(
     environ: Mapping[str, str] | None = None, cwd: Path | None = None, torch_runtime: bool | None = None
 ) -> dict[str, Any]:
     """Collect the snapshot. `environ` defaults to `os.environ` and `cwd` to the working directory;
-    `torch_runtime`: whether to import torch for its view of the machine (`_torch`; None: where a GPU
-    could answer or torch is imported already)."""
+    `torch_runtime`: whether to import torch for its view of the machine (`_torch`). None: where torch is
+    imported already or a GPU could answer (`worth_asking_torch`); on a machine without a GPU device node
+    CUDA cannot be available, and every nsa-diag run there would pay torch's import for facts that say
+    only that. `nsa-diag env` asks for it always."""
     environ = os.environ if environ is None else environ
+    runtime = worth_asking_torch() if torch_runtime is None else torch_runtime
     return {
         "nsa_diag_version": __version__,
         "collected_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -355,8 +349,8 @@ def collect_env(
         "platform": _probe(_platform),
         "system": _probe(_system),
         "cpu_memory": _probe(_cpu_and_memory),
-        "torch": _probe(lambda: _torch(torch_runtime)),
-        "triton": _probe(lambda: _triton(torch_runtime)),
+        "torch": _probe(lambda: _torch(runtime)),
+        "triton": _probe(lambda: _triton(runtime)),
         "nvml": _probe(_nvml),
         "git": _probe(lambda: _git(cwd or Path.cwd())),
         "env_vars": select_env_vars(environ),
