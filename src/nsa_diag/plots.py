@@ -212,8 +212,7 @@ def plot_timeline(rows: Sequence[Row], marks: Sequence[tuple[float, str]], end_s
         for span in row.spans:
             if span.depth >= _TIMELINE_DEPTH:
                 continue
-            phase = span.name.split(" (")[0]
-            colour = "0.85" if span.depth == 0 else _PHASE_COLOURS.get(phase.split(":")[0], "C5")
+            colour = "0.85" if span.depth == 0 else _PHASE_COLOURS.get(span.phase or "", "C5")
             height = (0.8, 0.5, 0.2)[span.depth]
             ax.barh(
                 y, span.end_s - span.start_s, left=span.start_s, height=height, color=colour,
@@ -221,9 +220,9 @@ def plot_timeline(rows: Sequence[Row], marks: Sequence[tuple[float, str]], end_s
             )  # fmt: skip
             if span.open:
                 ax.annotate(f"open: {span.name}", (span.start_s, y - 0.05 - 0.25 * span.depth), fontsize=7)
-    for at, name in marks:
+    for index, (at, name) in enumerate(marks):
         ax.axvline(at, color="C3", linestyle="--", linewidth=1)
-        ax.annotate(name, (at, -0.6 + 0.25 * marks.index((at, name))), fontsize=7, ha="right")
+        ax.annotate(name, (at, -0.6 + 0.25 * index), fontsize=7, ha="right")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PHASE_COLOURS.values()]
     ax.legend(handles, list(_PHASE_COLOURS), fontsize=7, loc="upper left", ncols=len(_PHASE_COLOURS))
     ax.set_yticks(range(len(rows)), [row.label for row in rows])

@@ -460,16 +460,17 @@ def write_report(path: Path) -> ReportWritten:
     except Exception as exc:  # the tables stand without the pictures
         made, plot_error = {}, f"{type(exc).__name__}: {exc}"
     tracks, ends = timeline_inputs(run)
-    timeline = TIMELINE if tracks else None
-    if timeline and plot_error is None:
+    trace_data = trace(tracks, ends) if tracks else None
+    timeline = TIMELINE if trace_data else None
+    if trace_data and plot_error is None:
         try:
-            made["timeline"] = _timeline_png(run, trace(tracks, ends))
+            made["timeline"] = _timeline_png(run, trace_data)
         except Exception as exc:  # the trace file stands without the picture
             plot_error = f"{type(exc).__name__}: {exc}"
     path = run.path / TIMELINE
     try:
-        if timeline:
-            artifacts.write_json(path, trace(tracks, ends))  # JSON: secrets withheld value by value
+        if trace_data:
+            artifacts.write_json(path, trace_data)  # JSON: secrets withheld value by value
         path = run.path / REPORT_MD
         artifacts.write_text(path, build_report(run, made, plot_error, timeline))
     except OSError as exc:

@@ -112,7 +112,7 @@ def trace(tracks: Sequence[Track], ends: Sequence[CaseEnd] = ()) -> dict[str, An
             if event == "begin":
                 begun[key] = {
                     "ph": "B", "name": _label(record), "ts": ts, "pid": pid, "tid": tid,
-                    "args": {**args, "level": _level(record)},
+                    "args": {**args, "phase": record.get("phase"), "level": _level(record)},
                 }  # fmt: skip
                 events.append(begun[key])
             elif event is None and record.get("detail"):
@@ -147,14 +147,15 @@ def trace(tracks: Sequence[Track], ends: Sequence[CaseEnd] = ()) -> dict[str, An
 @dataclass(frozen=True)
 class Span:
     """A slice of the trace: its name, start and end in seconds from the trace's start (an open slice ends
-    at the trace's end), its depth (0 a step, 1 a phase, 2 a layer or branch) and whether it was still
-    open."""
+    at the trace's end), its depth (0 a step, 1 a phase, 2 a layer or branch), whether it was still open
+    and the phase it is in (forward, backward, ...)."""
 
     name: str
     start_s: float
     end_s: float
     depth: int
     open: bool
+    phase: str | None = None
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,9 @@ def rows(trace_data: Mapping[str, Any]) -> tuple[list[Row], list[tuple[float, st
         key = (e.get("pid"), e.get("tid"))
         if e.get("ph") in ("X", "B") and key in spans:
             stop = (e["ts"] + e["dur"]) / 1e6 if e["ph"] == "X" else end
-            level = int((e.get("args") or {}).get("level", 1))
-            spans[key].append(Span(e["name"], e["ts"] / 1e6, stop, level, e["ph"] == "B"))
+            args = e.get("args") or {}
+            level, phase = int(args.get("level", 1)), args.get("phase")
+            spans[key].append(Span(e["name"], e["ts"] / 1e6, stop, level, e["ph"] == "B", phase))
         elif e.get("ph") == "i" and e.get("s") == "p":
             marks.append((e["ts"] / 1e6, e["name"]))
     found = [
