@@ -18,6 +18,7 @@ from nsa_core.ops.selection import gather_selected_attention, select_blocks
 from nsa_core.ops.triton import selection
 from nsa_core.ops.triton.selection import (
     build_block_queries,
+    hot_slots,
     selected_bwd,
     triton_selected_attention,
 )
@@ -236,6 +237,18 @@ def test_hot_block_chunks_match_single_pass(device: str) -> None:
     for name, a, b, c in zip(("dq", "dk", "dv"), whole, chunked, again, strict=True):
         assert_close(name, a, b, FP32_RATIO, atol=1e-5)
         assert torch.equal(b, c), f"{name}: two runs differ"
+
+
+def test_hot_slots_are_the_prefix_sum_of_each_buckets_chunks(device: str) -> None:
+    """The workspace slots of hot buckets: the definition in torch, over more buckets than one step holds."""
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 40, (2500,), generator=generator)
+    counts[::7] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(device)
+    chunk, n_chunks = 7, 5
+    per_bucket = torch.where(counts > chunk, torch.clamp((counts + chunk - 1) // chunk, max=n_chunks), 0)
+    expected = per_bucket.cumsum(0) - per_bucket
+    assert torch.equal(hot_slots(offsets, chunk, n_chunks).cpu(), expected)
 
 
 def _forward(q, k, v, block_idx, case: Case) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,10 @@ from nsa_core.ops.triton.flash import (
     banded_backward,
     banded_forward,
     block_sizes,
+    cdiv,
     kernel_dtypes,
     launch_options,
+    next_power_of_2,
 )
 
 IMPORTANCE_ELEMENTS = 1 << 24  # importance buffer per query chunk: 64 MiB of float32
@@ -252,12 +254,12 @@ def _launch_importance(
     acc, precision = kernel_dtypes(q.dtype)
     config = importance_config(q.dtype, D)
     R, K = block_len // block_stride, sel_block_len // block_stride
-    grid = (triton.cdiv(rows, config["BLOCK_M"]), triton.cdiv(num_sel_blocks, config["BLOCK_S"]), B * HKV)
+    grid = (cdiv(rows, config["BLOCK_M"]), cdiv(num_sel_blocks, config["BLOCK_S"]), B * HKV)
     _importance_kernel[grid](
         q, k_cmp, lse, imp, *q.stride()[:3], *k_cmp.stride()[:3], imp.stride(0),
         HQ, HKV, HQ // HKV, Tq, Nc, num_sel_blocks, D, q_offset, row0, rows, scale * LOG2_E,
         BLOCK_LEN=block_len, BLOCK_STRIDE=block_stride, R=R, K=K,
-        BLOCK_SPILL=max(16, triton.next_power_of_2(max(1, R - 1))), BLOCK_D=block_sizes(D)[2],
+        BLOCK_SPILL=max(16, next_power_of_2(max(1, R - 1))), BLOCK_D=block_sizes(D)[2],
         ACC=acc, PRECISION=precision, **config,
     )  # fmt: skip
 
@@ -280,7 +282,7 @@ def _launch_top_n(
     _top_n_kernel[(B * rows * HKV,)](
         imp, block_idx, imp.stride(0), block_idx.stride(0), HKV, num_sel_blocks, q_offset, row0, rows,
         SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=block_idx.shape[-1],
-        NS_PAD=max(16, triton.next_power_of_2(num_sel_blocks)),
+        NS_PAD=max(16, next_power_of_2(num_sel_blocks)),
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ Row offsets are cast to int64 before they meet a stride, so 256k tokens x 64 hea
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -548,6 +549,16 @@ def _bwd_dq_kernel(
 LOG2_E = 1.0 / math.log(2.0)
 
 
+# Host arithmetic of the launchers. Since Triton 3.6, `triton.cdiv` and `triton.next_power_of_2` are
+# constexpr functions, a few microseconds a call on the host; a step launches ~250 kernels through these.
+def cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
+
+
+def next_power_of_2(n: int) -> int:
+    return 0 if n == 0 else 1 << (n - 1).bit_length()  # as triton.next_power_of_2 (0 for 0)
+
+
 def kernel_dtypes(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """Accumulator type and dot precision: fp32 for half inputs, exact products for fp32/fp64 (tests)."""
     if dtype == torch.float64:
@@ -584,7 +595,7 @@ def kernel_config(kind: str, dtype: torch.dtype, head_dim: int, windowed: bool =
 
 def block_sizes(head_dim: int) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_D)``: 64 x 64 tiles up to head dim 128, 32 x 32 beyond."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     tile = 64 if block_d <= 128 else 32
     return tile, tile, block_d
 
@@ -596,7 +607,12 @@ def program_target(device: torch.device) -> int:
     """Programs that fill the device: 4 per SM on CUDA (a small number in the CPU interpreter)."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return _program_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _program_target(index: int) -> int:
+    return 4 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
@@ -652,7 +668,7 @@ def banded_forward(
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(B, HQ, Tq, dtype=lse_dtype, device=q.device)
     o_strides = o.stride()[:3] if compute_o else (0, 0, 0)
-    grid = (triton.cdiv(Tq, config["BLOCK_M"]), B * HQ)
+    grid = (cdiv(Tq, config["BLOCK_M"]), B * HQ)
     _fwd_kernel[grid](
         q, k, v, o, lse,
         *q.stride()[:3], *k.stride()[:3], *o_strides,
@@ -696,14 +712,14 @@ def banded_backward(
     acc, precision = kernel_dtypes(q.dtype)
     if delta is None:
         delta = torch.empty_like(lse)
-        _delta_kernel[(triton.cdiv(Tq, 64), B * HQ)](
+        _delta_kernel[(cdiv(Tq, 64), B * HQ)](
             o, do, delta, *o.stride()[:3], HQ, Tq, D, BLOCK_M=64, BLOCK_D=block_d, ACC=acc
         )
     accumulate = dq is not None
     if dq is None:
         dq = torch.empty_like(q)
     G = HQ // HKV
-    key_tiles = triton.cdiv(Nk, dkdv_config["BLOCK_N"])
+    key_tiles = cdiv(Nk, dkdv_config["BLOCK_N"])
     splits = head_splits(key_tiles * B * HKV, G, B * Nk * HKV * D, program_target(q.device))
     if splits == 1:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -725,7 +741,7 @@ def banded_backward(
     )  # fmt: skip
     if splits > 1:
         dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
-    _bwd_dq_kernel[(triton.cdiv(Tq, dq_config["BLOCK_M"]), B * HQ)](
+    _bwd_dq_kernel[(cdiv(Tq, dq_config["BLOCK_M"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
         HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, ACCUMULATE=accumulate,
         **common, **dq_config,

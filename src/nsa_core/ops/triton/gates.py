@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_core.ops.triton.flash import cdiv, next_power_of_2
+
 
 @triton.jit
 def _row_tile(rows, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -131,7 +133,7 @@ def _gated_sum_bwd_stats_kernel(
 
 
 def _launch_shape(D: int) -> tuple[int, int]:
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(16, next_power_of_2(D))
     return max(1, 4096 // block_d), block_d  # BLOCK_R x BLOCK_D = 4096 elements a program
 
 
@@ -143,7 +145,7 @@ def gated_sum_fwd(
     out = torch.empty_like(o_cmp)
     block_r, block_d = _launch_shape(D)
     if rows:
-        _gated_sum_fwd_kernel[(triton.cdiv(rows, block_r),)](
+        _gated_sum_fwd_kernel[(cdiv(rows, block_r),)](
             gate_logits, o_cmp, o_sel, o_win, out, rows, D, BLOCK_R=block_r, BLOCK_D=block_d
         )
     return out
@@ -172,7 +174,7 @@ def gated_sum_bwd_stats(
     stats = torch.empty(6, rows, dtype=torch.float32, device=do.device)
     block_r, block_d = _launch_shape(D)
     if rows:
-        _gated_sum_bwd_stats_kernel[(triton.cdiv(rows, block_r),)](
+        _gated_sum_bwd_stats_kernel[(cdiv(rows, block_r),)](
             gate_logits, o_cmp, o_sel, o_win, do, *lses, d_gate, stats, rows, T, HQ, D,
             BLOCK_R=block_r, BLOCK_D=block_d,
         )  # fmt: skip
@@ -195,7 +197,7 @@ class GatedSumFunction(torch.autograd.Function):
         d_cmp, d_sel, d_win = torch.empty_like(o_cmp), torch.empty_like(o_sel), torch.empty_like(o_win)
         block_r, block_d = _launch_shape(D)
         if rows:
-            _gated_sum_bwd_kernel[(triton.cdiv(rows, block_r),)](
+            _gated_sum_bwd_kernel[(cdiv(rows, block_r),)](
                 gate_logits, o_cmp, o_sel, o_win, do, d_gate, d_cmp, d_sel, d_win, rows, D,
                 BLOCK_R=block_r, BLOCK_D=block_d,
             )  # fmt: skip

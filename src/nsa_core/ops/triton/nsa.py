@@ -40,6 +40,7 @@ from nsa_core.ops.triton.flash import banded_backward, banded_forward
 from nsa_core.ops.triton.gates import gated_sum_bwd_stats, gated_sum_fwd, triton_gated_sum
 from nsa_core.ops.triton.selection import (
     SUPPORTED_DTYPES,
+    TokenTiles,
     selected_bwd,
     selected_fwd,
     triton_selected_attention,
@@ -86,7 +87,10 @@ class NSAAttentionFunction(torch.autograd.Function):
             q_offset=q_offset, scale=scale, **geometry.select(),
         )  # fmt: skip
         mark("forward", "sel")
-        o_sel, lse_sel = selected_fwd(q, k_sel, v_sel, block_idx, geometry.sel_block_len, q_offset, scale)
+        token_tiles: list[TokenTiles] = []  # the forward's tiles, which the backward's dq reads again
+        o_sel, lse_sel = selected_fwd(
+            q, k_sel, v_sel, block_idx, geometry.sel_block_len, q_offset, scale, tiles_out=token_tiles
+        )
         mark("forward", "win")
         o_win, lse_win = banded_forward(q, k_win, v_win, scale=scale, **geometry.sliding(q_offset))
         out = gated_sum_fwd(gate_logits, o_cmp, o_sel, o_win)
@@ -96,6 +100,8 @@ class NSAAttentionFunction(torch.autograd.Function):
             o_cmp, o_sel, o_win, lse_cmp, lse_sel, lse_win, block_idx,
         )  # fmt: skip
         ctx.geometry, ctx.q_offset, ctx.scale, ctx.mark = geometry, q_offset, scale, mark
+        # tiles of one token are block_idx itself (an output: not kept on ctx, which would hold it in a cycle)
+        ctx.token_tiles = token_tiles[0] if token_tiles and token_tiles[0].tokens > 1 else None
         ctx.mark_non_differentiable(block_idx)
         return out, block_idx
 
@@ -116,7 +122,7 @@ class NSAAttentionFunction(torch.autograd.Function):
         mark("backward", "sel")
         dq, dk_sel, dv_sel = selected_bwd(
             do, q, k_sel, v_sel, o_sel, lse2_sel, block_idx, geometry.sel_block_len, q_offset, scale,
-            delta=delta_sel,
+            delta=delta_sel, token_tiles=ctx.token_tiles,
         )  # fmt: skip
         mark("backward", "win")
         _, dk_win, dv_win = banded_backward(

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_core.ops.triton.flash import cdiv, next_power_of_2
+
 TWO_PI = tl.constexpr(2.0 * math.pi)  # a constexpr: kernels read no other globals
 
 
@@ -170,7 +172,7 @@ def _rope_kernel(
 
 def _block_rows(heads: int, half: int) -> dict[str, int]:
     # about 4096 values of each half a program
-    block_h, block_half = triton.next_power_of_2(heads), triton.next_power_of_2(half)
+    block_h, block_half = next_power_of_2(heads), next_power_of_2(half)
     return dict(BLOCK_R=max(1, 4096 // (block_h * block_half)), BLOCK_H=block_h, BLOCK_HALF=block_half)
 
 
@@ -191,10 +193,10 @@ class QKVRopeFunction(torch.autograd.Function):
         q = y.new_empty(B, T, heads, D)
         kv = [y.new_empty(B, T, kv_heads, D) for _ in range(6)]
         blocks = _block_rows(heads, D // 2)
-        grid = (triton.cdiv(B * T, blocks["BLOCK_R"]),)
+        grid = (cdiv(B * T, blocks["BLOCK_R"]),)
         _qkv_rope_kernel[grid](
             y, q, *kv, inv_freq, B * T, max(T, 1), pos_start, y.stride(1),
-            H=heads, HKV=kv_heads, HALF=D // 2, BLOCK_HKV=triton.next_power_of_2(kv_heads), BACKWARD=False,
+            H=heads, HKV=kv_heads, HALF=D // 2, BLOCK_HKV=next_power_of_2(kv_heads), BACKWARD=False,
             **blocks,
         )  # fmt: skip
         ctx.save_for_backward(inv_freq)
@@ -209,10 +211,10 @@ class QKVRopeFunction(torch.autograd.Function):
         grads = [g.contiguous() for g in grads]
         dy = grads[0].new_empty(B, T, C)
         blocks = _block_rows(ctx.heads, D // 2)
-        grid = (triton.cdiv(B * T, blocks["BLOCK_R"]),)
+        grid = (cdiv(B * T, blocks["BLOCK_R"]),)
         _qkv_rope_kernel[grid](
             dy, *grads, inv_freq, B * T, max(T, 1), ctx.pos_start, C,
-            H=ctx.heads, HKV=ctx.kv_heads, HALF=D // 2, BLOCK_HKV=triton.next_power_of_2(ctx.kv_heads),
+            H=ctx.heads, HKV=ctx.kv_heads, HALF=D // 2, BLOCK_HKV=next_power_of_2(ctx.kv_heads),
             BACKWARD=True, **blocks,
         )  # fmt: skip
         return dy, None, None, None, None
@@ -239,7 +241,7 @@ def _rotate(
     x = x.contiguous()
     out = torch.empty_like(x)
     blocks = _block_rows(H, D // 2)
-    grid = (triton.cdiv(B * T, blocks["BLOCK_R"]),)
+    grid = (cdiv(B * T, blocks["BLOCK_R"]),)
     _rope_kernel[grid](
         x, out, inv_freq, B * T, max(T, 1), pos_start, pos_step, HEADS=H, HALF=D // 2, SIGN=sign, **blocks
     )

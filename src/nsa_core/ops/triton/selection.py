@@ -24,11 +24,14 @@ strides, so 256k-token sequences address correctly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from nsa_core.ops.common import check_qkv
+from nsa_core.ops.triton.flash import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -569,8 +572,8 @@ def _token_rows(target: int, G: int, n_sel: int, tile_bytes: int) -> dict[str, i
     return dict(
         M=M,
         SHARE_PCT=SHARE_PCT if M > 1 else 0,  # one token a tile: its own blocks are the union
-        BLOCK_R=max(16, triton.next_power_of_2(M * G)),
-        BLOCK_N=triton.next_power_of_2(n_sel),
+        BLOCK_R=max(16, next_power_of_2(M * G)),
+        BLOCK_N=next_power_of_2(n_sel),
     )
 
 
@@ -595,9 +598,9 @@ def _rows(tiles: dict[str, int]) -> int:
 
 def _tiles(G: int, D: int, sel_block_len: int) -> dict[str, int]:
     return dict(
-        BLOCK_G=max(16, triton.next_power_of_2(G)),
-        BLOCK_S=min(64, max(16, triton.next_power_of_2(sel_block_len))),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_G=max(16, next_power_of_2(G)),
+        BLOCK_S=min(64, max(16, next_power_of_2(sel_block_len))),
+        BLOCK_D=max(16, next_power_of_2(D)),
     )
 
 
@@ -631,23 +634,36 @@ def tile_union(block_idx: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torc
     small enough loads each block once for all its rows (the kernels decide per tile). One kernel.
     """
     B, Tq, HKV, n = block_idx.shape
-    tiles = triton.cdiv(Tq, tokens)
+    tiles = cdiv(Tq, tokens)
     union = torch.empty(B, HKV, tiles, tokens * n, dtype=torch.int32, device=block_idx.device)
     count = torch.empty(B, HKV, tiles, dtype=torch.int32, device=block_idx.device)
     if tiles:
         _tile_union_kernel[(tiles, B * HKV)](
             block_idx, union, count, *_strides(block_idx), Tq, tiles,
-            HKV=HKV, N_SEL=n, M=tokens, BLOCK_C=triton.next_power_of_2(tokens * n),
+            HKV=HKV, N_SEL=n, M=tokens, BLOCK_C=next_power_of_2(tokens * n),
         )  # fmt: skip
     return union, count
 
 
-def _union(block_idx: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    # the kernels' UNION, COUNT and number of tiles; one token a tile reads its own blocks: nothing to build
+@dataclass(frozen=True)
+class TokenTiles:
+    """The forward's and dq's tiles of ``tokens`` query rows: the kernels' ``UNION``, ``COUNT`` and number
+    of tiles. The forward builds them and the fused op keeps them for dq, which reads the same tiles."""
+
+    tokens: int
+    union: torch.Tensor
+    count: torch.Tensor
+    n_tiles: int
+
+
+def _union(block_idx: torch.Tensor, tokens: int, built: TokenTiles | None = None) -> TokenTiles:
+    # one token a tile reads its own blocks: nothing to build
+    if built is not None and built.tokens == tokens:
+        return built
     if tokens == 1:
-        return block_idx, block_idx, block_idx.shape[1]
+        return TokenTiles(1, block_idx, block_idx, block_idx.shape[1])
     union, count = tile_union(block_idx, tokens)
-    return union, count, count.shape[-1]
+    return TokenTiles(tokens, union, count, count.shape[-1])
 
 
 def selected_fwd(
@@ -658,8 +674,11 @@ def selected_fwd(
     sel_block_len: int,
     q_offset: int,
     scale: float,
+    tiles_out: list[TokenTiles] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward: returns ``o [B, Tq, HQ, D]`` and ``lse [B, Tq, HQ]`` (float32, log2 units)."""
+    """Launch the forward: returns ``o [B, Tq, HQ, D]`` and ``lse [B, Tq, HQ]`` (float32, log2 units).
+
+    ``tiles_out``: a list that receives the token tiles the forward read, for `selected_bwd`'s dq."""
     B, Tq, HQ, D = q.shape
     HKV = k.shape[2]
     G = HQ // HKV
@@ -670,9 +689,12 @@ def selected_fwd(
     tiles = _tiles(G, D, sel_block_len)
     config = _launch("fwd", q.dtype, tiles)
     rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
-    union, count, n_tiles = _union(block_idx, rows["M"])
+    built = _union(block_idx, rows["M"])
+    if tiles_out is not None:
+        tiles_out.append(built)
+    n_tiles = built.n_tiles
     _selected_fwd_kernel[(n_tiles, B * HKV)](
-        q, k, v, o, lse, block_idx, union, count,
+        q, k, v, o, lse, block_idx, built.union, built.count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(block_idx),
         Tq, n_tiles, q_offset, scale * LOG2E,
         HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=_precision(q.dtype),
@@ -751,16 +773,16 @@ def build_block_queries(
     """
     B, Tq, HKV, n = block_idx.shape
     device = block_idx.device
-    num_sel_blocks = triton.cdiv(num_keys, sel_block_len)
+    num_sel_blocks = cdiv(num_keys, sel_block_len)
     num_buckets = B * HKV * num_sel_blocks
     chunk_t = 16
-    while num_buckets * triton.cdiv(Tq, chunk_t) > INDEX_ENTRIES:
+    while num_buckets * cdiv(Tq, chunk_t) > INDEX_ENTRIES:
         chunk_t *= 2
-    n_chunks = triton.cdiv(Tq, chunk_t)
+    n_chunks = cdiv(Tq, chunk_t)
     counts = torch.zeros(num_buckets * n_chunks, dtype=torch.int32, device=device)
     offsets = torch.empty(num_buckets + 1, dtype=torch.int64, device=device)
     tokens = torch.empty(block_idx.numel(), dtype=torch.int32, device=device)
-    common = dict(HKV=HKV, N_SEL=n, L_SEL=sel_block_len, CHUNK_T=chunk_t, BLOCK_N=triton.next_power_of_2(n))
+    common = dict(HKV=HKV, N_SEL=n, L_SEL=sel_block_len, CHUNK_T=chunk_t, BLOCK_N=next_power_of_2(n))
     args = (*_strides(block_idx), Tq, num_sel_blocks, n_chunks, q_offset)
     grid = (n_chunks, B * HKV)
     _index_count_kernel[grid](block_idx, counts, *args, BLOCK_T=min(16, chunk_t), **common)
@@ -769,6 +791,32 @@ def build_block_queries(
         block_idx, counts, ends, offsets, tokens, *args, num_buckets, BLOCK_J=1024, **common
     )  # fmt: skip
     return offsets, tokens
+
+
+@triton.jit(do_not_specialize=["num_buckets", "chunk", "n_chunks"])
+def _hot_slots_kernel(OFFSETS, SLOTS, num_buckets, chunk, n_chunks, BLOCK: tl.constexpr):
+    # one program: each bucket's first workspace slot, the exclusive prefix sum of its slot counts
+    o = tl.arange(0, BLOCK)
+    carry = tl.zeros([], dtype=tl.int64)
+    for start in range(0, num_buckets, BLOCK):
+        m = start + o < num_buckets
+        first = tl.load(OFFSETS + start + o, mask=m, other=0)
+        count = tl.load(OFFSETS + start + o + 1, mask=m, other=0) - first
+        used = tl.where(count > chunk, tl.minimum((count + chunk - 1) // chunk, n_chunks), 0)
+        tl.store(SLOTS + start + o, carry + tl.cumsum(used, 0) - used, mask=m)
+        carry += tl.sum(used, 0)
+
+
+def hot_slots(offsets: torch.Tensor, chunk: int, n_chunks: int) -> torch.Tensor:
+    """``slots [num_buckets]`` (int64): where each bucket's fp32 partial sums start in the dK/dV workspace.
+
+    A bucket of more than ``chunk`` entries (``offsets`` from `build_block_queries`) takes
+    ``min(ceil(count / chunk), n_chunks)`` consecutive slots, the others none; the slots are the exclusive
+    prefix sum of those counts, in bucket order. One kernel (it was eight torch operations)."""
+    num_buckets = offsets.numel() - 1
+    slots = torch.empty(num_buckets, dtype=torch.int64, device=offsets.device)
+    _hot_slots_kernel[(1,)](offsets, slots, num_buckets, chunk, n_chunks, BLOCK=1024)
+    return slots
 
 
 def _chunk_size(entries: int, slot_elements: int) -> int:
@@ -794,11 +842,13 @@ def selected_bwd(
     scale: float,
     chunk: int | None = None,
     delta: torch.Tensor | None = None,
+    token_tiles: TokenTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index. ``chunk`` is for tests.
 
     The fused op (`nsa_core.ops.triton.nsa`) passes ``delta = rowsum(o * do) [B, Tq, HQ]`` (float32); then
-    ``o`` is not read.
+    ``o`` is not read; and the forward's ``token_tiles`` (`selected_fwd`'s ``tiles_out``), which dq reads
+    again where its tiles are the forward's.
     """
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -817,9 +867,10 @@ def selected_bwd(
     assert delta.is_contiguous()
     config = _launch("dq", q.dtype, tiles)
     rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
-    union, count, n_tiles = _union(block_idx, rows["M"])
+    built = _union(block_idx, rows["M"], token_tiles)
+    n_tiles = built.n_tiles
     _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
-        q, k, v, o, do, dq, lse, delta, block_idx, union, count,
+        q, k, v, o, do, dq, lse, delta, block_idx, built.union, built.count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         *_strides(block_idx),
         Tq, n_tiles, q_offset, scale * LOG2E, scale,
@@ -828,18 +879,14 @@ def selected_bwd(
     )  # fmt: skip
 
     offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
-    num_sel_blocks = triton.cdiv(Tk, sel_block_len)
+    num_sel_blocks = cdiv(Tk, sel_block_len)
     BLOCK_S, BLOCK_D = tiles["BLOCK_S"], tiles["BLOCK_D"]
-    n_sub = triton.cdiv(sel_block_len, BLOCK_S)
+    n_sub = cdiv(sel_block_len, BLOCK_S)
     chunk = chunk or _chunk_size(tokens.numel(), n_sub * BLOCK_S * BLOCK_D)
-    n_chunks = triton.cdiv(Tq, chunk)  # a bucket lists each query row at most once per used slot
+    n_chunks = cdiv(Tq, chunk)  # a bucket lists each query row at most once per used slot
     slots, wk, wv = offsets, dq.new_empty(0), dq.new_empty(0)  # one chunk: no bucket is hot
     if n_chunks > 1:  # a hot bucket's chunks write fp32 partials at its slots, then one sum
-        counts = offsets[1:] - offsets[:-1]
-        slots_per_bucket = torch.where(
-            counts > chunk, torch.clamp((counts + chunk - 1) // chunk, max=n_chunks), 0
-        )
-        slots = torch.cumsum(slots_per_bucket, 0) - slots_per_bucket  # exclusive prefix sum
+        slots = hot_slots(offsets, chunk, n_chunks)
         num_slots = max(1, min(2 * tokens.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
         workspace = (num_slots, n_sub * BLOCK_S * BLOCK_D)
         wk = torch.empty(workspace, dtype=torch.float32, device=q.device)
