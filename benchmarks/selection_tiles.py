@@ -7,10 +7,13 @@ the tiles (the same outputs bit for bit, the same times: BENCHMARKS.md). For eac
 union built inside each), the share of a 2-token tile's slots its union holds, and the largest relative
 difference of the outputs and gradients from ``rows 1``. ``random`` selects blocks from independent
 random importances (neighbouring queries share only what chance gives); ``smooth`` from importances that
-vary slowly along the sequence (knots every 256 tokens), as a trained model's neighbouring queries do.
+vary slowly along the sequence (knots every 256 tokens), as a trained model's neighbouring queries do;
+``model`` (m7c geometries) takes q, k, v and the blocks from layer ``--layer`` of the m7c-125m model at
+initialisation on random tokens, the inputs `benchmarks/model_step.py` times.
 
     python benchmarks/selection_tiles.py
     python benchmarks/selection_tiles.py --rows 1 16 32 --share 60 80
+    python benchmarks/selection_tiles.py --geometries "m7c 8x2k" "m7c 16k" --inputs model
 """
 
 from __future__ import annotations
@@ -43,6 +46,29 @@ def importance(kind: str, B: int, T: int, HKV: int, ns: int, corr: int = 256) ->
     return x + 0.05 * torch.rand_like(x)
 
 
+def model_inputs(B: int, T: int, layer: int) -> list[torch.Tensor]:
+    """q, k, v and block_idx of the selection in layer ``layer`` of m7c-125m at initialisation (bf16)."""
+    import nsa_core
+    from nsa_core.ops.triton import nsa
+
+    cfg = nsa_core.preset("m7c-125m", sel_backend="triton", cmp_backend="triton", win_backend="triton")
+    model = nsa_core.TinyLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    seen: list[list[torch.Tensor]] = []
+    real = nsa.selected_fwd
+
+    def record(q, k, v, block_idx, *args, **kwargs):
+        seen.append([x.detach().clone() for x in (q, k, v, block_idx)])
+        return real(q, k, v, block_idx, *args, **kwargs)
+
+    nsa.selected_fwd = record
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, cfg.vocab, (B, T), device="cuda"))
+    finally:
+        nsa.selected_fwd = real
+    return seen[layer]
+
+
 def measure(q, k, v, do, idx, ls: int) -> tuple[tuple[torch.Tensor, ...], float, float]:
     """Outputs and gradients, and the forward's and backward's times in ms, as `selection` is set now."""
     scale = q.shape[-1] ** -0.5
@@ -60,6 +86,9 @@ def main() -> None:
     parser.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
     parser.add_argument("--share", type=int, nargs="+", default=[selection.SHARE_PCT])
+    kinds = ["random", "smooth", "model"]
+    parser.add_argument("--inputs", nargs="+", choices=kinds, default=kinds[:2])
+    parser.add_argument("--layer", type=int, default=6, help="model inputs: the layer timed")
     args = parser.parse_args()
     today = datetime.date.today().isoformat()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {today}")
@@ -67,14 +96,19 @@ def main() -> None:
     ls, n = 64, 16
     for name in args.geometries:
         B, T, HQ, HKV, D = GEOMETRIES[name]
-        for kind in ("random", "smooth"):
+        for kind in args.inputs:
             torch.manual_seed(0)
-            q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
-            k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+            if kind == "model":
+                if (HQ, HKV, D) != (12, 2, 64):
+                    continue  # the model is m7c-125m's
+                q, k, v, idx = model_inputs(B, T, args.layer)
+            else:
+                q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+                k = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+                v = torch.randn(B, T, HKV, D, device="cuda", dtype=torch.bfloat16)
+                imp = importance(kind, B, T, HKV, triton.cdiv(T, ls))
+                idx = select_blocks(imp, sel_block_len=ls, n_sel=n, n_init=1, n_local=2).to(torch.int32)
             do = torch.randn_like(q)
-            imp = importance(kind, B, T, HKV, triton.cdiv(T, ls))
-            idx = select_blocks(imp, sel_block_len=ls, n_sel=n, n_init=1, n_local=2).to(torch.int32)
             _, count = selection.tile_union(idx, 2)
             line = f"{name:<10} {kind:<6} union {count.float().mean().item() / (2 * n):.2f} |"
             first = None
