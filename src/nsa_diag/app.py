@@ -27,6 +27,7 @@ from nsa_diag.commands.branch import branch
 from nsa_diag.commands.compare import compare
 from nsa_diag.commands.ddp import ddp
 from nsa_diag.commands.env import env
+from nsa_diag.commands.fr import fr
 from nsa_diag.commands.gc_bisect import gc_bisect
 from nsa_diag.commands.matrix import matrix
 from nsa_diag.commands.report import report
@@ -126,6 +127,7 @@ app.command("compare", cls=_Command)(compare)
 app.command("env", cls=_Command)(env)
 app.command("watch", cls=_Command, context_settings={"allow_interspersed_args": False})(watch)
 app.command("attach", cls=_Command)(attach)
+app.command("fr", cls=_Command)(fr)
 app.command("schema", cls=_Command)(schema)
 
 

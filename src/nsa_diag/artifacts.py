@@ -77,6 +77,7 @@ def rank_dir(case_dir: Path, rank: int) -> Path:
 
 # File names of a case folder (DESIGN.md "Artifacts").
 SPEC = "spec.json"
+FR_AT_HANG = "flight_recorder.at_hang.pickle"  # a rank's flight recorder, dumped by its heartbeat at a hang
 RESULT = "result.json"
 REPLAY = "replay.sh"
 STDOUT = "stdout.log"

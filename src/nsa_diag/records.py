@@ -395,14 +395,67 @@ class StackDiff(Record):
     collectives: dict[str, CollectiveState] = {}
 
 
+class FrCall(Record):
+    """One collective a rank entered, from its flight recorder dump: the group's sequence number, the op,
+    the sizes and dtypes of its inputs, its state as recorded, and the Python frames of the call (innermost
+    first, ``name (file:line)``) with the user's own among them."""
+
+    seq: int
+    op: str
+    sizes: list[Any] = []
+    dtypes: list[str] = []
+    state: str | None = None
+    frames: list[str] = []
+    site: str | None = None  # the innermost frame outside installed packages: where the user's code called
+
+    def describe(self) -> str:
+        """``#4 all_reduce [[4096]] Float``."""
+        dtypes = ",".join(self.dtypes)
+        return f"#{self.seq} {self.op} {self.sizes}" + (f" {dtypes}" if dtypes else "")
+
+
+class FrGroup(Record):
+    """One process group across the ranks' dumps (`nsa_diag.analysis.flight`): each rank's last collective
+    entered and last completed (``None``: its dump does not say), the furthest collective any rank entered,
+    the ranks that never entered it, the first collective the ranks called differently (a desync: each
+    rank's call there), and the ranks the group blames, with why."""
+
+    name: str
+    desc: str = ""
+    ranks: list[int]  # ranks whose dumps show this group
+    last_entered: dict[str, FrCall] = {}  # by rank
+    last_completed: dict[str, int | None] = {}  # by rank: a sequence number
+    frontier: FrCall | None = None
+    never_entered: list[int] = []
+    desync: dict[str, FrCall] = {}  # by rank: their calls at the first collective they disagree on
+    culprits: list[int] = []
+    finding: str = ""
+
+
+class FrAnalysis(Record):
+    """What the flight recorder dumps of a job say (`nsa-diag fr`, and the dumps ddp and watch collect):
+    the ranks with and without a dump, each process group, the ranks to blame (or, where every rank waits
+    for another, the suspects) and one line per finding."""
+
+    ranks: list[int]  # with a dump
+    world_size: int | None = None
+    missing: list[int] = []  # ranks of the job without a dump
+    groups: list[FrGroup] = []
+    culprits: list[int] = []
+    suspects: list[int] = []  # where each rank waits for another: the ranks on the paths that differ
+    findings: list[str] = []
+
+
 class FlightRecorder(Record):
-    """The NCCL flight recorder's dumps: asked of each rank through its debug pipe, and the files found;
-    or why none was asked for."""
+    """The flight recorder's dumps: asked of each rank through its debug pipe (NCCL), the files found, and
+    what they say; or why none was asked for."""
 
     taken: bool | None = None
     why: str | None = None
     asked: dict[str, str] = {}  # by rank
     files: dict[str, str] = {}  # by rank: the dump's path in the case folder
+    analysis: FrAnalysis | None = None  # what the files say (`nsa_diag.analysis.flight`), as `nsa-diag fr`
+    unread: dict[str, str] = {}  # by rank: why its file could not be read
 
 
 class StragglerRank(Record):

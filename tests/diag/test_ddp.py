@@ -130,6 +130,15 @@ def test_skip_collective_is_a_collective_hang_with_rank_1_the_minority(tmp_path:
     assert "minority rank 1" in result.reason
     assert "_hash_check" in result.ddp["first_divergent_frame"]["1"]["frame"]
     assert {r["hang_kind"] for r in result.ddp["ranks"].values()} == {"collective"}
+    # gloo's flight recorder, dumped by each rank's heartbeat at the hang, read as `nsa-diag fr` reads it:
+    # rank 1 skipped the loss all-reduce of the default group and waits in the side group's hash check,
+    # which rank 0 never reached
+    recorder = json.loads((case_dir / "result.json").read_text())["ddp"]["flight_recorder"]
+    assert set(recorder["files"]) == {"0", "1"}
+    analysis = recorder["analysis"]
+    assert analysis["suspects"] == [0, 1]
+    assert "rank 1 never entered #5 all_reduce" in analysis["groups"][0]["finding"]
+    assert "flight recorder: ranks 0, 1 each wait in a collective another never entered" in result.reason
     for rank in ("0", "1"):  # every rank was sampled before any was stopped
         assert (case_dir / "ranks" / rank / "stacks.txt").read_text().count("=== stack sample") == 2
     assert result.evidence["stop"]["sigterm"] is True

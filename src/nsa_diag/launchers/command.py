@@ -62,6 +62,7 @@ from nsa_diag.launchers.torchrun import (
     FR_WAIT_S,
     PIPE_PREFIX,
     RankProcess,
+    analysed,
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
@@ -347,7 +348,8 @@ class CommandLauncher(Launcher):
             ):
                 time.sleep(0.1)
             time.sleep(0.3)  # a dump being written
-        return FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
+        recorder = FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
+        return analysed(case_dir, recorder, None)
 
     def _collect_flight_recorder(self, case_dir: Path) -> dict[str, str]:
         found = {}
@@ -452,7 +454,7 @@ class CommandLauncher(Launcher):
         notes = JobNotes()
         found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
         if found:
-            notes.flight_recorder = with_files(self.recorder, found)
+            notes.flight_recorder = with_files(self.recorder, found, case_dir, None)
         assert self.proc is not None
         root = self._root_folder(case_dir)
         root.mkdir(parents=True, exist_ok=True)

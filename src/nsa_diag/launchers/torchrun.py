@@ -27,10 +27,13 @@ from pathlib import Path
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.analysis.flight import analyse
 from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
 from nsa_diag.artifacts import RANKS_DIR, rank_dir
 from nsa_diag.beacon import read_beacon
 from nsa_diag.classify import focus_thread
+from nsa_diag.errors import UsageError
+from nsa_diag.evidence.flight import load_dump
 from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import (
     Ending,
@@ -72,12 +75,14 @@ def local_ranks(spec: CaseSpec) -> list[int]:
 
 
 def ddp_env(spec: CaseSpec, case_dir: Path) -> dict[str, str]:
-    """Variables for torchrun and the ranks: the NCCL flight recorder on, dumped into the case folder on
-    timeout and on demand through its pipe; NCCL's own timeouts longer than the watchdog's stall."""
+    """Variables for torchrun and the ranks: the flight recorder on (NCCL's dumped into the case folder on
+    timeout and on demand through its pipe; every rank's by its heartbeat at a hang); NCCL's own timeouts
+    longer than the watchdog's stall."""
     assert spec.ddp is not None
     ranks = Path(case_dir).resolve() / RANKS_DIR
     timeout = str(int(pg_timeout_s(spec)))
     env = {
+        "TORCH_FR_BUFFER_SIZE": str(FR_BUFFER),  # the recorder of every backend that keeps one (gloo's too)
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(ranks / FR_PREFIX),
@@ -135,10 +140,13 @@ def _descendants(pid: int) -> list[int]:
 
 
 def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> FlightRecorder:
-    """NCCL only: ask every rank's flight recorder for a dump through its debug pipe, wait for the files."""
+    """NCCL: ask every rank's flight recorder for a dump through its debug pipe, wait for the files (other
+    backends have no pipe: each rank's heartbeat dumps its recorder at the hang, read after the stop)."""
     assert spec.ddp is not None
     if spec.ddp.backend != "nccl":
-        return FlightRecorder(taken=False, why="gloo has no flight recorder (NCCL only)")
+        return FlightRecorder(
+            taken=False, why=f"{spec.ddp.backend} has no debug pipe: each rank's own dump at the hang is read"
+        )
     ranks_dir = Path(case_dir) / RANKS_DIR
     asked: dict[str, str] = {}
     for rank in pids:
@@ -154,14 +162,51 @@ def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]
     while time.monotonic() < deadline and not all((ranks_dir / f"{FR_PREFIX}{r}").exists() for r in pids):
         time.sleep(0.1)
     time.sleep(0.3)  # a dump being written
-    return FlightRecorder(asked=asked, files=collect_flight_recorder(case_dir, pids))
+    found = collect_flight_recorder(case_dir, pids)
+    return analysed(case_dir, FlightRecorder(asked=asked, files=found), spec.ddp.world_size)
 
 
-def with_files(recorder: FlightRecorder | None, found: Mapping[str, str]) -> FlightRecorder:
-    """``recorder`` with the dumps ``found`` after the stop (NCCL's own timeout wrote them) among its
-    files."""
+def with_files(
+    recorder: FlightRecorder | None, found: Mapping[str, str], case_dir: Path, world_size: int | None
+) -> FlightRecorder:
+    """``recorder`` with the dumps ``found`` after the stop (NCCL's own timeout, or the ranks' heartbeats at
+    the hang, wrote them) among its files, and what they all say."""
     recorder = recorder if recorder is not None else FlightRecorder()
-    return recorder.model_copy(update={"files": {**recorder.files, **found}})
+    return analysed(case_dir, recorder.model_copy(update={"files": {**recorder.files, **found}}), world_size)
+
+
+def analysed(case_dir: Path, recorder: FlightRecorder, world_size: int | None) -> FlightRecorder:
+    """``recorder`` with what its files say (`nsa_diag.analysis.flight`, as `nsa-diag fr` reads them)."""
+    dumps, unread = {}, {}
+    for rank, path in recorder.files.items():
+        try:
+            dumps[int(rank)] = load_dump(Path(case_dir) / path)
+        except UsageError as exc:
+            unread[rank] = str(exc)
+    analysis = analyse(dumps, world_size) if dumps else None
+    return recorder.model_copy(update={"analysis": analysis, "unread": unread})
+
+
+def flight_recorder_says(recorder: FlightRecorder | None) -> str | None:
+    """One clause for a hang's reason: the rank the dumps blame, or that the ranks wait for each other."""
+    analysis = recorder.analysis if recorder is not None else None
+    if analysis is None or not (analysis.culprits or analysis.suspects):
+        return None
+    ranks = analysis.culprits or analysis.suspects
+    names = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+    if analysis.culprits:
+        blamed = [g.finding for g in analysis.groups if set(g.culprits) & set(ranks)]
+        return f"{names} ({blamed[0] if blamed else analysis.findings[-1]})"
+    return f"{names} each wait in a collective another never entered (in different process groups)"
+
+
+def heartbeat_dumps(case_dir: Path, ranks: Sequence[int], have: Mapping[str, str]) -> dict[str, str]:
+    """The recorders the ranks' heartbeats dumped at the hang, for the ranks ``have`` holds no dump of."""
+    return {
+        str(r): f"{RANKS_DIR}/{r}/{artifacts.FR_AT_HANG}"
+        for r in ranks
+        if str(r) not in have and (rank_dir(case_dir, r) / artifacts.FR_AT_HANG).is_file()
+    }
 
 
 def collect_flight_recorder(case_dir: Path, ranks: Sequence[int] | Mapping[int, int]) -> dict[str, str]:
@@ -244,9 +289,13 @@ class TorchrunLauncher(Launcher):
             targets = {r: RankProcess(pid) for r, pid in self.pids.items() if alive(pid)}
             return Evidence(JobNotes(flight_recorder=self.recorder), targets)
         if stage is Stage.STOPPED:
-            found = collect_flight_recorder(case_dir, local_ranks(self.spec))
+            ranks = local_ranks(self.spec)
+            found = collect_flight_recorder(case_dir, ranks)
+            have = {**found, **(self.recorder.files if self.recorder else {})}
+            found |= heartbeat_dumps(case_dir, ranks, have)
             if found:
-                return Evidence(JobNotes(flight_recorder=with_files(self.recorder, found)))
+                recorder = with_files(self.recorder, found, case_dir, self.spec.ddp.world_size)
+                return Evidence(JobNotes(flight_recorder=recorder))
         return Evidence()
 
     def _rank_pids(self, case_dir: Path) -> dict[int, int]:
@@ -290,6 +339,9 @@ class TorchrunLauncher(Launcher):
     def outcome(self, end: JobEnd) -> CaseResult:
         """The ranks' cross-rank aggregation (`aggregate_ranks`), naming any process left."""
         result = aggregate_ranks(self.spec, classified(self.spec, end, self.rank_ends(end)))
+        said = flight_recorder_says(end.notes.flight_recorder) if result.verdict == "hang" else None
+        if said:
+            result = result.model_copy(update={"reason": result.reason + f"; flight recorder: {said}"})
         if end.stop.survivors:
             result = result.model_copy(
                 update={"reason": result.reason + f"; processes left: {end.stop.survivors}"}

@@ -64,7 +64,6 @@ USAGE = (
     "node r > 0 of a multi-node case passes its own, nodes/<r>/spec.json)"
 )
 SIDE_GROUP = "nsa-diag"
-FR_API_FILE = "nccl_flight_recorder.at_hang.pickle"  # dumped by the heartbeat thread at a hang (NCCL)
 
 
 def preflight_verdict(unused: dict[int, list[str]]) -> Preflight:
@@ -440,13 +439,13 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
     from nsa_diag.spec import CaseSpec
 
     spec = CaseSpec.model_validate_json((spec_path or Path(case_dir) / artifacts.SPEC).read_text())
-    nccl = spec.ddp is not None and spec.ddp.backend == "nccl"
+    backend = spec.ddp.backend if spec.ddp is not None else None
 
     def at_hang() -> None:  # the heartbeat thread, asked by the watchdog before it stops any rank
         memory.record("at_hang")
         memory.dump_snapshot()
-        if nccl:
-            dump_flight_recorder(directory / FR_API_FILE)
+        if backend is not None:
+            dump_flight_recorder(directory / artifacts.FR_AT_HANG, backend)
 
     Heartbeat(beacon, directory, on_dump=at_hang, stacks=stacks, progress=progress).start()
     progress.event("setup", detail="spec read")
@@ -458,13 +457,16 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
     return 0
 
 
-def dump_flight_recorder(path: Path) -> None:
-    """The NCCL flight recorder of this process (pickle) through torch's Python binding, where this torch
-    has one (``_dump_nccl_trace``; the name and arguments moved between versions, so try what exists)."""
+def dump_flight_recorder(path: Path, backend: str = "nccl") -> None:
+    """This process's flight recorder (pickle) through torch's Python binding, where this torch has one:
+    ``_dump_nccl_trace`` for NCCL, ``_dump_fr_trace`` (the recorder of any backend that keeps one: gloo's
+    too, with ``TORCH_FR_BUFFER_SIZE`` set) otherwise; the names and arguments moved between versions, so
+    try what exists. Nothing is written where neither exists."""
     import torch
 
     c10d = getattr(torch._C, "_distributed_c10d", None)
-    for name in ("_dump_nccl_trace", "_dump_fr_trace"):
+    names = ("_dump_nccl_trace", "_dump_fr_trace") if backend == "nccl" else ("_dump_fr_trace",)
+    for name in names:
         dump = getattr(c10d, name, None)
         if dump is None:
             continue
@@ -475,9 +477,6 @@ def dump_flight_recorder(path: Path) -> None:
                 continue
             artifacts.write_bytes(path, data if isinstance(data, bytes) else bytes(data))
             return
-    raise RuntimeError(
-        "this torch has no _dump_nccl_trace binding (the debug pipe or NCCL's timeout dump it)"
-    )
 
 
 def _leave_group() -> None:
