@@ -131,7 +131,7 @@ def _field_options(model: type[BaseModel]) -> dict[str, Opt]:
         if opt.default is FROM_FIELD:
             default = info.get_default(call_default_factory=True)
             is_enum = isinstance(opt.type, type) and issubclass(opt.type, Enum)
-            opt = opt.with_default(opt.type(default) if is_enum else default)
+            opt = opt.with_default(opt.type(default) if is_enum and default is not None else default)
         found[field] = opt
     return found
 

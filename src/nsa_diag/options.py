@@ -53,6 +53,14 @@ class Device(str, Enum):
     cuda = "cuda"
 
 
+class CompileBackend(str, Enum):
+    """`torch.compile` backends: inductor (what users train with), aot_eager and eager (fast, for tests)."""
+
+    inductor = "inductor"
+    aot_eager = "aot_eager"
+    eager = "eager"
+
+
 class Branch(str, Enum):
     """`all` computes every branch; the others force one (`force_branch`)."""
 
@@ -269,7 +277,7 @@ NSA = Group(
         "branch", "sel", "cmp", "win", "prefill", "gc", "gc_reentrant",
     ),
 )  # fmt: skip
-TRAINING = Group("Training steps", ("seq_len", "batch", "steps", "dtype", "device", "seed", "lr"))
+TRAINING = Group("Training steps", ("seq_len", "batch", "steps", "dtype", "device", "seed", "lr", "compile"))
 WATCHDOG = Group("Watchdog", ("stall", "timeout"))
 FAULTS = Group(
     "Faults and checks", ("inject", "model", "layers_attr", "reference_check", "tolerance", "anomaly")

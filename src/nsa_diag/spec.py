@@ -33,6 +33,7 @@ from pydantic import (
 from nsa_diag.options import (
     Branch,
     CmpBackend,
+    CompileBackend,
     Device,
     Dtype,
     FaultKind,
@@ -68,6 +69,7 @@ Phase = Literal["forward", "backward", "recompute"]
 PresetName = literal_of(Preset)
 DtypeName = literal_of(Dtype)
 DeviceName = literal_of(Device)
+CompileName = literal_of(CompileBackend)
 OverrideValue = int | float | str | bool | None
 # `--model`: a module path, a colon and the factory's name in that module; what the worker imports
 MIN_STALL_S = 0.5  # below it a healthy worker, between two beacon writes, already looks stalled
@@ -406,6 +408,16 @@ class CaseSpec(BaseModel):
     seed: Annotated[
         int, Opt("--seed", int, "Seed of the weights and the random tokens.", min=0, max=MAX_SEED)
     ] = Field(0, ge=0, le=MAX_SEED)
+    compile: Annotated[
+        CompileName | None,
+        Opt(
+            "--compile",
+            CompileBackend,
+            "torch.compile the model with this backend (the training forward and backward; progress comes "
+            "from the steps and the compiler, not from inside the compiled graph).",
+            metavar="BACKEND",
+        ),
+    ] = Field(None, description="torch.compile backend of the training model; None: eager")
     lr: Annotated[float, Opt("--lr", float, "AdamW learning rate.")] = Field(
         1e-3, gt=0, allow_inf_nan=False, description="AdamW learning rate"
     )

@@ -854,3 +854,20 @@ def test_a_capped_log_keeps_its_head_and_tail_and_says_what_it_dropped(tmp_path:
     assert head == b"".join(lines[:10])
     assert tail == b"".join(lines[-5:])
     assert marker.startswith(b"[nsa-diag: 9850 bytes of output dropped here")
+
+
+@pytest.mark.slow
+def test_a_compiled_job_passes_and_the_probe_breaks_no_graph(tmp_path: Path) -> None:
+    """torch.compile in the user's own loop: the probe finds the model's blocks, its hooks stay silent
+    inside the traced graph (no graph break of theirs: the job counts Dynamo's), steps come from the
+    optimizer."""
+    env = {**os.environ, "COMPILE_BACKEND": "eager"}
+    proc, out = _watch(tmp_path, job=[PY, "compiled_loop.py"], env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "graph breaks 0" in proc.stdout
+    result = _result(out)
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 5
+    (pid,) = _job_pids(_case(out))
+    probe = json.loads((_case(out) / "procs" / f"pid-{pid}" / "probe.json").read_text())
+    assert probe["model"]["blocks"] == "layers"

@@ -174,8 +174,22 @@ def attach_progress(
     return handles
 
 
+def tracing() -> Callable[[], bool]:
+    """``torch.compiler.is_compiling``: True while Dynamo traces. A hook that returns at once then is traced
+    as nothing, so it breaks no graph; a compiled region's progress comes from around it (steps, the
+    compiler, the optimizer) and its place from stack samples. Never True where torch has no compiler."""
+    import torch
+
+    compiler = getattr(torch, "compiler", None)
+    return getattr(compiler, "is_compiling", None) or (lambda: False)
+
+
 def _block_hooks(block: nn.Module, layer: int, name: str, progress: ProgressSink) -> list[RemovableHandle]:
+    compiling = tracing()
+
     def forward_begin(module: nn.Module, args: Any) -> None:
+        if compiling():
+            return
         progress.event(progress.forward_phase, "begin", layer=layer, module=name)
 
     def forward_end(module: nn.Module) -> None:
@@ -256,8 +270,11 @@ def on_backward(
 
     tensor_type = torch.Tensor
     leaf_hook: list[RemovableHandle] = []  # the hook on a leaf input: such a tensor may come back next step
+    compiling = tracing()
 
     def install(mod: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if compiling():  # inside a graph torch.compile traces: nothing (`tracing`)
+            return
         if forward_end is not None:
             forward_end(mod)
         out = output if isinstance(output, tensor_type) else _requiring_grad(output, tensor_type)

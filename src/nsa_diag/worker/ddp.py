@@ -288,6 +288,9 @@ class DdpTrainer(Trainer):
 
     # --------------------------------------------------------------------------------------- step
 
+    def _training_module(self) -> nn.Module | None:
+        return self.ddp_model
+
     def _loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         # The training step's forward goes through the DDP wrapper (buffers, reducer); checks on the bare
         # model (pre-flight, the non-finite re-run) pass another model and run as they are.

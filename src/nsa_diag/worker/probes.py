@@ -216,6 +216,38 @@ def report_compiles(progress: Progress) -> bool:
     return True
 
 
+_COMPILER_REPORTED: list[Progress] = []  # Dynamo keeps its callbacks for the process: registered once
+
+
+def report_compiler(progress: Progress) -> bool:
+    """Count torch.compile's start and end of each compilation as progress (`Progress.again`): Dynamo and
+    its backend compile inside the first forward, seconds to minutes between two events. False where this
+    torch has no compile callbacks (``torch._dynamo.callback``)."""
+    if _COMPILER_REPORTED:
+        return True
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        return False
+    callback_handler.register_start_callback(lambda *args: progress.again())
+    callback_handler.register_end_callback(lambda *args: progress.again())
+    _COMPILER_REPORTED.append(progress)
+    return True
+
+
+def graph_breaks(backend: str) -> str:
+    """One line for the case's notes: the graph breaks Dynamo counted so far and the commonest reason."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters.get("graph_break", {})
+    total = sum(breaks.values())
+    line = f"torch.compile (backend {backend}): {total} graph break(s)"
+    if total:
+        reason, count = max(breaks.items(), key=lambda item: item[1])
+        line += f", the commonest ({count}x): {str(reason).strip().splitlines()[0][:160]}"
+    return line
+
+
 # --------------------------------------------------------------------------------------- profiler ranges
 
 

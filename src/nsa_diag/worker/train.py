@@ -34,8 +34,10 @@ from nsa_diag.worker.probes import (
     checking,
     finite_or_none,
     grad_norm,
+    graph_breaks,
     missing_grads,
     peak_memory,
+    report_compiler,
     report_compiles,
 )
 
@@ -98,6 +100,7 @@ class Trainer:
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only
         self.parity: Parity | None = None
         self.faults: list[inject.Fault] = []
+        self.compiled: nn.Module | None = None  # torch.compile of the training module (``--compile``)
 
     # ---------------------------------------------------------------------------------------- the run
 
@@ -260,6 +263,8 @@ class Trainer:
 
         self.phase_s.check.append(check_s)
         self.step_s.append(time.perf_counter() - t_step - check_s)  # training time: checks left out
+        if step == 1 and spec.compile is not None:
+            self.notes.append(graph_breaks(spec.compile))
         self.losses.append(finite_or_none(loss_value))
         self.grad_norms.append(finite_or_none(norm))
         self.steps_done = step
@@ -286,10 +291,28 @@ class Trainer:
         dtype = torch.bfloat16 if self.spec.dtype == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
+    def _training_module(self) -> nn.Module | None:
+        """What the training steps call (`DdpTrainer`: the DDP wrapper)."""
+        return self.loaded.model if self.loaded is not None else None
+
+    def _compiled(self, model: nn.Module) -> nn.Module:
+        """``--compile``: the training module through torch.compile, made once (Dynamo compiles at the first
+        call). The compiler's start and end count as progress (`report_compiler`); inside the compiled
+        graph the block hooks stay silent (`nsa_diag.probe.hooks`: no graph break of theirs)."""
+        if self.compiled is None:
+            import torch
+
+            report_compiler(self.progress)
+            self.compiled = torch.compile(model, backend=self.spec.compile)
+        return self.compiled
+
     def _loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy of ``model`` on ``tokens [B, S + 1]`` (the model sees S tokens)."""
+        """Next-token cross-entropy of ``model`` on ``tokens [B, S + 1]`` (the model sees S tokens); the
+        training module runs compiled with ``--compile`` (the checks' own runs stay eager)."""
         import torch.nn.functional as F
 
+        if self.spec.compile is not None and model is self._training_module():
+            model = self._compiled(model)
         with self._autocast():
             logits = logits_of(model(tokens[:, :-1]))
         assert self.loaded is not None

@@ -1,6 +1,6 @@
 """Records the flight recorder fixtures of `test_flight.py` from real 2-rank gloo jobs (`fr_job.py`):
 
-    python tests/diag/recorded/fr/record.py   # rewrites skipped/, mismatch/ and missing/ here
+python tests/diag/recorded/fr/record.py   # rewrites skipped/, mismatch/ and missing/ here
 """
 
 import os
