@@ -44,8 +44,8 @@ def fr(
     """Read the flight recorder dumps a distributed job wrote and say which rank stopped where.
 
     PyTorch's flight recorder keeps each rank's last collectives per process group; NCCL writes it on a
-    timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, files TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>, by default
-    ~/.cache/fr_trace/nccl_trace_rank_<rank> or /tmp/nccl_trace_rank_<rank>), any backend's on
+    timeout (TORCH_NCCL_DUMP_ON_TIMEOUT=1, files `TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank>`, by default
+    `~/.cache/fr_trace/nccl_trace_rank_<rank>` or `/tmp/nccl_trace_rank_<rank>`), any backend's on
     `torch._C._distributed_c10d._dump_fr_trace()` (gloo's too, with TORCH_FR_BUFFER_SIZE set). Per
     process group: the collective each rank last entered (sequence number, op, sizes, dtypes, the code that
     called it); the ranks that never entered the furthest one the others did; the first collective the
