@@ -6,8 +6,9 @@ rank shows in their backward (the gradient all-reduce). The real 2-rank job whos
 step is test_ddp.py's test_a_rank_slower_every_step_is_named_a_straggler_and_the_job_passes.
 
 Under ``watch`` the same analysis reads each rank's probe ``steps.jsonl`` (`watched_stragglers`): the
-recorded files here are those of tests/diag/jobs/ddp_straggler.py's two gloo ranks under watch (rank 1
-reading each batch 0.3 s; with --slow-rank -1, neither); the watched jobs themselves run in test_watch.py's
+recorded files here are those of tests/diag/jobs/ddp_straggler.py's two gloo ranks under watch (each
+rank reading a batch in 0.1 s, rank 1 in 0.4 s; with --slow-rank -1, both in 0.1 s); the watched jobs
+themselves run in test_watch.py's
 test_a_watched_torchrun_rank_slow_in_its_data_loading_is_a_straggler_and_the_job_passes.
 """
 
@@ -114,7 +115,7 @@ def test_a_watched_rank_slow_in_its_data_loading_is_named_between_steps_from_its
     (slow,) = found.slow
     assert (slow.rank, slow.phase, slow.steps) == (1, "between steps", 7)
     assert slow.slower_steps >= 6
-    assert slow.ratio > 5
+    assert slow.ratio > 2
     assert slow.extra_s == pytest.approx(0.3, abs=0.05)
     assert found.describe().startswith("rank 1: ")
     assert found.describe().endswith("x the other ranks' median step, in between steps (6 of 7 steps)")
