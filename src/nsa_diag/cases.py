@@ -50,6 +50,7 @@ from nsa_diag.spec import (
     MODEL_REF,
     PENDING_ENDPOINT,
     CaseSpec,
+    CommandSpec,
     DdpSpec,
     Injection,
     ModelFacts,
@@ -613,6 +614,8 @@ def _watch_flags(spec: CaseSpec) -> list[str]:
     argv = ["--stall", str(spec.stall), "--timeout", f"{spec.timeout:g}"]
     argv += ["--keep-alive"] * cmd.keep_alive
     argv += ["--total-steps", str(cmd.total_steps)] if cmd.total_steps else []
+    if cmd.straggler_ratio != CommandSpec.model_fields["straggler_ratio"].default:
+        argv += ["--straggler-ratio", f"{cmd.straggler_ratio:g}"]
     argv += _replay_option(spec, "branch_marks")
     return [*argv, "--", *cmd.argv]
 

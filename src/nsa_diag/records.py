@@ -470,7 +470,8 @@ class StragglerRank(Record):
 
 
 class Stragglers(Record):
-    """Each rank's own time per step against the others' (``ddp.stragglers``): the threshold, the steps
+    """Each rank's own time per step against the others' (``ddp.stragglers``; a watched job's:
+    ``evidence.stragglers``): the threshold, the steps
     compared, each rank's median own step time, and the ranks consistently slower."""
 
     threshold: float
@@ -732,6 +733,7 @@ class CaseEvidence(Record):
     processes_alive: list[int] = []
     flight_recorder: FlightRecorder | None = None
     pauses: list[Pause] = []
+    stragglers: Stragglers | None = None  # the ranks' step times compared (`analysis.stragglers`)
     processes: dict[str, ProcessRecord] = {}
     rank_exceptions: dict[str, RankException] = {}
     stack_diff: StackDiff | None = None

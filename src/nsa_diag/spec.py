@@ -282,6 +282,14 @@ class CommandSpec(BaseModel):
     total_steps: int | None = Field(
         None, ge=1, description="steps the job will run, for a slow job's ETA (the job may say it itself)"
     )
+    # `--straggler-ratio`, declared on `DdpSpec.straggler_ratio` (watch takes that option): read from the
+    # ranks' step times after the run, it changes nothing the job computes
+    straggler_ratio: float = Field(
+        DdpSpec.model_fields["straggler_ratio"].default,
+        ge=1.0,
+        allow_inf_nan=False,
+        description="a rank's own step time over the other ranks' median that names it a straggler",
+    )
 
 
 def _inject_help() -> str:
@@ -562,6 +570,8 @@ class CaseSpec(BaseModel):
         }  # fmt: skip
         if self.ddp is not None:  # how long nodes wait, what a straggler is: nothing the case computes
             exclude["ddp"] = {"rdzv_timeout": True, "run_id": True, "straggler_ratio": True}
+        if self.command is not None:  # what a straggler is (and a spec.json written before the field)
+            exclude["command"] = {"straggler_ratio": True}
         data = self.model_dump(mode="json", exclude=exclude)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

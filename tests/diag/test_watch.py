@@ -92,6 +92,27 @@ def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
         assert probe_env(tmp_path, {}, spec.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
 
 
+def test_straggler_ratio_is_watchs_own_kept_out_of_the_hash_and_replayed(tmp_path: Path) -> None:
+    """`watch --straggler-ratio`: ddp's option (declared once, on DdpSpec) into the command's spec; what a
+    straggler is changes nothing the job computes, so not its hash; replay.sh gives it where it was given."""
+    from nsa_diag._cli_utils import CaseOptions
+    from nsa_diag.cases import replay_argv
+    from nsa_diag.session.watch import build_watch_spec
+
+    default = build_watch_spec(CaseOptions(), [PY, "train.py"], keep_alive=False, total_steps=None)
+    given = build_watch_spec(
+        CaseOptions(straggler_ratio=1.5), [PY, "train.py"], keep_alive=False, total_steps=None
+    )
+    assert default.command is not None
+    assert given.command is not None
+    assert (default.command.straggler_ratio, given.command.straggler_ratio) == (1.25, 1.5)
+    assert given.spec_hash() == default.spec_hash()
+    assert "--straggler-ratio" not in replay_argv(default, tmp_path)
+    argv = replay_argv(given, tmp_path)
+    assert argv[argv.index("--straggler-ratio") + 1] == "1.5"
+    assert argv.index("--straggler-ratio") < argv.index("--")
+
+
 def test_last_traceback_skips_torchrun_summary() -> None:
     stderr = "\n".join([
         "[rank1]: Traceback (most recent call last):",
@@ -196,6 +217,7 @@ def test_raise_is_an_error_with_the_exception(tmp_path: Path) -> None:
         pytest.param(
             ["--keep-alive", "--timeout", "-5", "--", "true"], "--timeout -5", id="timeout-negative"
         ),
+        pytest.param(["--straggler-ratio", "0.5", "--", "true"], "--straggler-ratio", id="ratio-below-1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -569,6 +591,39 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
 
 def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
+
+
+@pytest.mark.slow  # ~25 s each: two gloo ranks importing torch, 8 steps of 0.1-0.4 s
+@pytest.mark.parametrize("slow_rank", [1, -1], ids=["rank-1-slow", "healthy"])
+def test_a_watched_torchrun_rank_slow_in_its_data_loading_is_a_straggler_and_the_job_passes(
+    tmp_path: Path, slow_rank: int
+) -> None:
+    """Every rank's DataLoader reads a batch in 0.1 s; rank 1's in 0.4 s (slow-rank 1): rank 0 waits for it
+    in backward's all-reduce, so both take as long a step; rank 1 is named from the probe's step times,
+    its extra time between steps (its data), and the job passes. With neither slow, no rank is named."""
+    job = _torchrun("ddp_straggler.py", "--slow-rank", str(slow_rank))
+    proc, out = _watch(tmp_path, job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 8
+    stragglers = result["evidence"]["stragglers"]
+    assert stragglers["steps"] == [2, 3, 4, 5, 6, 7, 8]
+    assert set(stragglers["own_step_s"]) == {"0", "1"}
+    case = _case(out)
+    for rank in ("0", "1"):  # each rank's probe timed its 8 steps
+        folder = json.loads((case / "ranks" / rank / "rank.json").read_text())["folder"]
+        assert len((case / folder / "steps.jsonl").read_text().splitlines()) == 8
+    if slow_rank == -1:
+        assert stragglers["slow"] == []
+        assert "straggler" not in result["reason"]
+        return
+    (slow,) = stragglers["slow"]
+    assert (slow["rank"], slow["phase"]) == (1, "between steps")
+    assert slow["ratio"] >= 2
+    assert slow["extra_s"] == pytest.approx(0.3, abs=0.15)
+    assert result["reason"].startswith("the job exited with code 0; straggler rank 1: ")
+    assert "x the other ranks' median step, in between steps (" in result["reason"]
 
 
 @pytest.mark.slow

@@ -11,19 +11,27 @@ noise). Its extra time is placed in the phase where it exceeds the others' media
 optimizer, or between steps (data loading, logging: the step's time outside the phases the worker
 times). A rank slow inside backward's own computation is not seen this way:
 its collectives keep the others waiting in the same phase, so every rank's backward ends together.
+
+`watched_stragglers` asks the same of a user's job under ``nsa-diag watch``: each rank's steps as its
+probe timed them (``steps.jsonl``, `nsa_diag.probe.runtime.StepTimes`: a step is an optimizer step, its
+forward from the model's first block, its backward from ``Tensor.backward``), over the steps every rank
+timed, the last `MAX_WATCHED_STEPS` of a long job.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from nsa_diag.records import Metrics, StragglerRank, Stragglers
+from nsa_diag.probe.runtime import StepTimes
+from nsa_diag.records import Metrics, PhaseSeconds, StragglerRank, Stragglers
 
 # A rank slower in more than this share of the steps compared is consistently slower.
 MOST_STEPS = 0.5
 MIN_STEPS = 3  # steps compared, after the warm-up
 PLACED_PHASES = ("forward", "optimizer", "between steps")
+MAX_WATCHED_STEPS = 200  # a watched job's steps compared: the last ones every rank timed
 
 
 def _phase(metrics: Metrics, phase: str, step: int) -> float:
@@ -103,4 +111,47 @@ def find_stragglers(per_rank: Mapping[int, Metrics], threshold: float) -> Stragg
     )
     if len(steps) < MIN_STEPS:
         found.why = f"{len(steps)} step(s) after the warm-up; {MIN_STEPS} needed to call a rank slower"
+    return found
+
+
+def step_times(lines: Iterable[str]) -> dict[int, StepTimes]:
+    """A probe's ``steps.jsonl`` lines by step; a line that is not a step's times is passed over (a line
+    cut short when the job was killed)."""
+    found: dict[int, StepTimes] = {}
+    for line in lines:
+        try:
+            record = json.loads(line)
+            step, seconds = (
+                record["step"],
+                [record[k] for k in ("step_s", "forward_s", "backward_s", "optimizer_s")],
+            )
+        except (ValueError, TypeError, KeyError):
+            continue
+        if isinstance(step, int) and all(isinstance(v, int | float) and v >= 0 for v in seconds):
+            found[step] = record
+    return found
+
+
+def watched_stragglers(per_rank: Mapping[int, Iterable[str]], threshold: float) -> Stragglers | None:
+    """`find_stragglers` over the ranks of a watched job, from each rank's probe ``steps.jsonl`` lines: the
+    steps every rank timed (the last `MAX_WATCHED_STEPS`, the first of them left out as the warm-up), with
+    ``steps`` their numbers. None with fewer than two ranks."""
+    times = {rank: step_times(lines) for rank, lines in per_rank.items()}
+    if len(times) < 2:
+        return None
+    common = sorted(set.intersection(*(set(t) for t in times.values())))[-MAX_WATCHED_STEPS:]
+    metrics = {
+        rank: Metrics(
+            step_s=[t[s]["step_s"] for s in common],
+            phase_s=PhaseSeconds(
+                forward=[t[s]["forward_s"] for s in common],
+                backward=[t[s]["backward_s"] for s in common],
+                optimizer=[t[s]["optimizer_s"] for s in common],
+            ),
+        )
+        for rank, t in times.items()
+    }
+    found = find_stragglers(metrics, threshold)
+    if found is not None:
+        found.steps = common[1:]
     return found

@@ -7,17 +7,19 @@ from typing import Annotated
 import typer
 
 from nsa_diag._cli_utils import CaseOptions, DebugOpt, JsonOpt, case_options
-from nsa_diag.options import CASE_NAME, EVIDENCE, OUTPUT, WATCHDOG
+from nsa_diag.options import CASE_NAME, DDP, EVIDENCE, OUTPUT, WATCHDOG
 
 _JOB = "Your job"
 
 
 # of the evidence options, a job takes the probe's detail: the others act on nsa-diag's own worker
 _NOT_FOR_A_JOB = tuple(name for name in EVIDENCE.names if name != "branch_marks")
+# of ddp's, what a straggler is: the ranks of a torchrun job are compared as ddp's are
+_NOT_FOR_A_JOB += tuple(name for name in DDP.names if name != "straggler_ratio")
 
 
 @case_options(
-    WATCHDOG, EVIDENCE, OUTPUT, CASE_NAME, omit=("junit", *_NOT_FOR_A_JOB), defaults={"name": "watch"}
+    WATCHDOG, EVIDENCE, DDP, OUTPUT, CASE_NAME, omit=("junit", *_NOT_FOR_A_JOB), defaults={"name": "watch"}
 )
 def watch(
     options: CaseOptions,
@@ -64,7 +66,8 @@ def watch(
     training process (or each rank); DataLoader workers, torchrun's agent and helpers are reported as
     what they are. Then the job is stopped (SIGTERM, grace, SIGKILL) unless `--keep-alive`. A job that
     exits gets pass, error (its last traceback), crash, oom or nonfinite (a NaN loss it called backward()
-    on).
+    on). The ranks' step times are compared: a rank consistently slower than the others
+    (`--straggler-ratio`) is named, with the phase its extra time is in, also when the job passes.
     Its output streams here and into `<out>/<time>-watch/cases/<name>/` with `replay.sh`.
 
     Exit code 0 when the job passes, 1 when not, 2 for a bad option or command, 130 on Ctrl-C (the job

@@ -15,6 +15,9 @@ event beyond its start (`nsa_diag.watchdog.reports_progress`); until then, and f
 probe (not Python), only ``--timeout`` applies. SIGUSR1 goes only to processes whose ``probe.json`` says
 ``sigusr1: probe``.
 
+Each rank's probe times its steps (``steps.jsonl``): at the end the ranks are compared, and a rank
+consistently slower than the others is named (`nsa_diag.analysis.stragglers.watched_stragglers`).
+
 At a stall or timeout, before anything stops: the flight recorder's dump of every rank (NCCL), then the
 watchdog's evidence of every live unit, and ``tree.json``: /proc of every process of the job (probed or
 not, DataLoader workers and torchrun's ranks in sessions of their own included: psutil's descendants,
@@ -37,6 +40,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
+from nsa_diag.analysis.stragglers import watched_stragglers
 from nsa_diag.artifacts import RANKS_DIR
 from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
@@ -66,8 +70,8 @@ from nsa_diag.launchers.torchrun import (
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
-from nsa_diag.probe.runtime import ProbeJson
-from nsa_diag.records import FlightRecorder, JobNotes, StopReport
+from nsa_diag.probe.runtime import STEPS_JSONL, ProbeJson
+from nsa_diag.records import FlightRecorder, JobNotes, StopReport, Stragglers
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.stopping import ProcessTree, stop_tree
@@ -492,8 +496,20 @@ class CommandLauncher(Launcher):
         return job.combine(
             self.spec, ending,
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=rates, folders=folders,
-            roles=roles, parents=parents, alive=alive,
+            roles=roles, parents=parents, alive=alive, stragglers=self._stragglers(),
         )  # fmt: skip
+
+    def _stragglers(self) -> Stragglers | None:
+        """The ranks' step times compared (`nsa_diag.analysis.stragglers.watched_stragglers`), from each
+        rank's ``steps.jsonl``; None for a job of one rank or none."""
+        lines: dict[int, list[str]] = {}
+        for rank, pid in self.ranks().items():
+            folder = self.procs[pid].folder
+            lines[rank] = []
+            if folder is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    lines[rank] = artifacts.read_text(folder / STEPS_JSONL).splitlines()
+        return watched_stragglers(lines, self.cmd.straggler_ratio)
 
 
 def _where(state: BeaconState | None) -> Where | None:

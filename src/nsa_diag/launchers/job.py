@@ -10,6 +10,7 @@
   (`rank_errors`, each also in that rank's record), else the command's unit. Stalled or
   past the timeout: the unit that decided, where it was ("rank 1, step 5, backward, layers.7"), the ranks'
   minority (`nsa_diag.analysis.ranks.cross_rank_diff`), the processes it waits on (a DataLoader worker).
+  The ranks' stragglers (``evidence.stragglers``) are named in any verdict's reason but a hang's, as ddp's.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from nsa_diag.records import (
     Rate,
     StackDiff,
     StopReport,
+    Stragglers,
 )
 from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
 from nsa_diag.stackframes import ThreadStack
@@ -467,10 +469,11 @@ def combine(
     roles: Mapping[int, str] | None = None,
     parents: Mapping[int, int | None] | None = None,
     alive: Sequence[int] = (),
+    stragglers: Stragglers | None = None,
 ) -> CaseResult:
     """The job's result from its units' (module docstring). ``roles`` and ``parents`` (by unit key): what
     each process is and which unit it was forked from; ``alive``: the unit keys still running when the
-    evidence was taken."""
+    evidence was taken; ``stragglers``: the ranks' step times compared."""
     outcome, per_unit, decider, stop = end.outcome, end.per_unit, end.decider, end.stop
     roles, parents = roles or {}, parents or {}
     running = set(alive) if outcome != "exited" else set()
@@ -483,6 +486,10 @@ def combine(
     evidence = CaseEvidence(stop=stop)
     evidence.add(end.notes)
     evidence.processes = processes
+    if stragglers is not None:
+        evidence.stragglers = stragglers
+    # said even when the job passes, as ddp does; a hang's reason is where the job stopped
+    named = f"; straggler {stragglers.describe()}" if stragglers is not None and stragglers.slow else ""
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
     if outcome == "exited":
@@ -497,8 +504,9 @@ def combine(
             report = raised_report(raised, text, per_unit[root].exit_code)
             base = per_unit[root]
             update = {
-                "verdict": report.status, "missing_grads": report.missing_grads, "reason": report.reason,
-                "steps_done": steps, "evidence": _merged(base.evidence, evidence),
+                "verdict": report.status, "missing_grads": report.missing_grads,
+                "reason": report.reason + named, "steps_done": steps,
+                "evidence": _merged(base.evidence, evidence),
             }  # fmt: skip
             return base.model_copy(update=update)
         source = root
@@ -512,7 +520,7 @@ def combine(
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
             evidence.stacks_file = stacks_file
-        update = {"reason": reason, "steps_done": steps, "evidence": _merged(base.evidence, evidence)}
+        update = {"reason": reason + named, "steps_done": steps, "evidence": _merged(base.evidence, evidence)}
         return base.model_copy(update=update)
 
     key = decider if decider is not None else root
@@ -533,6 +541,7 @@ def combine(
             if never_progressed(base.where)
             else _slow_reason(rate, spec.timeout, where, base.evidence)
         )
+        reason += named
         if stop.kept_alive:
             reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop.kept_alive))}"
         return base.model_copy(

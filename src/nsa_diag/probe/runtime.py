@@ -9,7 +9,10 @@
   imported by the job and the hooks installed), ``total_steps`` once the job says it;
 - ``beacon.bin``: the progress beacon of `nsa_diag.beacon`, with a heartbeat thread ticking;
 - ``stacks.txt``: faulthandler's dump of every thread on SIGUSR1, and its traceback on a fatal signal;
-- ``nonfinite.json``: the first non-finite loss the job reported (`nsa_diag.probe.loss`).
+- ``nonfinite.json``: the first non-finite loss the job reported (`nsa_diag.probe.loss`);
+- ``steps.jsonl``: one line per step (`StepTimes`, `StepClock`): its seconds and the part of them in
+  forward, backward and the optimizer, from the same events (a rank's straggling under ``watch``:
+  `nsa_diag.analysis.stragglers.watched_stragglers`); the first `MAX_STEP_LINES` steps.
 
 The heartbeat thread also answers the watchdog's requests as our worker's does: ``dump.request`` (the
 process's memory at the hang) and ``stack.request`` (a stack dump from Python when the SIGUSR1 handler
@@ -49,6 +52,8 @@ PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
 BRANCHES_ENV = "NSA_DIAG_PROBE_BRANCHES"  # "1": mark each NSA branch's backward too (`watch --branch-marks`)
 PROBE_JSON = "probe.json"
 NONFINITE_JSON = "nonfinite.json"
+STEPS_JSONL = "steps.jsonl"
+MAX_STEP_LINES = 20_000  # ~2 MB: a long job's later steps are not written
 # The watchdog's files (`nsa_diag.artifacts`, which this module must not import: it imports typer).
 BEACON = "beacon.bin"
 STACKS = "stacks.txt"
@@ -116,6 +121,7 @@ class ProbeJson(TypedDict, total=False):
     loss_watch_error: str
     ddp_params_error: str
     model_hooks_error: str
+    steps_error: str
 
 
 class Waiting(TypedDict):
@@ -165,6 +171,74 @@ def _write_json(path: Path, data: ProbeJson | AtHang | NonFiniteLoss) -> None:
         raise
 
 
+class StepTimes(TypedDict):
+    """One line of ``steps.jsonl``: a step (the probe's number), when it ended (wall clock), its seconds
+    (from the end of the step before; step 1 from its first event) and the part of them in each phase: forward
+    (from the model's first block forward to the backward), backward (from ``Tensor.backward`` or the first
+    block's backward to the optimizer: DDP's wait for the other ranks' gradients included) and the
+    optimizer step. The rest is between steps (data loading, logging)."""
+
+    step: int
+    end: float
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+
+
+# the phases a step's time is split into, by the events' phases (a recompute is part of backward)
+_TIMED = {"forward": "forward", "backward": "backward", "recompute": "backward", "optimizer": "optimizer"}
+
+
+class StepClock:
+    """The time of each step and of its phases, from the progress events (`Sink.event`): a phase runs from
+    its first event to the first event of another phase (a forward's blocks, then backward, then the
+    optimizer); the time after the step's end until the next forward is between steps."""
+
+    def __init__(self) -> None:
+        self.begun: float | None = None  # when the step under way began
+        self.phase: str | None = None  # the timed phase under way
+        self.since = 0.0
+        self.spent = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def saw(self, phase: str | None, now: float) -> None:
+        timed = _TIMED.get(phase or "")
+        if timed == self.phase:
+            return
+        if self.begun is None:
+            self.begun = now
+        if timed is None:
+            return
+        if self.phase is not None:
+            self.spent[self.phase] += now - self.since
+        self.phase, self.since = timed, now
+
+    def idle(self, now: float) -> None:
+        """The timed phase under way ended (the optimizer step): until the next, between steps."""
+        if self.phase is not None:
+            self.spent[self.phase] += now - self.since
+            self.phase = None
+
+    def restart(self, now: float) -> None:
+        """A step begins now (`nsa_diag.probe.step`): what came before it is no step's."""
+        self.begun, self.phase = now, None
+        self.spent = dict.fromkeys(self.spent, 0.0)
+
+    def end(self, step: int, now: float) -> StepTimes | None:
+        """Step ``step`` ended now: its times (None when it had no event: no start known)."""
+        begun = self.begun
+        self.idle(now)
+        spent = self.spent
+        self.restart(now)
+        if begun is None:
+            return None
+        return StepTimes(
+            step=step, end=time.time(), step_s=round(now - begun, 6),
+            forward_s=round(spent["forward"], 6), backward_s=round(spent["backward"], 6),
+            optimizer_s=round(spent["optimizer"], 6),
+        )  # fmt: skip
+
+
 class Sink:
     """Where the hooks' and the API's progress goes: the beacon (a `nsa_diag.probe.hooks.ProgressSink`).
 
@@ -182,6 +256,7 @@ class Sink:
         self.lock = threading.Lock()
         self.collectives: dict[str, int] = {}  # op -> calls entered
         self.waiting: Waiting | None = None  # the collective under way
+        self.clock = StepClock()
 
     @property
     def forward_phase(self) -> str:
@@ -203,7 +278,8 @@ class Sink:
     ) -> int:
         if phase == "backward":
             self.in_backward = True
-        with self.lock:
+        with self.lock:  # the hooks of a backward on CUDA run in autograd's device thread
+            self.clock.saw(phase, time.perf_counter())
             return self.beacon.update(
                 phase=phase, step=self.step, layer=layer, branch=branch, event=event, module=module
             )
@@ -221,8 +297,22 @@ class Sink:
             _probe.loss_watch.check_pending()
         self.in_backward = False
         self.event("step" if not self.explicit else "optimizer", "end", module=type(optimizer).__name__)
+        with self.lock:
+            self.clock.idle(time.perf_counter())
         if not self.explicit:
+            self._step_ended()
             self.step += 1
+
+    def _step_ended(self) -> None:
+        with self.lock:
+            times = self.clock.end(self.step, time.perf_counter())
+        if times is not None and _probe is not None:
+            _probe.record_step(times)
+
+    def backward_called(self) -> None:
+        """``Tensor.backward`` was called: the step's backward begins (before any block's)."""
+        with self.lock:
+            self.clock.saw("backward", time.perf_counter())
 
     def exiting(self) -> None:
         """The interpreter begins to exit: "done", with the steps completed (the watchdog then allows the
@@ -234,6 +324,10 @@ class Sink:
     def explicit_step(self, number: int) -> None:
         if self.explicit and number != self.step:
             self.event("step", "end")
+            self._step_ended()
+        elif not self.explicit:  # the job numbers its steps from now on
+            with self.lock:
+                self.clock.restart(time.perf_counter())
         self.explicit = True
         self.in_backward = False
         self.step = number
@@ -274,6 +368,8 @@ class Probe:
             sink.beacon, sink.lock = self.beacon, threading.Lock()
         self.sink = sink
         self.stacks = open(self.folder / STACKS, "ab")  # noqa: SIM115 - kept open for the process's life
+        self.steps_file: Any = None  # steps.jsonl, opened at the first step
+        self.step_lines = 0
         self.nonfinite_seen = False
         self.loss_watch: LossWatch | None = None
         self._heartbeat_stop = False
@@ -370,6 +466,20 @@ class Probe:
                 time=time.time(), seen=seen,
             )  # fmt: skip
             _write_json(self.folder / NONFINITE_JSON, record)
+
+    def record_step(self, times: StepTimes) -> None:
+        """One line of ``steps.jsonl`` (the first `MAX_STEP_LINES`); a failure stays the probe's."""
+        if self.step_lines >= MAX_STEP_LINES or self.info["pid"] != os.getpid():
+            return
+        self.step_lines += 1
+        try:
+            if self.steps_file is None:
+                self.steps_file = open(self.folder / STEPS_JSONL, "a", encoding="utf-8")  # noqa: SIM115
+            self.steps_file.write(json.dumps(times) + "\n")
+            self.steps_file.flush()
+        except (OSError, ValueError) as exc:
+            self.step_lines = MAX_STEP_LINES
+            self.note("steps_error", f"{type(exc).__name__}: {exc}")
 
     def set_total_steps(self, n: int) -> None:
         self.note("total_steps", n)
@@ -577,6 +687,8 @@ def _wrap_backward(torch: Any) -> None:
     @functools.wraps(original)
     def backward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _probe is not None:
+            with contextlib.suppress(Exception):
+                _probe.sink.backward_called()
             try:
                 if _probe.loss_watch is None:
                     _probe.loss_watch = LossWatch(_probe)

@@ -121,6 +121,7 @@ def build_watch_spec(
         "env": recorded_env(os.environ),
         "keep_alive": keep_alive,
         "total_steps": total_steps,
+        "straggler_ratio": options.straggler_ratio,
     }
     return validate_spec(
         {
