@@ -74,10 +74,23 @@ $(STAMP_HF): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
+# make test's Triton kernels under the interpreter are a pytest of their own (TRITON_INTERPRET=1 must be in
+# the environment before a kernel module is imported), started beside the main run in INTERPRET_JOBS
+# pytest-xdist processes (0: in its own process). It is CPU alone (~2.5 min of it), where the main run's
+# processes spend much of their time waiting on subprocesses and stall limits: side by side they keep the
+# two cores busy, one after the other they took a minute more. Its output follows the main run's; make test
+# fails if either fails, and an interrupted make stops both.
+INTERPRET_JOBS ?= 0
+INTERPRET := TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(INTERPRET_JOBS) -m "not slow" tests/core/triton
+
 test: $(STAMP)
 	@$(BIN)/python $(COMPILE) >/dev/null
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m "not slow" tests/core/triton $(PYTEST_ARGS)
+	@log=$$(mktemp); $(INTERPRET) $(PYTEST_ARGS) >"$$log" 2>&1 & interp=$$!; \
+	trap 'kill $$interp 2>/dev/null; rm -f "$$log"' EXIT; trap 'exit 130' INT TERM; \
+	echo "$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m \"not slow\" ..."; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS); main=$$?; \
+	wait $$interp; interpret=$$?; echo '$(INTERPRET) ... (beside it):'; cat "$$log"; \
+	[ $$main = 0 ] && [ $$interpret = 0 ]
 
 # The tests marked slow (long end-to-end runs: the cpu-smoke matrix, gc-bisect, minimize, a Hugging Face
 # model, the installed wheel...). CI runs them after `make test`: every test runs in CI.
