@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import cli_env, run_cli, run_cli_json
+from diag_cli import cli_env, preflight_in_process, run_cli, run_cli_json
 
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
-from nsa_diag.launchers import preflight as preflight_launcher
-from nsa_diag.spec import CaseSpec, ModelFacts
+from nsa_diag.spec import CaseSpec
 from nsa_diag.worker.contract import load_factory
 from nsa_diag.worker.preflight import model_facts
 
@@ -295,12 +293,6 @@ REFUSED = [
 ]
 
 
-def _preflight_in_process(specs: Sequence[CaseSpec], timeout: float | None = None) -> list[ModelFacts]:
-    """`nsa_diag.launchers.preflight.model_facts` without its child process: the same facts
-    (`nsa_diag.worker.preflight.model_facts`, through their JSON), built in this process, which has torch."""
-    return [ModelFacts.model_validate_json(model_facts(spec).model_dump_json()) for spec in specs]
-
-
 @pytest.mark.parametrize("args,message", REFUSED)
 def test_options_a_model_cannot_take_are_refused(
     args: list[str],
@@ -311,11 +303,10 @@ def test_options_a_model_cannot_take_are_refused(
 ) -> None:
     # nsa-diag in process (the CLI's own `run_cli`): the refusal comes before any case, so a subprocess
     # would add only its start-up (`test_a_model_refusal_from_the_command_line`). The model's pre-flight
-    # runs in this process too: its child would import torch again, ~3 s of CPU a case for the same
-    # facts; test_a_model_refusal_from_the_command_line refuses through the real child process, and
-    # test_processes stops what a factory leaves running in it. Anything a refusal let through would
-    # start its cases in subprocesses, which find the planted models on PYTHONPATH.
-    monkeypatch.setattr(preflight_launcher, "model_facts", _preflight_in_process)
+    # runs in this process too (`diag_cli.preflight_in_process`: its child would import torch again for
+    # the same facts). Anything a refusal let through would start its cases in subprocesses, which find
+    # the planted models on PYTHONPATH.
+    preflight_in_process(monkeypatch)
     monkeypatch.setenv("PYTHONPATH", cli_env(planted=True)["PYTHONPATH"])
     model = [] if "--model" in args else ["--model", "diag_user_model:build"]
     code = cli_main([*args, *model, "--seq-len", "16", "--out", str(tmp_path)])
