@@ -2,9 +2,9 @@
 #
 #   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
 #                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
-#   make test    the test suite but the tests marked slow, then the Triton kernels once more on the CPU
-#                (TRITON_INTERPRET=1); make test-slow runs the slow ones (CI runs both), installing the
-#                hf extra (transformers) first
+#   make test    the test suite but the tests marked slow, and beside it the Triton kernels once more on
+#                the CPU (TRITON_INTERPRET=1, niced); make test-slow runs the slow ones (CI runs both),
+#                installing the hf extra (transformers) first
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
 #   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
