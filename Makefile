@@ -2,9 +2,9 @@
 #
 #   make demo    nsa-diag branch on the embedded default (tiny preset; CPU unless CUDA is present): four
 #                cases (cmp, sel, win, all), each a worker process under the hang/slow watchdog, in seconds
-#   make test    the test suite but the tests marked slow, then the Triton kernels once more on the CPU
-#                (TRITON_INTERPRET=1); make test-slow runs the slow ones (CI runs both), installing the
-#                hf extra (transformers) first
+#   make test    the test suite but the tests marked slow, and beside it the Triton kernels once more on
+#                the CPU (TRITON_INTERPRET=1, niced); make test-slow runs the slow ones (CI runs both),
+#                installing the hf extra (transformers) first
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
 #   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
@@ -54,10 +54,17 @@ STAMP_HF := $(VENV)/.installed-hf
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml is newer than the stamp (or the venv is gone).
+# One pip run (torch, when the venv has none, beside the project: one resolve), without byte-compiling:
+# pip compiles file by file in one process, half of a fresh install's minute; compileall then compiles
+# the venv's packages on every core. Files that are not Python 3 of this version (torch keeps a few
+# for newer Pythons) fail there as they do under pip, which skips them too: its output is not shown.
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e '.[dev]'
+	@torch=; $(BIN)/python -c "import torch" 2>/dev/null || torch='$(TORCH_SPEC)'; \
+		echo "$(BIN)/python -m pip install --no-compile $${torch:+'$$torch' }-e '.[dev]'"; \
+		$(BIN)/python -m pip install --no-compile $${torch:+"$$torch"} -e '.[dev]'
+	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import site; print(site.getsitepackages()[0])')" \
+		>/dev/null 2>&1 || true
 	@touch $@
 
 $(STAMP_HF): $(STAMP)
@@ -67,10 +74,26 @@ $(STAMP_HF): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nsa-diag branch
 
+# make test's Triton kernels under the interpreter are a pytest of their own (TRITON_INTERPRET=1 must be in
+# the environment before a kernel module is imported), started beside the main run in INTERPRET_JOBS
+# pytest-xdist processes (0: in its own process). It is CPU alone (~2.5 min of it), where the main run's
+# processes spend much of their time waiting on subprocesses and stall limits: side by side they keep the
+# two cores busy, one after the other they took a minute more. It runs niced: the main run's tests, whose
+# watchdogs and stall limits measure time, get the CPU first, as when they ran alone; the interpreter takes
+# what they leave. Its output follows the main run's; make test fails if either fails, and an interrupted
+# make stops both.
+INTERPRET_JOBS ?= 2
+INTERPRET := TRITON_INTERPRET=1 nice -n 10 $(BIN)/python -m pytest -q -n $(INTERPRET_JOBS) -m "not slow" \
+	tests/core/triton
+
 test: $(STAMP)
 	@$(BIN)/python $(COMPILE) >/dev/null
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m "not slow" tests/core/triton $(PYTEST_ARGS)
+	@log=$$(mktemp); $(INTERPRET) $(PYTEST_ARGS) >"$$log" 2>&1 & interp=$$!; \
+	trap 'kill $$interp 2>/dev/null; rm -f "$$log"' EXIT; trap 'exit 130' INT TERM; \
+	echo "$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m \"not slow\" ..."; \
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS); main=$$?; \
+	wait $$interp; interpret=$$?; echo '$(INTERPRET) ... (beside it):'; cat "$$log"; \
+	[ $$main = 0 ] && [ $$interpret = 0 ]
 
 # The tests marked slow (long end-to-end runs: the cpu-smoke matrix, gc-bisect, minimize, a Hugging Face
 # model, the installed wheel...). CI runs them after `make test`: every test runs in CI.

@@ -10,8 +10,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pytest
+
+    from nsa_diag.spec import CaseSpec, ModelFacts
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -48,3 +54,18 @@ def run_cli_json(*args: str, timeout: float = 240) -> tuple[int, dict[str, Any],
     """`run_cli` with `--json` from the repository root, planted models importable: code, summary, stderr."""
     proc = run_cli(*args, "--json", cwd=ROOT, timeout=timeout, planted=True)
     return proc.returncode, json.loads(proc.stdout) if proc.stdout.strip() else {}, proc.stderr
+
+
+def preflight_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``--model``'s pre-flight (`nsa_diag.launchers.preflight.model_facts`) built in this process, not in
+    its child: the same facts (`nsa_diag.worker.preflight.model_facts`, through their JSON), without the
+    child's torch import (~3 s of CPU), for the tests of what a command does with them. The child itself:
+    test_user_model's test_a_model_refusal_from_the_command_line, test_processes' daemon of a factory."""
+    from nsa_diag.launchers import preflight
+    from nsa_diag.spec import ModelFacts
+    from nsa_diag.worker.preflight import model_facts
+
+    def in_process(specs: Sequence[CaseSpec], timeout: float | None = None) -> list[ModelFacts]:
+        return [ModelFacts.model_validate_json(model_facts(spec).model_dump_json()) for spec in specs]
+
+    monkeypatch.setattr(preflight, "model_facts", in_process)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import cli_env, run_cli_json
+from diag_cli import preflight_in_process, run_cli_json
 
 from nsa_diag.analysis.bisect import STATE_FILE, smallest_range
 from nsa_diag.app import run_cli
@@ -131,7 +131,7 @@ def test_grads_refuses_what_it_cannot_apply(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Issue 26: one line, exit 2, nothing written, before any comparison (none would have run)."""
-    monkeypatch.setenv("PYTHONPATH", cli_env(planted=True)["PYTHONPATH"])  # the model's pre-flight
+    preflight_in_process(monkeypatch)  # the model's pre-flight, without a child importing torch again
     out = tmp_path / "runs"
     code = run_cli(["gc-bisect", "--grads", *args, "--seq-len", "16", "--out", str(out)])
     err = capsys.readouterr().err

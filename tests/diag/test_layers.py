@@ -22,6 +22,7 @@ nsa_core never imports nsa_diag.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,8 +172,28 @@ def layer_of(module: str) -> int | None:
     return max(matches)[1] if matches else None
 
 
-EDGES, PRIVATE = _graph("nsa_diag")
-HINTED, _ = _graph("nsa_diag", type_checking=True)  # with the imports for type hints alone
+# nsa_diag's import graph, parsed when a test first asks for it, not at collection (every pytest-xdist
+# process collects this module, ~1.8 s of CPU each; one runs its tests): the edges, the private names
+# that cross a module, and the edges with the imports for type hints alone (`_hinted`).
+MODULES = sorted(_modules("nsa_diag"))
+
+
+@functools.cache
+def _nsa_diag_graph(type_checking: bool) -> tuple[dict[str, set[str]], list[str]]:
+    return _graph("nsa_diag", type_checking=type_checking)
+
+
+def _edges() -> dict[str, set[str]]:
+    return _nsa_diag_graph(False)[0]
+
+
+def _private() -> list[str]:
+    return _nsa_diag_graph(False)[1]
+
+
+def _hinted() -> dict[str, set[str]]:
+    return _nsa_diag_graph(True)[0]
+
 
 CLI = ("nsa_diag._cli_utils", "nsa_diag.commands", "nsa_diag.app", "nsa_diag.__main__", "nsa_diag.demo")
 WIRE = "nsa_diag.beacon"
@@ -211,23 +232,23 @@ def _top_level_imports(path: Path) -> Iterator[tuple[str, bool]]:
 
 
 def test_no_import_cycle() -> None:
-    assert _cycles(EDGES) == []
+    assert _cycles(_edges()) == []
 
 
 def test_no_private_name_crosses_a_module() -> None:
-    assert PRIVATE == []
+    assert _private() == []
 
 
 def test_every_module_has_a_layer() -> None:
-    assert [m for m in EDGES if m != "nsa_diag" and layer_of(m) is None] == []
+    assert [m for m in _edges() if m != "nsa_diag" and layer_of(m) is None] == []
 
 
-@pytest.mark.parametrize("module", sorted(EDGES))
+@pytest.mark.parametrize("module", MODULES)
 def test_imports_only_its_layer_or_below(module: str) -> None:
     rank = layer_of(module)
     if rank is None:
         return  # the package itself; test_every_module_has_a_layer names any other
-    upward = [t for t in sorted(EDGES[module]) if (layer_of(t) or 0) > rank]
+    upward = [t for t in sorted(_edges()[module]) if (layer_of(t) or 0) > rank]
     assert upward == [], f"{module} (layer {rank}) imports higher layers: {upward}"
 
 
@@ -235,15 +256,15 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     """The walk itself works: a planted cycle is found, and a planted upward import is."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
     assert layer_of("nsa_diag.executor") > layer_of("nsa_diag.launchers.worker")
-    assert EDGES["nsa_diag.session.core"] >= {"nsa_diag.executor"}
+    assert _edges()["nsa_diag.session.core"] >= {"nsa_diag.executor"}
 
 
 def test_nothing_below_the_face_imports_the_cli() -> None:
     """The CLI's types and helpers stay in the CLI: what the session needs of them lives below it."""
-    face = min(layer_of(m) or 0 for m in HINTED if _under(m, CLI))
+    face = min(layer_of(m) or 0 for m in _hinted() if _under(m, CLI))
     found = [
         f"{module} imports {target}"
-        for module, targets in sorted(HINTED.items())
+        for module, targets in sorted(_hinted().items())
         if (layer_of(module) or 0) < face
         for target in sorted(targets)
         if _under(target, CLI)
@@ -256,7 +277,7 @@ def test_the_probe_imports_only_the_wire_format_and_the_standard_library() -> No
     allowed = {"nsa_diag.probe", WIRE, *PROBE_ALSO}
     found = [
         f"{module} imports {target}"
-        for module, targets in sorted(HINTED.items())
+        for module, targets in sorted(_hinted().items())
         if _under(module, ("nsa_diag.probe",))
         for target in sorted(targets)
         if not _under(target, tuple(allowed))
@@ -277,7 +298,7 @@ def test_analysis_imports_neither_run_folder_readers_nor_evidence() -> None:
     """Analysis is pure: its callers read the files and take the evidence, and pass it plain records."""
     found = [
         f"{module} imports {target}"
-        for module, targets in sorted(HINTED.items())
+        for module, targets in sorted(_hinted().items())
         if _under(module, ("nsa_diag.analysis",))
         for target in sorted(targets)
         if _under(target, ("nsa_diag.evidence", *RUN_FOLDER_READERS))
@@ -287,7 +308,9 @@ def test_analysis_imports_neither_run_folder_readers_nor_evidence() -> None:
 
 def test_the_boundary_rules_see_what_they_forbid() -> None:
     """Imports for type hints alone count for the boundary rules; the probe's late torch import is seen."""
-    assert "nsa_diag.cases" in HINTED["nsa_diag.session.followups"] - EDGES["nsa_diag.session.followups"]
+    assert (
+        "nsa_diag.cases" in _hinted()["nsa_diag.session.followups"] - _edges()["nsa_diag.session.followups"]
+    )
     assert dict(_top_level_imports(_modules("nsa_diag")["nsa_diag.probe.hooks"]))["nsa_core"] is False
     assert _under("nsa_diag.commands.run", CLI)
     assert not _under("nsa_diag.commandsx", CLI)

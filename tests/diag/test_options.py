@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from diag_cli import preflight_in_process
 
 from nsa_diag import cases
 from nsa_diag.app import run_cli
@@ -143,7 +144,7 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
 def test_replay_line_builds_the_same_spec(
     values: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the --model's pre-flight
+    preflight_in_process(monkeypatch)  # the --model's pre-flight, without a child importing torch again
     monkeypatch.setattr(cases, "cuda_available", lambda: True)
     spec = build_spec(_options(**_typed(values)), name="round-trip")
     argv = replay_argv(spec, tmp_path)

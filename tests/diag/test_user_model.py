@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from diag_cli import cli_env, run_cli, run_cli_json
+from diag_cli import cli_env, preflight_in_process, run_cli, run_cli_json
 
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.errors import UsageError
@@ -302,8 +302,11 @@ def test_options_a_model_cannot_take_are_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # nsa-diag in process (the CLI's own `run_cli`): the refusal comes before any case, so a subprocess
-    # would add only its start-up (`test_a_model_refusal_from_the_command_line`); the model's pre-flight
-    # is a subprocess still, and finds the planted models on PYTHONPATH
+    # would add only its start-up (`test_a_model_refusal_from_the_command_line`). The model's pre-flight
+    # runs in this process too (`diag_cli.preflight_in_process`: its child would import torch again for
+    # the same facts). Anything a refusal let through would start its cases in subprocesses, which find
+    # the planted models on PYTHONPATH.
+    preflight_in_process(monkeypatch)
     monkeypatch.setenv("PYTHONPATH", cli_env(planted=True)["PYTHONPATH"])
     model = [] if "--model" in args else ["--model", "diag_user_model:build"]
     code = cli_main([*args, *model, "--seq-len", "16", "--out", str(tmp_path)])

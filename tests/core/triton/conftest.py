@@ -52,6 +52,54 @@ CUDA_SIZES = Sizes(
 SIZES = CUDA_SIZES if ON_CUDA else INTERPRETER_SIZES
 
 
+def _patch_the_language_once_a_launch() -> None:
+    """Triton's interpreter patches `triton.language` for each kernel launch (`GridExecutor.__call__`,
+    restored when the launch ends), and again at every call of a ``@triton.jit`` helper inside the kernel
+    (`InterpretedFunction.__call__`): that second patch finds the builtins patched already, re-sets the
+    same attributes, and costs an `inspect.getmembers` of each language module every call, ~40 % of the
+    interpreter's time in these tests. Inside a launch whose patch covered the helper's language modules,
+    the helper's call skips it; everything else runs as Triton wrote it. Where Triton's internals differ
+    from these (another version), nothing is changed."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope_type = getattr(interpreter, "_LangPatchScope", None)
+    grid = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or scope_type is None or grid is None:
+        return
+    launch_call = grid.__call__
+    launch: dict[str, Any] = {"depth": 0, "patched": set()}
+
+    def languages(fn: Any) -> set[int]:
+        return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+    def patch_once(fn: Any) -> Any:
+        langs = languages(fn)
+        if launch["depth"] and langs and langs <= launch["patched"]:
+            return scope_type()  # patched by this launch already: nothing to restore
+        scope = patch_lang(fn)
+        if launch["depth"]:
+            launch["patched"] |= langs
+        return scope
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        launch["depth"] += 1
+        try:
+            return launch_call(self, *args, **kwargs)
+        finally:
+            launch["depth"] -= 1
+            if not launch["depth"]:
+                launch["patched"] = set()
+
+    interpreter._patch_lang = patch_once
+    grid.__call__ = call
+
+
+if INTERPRET:
+    _patch_the_language_once_a_launch()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip this folder where no kernel can run; under the interpreter, mark `INTERPRETER_SLOW` slow."""
     here = os.path.dirname(__file__)
