@@ -446,6 +446,16 @@ class FrAnalysis(Record):
     findings: list[str] = []
 
 
+class FrRun(Record):
+    """result.json of `nsa-diag fr`: the folder read, each rank's file, what the dumps say, the exit code."""
+
+    command: str = "fr"
+    directory: str
+    files: dict[str, str]  # by rank
+    analysis: FrAnalysis
+    exit_code: int
+
+
 class FlightRecorder(Record):
     """The flight recorder's dumps: asked of each rank through its debug pipe (NCCL), the files found, and
     what they say; or why none was asked for."""

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from nsa_diag import artifacts, render
 from nsa_diag.analysis.flight import analyse
 from nsa_diag.cases import check_output
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence.flight import find_dumps, load_dump
-from nsa_diag.records import FrAnalysis
+from nsa_diag.records import FrAnalysis, FrRun
 
 SUMMARY_MD = "summary.md"
 
@@ -81,13 +80,10 @@ def run_fr(req: FrRequest, *, json_output: bool = False) -> int:
         raise UsageError(f"--world-size {req.world_size}: the folder has dumps of rank(s) {extra}")
     dumps = {rank: load_dump(path) for rank, path in files.items()}
     analysis = analyse(dumps, req.world_size)
-    record: dict[str, Any] = {
-        "command": "fr",
-        "directory": str(req.directory),
-        "files": {str(r): str(p) for r, p in files.items()},
-        "analysis": analysis.model_dump(mode="json"),
-        "exit_code": 1 if analysis.culprits or analysis.suspects else 0,
-    }
+    record = FrRun(
+        directory=str(req.directory), files={str(r): str(p) for r, p in files.items()}, analysis=analysis,
+        exit_code=1 if analysis.culprits or analysis.suspects else 0,
+    )  # fmt: skip
     run_dir = artifacts.new_run_dir("fr", req.out, req.tag)
     try:
         artifacts.write_json(run_dir / artifacts.RESULT, record)
@@ -99,7 +95,7 @@ def run_fr(req: FrRequest, *, json_output: bool = False) -> int:
         render.print_json(record)
     else:
         render_fr(analysis, run_dir)
-    return int(record["exit_code"])
+    return record.exit_code
 
 
 def render_fr(analysis: FrAnalysis, run_dir: Path) -> None:
