@@ -629,7 +629,7 @@ def ddp_flags(ds: DdpSpec) -> list[str]:
     """The `nsa-diag ddp` flags that reproduce ``ds``, for replay lines."""
     argv = ["--nproc", str(ds.nproc), "--backend", ds.backend]
     argv += ["--static-graph"] * ds.static_graph + ["--find-unused"] * ds.find_unused
-    argv += ["--trace-buckets"] * ds.trace_buckets
+    argv += ["--trace-buckets"] * ds.trace_buckets + ["--fsdp"] * ds.fsdp
     if ds.bucket_mb is not None:
         argv += ["--bucket-mb", f"{ds.bucket_mb:g}"]
     if ds.straggler_ratio != DdpSpec.model_fields["straggler_ratio"].default:

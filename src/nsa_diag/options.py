@@ -292,7 +292,8 @@ CASE_NAME = Group(_OUTPUT, ("name",))  # the commands that run one named case: r
 DDP = Group(
     "DDP",
     (
-        "nproc", "backend", "static_graph", "find_unused", "bucket_mb", "trace_buckets", "straggler_ratio",
+        "nproc", "backend", "static_graph", "find_unused", "bucket_mb", "trace_buckets", "fsdp",
+        "straggler_ratio",
         "nnodes", "node_rank", "rdzv_endpoint", "run_id", "rdzv_timeout",
     ),
 )  # fmt: skip

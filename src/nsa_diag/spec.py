@@ -188,6 +188,15 @@ class DdpSpec(BaseModel):
     trace_buckets: Annotated[
         bool, Opt("--trace-buckets", bool, "Record bucket sizes and dtypes per rank for step 1.")
     ] = Field(False, description="record bucket sizes and dtypes per rank for step 1")
+    fsdp: Annotated[
+        bool,
+        Opt(
+            "--fsdp",
+            bool,
+            "FSDP2 instead of DDP: fully_shard every block, then the model (no DDP options; the "
+            "parameter hash check does not run: each element lives on one rank).",
+        ),
+    ] = Field(False, description="torch.distributed.fsdp.fully_shard the blocks and the model instead of DDP")
     # What counts as a straggler (`nsa_diag.analysis.stragglers`): read from the ranks' step times after
     # the run, it changes nothing the case computes.
     straggler_ratio: Annotated[
@@ -260,6 +269,11 @@ class DdpSpec(BaseModel):
             raise ValueError(f"node_rank {self.node_rank}: must be below nnodes {self.nnodes}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("nnodes > 1 needs rdzv_endpoint HOST:PORT (the same on every node)")
+        ddp_only = [flag for flag, given in (("--static-graph", self.static_graph),
+                    ("--find-unused", self.find_unused), ("--bucket-mb", self.bucket_mb is not None),
+                    ("--trace-buckets", self.trace_buckets)) if given]  # fmt: skip
+        if self.fsdp and ddp_only:
+            raise ValueError(f"--fsdp shards with FSDP2, not DDP: {', '.join(ddp_only)} is DDP's option")
         return self
 
 

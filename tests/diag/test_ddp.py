@@ -263,3 +263,22 @@ Failures:
   error_file: <N/A>
 """
     assert rank_exit_codes(summary) == {1: -11}
+
+
+@pytest.mark.slow
+def test_fsdp2_passes_with_the_gradients_ddp_gets_and_claims_no_hash_check(tmp_path: Path) -> None:
+    fsdp = run_case(_spec("fsdp", fsdp=True), tmp_path / "fsdp")
+    ddp = run_case(_spec("ddp"), tmp_path / "ddp")
+    assert fsdp.verdict == "pass", fsdp.reason
+    assert fsdp.metrics["grad_norm"] == pytest.approx(ddp.metrics["grad_norm"], rel=1e-5)  # sharded norm
+    assert fsdp.ddp.get("params_in_sync") is None  # not checked: never reported as in sync
+    assert ddp.ddp["params_in_sync"] is True
+    assert "fsdp: every block and the model fully_shard" in json.dumps(fsdp.model_dump(mode="json"))
+    assert not _left_behind(tmp_path)
+
+
+def test_fsdp_refuses_ddp_only_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert run_cli(["ddp", "--fsdp", "--bucket-mb", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--fsdp shards with FSDP2, not DDP: --bucket-mb is DDP's option" in err
+    assert not any(tmp_path.iterdir())

@@ -208,16 +208,27 @@ class DdpTrainer(Trainer):
         self._preflight()
         progress.event("setup", detail="preflight done")
         self.faults = inject.attach(spec.inject, loaded.blocks, loaded.prefix, progress, self.device)
-        self.ddp_model = DistributedDataParallel(
-            loaded.model,
-            device_ids=[self.local_rank] if self.device.type == "cuda" else None,
-            bucket_cap_mb=ds.bucket_mb,  # None: DDP's default (25)
-            find_unused_parameters=ds.find_unused,
-            static_graph=ds.static_graph,
-        )
-        for name, p in loaded.model.named_parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda _p, n=name: self.arrived.add(n))
+        if ds.fsdp:  # FSDP2: the blocks, then the rest, sharded in place (parameters become DTensors)
+            from torch.distributed.fsdp import fully_shard
+
+            for block in loaded.blocks:
+                fully_shard(block)
+            self.ddp_model = fully_shard(loaded.model)
+            self.notes.append(
+                "fsdp: every block and the model fully_shard (FSDP2); the parameter hash check and the "
+                "gradient arrival record are DDP's and did not run"
+            )
+        else:
+            self.ddp_model = DistributedDataParallel(
+                loaded.model,
+                device_ids=[self.local_rank] if self.device.type == "cuda" else None,
+                bucket_cap_mb=ds.bucket_mb,  # None: DDP's default (25)
+                find_unused_parameters=ds.find_unused,
+                static_graph=ds.static_graph,
+            )
+            for name, p in loaded.model.named_parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _p, n=name: self.arrived.add(n))
         if self._bucket_log is not None:
             self._register_bucket_trace()
         self.optimizer = torch.optim.AdamW(loaded.model.parameters(), lr=spec.lr)
@@ -301,7 +312,7 @@ class DdpTrainer(Trainer):
     def _backward(self, loss: torch.Tensor, *, scaled: bool) -> None:
         self.arrived.clear()
         super()._backward(loss, scaled=scaled)
-        if self.loaded is None or self.progress.step is None:
+        if self.loaded is None or self.progress.step is None or self.ddp_spec.fsdp:
             return
         idle = set(self.loaded.idle)
         expected = [n for n, p in self.loaded.model.named_parameters() if p.requires_grad and n not in idle]
@@ -333,7 +344,8 @@ class DdpTrainer(Trainer):
             )
             self._bucket_log = None
         self._mean_loss(step)
-        self._hash_check(step)
+        if not self.ddp_spec.fsdp:  # sharded: each element on one rank, nothing to compare
+            self._hash_check(step)
 
     def _skips_collective(self, step: int) -> bool:
         return any(i.kind == "skip-collective" and i.step == step for i in inject.active(self.spec.inject))

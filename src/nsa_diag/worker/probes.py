@@ -449,10 +449,19 @@ def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> float:
     """Total 2-norm of the gradients present (non-finite if any gradient is)."""
     import torch
 
-    norms = [p.grad.detach().float().norm() for p in parameters if p.grad is not None]
-    if not norms:
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
         return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+    sharded = any(hasattr(g, "to_local") for g in grads)  # FSDP2's DTensors: each element on one rank
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([g.float().norm() for g in local]))
+    if sharded:  # the squares of the shards add up over the ranks
+        import torch.distributed as dist
+
+        squares = total.square()
+        dist.all_reduce(squares)
+        total = squares.sqrt()
+    return float(total)
 
 
 def missing_grads(model: nn.Module, idle: Iterable[str]) -> list[str]:
