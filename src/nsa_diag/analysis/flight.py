@@ -63,7 +63,7 @@ def analyse(dumps: Mapping[int, Mapping[str, Any]], world_size: int | None = Non
     suspects: list[int] = []
     if len(culprits) > 1 and culprits == sorted(dumps):  # every rank waits for another in some group
         waits = "; ".join(
-            f"{_names(g.never_entered)} never entered {_label(g)} {g.frontier.describe()}"
+            f"{rank_names(g.never_entered)} never entered {_label(g)} {g.frontier.describe()}"
             for g in groups if g.culprits and g.frontier is not None
         )  # fmt: skip
         findings.append(
@@ -73,7 +73,7 @@ def analyse(dumps: Mapping[int, Mapping[str, Any]], world_size: int | None = Non
         )
         suspects, culprits = culprits, []
     if missing:
-        names = _names(missing)
+        names = rank_names(missing)
         if culprits or suspects:
             findings.append(f"{names} wrote no dump: what {_them(missing)} did is unknown")
         else:
@@ -131,12 +131,12 @@ def _group(
             for r in behind
         )
         group.finding = (
-            f"{label}: {_names(behind)} never entered {frontier.describe()} that {_names(ahead)} entered"
-            f" (at {_site(frontier)}); {before}"
+            f"{label}: {rank_names(behind)} never entered {frontier.describe()} that"
+            f" {rank_names(ahead)} entered (at {_site(frontier)}); {before}"
         )
     else:
         every = "" if len(ranks) == 1 else " all"
-        group.finding = f"{label}: {_names(ranks)}{every} at {frontier.describe()} (at {_site(frontier)})"
+        group.finding = f"{label}: {rank_names(ranks)}{every} at {frontier.describe()} (at {_site(frontier)})"
     return group
 
 
@@ -161,7 +161,7 @@ def _desync_culprits(
     if sizes[0] > sizes[1]:
         majority = max(kinds.values(), key=len)
         minority = sorted(r for r in at if r not in majority)
-        return minority, f"{_names(minority)} left the call the other ranks made (the minority)"
+        return minority, f"{rank_names(minority)} left the call the other ranks made (the minority)"
     # a tie: the ranks whose call site at `seq` is new to them in this group took another path
     new = sorted(
         r for r, call in at.items()
@@ -169,8 +169,8 @@ def _desync_culprits(
     )  # fmt: skip
     if new and len(new) < len(at):
         return new, (
-            f"{_names(new)} called it from a place {_them(new)} had not called this group's collectives from "
-            "before (a rank-dependent path)"
+            f"{rank_names(new)} called it from a place {_them(new)} had not called this group's collectives"
+            " from before (a rank-dependent path)"
         )
     return sorted(at), "as many ranks on each side: the dumps cannot tell which path is the wrong one"
 
@@ -252,7 +252,8 @@ def _label(group: FrGroup) -> str:
     return f"group {group.name}" + (f" ({group.desc})" if group.desc else "")
 
 
-def _names(ranks: list[int]) -> str:
+def rank_names(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 0, 1``."""
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
 
 

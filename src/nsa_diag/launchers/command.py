@@ -66,7 +66,6 @@ from nsa_diag.launchers.torchrun import (
     FR_WAIT_S,
     PIPE_PREFIX,
     RankProcess,
-    analysed,
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
@@ -352,8 +351,7 @@ class CommandLauncher(Launcher):
             ):
                 time.sleep(0.1)
             time.sleep(0.3)  # a dump being written
-        recorder = FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
-        return analysed(case_dir, recorder, None)
+        return FlightRecorder(asked=asked, files=self._collect_flight_recorder(case_dir))
 
     def _collect_flight_recorder(self, case_dir: Path) -> dict[str, str]:
         found = {}
@@ -457,7 +455,7 @@ class CommandLauncher(Launcher):
     def _after_stop(self, case_dir: Path) -> JobNotes:
         notes = JobNotes()
         found = self._collect_flight_recorder(case_dir)  # written on NCCL's own timeout
-        if found:
+        if found or (self.recorder is not None and self.recorder.files):  # analysed once all are in
             notes.flight_recorder = with_files(self.recorder, found, case_dir, None)
         assert self.proc is not None
         root = self._root_folder(case_dir)

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from nsa_diag import artifacts
-from nsa_diag.analysis.flight import analyse
+from nsa_diag.analysis.flight import analyse, rank_names
 from nsa_diag.analysis.ranks import RankInputs, aggregate, rank_exit_codes
 from nsa_diag.artifacts import RANKS_DIR, rank_dir
 from nsa_diag.beacon import read_beacon
@@ -141,7 +141,8 @@ def _descendants(pid: int) -> list[int]:
 
 def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]) -> FlightRecorder:
     """NCCL: ask every rank's flight recorder for a dump through its debug pipe, wait for the files (other
-    backends have no pipe: each rank's heartbeat dumps its recorder at the hang, read after the stop)."""
+    backends have no pipe: each rank's heartbeat dumps its recorder at the hang). They are analysed after
+    the stop, with the dumps written then (`with_files`)."""
     assert spec.ddp is not None
     if spec.ddp.backend != "nccl":
         return FlightRecorder(
@@ -162,8 +163,7 @@ def flight_recorder_dump(case_dir: Path, spec: CaseSpec, pids: Mapping[int, int]
     while time.monotonic() < deadline and not all((ranks_dir / f"{FR_PREFIX}{r}").exists() for r in pids):
         time.sleep(0.1)
     time.sleep(0.3)  # a dump being written
-    found = collect_flight_recorder(case_dir, pids)
-    return analysed(case_dir, FlightRecorder(asked=asked, files=found), spec.ddp.world_size)
+    return FlightRecorder(asked=asked, files=collect_flight_recorder(case_dir, pids))
 
 
 def with_files(
@@ -193,7 +193,7 @@ def flight_recorder_says(recorder: FlightRecorder | None) -> str | None:
     if analysis is None or not (analysis.culprits or analysis.suspects):
         return None
     ranks = analysis.culprits or analysis.suspects
-    names = ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+    names = rank_names(ranks)
     if analysis.culprits:
         blamed = [g.finding for g in analysis.groups if set(g.culprits) & set(ranks)]
         return f"{names} ({blamed[0] if blamed else analysis.findings[-1]})"
@@ -291,9 +291,9 @@ class TorchrunLauncher(Launcher):
         if stage is Stage.STOPPED:
             ranks = local_ranks(self.spec)
             found = collect_flight_recorder(case_dir, ranks)
-            have = {**found, **(self.recorder.files if self.recorder else {})}
-            found |= heartbeat_dumps(case_dir, ranks, have)
-            if found:
+            asked = self.recorder.files if self.recorder else {}
+            found |= heartbeat_dumps(case_dir, ranks, {**found, **asked})
+            if found or asked:  # what every dump says, once all are in
                 recorder = with_files(self.recorder, found, case_dir, self.spec.ddp.world_size)
                 return Evidence(JobNotes(flight_recorder=recorder))
         return Evidence()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nsa_diag import artifacts, render
-from nsa_diag.analysis.flight import analyse
+from nsa_diag.analysis.flight import analyse, rank_names
 from nsa_diag.cases import check_output
 from nsa_diag.errors import UsageError
 from nsa_diag.evidence.flight import find_dumps, load_dump
@@ -62,13 +62,10 @@ def summary_markdown(directory: Path, analysis: FrAnalysis) -> str:
 
 
 def _verdict(analysis: FrAnalysis) -> str:
-    def names(ranks: list[int]) -> str:
-        return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
-
     if analysis.culprits:
-        return f"culprit: {names(analysis.culprits)}"
+        return f"culprit: {rank_names(analysis.culprits)}"
     if analysis.suspects:
-        return f"cross wait: {names(analysis.suspects)} each wait for another"
+        return f"cross wait: {rank_names(analysis.suspects)} each wait for another"
     return "no culprit: the dumps agree"
 
 
