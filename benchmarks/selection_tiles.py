@@ -1,4 +1,4 @@
-"""The selection kernels in token tiles: forward and backward times against one token a program.
+"""The selection kernels in token tiles or the scan: forward and backward times against one token a program.
 
 `nsa_core.ops.triton.selection` runs its forward and dq kernels over tiles of ``M = rows // G`` query
 tokens (``_TILE_ROWS``, 16 by default); ``rows 1`` is one token a program, the kernels as they were before
@@ -11,15 +11,23 @@ vary slowly along the sequence (knots every 256 tokens), as a trained model's ne
 ``model`` (m7c geometries) takes q, k, v and the blocks from layer ``--layer`` of the m7c-125m model at
 initialisation on random tokens, the inputs `benchmarks/model_step.py` times.
 
+``--modes`` names what runs: ``rowsR`` token tiles of ``R`` rows (``rows1``: one token a program), ``scanR``
+the scan in tiles of ``R`` rows (``scanR:F,Q``: with ``F`` warps for the forward and ``Q`` for dq), ``auto``
+what `selection` chooses for the geometry (``SCAN_SPAN``).
+
     python benchmarks/selection_tiles.py
-    python benchmarks/selection_tiles.py --rows 1 16 32 --share 60 80
+    python benchmarks/selection_tiles.py --modes rows1 rows16 rows32 --share 60 80
     python benchmarks/selection_tiles.py --geometries "m7c 8x2k" "m7c 16k" --inputs model
+    python benchmarks/selection_tiles.py --modes rows16 scan64 scan128 scan128:8,8 auto
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import re
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -30,6 +38,8 @@ from nsa_core.ops.triton import selection
 
 GEOMETRIES = {  # name: (B, T, HQ, HKV, D)
     "m7c 8x2k": (8, 2048, 12, 2, 64),
+    "m7c 4x4k": (4, 4096, 12, 2, 64),
+    "m7c 2x8k": (2, 8192, 12, 2, 64),
     "m7c 16k": (1, 16384, 12, 2, 64),
     "m7c 64k": (1, 65536, 12, 2, 64),
     "paper 8k": (1, 8192, 64, 4, 128),
@@ -79,12 +89,44 @@ def measure(q, k, v, do, idx, ls: int) -> tuple[tuple[torch.Tensor, ...], float,
     return (o, *grads), fwd, bwd
 
 
+def parse_mode(text: str) -> str:
+    m = re.fullmatch(r"auto|rows(\d+)|scan(\d+)(:\d+,\d+)?", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: rowsR, scanR, scanR:F,Q or auto")
+    return text
+
+
+@contextlib.contextmanager
+def configured(mode: str, share: int, span: int) -> Iterator[None]:
+    """`selection` set to run ``mode`` (`parse_mode`), put back as it was after."""
+    saved = (dict(selection._TILE_ROWS), selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS)
+    saved_launch = {key: dict(value) for key, value in selection.LAUNCH.items()}
+    selection.SHARE_PCT, selection.SCAN_SPAN = share, span
+    if mode.startswith("rows"):
+        selection._TILE_ROWS.update(fwd=int(mode[4:]), dq=int(mode[4:]))
+        selection.SCAN_SPAN = 0
+    elif mode.startswith("scan"):
+        rows, _, warps = mode[4:].partition(":")
+        selection.SCAN_ROWS, selection.SCAN_SPAN = int(rows), 1 << 30
+        if warps:
+            fwd, dq = (int(w) for w in warps.split(","))
+            selection.LAUNCH.update({"fwd-scan": dict(num_warps=fwd), "dq-scan": dict(num_warps=dq)})
+    try:
+        yield
+    finally:
+        selection._TILE_ROWS.clear()
+        selection._TILE_ROWS.update(saved[0])
+        selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS = saved[1:]
+        selection.LAUNCH.clear()
+        selection.LAUNCH.update(saved_launch)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--geometries", nargs="+", choices=list(GEOMETRIES), default=list(GEOMETRIES))
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32])
+    parser.add_argument("--modes", nargs="+", type=parse_mode, default=["rows1", "rows16", "scan128", "auto"])
     parser.add_argument("--share", type=int, nargs="+", default=[selection.SHARE_PCT])
     kinds = ["random", "smooth", "model"]
     parser.add_argument("--inputs", nargs="+", choices=kinds, default=kinds[:2])
@@ -94,6 +136,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, {today}")
     print("sel_block_len 64, n 16 (1 initial, 2 local), bf16")
     ls, n = 64, 16
+    span = selection.SCAN_SPAN
     for name in args.geometries:
         B, T, HQ, HKV, D = GEOMETRIES[name]
         for kind in args.inputs:
@@ -112,17 +155,17 @@ def main() -> None:
             _, count = selection.tile_union(idx, 2)
             line = f"{name:<10} {kind:<6} union {count.float().mean().item() / (2 * n):.2f} |"
             first = None
-            for rows in args.rows:
-                for share in args.share if rows > 1 else args.share[:1]:
-                    selection._TILE_ROWS.update(fwd=rows, dq=rows)
-                    selection.SHARE_PCT = share
-                    outs, fwd, bwd = measure(q, k, v, do, idx, ls)
+            for mode in args.modes:
+                tiled = mode.startswith("rows") and mode != "rows1"
+                for share in args.share if tiled else args.share[:1]:
+                    with configured(mode, share, span):
+                        outs, fwd, bwd = measure(q, k, v, do, idx, ls)
                     first = first or outs
                     err = max(
                         ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                         for a, b in zip(outs, first, strict=True)
                     )
-                    tag = f"rows {rows}" + (f"/{share}%" if rows > 1 and len(args.share) > 1 else "")
+                    tag = mode + (f"/{share}%" if tiled and len(args.share) > 1 else "")
                     line += f" {tag}: fwd {fwd:.3f} bwd {bwd:.3f} diff {err:.1e} |"
             print(line, flush=True)
 

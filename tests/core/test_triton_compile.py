@@ -100,22 +100,29 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
             torch.randn_like(q), q, kk, vv, torch.randn_like(q), torch.zeros_like(lse), **geo
         )
     idx = torch.randint(0, T // g["sel_block_len"], (1, T, HKV, g["n_sel"]))
-    o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
     do = torch.randn_like(q)
-    selection.selected_bwd(
-        do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
-    )
+    span = selection.SCAN_SPAN
+    try:  # the token tiles (long sequences), then the scan (short ones)
+        for selection.SCAN_SPAN in (0, 1 << 30):
+            o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
+            selection.selected_bwd(
+                do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
+            )
+    finally:
+        selection.SCAN_SPAN = span
     # tiles of several tokens (the tile union and its path) where the group alone fills the 16 rows
     if HQ // HKV >= 16:
         rows = dict(selection._TILE_ROWS)
         try:
             selection._TILE_ROWS.update(fwd=32, dq=32)
+            selection.SCAN_SPAN = 0  # the tiles at any length
             o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
             selection.selected_bwd(
                 do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
             )
         finally:
             selection._TILE_ROWS.update(rows)
+            selection.SCAN_SPAN = span
     # a hot block: dK/dV in chunks, then their reduction
     hot = torch.zeros_like(idx)
     selection.selected_bwd(

@@ -192,6 +192,7 @@ def test_token_tiles_match_reference(
 
     monkeypatch.setattr(selection, "SHARE_PCT", share)
     monkeypatch.setattr(selection, "_TILE_ROWS", {"fwd": rows, "dq": rows})
+    monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the token tiles, never the scan
     # one sequence: the tiles run along its rows (test_matches_reference_fp32 runs batches of two); a tile of
     # 16 or 64 rows ends past T = 37
     case = Case(B=1, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4)
@@ -204,6 +205,66 @@ def test_token_tiles_match_reference(
     )
     for name, r, t in zip(NAMES, ref, tri, strict=True):
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+SCAN_CASES = [
+    Case(B=1, T=37, HKV=2, G=3, D=16, sel_block_len=16, n_sel=3),  # tiles end past T
+    Case(B=2, T=29, HKV=1, G=2, D=16, sel_block_len=48, n_sel=2, n_init=0, n_local=1),  # 3 key tiles a block
+    Case(B=1, T=9, HKV=2, G=4, D=32, sel_block_len=16, n_sel=3, q_offset=40),  # a chunk after a cache
+    Case(B=1, T=40, HKV=2, G=2, D=16, sel_block_len=32, n_sel=2, pattern="hot"),
+]
+if SIZES.real:
+    SCAN_CASES += [
+        Case(B=2, T=2048, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m
+        Case(B=1, T=4096, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16),
+        Case(B=1, T=3000, HKV=2, G=4, D=192, sel_block_len=48, n_sel=8),
+    ]
+
+
+@pytest.mark.parametrize("rows", [16, 64, 128], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SCAN_CASES])
+def test_scan_matches_reference(case: Case, rows: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scan (every key up to a tile's last position, masked by each row's blocks) gives the reference's
+    output and gradients, whatever the rows of its tiles, with unused slots, a query offset and l' > 64."""
+    from nsa_core.ops.triton import selection
+
+    monkeypatch.setattr(selection, "SCAN_SPAN", 1 << 20)  # the scan at any length
+    monkeypatch.setattr(selection, "SCAN_ROWS", rows)
+    block_idx = make_block_idx(case, device)
+    kwargs = dict(sel_block_len=case.sel_block_len, q_offset=case.q_offset)
+    q, k, v, do = make_inputs(case, device, torch.float64)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    if SIZES.dtypes:  # the kernels in the model's precision, bounded by the gather backend's error in it
+        low = [x.to(SIZES.dtypes[0]) for x in (q, k, v, do)]
+        base = run(lambda *a: reference(*a, block_idx, **kwargs), *low)
+        tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *low)
+        for name, r, b, t in zip(NAMES, ref, base, tri, strict=True):
+            assert_within_same_dtype_error(name, r, b, t, floor=1e-3)
+    tri = run(
+        lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *(x.float() for x in (q, k, v, do))
+    )
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+def test_scan_is_chosen_for_short_sequences() -> None:
+    """The plan: the scan where the keys are at most SCAN_SPAN x n x l' and a key tile fits a block; token
+    tiles beyond; tiles of SCAN_ROWS rows for half precision at D <= 64, fewer for wider key tiles."""
+    from nsa_core.ops.triton import selection
+
+    def plan(keys: int, dtype=torch.bfloat16, D: int = 64, ls: int = 64, G: int = 6) -> dict[str, int]:
+        return selection._plan("fwd", dtype, selection._tiles(G, D, ls), G, 16, ls, keys)
+
+    span = selection.SCAN_SPAN * 16 * 64
+    assert plan(span)["SCAN"]
+    assert not plan(span + 1)["SCAN"]
+    assert plan(span)["M"] == selection.SCAN_ROWS // 6
+    assert plan(span)["BLOCK_R"] == 128
+    assert plan(span, D=128)["BLOCK_R"] == plan(span, dtype=torch.float32)["BLOCK_R"] == 64
+    assert plan(1000, ls=48)["BLOCK_S"] == 16  # a power of two dividing l'
+    assert not plan(100, ls=8)["SCAN"]  # key tiles of 8: under the smallest dot
+    assert plan(span + 1)["M"] == 2
+    assert plan(span + 1)["BLOCK_S"] == 64
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8])

@@ -6,10 +6,14 @@ smallest MMA, which a group of 6 heads alone fills to 6) and streams blocks with
 per row). Neighbouring queries share most of their blocks where the model has learnt locality, and at
 short lengths, where the blocks are few: a tile whose union of blocks (`tile_union`, one small kernel) is
 below ``SHARE_PCT`` of its ``M x n`` slots streams each block of the union once for the rows that chose
-it; otherwise each token's own blocks for its rows. It keeps the log-sum-exp per query head.
+it; otherwise each token's own blocks for its rows. Where the keys are few against the ``n x l'`` a query
+reads (``SCAN_SPAN``), tiles of ``SCAN_ROWS`` rows instead stream every key up to their last position,
+each (row, key) pair masked by the row's blocks: nearly every block is some token's choice there, and each
+key is loaded once for the whole tile. It keeps the log-sum-exp per query head.
 
 Backward, in two kernels and no atomics:
-- ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward, streaming the same blocks again;
+- ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward (union, own blocks or scan), streaming
+  the same keys again;
 - ``dK/dV`` per (selection block, batch x KV group): an inverted (CSR) index built on the device lists, for
   every block, the query tokens whose group chose it; the block's program walks that list in token order
   and writes its keys' gradients once. Blocks nobody chose get zeros. A block chosen by very many queries
@@ -52,6 +56,15 @@ def _tile_rows(i_m, Tq, q_offset, i_h, M: tl.constexpr, G: tl.constexpr, BLOCK_R
 
 
 @triton.jit
+def _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL: tl.constexpr, BLOCK_N: tl.constexpr):
+    # [R, N]: each row's own blocks (-1: an unused slot, or a padding row)
+    o_n = tl.arange(0, BLOCK_N)
+    return tl.load(
+        IDX_bh + tok[:, None] * si_t + o_n[None, :], mask=m_r[:, None] & (o_n < N_SEL)[None, :], other=-1
+    )
+
+
+@triton.jit
 def _key_tile(
     K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r,
     D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PER_ROW: tl.constexpr,
@@ -82,17 +95,23 @@ def _fwd_block(
         b_k, b_v, visible = _key_tile(
             K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, PER_ROW
         )
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
-        b_s = tl.where(visible, b_s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(b_s, 1))
-        # a row that sees no key of this tile keeps its max at -inf: shift by 0 instead (no NaN)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp2(b_s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(b_p, 1)
-        acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    # the online softmax over one key tile, (row, key) pairs outside `visible` left out
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+    b_s = tl.where(visible, b_s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(b_s, 1))
+    # a row that sees no key of this tile keeps its max at -inf: shift by 0 instead (no NaN)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    b_p = tl.exp2(b_s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(b_p, 1)
+    acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
@@ -131,6 +150,7 @@ def _selected_fwd_kernel(
     L_SEL: tl.constexpr,
     M: tl.constexpr,
     SHARE_PCT: tl.constexpr,
+    SCAN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -157,34 +177,42 @@ def _selected_fwd_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    count = M * N_SEL
-    if M > 1:
-        count = tl.load(COUNT + i_bh * Tt + i_m)
-    if count * 100 < M * N_SEL * SHARE_PCT:  # shared: the union, each block once
-        o_n = tl.arange(0, BLOCK_N)
-        b_idx = tl.load(
-            IDX_bh + tok[:, None] * si_t + o_n[None, :], mask=m_r[:, None] & (o_n < N_SEL)[None, :], other=-1
-        )  # [R, N]: each row's own blocks
-        UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
-        for i_u in range(0, count):
-            blk = tl.load(UNION_row + i_u).to(tl.int64)
-            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0  # [R]: the rows that selected this block
-            m_i, l_i, acc = _fwd_block(
-                b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
-                D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
+    if SCAN:  # every key up to the tile's last position, in order, for the rows whose blocks hold it
+        b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
+        for s0 in range(0, t_last + 1, BLOCK_S):
+            blk = s0 // L_SEL  # BLOCK_S divides L_SEL: a key tile lies in one block
+            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
+            b_k, b_v, visible = _key_tile(
+                K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r,
+                D, L_SEL, BLOCK_S, BLOCK_D, True,
             )  # fmt: skip
-    else:  # each token's own blocks, up to its own position
-        for j in tl.static_range(M):
-            t_j = tl.minimum(i_m * M + j, Tq - 1)
-            chose = tl.full([BLOCK_R], True, tl.int1)  # one token a tile: every row (padding is not stored)
-            if M > 1:
-                chose = e_r == j
-            for i_n in range(N_SEL):
-                blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+            m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+    else:
+        count = M * N_SEL
+        if M > 1:
+            count = tl.load(COUNT + i_bh * Tt + i_m)
+        if count * 100 < M * N_SEL * SHARE_PCT:  # shared: the union, each block once
+            b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
+            UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
+            for i_u in range(0, count):
+                blk = tl.load(UNION_row + i_u).to(tl.int64)
+                chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0  # [R]: the rows that selected this block
                 m_i, l_i, acc = _fwd_block(
-                    b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j, m_i, l_i, acc, qk_scale,
-                    D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                    b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
+                    D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
                 )  # fmt: skip
+        else:  # each token's own blocks, up to its own position
+            for j in tl.static_range(M):
+                t_j = tl.minimum(i_m * M + j, Tq - 1)
+                chose = tl.full([BLOCK_R], True, tl.int1)  # one token a tile: every row (padding: not stored)
+                if M > 1:
+                    chose = e_r == j
+                for i_n in range(N_SEL):
+                    blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+                    m_i, l_i, acc = _fwd_block(
+                        b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j, m_i, l_i, acc, qk_scale,
+                        D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                    )  # fmt: skip
 
     # a query with no readable key outputs zeros; its lse is +inf so that the backward's p is 0
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -208,12 +236,17 @@ def _dq_block(
         b_k, b_v, visible = _key_tile(
             K_bh, V_bh, sk_t, sv_t, blk, s0, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, PER_ROW
         )
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
-        b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)  # [R, S]
-        b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-        b_ds = b_p * (b_dp - b_delta[:, None])
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
+        b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
     return b_dq
+
+
+@triton.jit
+def _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION: tl.constexpr):
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale
+    b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)  # [R, S]
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
@@ -263,6 +296,7 @@ def _selected_bwd_dq_kernel(
     HAS_DELTA: tl.constexpr,
     M: tl.constexpr,
     SHARE_PCT: tl.constexpr,
+    SCAN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -298,34 +332,42 @@ def _selected_bwd_dq_kernel(
     IDX_bh = IDX + i_b * si_b + i_h * si_h
 
     b_dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-    count = M * N_SEL
-    if M > 1:
-        count = tl.load(COUNT + i_bh * Tt + i_m)
-    if count * 100 < M * N_SEL * SHARE_PCT:
-        o_n = tl.arange(0, BLOCK_N)
-        b_idx = tl.load(
-            IDX_bh + tok[:, None] * si_t + o_n[None, :], mask=m_r[:, None] & (o_n < N_SEL)[None, :], other=-1
-        )
-        UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
-        for i_u in range(0, count):
-            blk = tl.load(UNION_row + i_u).to(tl.int64)
+    if SCAN:  # the forward's scan: every key up to t_last, for the rows whose blocks hold it
+        b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
+        for s0 in range(0, t_last + 1, BLOCK_S):
+            blk = s0 // L_SEL
             chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
-            b_dq = _dq_block(
-                b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, b_dq, qk_scale,
-                D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
+            b_k, b_v, visible = _key_tile(
+                K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r,
+                D, L_SEL, BLOCK_S, BLOCK_D, True,
             )  # fmt: skip
+            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
     else:
-        for j in tl.static_range(M):
-            t_j = tl.minimum(i_m * M + j, Tq - 1)
-            chose = tl.full([BLOCK_R], True, tl.int1)
-            if M > 1:
-                chose = e_r == j
-            for i_n in range(N_SEL):
-                blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+        count = M * N_SEL
+        if M > 1:
+            count = tl.load(COUNT + i_bh * Tt + i_m)
+        if count * 100 < M * N_SEL * SHARE_PCT:
+            b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
+            UNION_row = UNION + (i_bh * Tt + i_m) * (M * N_SEL)
+            for i_u in range(0, count):
+                blk = tl.load(UNION_row + i_u).to(tl.int64)
+                chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
                 b_dq = _dq_block(
-                    b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j, b_dq,
-                    qk_scale, D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                    b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, b_dq,
+                    qk_scale, D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
                 )  # fmt: skip
+        else:
+            for j in tl.static_range(M):
+                t_j = tl.minimum(i_m * M + j, Tq - 1)
+                chose = tl.full([BLOCK_R], True, tl.int1)
+                if M > 1:
+                    chose = e_r == j
+                for i_n in range(N_SEL):
+                    blk = tl.load(IDX_bh + t_j * si_t + i_n).to(tl.int64)
+                    b_dq = _dq_block(
+                        b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, q_offset + t_j,
+                        b_dq, qk_scale, D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, False,
+                    )  # fmt: skip
     tl.store(
         DQ + i_b * sdq_b + tok[:, None] * sdq_t + heads[:, None] * sdq_h + o_d[None, :],
         (b_dq * scale).to(DQ.dtype.element_ty),
@@ -577,6 +619,43 @@ def _token_rows(target: int, G: int, n_sel: int, tile_bytes: int) -> dict[str, i
     )
 
 
+# fwd and dq over short sequences: a tile of SCAN_ROWS rows (M = SCAN_ROWS // G tokens) streams every key
+# up to its last position, in order, each (row, key) pair kept where the row's blocks hold the key (a
+# block-masked flash attention, no union built). Where the keys are few against the n x l' a query reads,
+# a tile's tokens together choose nearly every block: each key tile is loaded once for all M tokens
+# instead of once per token that chose it. Chosen when the keys are at most SCAN_SPAN x n x l'.
+SCAN_ROWS = 128  # for 8 KB key tiles (half precision at D <= 64); wider tiles scale it down
+SCAN_SPAN = 4
+_SCAN_WARPS = {"fwd": 4, "dq": 8}
+
+
+def _scan_block(sel_block_len: int) -> int:
+    # the scan's key tile: a power of two dividing l' (a tile lies in one block), 16 to 64 keys (0: none)
+    low = min(64, sel_block_len & -sel_block_len)
+    return low if low >= 16 else 0
+
+
+def _plan(
+    kind: str, dtype: torch.dtype, tiles: dict[str, int], G: int, n_sel: int, sel_block_len: int, keys: int
+) -> dict[str, int]:
+    """fwd and dq (kind): launch options and tile rows, the scan (short sequences, SCAN_SPAN) or tiles of
+    tokens (`_token_rows`). The forward and dq plan alike for one call: dq reads the forward's tiles."""
+    block_s = _scan_block(sel_block_len)
+    if block_s and keys <= SCAN_SPAN * n_sel * sel_block_len:
+        scan_tiles = {**tiles, "BLOCK_S": block_s}
+        rows = max(16, SCAN_ROWS * (8 << 10) // max(_tile_bytes(dtype, scan_tiles), 8 << 10))
+        M = max(1, rows // G)
+        config = dict(num_warps=_SCAN_WARPS[kind], num_stages=_num_stages(dtype, scan_tiles))
+        config.update(LAUNCH.get(f"{kind}-scan", {}))
+        return dict(
+            **config, M=M, SHARE_PCT=0, SCAN=True, BLOCK_R=max(16, next_power_of_2(M * G)),
+            BLOCK_N=next_power_of_2(n_sel), BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"],
+        )  # fmt: skip
+    config = _launch(kind, dtype, tiles)
+    rows = _token_rows(config.pop("ROWS"), G, n_sel, _tile_bytes(dtype, tiles))
+    return dict(**config, **rows, SCAN=False, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"])
+
+
 def _launch(kind: str, dtype: torch.dtype, tiles: dict[str, int]) -> dict[str, int]:
     config = dict(num_warps=_WARPS[kind], num_stages=_num_stages(dtype, tiles))
     if kind in _TILE_ROWS:
@@ -654,14 +733,16 @@ class TokenTiles:
     union: torch.Tensor
     count: torch.Tensor
     n_tiles: int
+    scan: bool = False
 
 
-def _union(block_idx: torch.Tensor, tokens: int, built: TokenTiles | None = None) -> TokenTiles:
-    # one token a tile reads its own blocks: nothing to build
-    if built is not None and built.tokens == tokens:
+def _union(block_idx: torch.Tensor, plan: dict[str, int], built: TokenTiles | None = None) -> TokenTiles:
+    # one token a tile reads its own blocks, and the scan every block: nothing to build
+    tokens, scan = plan["M"], plan["SCAN"]
+    if built is not None and (built.tokens, built.scan) == (tokens, scan):
         return built
-    if tokens == 1:
-        return TokenTiles(1, block_idx, block_idx, block_idx.shape[1])
+    if tokens == 1 or scan:
+        return TokenTiles(tokens, block_idx, block_idx, cdiv(block_idx.shape[1], tokens), scan)
     union, count = tile_union(block_idx, tokens)
     return TokenTiles(tokens, union, count, count.shape[-1])
 
@@ -686,10 +767,9 @@ def selected_fwd(
     lse = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
     if Tq == 0:
         return o, lse
-    tiles = _tiles(G, D, sel_block_len)
-    config = _launch("fwd", q.dtype, tiles)
-    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
-    built = _union(block_idx, rows["M"])
+    n_sel = block_idx.shape[-1]
+    plan = _plan("fwd", q.dtype, _tiles(G, D, sel_block_len), G, n_sel, sel_block_len, k.shape[1])
+    built = _union(block_idx, plan)
     if tiles_out is not None:
         tiles_out.append(built)
     n_tiles = built.n_tiles
@@ -697,8 +777,7 @@ def selected_fwd(
         q, k, v, o, lse, block_idx, built.union, built.count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(block_idx),
         Tq, n_tiles, q_offset, scale * LOG2E,
-        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, PRECISION=_precision(q.dtype),
-        **config, **rows, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"],
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, PRECISION=_precision(q.dtype), **plan,
     )  # fmt: skip
     return o, lse
 
@@ -865,17 +944,17 @@ def selected_bwd(
         delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
     assert delta.shape == (B, Tq, HQ)
     assert delta.is_contiguous()
-    config = _launch("dq", q.dtype, tiles)
-    rows = _token_rows(config.pop("ROWS"), G, block_idx.shape[-1], _tile_bytes(q.dtype, tiles))
-    built = _union(block_idx, rows["M"], token_tiles)
+    n_sel = block_idx.shape[-1]
+    plan = _plan("dq", q.dtype, tiles, G, n_sel, sel_block_len, Tk)
+    built = _union(block_idx, plan, token_tiles)
     n_tiles = built.n_tiles
     _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
         q, k, v, o, do, dq, lse, delta, block_idx, built.union, built.count,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
         *_strides(block_idx),
         Tq, n_tiles, q_offset, scale * LOG2E, scale,
-        HKV=HKV, G=G, D=D, N_SEL=block_idx.shape[-1], L_SEL=sel_block_len, HAS_DELTA=has_delta,
-        PRECISION=precision, **config, **rows, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"],
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, HAS_DELTA=has_delta, PRECISION=precision,
+        **plan,
     )  # fmt: skip
 
     offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
