@@ -11,7 +11,9 @@ vary slowly along the sequence (knots every 256 tokens), as a trained model's ne
 ``model`` (m7c geometries) takes q, k, v and the blocks from layer ``--layer`` of the m7c-125m model at
 initialisation on random tokens, the inputs `benchmarks/model_step.py` times.
 
-``--modes`` names what runs: ``rowsR`` token tiles of ``R`` rows (``rows1``: one token a program), ``scanR``
+``--modes`` names what runs: ``rowsR`` token tiles of ``R`` rows (``rows1``: one token a program;
+``rowsRturn``: a tile reading its tokens' own blocks reads them in turn, not side by side, ``PAIR_KEYS``),
+``scanR``
 the scan in tiles of ``R`` rows (``scanR:F,Q``: with ``F`` warps for the forward and ``Q`` for dq), ``auto``
 what `selection` chooses for the geometry (``SCAN_SPAN``).
 
@@ -90,21 +92,25 @@ def measure(q, k, v, do, idx, ls: int) -> tuple[tuple[torch.Tensor, ...], float,
 
 
 def parse_mode(text: str) -> str:
-    m = re.fullmatch(r"auto|rows(\d+)|scan(\d+)(:\d+,\d+)?", text)
+    m = re.fullmatch(r"auto|rows(\d+)(turn)?|scan(\d+)(:\d+,\d+)?", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: rowsR, scanR, scanR:F,Q or auto")
+        raise argparse.ArgumentTypeError(f"{text!r}: rowsR, rowsRturn, scanR, scanR:F,Q or auto")
     return text
 
 
 @contextlib.contextmanager
 def configured(mode: str, share: int, span: int) -> Iterator[None]:
     """`selection` set to run ``mode`` (`parse_mode`), put back as it was after."""
-    saved = (dict(selection._TILE_ROWS), selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS)
+    saved = (dict(selection._TILE_ROWS), selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS,
+             dict(selection.PAIR_KEYS))  # fmt: skip
     saved_launch = {key: dict(value) for key, value in selection.LAUNCH.items()}
     selection.SHARE_PCT, selection.SCAN_SPAN = share, span
     if mode.startswith("rows"):
-        selection._TILE_ROWS.update(fwd=int(mode[4:]), dq=int(mode[4:]))
+        rows = int(mode[4:].removesuffix("turn"))
+        selection._TILE_ROWS.update(fwd=rows, dq=rows)
         selection.SCAN_SPAN = 0
+        if mode.endswith("turn"):
+            selection.PAIR_KEYS = {"fwd": False, "dq": False}
     elif mode.startswith("scan"):
         rows, _, warps = mode[4:].partition(":")
         selection.SCAN_ROWS, selection.SCAN_SPAN = int(rows), 1 << 30
@@ -116,7 +122,7 @@ def configured(mode: str, share: int, span: int) -> Iterator[None]:
     finally:
         selection._TILE_ROWS.clear()
         selection._TILE_ROWS.update(saved[0])
-        selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS = saved[1:]
+        selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS, selection.PAIR_KEYS = saved[1:]
         selection.LAUNCH.clear()
         selection.LAUNCH.update(saved_launch)
 
@@ -156,7 +162,7 @@ def main() -> None:
             line = f"{name:<10} {kind:<6} union {count.float().mean().item() / (2 * n):.2f} |"
             first = None
             for mode in args.modes:
-                tiled = mode.startswith("rows") and mode != "rows1"
+                tiled = mode.startswith("rows") and mode not in ("rows1", "rows1turn")
                 for share in args.share if tiled else args.share[:1]:
                     with configured(mode, share, span):
                         outs, fwd, bwd = measure(q, k, v, do, idx, ls)

@@ -125,9 +125,12 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
             selection.SCAN_SPAN = span
     # a hot block: dK/dV in chunks, then their reduction
     hot = torch.zeros_like(idx)
-    selection.selected_bwd(
-        do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), hot, g["sel_block_len"], 0, scale, chunk=16
-    )
+    try:
+        selection.SCAN_SPAN = 0  # the inverted index's path at any length
+        o, lse = torch.randn_like(q), torch.zeros_like(lse)
+        selection.selected_bwd(do, q, k, v, o, lse, hot, g["sel_block_len"], 0, scale, chunk=16)
+    finally:
+        selection.SCAN_SPAN = span
     gate = torch.randn(1, T, HQ, 3, dtype=dtype)
     gates.GatedSumFunction.forward(_Ctx(), gate, q, q, q)
     ctx = _Ctx()

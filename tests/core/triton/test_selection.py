@@ -181,16 +181,20 @@ def test_matches_reference_low_precision(case: Case, dtype: torch.dtype, device:
         assert_within_same_dtype_error(name, r, b, t, floor=1e-3)  # e.g. dq of a decode step at t = 0: 0
 
 
-@pytest.mark.parametrize("share", [0, 101], ids=["own-blocks", "union"])
+@pytest.mark.parametrize(
+    ("share", "pair"), [(0, False), (0, True), (101, False)], ids=["own-blocks", "own-paired", "union"]
+)
 @pytest.mark.parametrize("rows", [1, 16, 64], ids=lambda r: f"rows{r}")
 def test_token_tiles_match_reference(
-    rows: int, share: int, device: str, monkeypatch: pytest.MonkeyPatch
+    rows: int, share: int, pair: bool, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Forward and dq in tiles of several query tokens: each token's own blocks (``share`` 0), or the
-    union of the tile's blocks, each once (``share`` 101), give the reference's output and gradients."""
+    """Forward and dq in tiles of several query tokens: each token's own blocks (``share`` 0) in turn or
+    side by side in one key tile (``pair``), or the union of the tile's blocks, each once (``share``
+    101), give the reference's output and gradients."""
     from nsa_core.ops.triton import selection
 
     monkeypatch.setattr(selection, "SHARE_PCT", share)
+    monkeypatch.setattr(selection, "PAIR_KEYS", {"fwd": pair, "dq": pair})
     monkeypatch.setattr(selection, "_TILE_ROWS", {"fwd": rows, "dq": rows})
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the token tiles, never the scan
     # one sequence: the tiles run along its rows (test_matches_reference_fp32 runs batches of two); a tile of
@@ -221,8 +225,16 @@ if SIZES.real:
     ]
 
 
-@pytest.mark.parametrize("rows", [16, 64, 128], ids=lambda r: f"rows{r}")
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in SCAN_CASES])
+# tiles of 16, 64 and 128 rows on the small cases; at real sizes (float64 references of thousands of
+# tokens) the default 128
+SCAN_PARAMS = [
+    pytest.param(c, rows, id=f"{c.id}-rows{rows}")
+    for c in SCAN_CASES
+    for rows in ([128] if c.T > 100 else [16, 64, 128])
+]
+
+
+@pytest.mark.parametrize(("case", "rows"), SCAN_PARAMS)
 def test_scan_matches_reference(case: Case, rows: int, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The scan (every key up to a tile's last position, masked by each row's blocks) gives the reference's
     output and gradients, whatever the rows of its tiles, with unused slots, a query offset and l' > 64."""
@@ -240,11 +252,12 @@ def test_scan_matches_reference(case: Case, rows: int, device: str, monkeypatch:
         tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *low)
         for name, r, b, t in zip(NAMES, ref, base, tri, strict=True):
             assert_within_same_dtype_error(name, r, b, t, floor=1e-3)
-    tri = run(
-        lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *(x.float() for x in (q, k, v, do))
-    )
-    for name, r, t in zip(NAMES, ref, tri, strict=True):
+    ins = [x.float() for x in (q, k, v, do)]
+    tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *ins)
+    again = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *ins)
+    for name, r, t, t2 in zip(NAMES, ref, tri, again, strict=True):
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+        assert torch.equal(t, t2), f"{name}: two runs differ"
 
 
 def test_scan_is_chosen_for_short_sequences() -> None:
@@ -252,8 +265,10 @@ def test_scan_is_chosen_for_short_sequences() -> None:
     tiles beyond; tiles of SCAN_ROWS rows for half precision at D <= 64, fewer for wider key tiles."""
     from nsa_core.ops.triton import selection
 
-    def plan(keys: int, dtype=torch.bfloat16, D: int = 64, ls: int = 64, G: int = 6) -> dict[str, int]:
-        return selection._plan("fwd", dtype, selection._tiles(G, D, ls), G, 16, ls, keys)
+    def plan(
+        keys: int, dtype=torch.bfloat16, D: int = 64, ls: int = 64, G: int = 6, kind: str = "fwd"
+    ) -> dict[str, int]:
+        return selection._plan(kind, dtype, selection._tiles(G, D, ls), G, 16, ls, keys)
 
     span = selection.SCAN_SPAN * 16 * 64
     assert plan(span)["SCAN"]
@@ -265,6 +280,9 @@ def test_scan_is_chosen_for_short_sequences() -> None:
     assert not plan(100, ls=8)["SCAN"]  # key tiles of 8: under the smallest dot
     assert plan(span + 1)["M"] == 2
     assert plan(span + 1)["BLOCK_S"] == 64
+    assert plan(span + 1)["PAIR"] == 2  # its two tokens' blocks side by side: key tiles of 128
+    assert plan(span + 1, kind="dq")["PAIR"] == 0  # dq: in turn (faster there)
+    assert plan(span + 1, dtype=torch.float32)["PAIR"] == 0  # 32 KB key tiles: in turn
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8])
@@ -284,8 +302,9 @@ def test_tile_union_lists_each_block_of_a_tile_once(tokens: int, device: str) ->
                 assert union[b, h, i, : count[b, h, i]].tolist() == first_seen
 
 
-def test_hot_block_chunks_match_single_pass(device: str) -> None:
+def test_hot_block_chunks_match_single_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks chosen by more queries than a chunk take the workspace path: same gradients, deterministic."""
+    monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the inverted index's path
     case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0], sel_block_len=8, n_sel=5)
     case = Case(**{**case.__dict__, "pattern": "hot"})
     block_idx = make_block_idx(case, device).contiguous()

@@ -100,8 +100,10 @@ class NSAAttentionFunction(torch.autograd.Function):
             o_cmp, o_sel, o_win, lse_cmp, lse_sel, lse_win, block_idx,
         )  # fmt: skip
         ctx.geometry, ctx.q_offset, ctx.scale, ctx.mark = geometry, q_offset, scale, mark
-        # tiles of one token are block_idx itself (an output: not kept on ctx, which would hold it in a cycle)
-        ctx.token_tiles = token_tiles[0] if token_tiles and token_tiles[0].tokens > 1 else None
+        # tiles of one token, and the scan's, are block_idx itself (an output: not kept on ctx, which would
+        # hold it in a cycle); dq builds nothing for them
+        kept = token_tiles[0] if token_tiles else None
+        ctx.token_tiles = kept if kept is not None and kept.tokens > 1 and not kept.scan else None
         ctx.mark_non_differentiable(block_idx)
         return out, block_idx
 

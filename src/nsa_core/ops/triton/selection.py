@@ -85,6 +85,28 @@ def _key_tile(
 
 
 @triton.jit
+def _paired_key_tile(
+    K_bh, V_bh, IDX_bh, sk_t, sv_t, si_t, i_m, i_n, s0, Tq, q_offset, e_r,
+    D: tl.constexpr, L_SEL: tl.constexpr, M: tl.constexpr, PAIR: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # keys s0.. of slot i_n's block of each of the tile's M tokens side by side, PAIR x BLOCK_S keys (PAIR:
+    # M up to a power of two): key lane k belongs to token k // BLOCK_S and is visible to that token's rows
+    # alone, up to its position
+    o_k, o_d = tl.arange(0, PAIR * BLOCK_S), tl.arange(0, BLOCK_D)
+    e_k = o_k // BLOCK_S
+    tok_k = i_m * M + e_k
+    m_t = (e_k < M) & (tok_k < Tq)
+    blk = tl.load(IDX_bh + tok_k * si_t + i_n, mask=m_t, other=-1).to(tl.int64)  # [K]
+    pos = blk * L_SEL + s0 + o_k % BLOCK_S
+    m_k = m_t & (s0 + o_k % BLOCK_S < L_SEL) & (pos >= 0) & (pos <= q_offset + tok_k)
+    m_kd = m_k[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_kd, other=0.0)
+    b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_kd, other=0.0)
+    return b_k, b_v, (e_r[:, None] == e_k[None, :]) & m_k[None, :]
+
+
+@triton.jit
 def _fwd_block(
     b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
     D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -151,6 +173,7 @@ def _selected_fwd_kernel(
     M: tl.constexpr,
     SHARE_PCT: tl.constexpr,
     SCAN: tl.constexpr,
+    PAIR: tl.constexpr,  # 0, or M up to a power of two: own blocks side by side
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -201,6 +224,14 @@ def _selected_fwd_kernel(
                     b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
                     D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
                 )  # fmt: skip
+        elif PAIR > 0:  # each token's own blocks, slot by slot: the M tokens' blocks side by side
+            for i_n in range(N_SEL):
+                for s0 in range(0, L_SEL, BLOCK_S):
+                    b_k, b_v, visible = _paired_key_tile(
+                        K_bh, V_bh, IDX_bh, sk_t, sv_t, si_t, i_m, i_n, s0, Tq, q_offset, e_r,
+                        D, L_SEL, M, PAIR, BLOCK_S, BLOCK_D,
+                    )  # fmt: skip
+                    m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
         else:  # each token's own blocks, up to its own position
             for j in tl.static_range(M):
                 t_j = tl.minimum(i_m * M + j, Tq - 1)
@@ -297,6 +328,7 @@ def _selected_bwd_dq_kernel(
     M: tl.constexpr,
     SHARE_PCT: tl.constexpr,
     SCAN: tl.constexpr,
+    PAIR: tl.constexpr,  # 0, or M up to a power of two: own blocks side by side
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -356,6 +388,14 @@ def _selected_bwd_dq_kernel(
                     b_q, b_do, b_lse, b_delta, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, b_dq,
                     qk_scale, D, L_SEL, BLOCK_S, BLOCK_D, PRECISION, True,
                 )  # fmt: skip
+        elif PAIR > 0:
+            for i_n in range(N_SEL):
+                for s0 in range(0, L_SEL, BLOCK_S):
+                    b_k, b_v, visible = _paired_key_tile(
+                        K_bh, V_bh, IDX_bh, sk_t, sv_t, si_t, i_m, i_n, s0, Tq, q_offset, e_r,
+                        D, L_SEL, M, PAIR, BLOCK_S, BLOCK_D,
+                    )  # fmt: skip
+                    b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
         else:
             for j in tl.static_range(M):
                 t_j = tl.minimum(i_m * M + j, Tq - 1)
@@ -604,16 +644,28 @@ MAX_TILE_TOKENS = 16  # the per-token path unrolls its tokens
 # a tile streams its union when it holds fewer than this share (%) of its tokens' slots: the union path's
 # membership test costs about a fifth more per block than a token's own blocks (H200, m7c geometry)
 SHARE_PCT = 80
+# a tile that reads each token's own blocks loads slot i of its M tokens as one key tile of M x BLOCK_S
+# keys (at most PAIR_MAX_KEYS, and 16 KB: the tile's loops share shared memory), each token's rows masked
+# to its own keys: half the loop's steps at M = 2. The forward only: it took the forward at m7c 16k from
+# 1.36 to 1.19 ms and dq from 1.86 to 2.01 (bwd, H200, BENCHMARKS.md)
+PAIR_KEYS = {"fwd": True, "dq": False}
+PAIR_MAX_KEYS = 128
 
 
-def _token_rows(target: int, G: int, n_sel: int, tile_bytes: int) -> dict[str, int]:
+def _token_rows(
+    target: int, G: int, n_sel: int, tile_bytes: int, block_s: int, pair_keys: bool
+) -> dict[str, int]:
     # tiles of several tokens hold two pipelined loops (the union's, each token's): with key/value tiles
     # over 32 KB (float32 at D > 128, half at D > 256) their buffers exceed shared memory (282 KB for
     # float32 at D = 192 on an H200, of 227 KB; 32 KB tiles ran): one token a program there, as before
     M = max(1, min(MAX_TILE_TOKENS, target // G)) if tile_bytes <= 32 << 10 else 1
+    pair = next_power_of_2(M)  # key tiles of pair x BLOCK_S keys, at most PAIR_MAX_KEYS and 16 KB
+    if not pair_keys or M == 1 or pair * block_s > PAIR_MAX_KEYS or pair * tile_bytes > 16 << 10:
+        pair = 0
     return dict(
         M=M,
         SHARE_PCT=SHARE_PCT if M > 1 else 0,  # one token a tile: its own blocks are the union
+        PAIR=pair,  # the own-blocks path with the tokens' blocks side by side (0: in turn)
         BLOCK_R=max(16, next_power_of_2(M * G)),
         BLOCK_N=next_power_of_2(n_sel),
     )
@@ -648,11 +700,13 @@ def _plan(
         config = dict(num_warps=_SCAN_WARPS[kind], num_stages=_num_stages(dtype, scan_tiles))
         config.update(LAUNCH.get(f"{kind}-scan", {}))
         return dict(
-            **config, M=M, SHARE_PCT=0, SCAN=True, BLOCK_R=max(16, next_power_of_2(M * G)),
+            **config, M=M, SHARE_PCT=0, SCAN=True, PAIR=0, BLOCK_R=max(16, next_power_of_2(M * G)),
             BLOCK_N=next_power_of_2(n_sel), BLOCK_S=block_s, BLOCK_D=tiles["BLOCK_D"],
         )  # fmt: skip
     config = _launch(kind, dtype, tiles)
-    rows = _token_rows(config.pop("ROWS"), G, n_sel, _tile_bytes(dtype, tiles))
+    rows = _token_rows(
+        config.pop("ROWS"), G, n_sel, _tile_bytes(dtype, tiles), tiles["BLOCK_S"], PAIR_KEYS[kind]
+    )
     return dict(**config, **rows, SCAN=False, BLOCK_S=tiles["BLOCK_S"], BLOCK_D=tiles["BLOCK_D"])
 
 
