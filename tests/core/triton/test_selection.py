@@ -72,7 +72,8 @@ def _cases() -> list[Case]:
     if SIZES.real:
         cases += [
             Case(B=1, T=4096, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16, pattern="hot"),
-            Case(B=1, T=2048, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m
+            Case(B=1, T=2048, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m: the scan
+            Case(B=1, T=5000, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # past the scan: token tiles
             Case(B=1, T=3000, HKV=2, G=4, D=192, sel_block_len=48, n_sel=8),  # D and l' not powers of 2
             Case(B=1, T=1, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16, q_offset=8191),
         ]
