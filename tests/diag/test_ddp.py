@@ -13,11 +13,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from nsa_diag.analysis.ranks import collective_state, cross_rank_diff, rank_exit_codes
+from nsa_diag.analysis.ranks import collective_state, cross_rank_diff, left_a_collective, rank_exit_codes
 from nsa_diag.app import run_cli
 from nsa_diag.evidence.stacks import parse_faulthandler
 from nsa_diag.executor import run_case
-from nsa_diag.spec import CaseSpec, DdpSpec, Injection
+from nsa_diag.spec import CaseResult, CaseSpec, DdpSpec, Injection
 from nsa_diag.worker.ddp import preflight_verdict
 
 RANK_FILES = ("progress.jsonl", "stdout.log", "stderr.log", "stacks.txt", "worker_result.json")
@@ -274,6 +274,47 @@ def test_fsdp2_passes_with_the_gradients_ddp_gets_and_claims_no_hash_check(tmp_p
     assert fsdp.ddp.get("params_in_sync") is None  # not checked: never reported as in sync
     assert ddp.ddp["params_in_sync"] is True
     assert "fsdp: every block and the model fully_shard" in json.dumps(fsdp.model_dump(mode="json"))
+    assert not _left_behind(tmp_path)
+
+
+_CLOSED = "RuntimeError at check in all_reduce#1.loss step 1: [pair.cc:553] Connection closed by peer [::1]:1"
+
+
+def test_a_wait_ended_by_a_peer_that_left_names_the_rank_that_never_entered() -> None:
+    """Rank 0 fails in the loss all-reduce because rank 1's socket closed; rank 1 skipped that all-reduce and
+    exited 0: rank 1 is the cause. An error that is not a lost peer, or ranks that all entered, name none."""
+    progress = {
+        0: ['{"event": "begin", "collective": "all_reduce", "group": "train", "n": 1, "phase": "check"}'],
+        1: ['{"event": "inject", "kind": "skip-collective", "step": 1}'],
+    }
+    collectives = {rank: collective_state(lines) for rank, lines in progress.items()}
+    per_rank = {
+        0: CaseResult(name="r0", spec_hash="x", verdict="error", reason=_CLOSED, exit_code=1, steps_done=1),
+        1: CaseResult(name="r1", spec_hash="x", verdict="pass", reason="done", exit_code=0, steps_done=1),
+    }
+    lost = left_a_collective(per_rank, collectives)
+    assert lost is not None
+    assert (lost.culprits, lost.victims) == ([1], [0])
+    assert lost.describe(per_rank) == (
+        "rank 1 never entered all_reduce #1 of the train group, which rank 0 waited in: rank 1 skipped it at "
+        "step 1 and exited 0 after 1 step(s), and the wait ended with the peer gone"
+    )
+    other = {**per_rank, 0: per_rank[0].model_copy(update={"reason": "RuntimeError: shapes differ"})}
+    assert left_a_collective(other, collectives) is None
+    both_in = {**collectives, 1: collective_state(progress[0])}
+    assert left_a_collective(per_rank, both_in) is None
+
+
+@pytest.mark.slow
+def test_fsdp2_rank_that_skips_a_collective_and_exits_is_named(tmp_path: Path) -> None:
+    """Under FSDP2 (no parameter hash check after the step) rank 1 skips the loss all-reduce, finishes and
+    exits; rank 0's all-reduce ends with gloo's "Connection closed by peer". The case names rank 1."""
+    result = run_case(_spec("fsdp-skip", "skip-collective:rank=1", stall=10.0, fsdp=True), tmp_path / "c")
+    assert result.verdict == "error", result.reason
+    assert result.ddp is not None
+    assert result.ddp["minority_ranks"] == [1]
+    assert result.reason.startswith("rank 1 never entered all_reduce #1 of the train group"), result.reason
+    assert result.evidence.rank_of_verdict == 1
     assert not _left_behind(tmp_path)
 
 

@@ -350,6 +350,12 @@ def aggregate(
         verdict, hang_kind, reason, source = _hang(per_rank, kinds, diff, decider)
     else:
         verdict, reason, source = _worst(per_rank, outcome)
+        collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
+        lost = left_a_collective(per_rank, collectives)
+        if lost is not None and verdict in ("error", "crash"):  # the error is the wait's end, not its cause
+            ddp.minority_ranks = lost.culprits
+            reason = f"{lost.describe(per_rank)}; {reason}"
+            source = lost.culprits[0]
         if ddp.stragglers is not None and ddp.stragglers.slow:  # said even when the job passes
             reason += f"; straggler {ddp.stragglers.describe()}"
     src = per_rank[source]
@@ -383,6 +389,62 @@ def aggregate(
         ),
         ddp=ddp,
     )
+
+
+# A collective whose peer went away (gloo's socket closed, NCCL's remote process gone): the rank that
+# reports it was waiting for a rank that left, the error is that wait's end
+_PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|peer (?:closed|exited)", re.I
+)
+
+
+@dataclass(frozen=True)
+class LeftCollective:
+    """Ranks that never entered the collective another rank's failed wait was in (`left_a_collective`)."""
+
+    culprits: list[int]
+    victims: list[int]
+    wait: CollectiveWait
+    skipped: dict[int, list[int | None]]
+
+    def describe(self, per_rank: Mapping[int, CaseResult]) -> str:
+        w = self.wait
+        what = f"{w.op or 'a collective'} #{w.n} of the {w.group} group"
+        parts = []
+        for r in self.culprits:
+            res = per_rank[r]
+            how = f"skipped it at step {self.skipped[r][0]} and " if self.skipped.get(r) else ""
+            end = f"exited {res.exit_code}" if res.exit_code is not None else f"ended {res.verdict}"
+            parts.append(f"rank {r} {how}{end} after {res.steps_done} step(s)")
+        return (
+            f"{_who(self.culprits)} never entered {what}, which {_who(self.victims)} waited in: "
+            f"{'; '.join(parts)}, and the wait ended with the peer gone"
+        )
+
+
+def left_a_collective(
+    per_rank: Mapping[int, CaseResult], collectives: Mapping[int, CollectiveState]
+) -> LeftCollective | None:
+    """A rank failed inside an explicit collective because its peer went away (`_PEER_LOST`) while other
+    ranks never entered that collective (they entered fewer of its group's): those ranks are the cause,
+    the failed wait the consequence. Under gloo a rank that skips a collective and exits ends the others'
+    wait with "Connection closed by peer"; under NCCL they would hang instead."""
+    victims = [
+        r for r in sorted(per_rank)
+        if per_rank[r].verdict in ("error", "crash") and _PEER_LOST.search(per_rank[r].reason or "")
+        and (c := collectives.get(r)) is not None and c.waiting is not None and c.waiting.n is not None
+    ]  # fmt: skip
+    if not victims:
+        return None
+    wait = collectives[victims[0]].waiting
+    assert wait is not None
+    n = wait.n or 0
+    entered = {r: c.entered.get(wait.group or "", 0) for r, c in collectives.items()}
+    culprits = [r for r in sorted(per_rank) if r not in victims and r in entered and entered[r] < n]
+    if not culprits:
+        return None
+    skipped = {r: list(collectives[r].skipped_at_steps) for r in culprits if collectives[r].skipped_at_steps}
+    return LeftCollective(culprits=culprits, victims=victims, wait=wait, skipped=skipped)
 
 
 def _worst(per_rank: Mapping[int, CaseResult], outcome: str) -> tuple[str, str, int]:
