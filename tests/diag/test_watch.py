@@ -589,6 +589,29 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     assert not any(_alive(p) for p in _job_pids(case))
 
 
+@pytest.mark.slow  # ~15 s each: two gloo ranks importing torch
+@pytest.mark.parametrize("stuck_rank", [1, -1], ids=["rank-1-stuck", "healthy"])
+def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuck_rank: int) -> None:
+    """A user's FSDP2 job (fully_shard per block, then the model; gloo): healthy, it passes with its steps
+    counted; when rank 1's batch read blocks at step 3, rank 0 waits in FSDP's all-gather of step 3's
+    forward: a collective hang whose minority is rank 1, at its read, and no process outlives the case."""
+    job = _torchrun("fsdp2_stuck_rank.py", "--stuck-rank", str(stuck_rank))
+    proc, out = _watch(tmp_path, "--stall", "5", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    result = _result(out)
+    if stuck_rank < 0:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert result["verdict"] == "pass", result["reason"]
+        assert result["steps_done"] == 5
+        return
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "collective", result["reason"]
+    assert result["evidence"]["minority_ranks"] == [1]
+    assert "all_gather" in result["reason"]
+    assert "fsdp2_stuck_rank.py:27 in read_batch" in result["reason"]
+    assert result["steps_done"] == 2
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
 
