@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,21 @@ def test_run_compile_passes_and_says_its_graph_breaks(tmp_path: Path) -> None:
     assert result["verdict"] == "pass", result["reason"]
     assert "torch.compile (backend eager): 0 graph break(s)" in json.dumps(result)
     assert "--compile eager" in (case / "replay.sh").read_text()
+
+
+@pytest.mark.slow  # inductor's first compile of the tiny model: ~60 s of the 2-core CPU
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
+def test_run_compile_inductor_outlives_a_stall_shorter_than_its_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor with a cold cache compiles for most of a minute, longer than --stall 15: its compilations'
+    start and end are progress, so the case is not called hung, and it passes with its graph breaks."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
+    args = ["run", "--compile", "inductor", "--steps", "3", "--stall", "15", "--out", str(tmp_path / "runs")]
+    assert run_cli([*args, "--name", "ind"]) == 0
+    (case,) = (tmp_path / "runs").glob("*-run/cases/ind")
+    result = json.loads((case / "result.json").read_text())
+    assert result["verdict"] == "pass", result["reason"]
+    assert result["steps_done"] == 3
+    assert "torch.compile (backend inductor): 0 graph break(s)" in json.dumps(result)
+    assert any((tmp_path / "inductor-cache").iterdir())  # it compiled here, from nothing
