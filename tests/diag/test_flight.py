@@ -41,6 +41,20 @@ def test_a_rank_that_skipped_the_collective_is_the_culprit() -> None:
     assert "give --world-size" in a.findings[-1]  # gloo's dumps do not list the group's ranks
 
 
+def test_the_call_site_is_the_users_frame_past_torch_and_the_watch_probe() -> None:
+    """Under watch the probe wraps torch.distributed's collectives: its wrapper is not the user's call
+    site (two ranks' different branches would look alike at it); nsa-diag's own workers' frames are."""
+    from nsa_diag.analysis.flight import _user_frame
+
+    torch_frame = {"name": "all_reduce", "filename": "/v/site-packages/torch/distributed/c10d.py", "line": 9}
+    probe = {"name": "collective", "filename": "/src/nsa_diag/probe/runtime.py", "line": 676}
+    user = {"name": "main", "filename": "/home/u/train.py", "line": 28}
+    worker = {"name": "_mean_loss", "filename": "/src/nsa_diag/worker/ddp.py", "line": 370}
+    assert _user_frame([torch_frame, probe, user]) == "main (train.py:28)"
+    assert _user_frame([torch_frame, worker, user]) == "_mean_loss (ddp.py:370)"
+    assert _user_frame([torch_frame]) == "all_reduce (c10d.py:9)"  # nothing else: the innermost
+
+
 def test_a_rank_that_called_another_collective_is_the_culprit() -> None:
     a = _analysis("mismatch", world_size=2)
     assert a.culprits == [1]

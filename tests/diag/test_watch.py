@@ -587,6 +587,13 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     assert result["evidence"]["minority_ranks"] == [1]
     case = _case(out)
     assert sorted(p.name for p in (case / "ranks").iterdir()) == ["0", "1"]
+    # gloo has no debug pipe: each rank's probe dumped its group's flight recorder at the dump request,
+    # read as `nsa-diag fr` reads them; the call sites are the job's lines, past the probe's wrapper
+    recorder = result["evidence"]["flight_recorder"]
+    assert set(recorder["files"]) == {"0", "1"}
+    assert recorder["analysis"]["culprits"] == [1]
+    assert "flight recorder: rank 1 (" in result["reason"]
+    assert "rank 1 barrier [] at main (ddp_skip_allreduce.py:30)" in result["reason"]
     assert not any(_alive(p) for p in _job_pids(case))
 
 

@@ -214,11 +214,13 @@ def _frame(f: Mapping[str, Any]) -> str:
 
 
 def _user_frame(frames: Any) -> str | None:
-    """The innermost frame outside installed packages (torch's wrappers, typing_extensions'): the user's."""
+    """The innermost frame outside installed packages (torch's wrappers, typing_extensions') and outside
+    nsa-diag's probe (which counts a watched job's collectives from a wrapper): the user's."""
     plain = _python_frames(frames)
     for f in plain:
         parts = PurePath(str(f.get("filename", ""))).parts
-        if not {"site-packages", "dist-packages"} & set(parts):
+        probe = any(parts[i : i + 2] == ("nsa_diag", "probe") for i in range(len(parts) - 1))
+        if not {"site-packages", "dist-packages"} & set(parts) and not probe:
             return _frame(f)
     return _frame(plain[0]) if plain else None
 

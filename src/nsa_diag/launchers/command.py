@@ -66,10 +66,11 @@ from nsa_diag.launchers.torchrun import (
     FR_WAIT_S,
     PIPE_PREFIX,
     RankProcess,
+    flight_recorder_says,
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
-from nsa_diag.probe.runtime import STEPS_JSONL, ProbeJson
+from nsa_diag.probe.runtime import FR_PREFIX_ENV, STEPS_JSONL, ProbeJson
 from nsa_diag.records import FlightRecorder, JobNotes, StopReport, Stragglers
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
@@ -88,7 +89,9 @@ def probe_env(case_dir: Path, environ: Mapping[str, str], branch_marks: bool = F
     paths = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
     env = {PROBE_DIR_ENV: str(procs), "PYTHONPATH": os.pathsep.join([SITE_DIR, *paths, SOURCE_ROOT])}
     env[BRANCHES_ENV] = "1" if branch_marks else "0"
+    env[FR_PREFIX_ENV] = str(procs / FR_PREFIX)  # a gloo rank's probe dumps its recorder there at a hang
     recorder = {
+        "TORCH_FR_BUFFER_SIZE": str(FR_BUFFER),  # the recorder of every backend that keeps one (gloo's too)
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(procs / FR_PREFIX),
@@ -342,8 +345,8 @@ class CommandLauncher(Launcher):
                 os.write(fd, b"1\n")
                 os.close(fd)
                 asked[str(rank)] = "asked through the debug pipe"
-            except OSError as exc:
-                asked[str(rank)] = f"no debug pipe ({exc.strerror}): not an NCCL process group"
+            except OSError as exc:  # the rank's probe dumps its group's recorder at the dump request
+                asked[str(rank)] = f"no debug pipe ({exc.strerror}): not NCCL; its probe dumps the recorder"
         if any(v.startswith("asked") for v in asked.values()):
             deadline = time.monotonic() + FR_WAIT_S
             while time.monotonic() < deadline and not all(
@@ -491,11 +494,15 @@ class CommandLauncher(Launcher):
             )
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
         folders = {unit.key: unit.folder for unit in end.units}
-        return job.combine(
+        result = job.combine(
             self.spec, ending,
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=rates, folders=folders,
             roles=roles, parents=parents, alive=alive, stragglers=self._stragglers(),
         )  # fmt: skip
+        said = flight_recorder_says(end.notes.flight_recorder) if result.verdict == "hang" else None
+        if said:  # the ranks' recorders, read as `nsa-diag fr` reads them
+            result = result.model_copy(update={"reason": result.reason + f"; flight recorder: {said}"})
+        return result
 
     def _stragglers(self) -> Stragglers | None:
         """The ranks' step times compared (`nsa_diag.analysis.stragglers.watched_stragglers`), from each

@@ -70,6 +70,9 @@ COLLECTIVES = (
     "all_to_all_single", "send", "recv", "broadcast_object_list",
 )  # fmt: skip
 HEARTBEAT_S = 0.1
+# Where a rank's probe writes its process group's flight recorder at a dump request (``<prefix><rank>``,
+# set by watch): the recorder of a backend without NCCL's debug pipe (gloo's, with TORCH_FR_BUFFER_SIZE)
+FR_PREFIX_ENV = "NSA_DIAG_FR_PREFIX"
 
 _probe: Probe | None = None
 
@@ -151,6 +154,33 @@ class NonFiniteLoss(TypedDict):
     step: int
     time: float
     seen: str
+
+
+def dump_flight_recorder(path: Path, backend: str = "nccl") -> bool:
+    """This process's flight recorder (pickle) through torch's Python binding, where this torch has one:
+    ``_dump_nccl_trace`` for NCCL, ``_dump_fr_trace`` (the recorder of any backend that keeps one: gloo's
+    too, with ``TORCH_FR_BUFFER_SIZE`` set) otherwise; the names and arguments moved between versions, so
+    try what exists. Written whole or not at all (a temporary name, then renamed); False where neither
+    binding exists. Called where torch is imported already."""
+    import torch
+
+    c10d = getattr(torch._C, "_distributed_c10d", None)
+    names = ("_dump_nccl_trace", "_dump_fr_trace") if backend == "nccl" else ("_dump_fr_trace",)
+    for name in names:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        for args in ((True, True, False), ()):
+            try:
+                data = dump(*args)
+            except TypeError:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f".{path.name}.part")
+            part.write_bytes(data if isinstance(data, bytes) else bytes(data))
+            os.replace(part, path)
+            return True
+    return False
 
 
 def _int_env(name: str) -> int | None:
@@ -441,6 +471,8 @@ class Probe:
                         waiting=self.sink.waiting,
                     )
                     _write_json(self.folder / AT_HANG_JSON, at_hang)
+                    with contextlib.suppress(Exception):  # best effort, as the memory's
+                        self._dump_flight_recorder()
                     done.write_text("ok\n")
                 except Exception as exc:  # evidence is best effort; say what failed
                     done.write_text(f"failed: {type(exc).__name__}: {exc}\n")
@@ -449,6 +481,18 @@ class Probe:
                 if number and number != sample_answered:
                     sample_answered = number
                     faulthandler.dump_traceback(file=self.stacks, all_threads=True)
+
+    def _dump_flight_recorder(self) -> None:
+        # a rank of a process group without NCCL's debug pipe (watch asks NCCL's through the pipe): its
+        # recorder, for `nsa_diag.analysis.flight` as `nsa-diag fr` reads it
+        prefix = os.environ.get(FR_PREFIX_ENV)
+        dist = sys.modules.get("torch.distributed")
+        if not prefix or dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        backend = str(dist.get_backend())
+        path = Path(f"{prefix}{dist.get_rank()}")
+        if "nccl" not in backend and not path.exists():
+            dump_flight_recorder(path, backend)
 
     # --- the job's own reports ----------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
 from nsa_diag.artifacts import rank_dir
+from nsa_diag.probe.runtime import dump_flight_recorder
 from nsa_diag.records import BucketTrace, CollectiveCall, GradArrival, Preflight, RankDdp, TracedBucket
 from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP, pg_timeout_s
 from nsa_diag.worker import agent, inject, tether
@@ -470,28 +471,6 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
     artifacts.write_json(directory / artifacts.WORKER_RESULT, report)
     _leave_group()
     return 0
-
-
-def dump_flight_recorder(path: Path, backend: str = "nccl") -> None:
-    """This process's flight recorder (pickle) through torch's Python binding, where this torch has one:
-    ``_dump_nccl_trace`` for NCCL, ``_dump_fr_trace`` (the recorder of any backend that keeps one: gloo's
-    too, with ``TORCH_FR_BUFFER_SIZE`` set) otherwise; the names and arguments moved between versions, so
-    try what exists. Nothing is written where neither exists."""
-    import torch
-
-    c10d = getattr(torch._C, "_distributed_c10d", None)
-    names = ("_dump_nccl_trace", "_dump_fr_trace") if backend == "nccl" else ("_dump_fr_trace",)
-    for name in names:
-        dump = getattr(c10d, name, None)
-        if dump is None:
-            continue
-        for args in ((True, True, False), ()):
-            try:
-                data = dump(*args)
-            except TypeError:
-                continue
-            artifacts.write_bytes(path, data if isinstance(data, bytes) else bytes(data))
-            return
 
 
 def _leave_group() -> None:
