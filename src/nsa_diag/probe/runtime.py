@@ -62,8 +62,9 @@ DUMP_DONE = "dump.done"
 STACK_REQUEST = "stack.request"
 AT_HANG_JSON = "at_hang.json"  # the heartbeat thread's answer to dump.request: memory, collectives
 # torch.distributed's collectives the probe counts (per op) and marks while a call is under way: at a hang
-# the ranks' counts tell which rank never entered the collective the others wait in (gloo has no flight
-# recorder). One Python call around a call that costs milliseconds; nothing else changes.
+# the ranks' counts tell which rank never entered the collective the others wait in (also where no flight
+# recorder dump comes: a torch without the binding, a rank whose heartbeat cannot answer). One Python call
+# around a call that costs milliseconds; nothing else changes.
 COLLECTIVES = (
     "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
     "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
