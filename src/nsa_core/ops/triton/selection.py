@@ -6,7 +6,8 @@ smallest MMA, which a group of 6 heads alone fills to 6) and streams blocks with
 per row). Neighbouring queries share most of their blocks where the model has learnt locality, and at
 short lengths, where the blocks are few: a tile whose union of blocks (`tile_union`, one small kernel) is
 below ``SHARE_PCT`` of its ``M x n`` slots streams each block of the union once for the rows that chose
-it; otherwise each token's own blocks for its rows. Where the keys are few against the ``n x l'`` a query
+it; otherwise each token's own blocks for its rows (the forward loads slot i of the tile's tokens side by
+side as one key tile, ``PAIR_KEYS``). Where the keys are few against the ``n x l'`` a query
 reads (``SCAN_SPAN``), tiles of ``SCAN_ROWS`` rows instead stream every key up to their last position,
 each (row, key) pair masked by the row's blocks: nearly every block is some token's choice there, and each
 key is loaded once for the whole tile. It keeps the log-sum-exp per query head.
