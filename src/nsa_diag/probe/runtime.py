@@ -157,12 +157,11 @@ class NonFiniteLoss(TypedDict):
     seen: str
 
 
-def dump_flight_recorder(path: Path, backend: str = "nccl") -> bool:
+def flight_recorder_dump(backend: str = "nccl") -> bytes | None:
     """This process's flight recorder (pickle) through torch's Python binding, where this torch has one:
     ``_dump_nccl_trace`` for NCCL, ``_dump_fr_trace`` (the recorder of any backend that keeps one: gloo's
     too, with ``TORCH_FR_BUFFER_SIZE`` set) otherwise; the names and arguments moved between versions, so
-    try what exists. Written whole or not at all (a temporary name, then renamed); False where neither
-    binding exists. Called where torch is imported already."""
+    try what exists. None where neither exists. Called where torch is imported already."""
     import torch
 
     c10d = getattr(torch._C, "_distributed_c10d", None)
@@ -176,12 +175,8 @@ def dump_flight_recorder(path: Path, backend: str = "nccl") -> bool:
                 data = dump(*args)
             except TypeError:
                 continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f".{path.name}.part")
-            part.write_bytes(data if isinstance(data, bytes) else bytes(data))
-            os.replace(part, path)
-            return True
-    return False
+            return data if isinstance(data, bytes) else bytes(data)
+    return None
 
 
 def _int_env(name: str) -> int | None:
@@ -196,6 +191,17 @@ def _write_json(path: Path, data: ProbeJson | AtHang | NonFiniteLoss) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """`_write_json`'s atomic write, for bytes."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -492,8 +498,8 @@ class Probe:
             return
         backend = str(dist.get_backend())
         path = Path(f"{prefix}{dist.get_rank()}")
-        if "nccl" not in backend and not path.exists():
-            dump_flight_recorder(path, backend)
+        if "nccl" not in backend and not path.exists() and (data := flight_recorder_dump(backend)):
+            _write_bytes(path, data)
 
     # --- the job's own reports ----------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
 from nsa_diag.artifacts import rank_dir
-from nsa_diag.probe.runtime import dump_flight_recorder
+from nsa_diag.probe.runtime import flight_recorder_dump
 from nsa_diag.records import BucketTrace, CollectiveCall, GradArrival, Preflight, RankDdp, TracedBucket
 from nsa_diag.spec import PRE_FLIGHT, TRAIN_GROUP, pg_timeout_s
 from nsa_diag.worker import agent, inject, tether
@@ -460,8 +460,8 @@ def run(case_dir: Path, started: float, spec_path: Path | None = None) -> int:
     def at_hang() -> None:  # the heartbeat thread, asked by the watchdog before it stops any rank
         memory.record("at_hang")
         memory.dump_snapshot()
-        if backend is not None:
-            dump_flight_recorder(directory / artifacts.FR_AT_HANG, backend)
+        if backend is not None and (data := flight_recorder_dump(backend)):
+            artifacts.write_bytes(directory / artifacts.FR_AT_HANG, data)
 
     Heartbeat(beacon, directory, on_dump=at_hang, stacks=stacks, progress=progress).start()
     progress.event("setup", detail="spec read")
