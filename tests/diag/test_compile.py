@@ -84,3 +84,18 @@ def test_run_compile_inductor_outlives_a_stall_shorter_than_its_compile(
     assert result["steps_done"] == 3
     assert "torch.compile (backend inductor): 0 graph break(s)" in json.dumps(result)
     assert any((tmp_path / "inductor-cache").iterdir())  # it compiled here, from nothing
+
+
+@pytest.mark.slow  # Dynamo's compile of the tiny model (eager backend), then a 5 s stall
+def test_a_hang_inside_a_compiled_model_gets_the_eager_verdict_at_its_step_and_phase(tmp_path: Path) -> None:
+    """A lock that is never released, taken in layer 1's forward of a compiled model: the same verdict as
+    eager (python-deadlock), placed by the step and the phase (the block hooks are silent in the graph)
+    and by the stacks, whose frames show the lock and Dynamo's resume function around it."""
+    args = ["run", "--compile", "eager", "--inject", "deadlock:layer=1,phase=forward", "--stall", "5"]
+    assert run_cli([*args, "--steps", "2", "--out", str(tmp_path), "--name", "d"]) == 1
+    (case,) = tmp_path.glob("*-run/cases/d")
+    result = json.loads((case / "result.json").read_text())
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
+    assert (result["where"]["phase"], result["where"]["step"]) == ("forward", 1)
+    assert "_deadlock_lock_acquire" in result["reason"]
+    assert "torch_dynamo_resume_in" in (case / "stacks.txt").read_text()
