@@ -333,9 +333,9 @@ def aggregate(
     ddp.stragglers = find_stragglers({r: per_rank[r].metrics for r in ranks}, ds.straggler_ratio)
 
     hang_kind = None
+    collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
     if outcome == "stalled":
         threads = {r: inputs[r].last_thread for r in ranks}
-        collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
         diff = cross_rank_diff(threads, collectives)
         diff.collectives = {str(r): c for r, c in collectives.items()}
         ddp.stack_diff = diff
@@ -350,7 +350,6 @@ def aggregate(
         verdict, hang_kind, reason, source = _hang(per_rank, kinds, diff, decider)
     else:
         verdict, reason, source = _worst(per_rank, outcome)
-        collectives = {r: collective_state(inputs[r].progress_lines) for r in ranks}
         lost = left_a_collective(per_rank, collectives)
         if lost is not None and verdict in ("error", "crash"):  # the error is the wait's end, not its cause
             ddp.minority_ranks = lost.culprits

@@ -187,18 +187,11 @@ def _int_env(name: str) -> int | None:
 
 
 def _write_json(path: Path, data: ProbeJson | AtHang | NonFiniteLoss) -> None:
-    """Atomic (temporary sibling, rename); on a failure (a full disk) no temporary file stays."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _write_bytes(path, (json.dumps(data, indent=1, default=str) + "\n").encode())
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
-    """`_write_json`'s atomic write, for bytes."""
+    """Atomic (temporary sibling, rename); on a failure (a full disk) no temporary file stays."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(data)
