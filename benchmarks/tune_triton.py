@@ -4,7 +4,8 @@ For each kernel family (banded forward / dK-dV / dQ, run for the sliding window 
 selection forward / dQ / dK-dV) every candidate of `CANDIDATES` is set through the modules' ``LAUNCH``
 overrides while the others keep their defaults, and the launcher that runs it is timed with
 ``triton.testing.do_bench`` (median ms) at each shape: PERFORMANCE.md's (bf16, 64 query heads, 4 KV heads,
-head dim 128) at 8k and 64k, and m7c-125m's (12 / 2 heads, head dim 64) at 16k. A candidate that does not
+head dim 128) at 8k and 64k, and m7c-125m's (12 / 2 heads, head dim 64) at 16k and at 8 x 2k (its
+training step's batch). A candidate that does not
 compile (shared memory, registers) is listed as failed. The first row of each family is the default.
 Prints the table and, per family, the candidate with the smallest summed time relative to the default.
 
@@ -28,8 +29,10 @@ from nsa_core.ops.triton.compression import select_from_lse, triton_compressed_b
 # the selection kernels. None: the default.
 BANDED = {
     "fwd": [None, (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3)],
-    "dkdv": [None, (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 8, 3), (16, 64, 4, 3)],
-    "dq": [None, (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3)],
+    "dkdv": [None, (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3), (64, 64, 8, 3), (16, 64, 4, 3),
+             (32, 128, 8, 3)],
+    "dq": [None, (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3),
+           (128, 128, 8, 2)],
 }  # fmt: skip
 SELECTION = {
     "fwd": [None, (2, 2), (2, 3), (4, 2), (4, 4), (8, 3)],
@@ -46,10 +49,11 @@ FAMILIES = (
     + [f"sel-{kind}" for kind in SELECTION]
     + ["cmp-imp"]
 )
-SHAPES = {  # name -> (HQ, HKV, D, T)
-    "G16-8k": (64, 4, 128, 8192),
-    "G16-64k": (64, 4, 128, 65536),
-    "G6-16k": (12, 2, 64, 16384),
+SHAPES = {  # name -> (HQ, HKV, D, T, B)
+    "G16-8k": (64, 4, 128, 8192, 1),
+    "G16-64k": (64, 4, 128, 65536, 1),
+    "G6-16k": (12, 2, 64, 16384, 1),
+    "G6-8x2k": (12, 2, 64, 2048, 8),  # m7c-125m's training step at 2k (benchmarks/model_step.py)
 }
 DEVICE, DTYPE = "cuda", torch.bfloat16  # the CPU interpreter checks this script with "cpu", float32
 GEOMETRY = dict(block_len=32, block_stride=16, sel_block_len=64, n_sel=16, n_init=1, n_local=2, window=512)
@@ -67,15 +71,15 @@ def launch(kind: str, candidate: tuple[int, ...] | None, banded: bool) -> dict[s
 
 def workload(family: str, shape: str) -> Callable[[], object]:
     """The launcher call of one kernel family at one shape (inputs made once)."""
-    HQ, HKV, D, T = SHAPES[shape]
+    HQ, HKV, D, T, B = SHAPES[shape]
     branch, kind = family.split("-")
     g = GEOMETRY
     make = dict(device=DEVICE, dtype=DTYPE)
-    q = torch.randn(1, T, HQ, D, **make)
+    q = torch.randn(B, T, HQ, D, **make)
     scale = D**-0.5
     if kind == "imp":  # the importance pass and top-n from the compressed branch's lse
         Nc = (T - g["block_len"]) // g["block_stride"] + 1
-        k_cmp = torch.randn(1, Nc, HKV, D, **make)
+        k_cmp = torch.randn(B, Nc, HKV, D, **make)
         cmp = dict(block_len=g["block_len"], block_stride=g["block_stride"], q_offset=0)
         _, lse = flash.banded_forward(
             q, k_cmp, k_cmp, key_stride=g["block_stride"], key_offset=g["block_len"] - 1, window=None,
@@ -85,11 +89,11 @@ def workload(family: str, shape: str) -> Callable[[], object]:
         return lambda: select_from_lse(q, k_cmp, lse, scale=scale, **cmp, **select)
     if branch in ("win", "cmp"):
         if branch == "win":
-            k, v = torch.randn(1, T, HKV, D, **make), torch.randn(1, T, HKV, D, **make)
+            k, v = torch.randn(B, T, HKV, D, **make), torch.randn(B, T, HKV, D, **make)
             geometry = dict(key_stride=1, key_offset=0, window=g["window"], q_offset=0, scale=scale)
         else:
             Nc = (T - g["block_len"]) // g["block_stride"] + 1
-            k, v = torch.randn(1, Nc, HKV, D, **make), torch.randn(1, Nc, HKV, D, **make)
+            k, v = torch.randn(B, Nc, HKV, D, **make), torch.randn(B, Nc, HKV, D, **make)
             geometry = dict(
                 key_stride=g["block_stride"],
                 key_offset=g["block_len"] - 1,
@@ -102,9 +106,9 @@ def workload(family: str, shape: str) -> Callable[[], object]:
         o, lse = flash.banded_forward(q, k, v, **geometry)
         do = torch.randn_like(q)
         return lambda: flash.banded_backward(do, q, k, v, o, lse, **geometry)
-    k, v = torch.randn(1, T, HKV, D, **make), torch.randn(1, T, HKV, D, **make)
+    k, v = torch.randn(B, T, HKV, D, **make), torch.randn(B, T, HKV, D, **make)
     Nc = (T - g["block_len"]) // g["block_stride"] + 1
-    k_cmp = torch.randn(1, Nc, HKV, D, **make)
+    k_cmp = torch.randn(B, Nc, HKV, D, **make)
     select = {key: g[key] for key in ("sel_block_len", "n_sel", "n_init", "n_local")}
     block_idx = triton_compressed_block_select(
         q, k_cmp, block_len=g["block_len"], block_stride=g["block_stride"], **select

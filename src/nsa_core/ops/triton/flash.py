@@ -579,17 +579,24 @@ def launch_options(dtype: torch.dtype, block_d: int) -> dict[str, int]:
 LAUNCH: dict[str, dict[str, int]] = {}
 
 
-def kernel_config(kind: str, dtype: torch.dtype, head_dim: int, windowed: bool = False) -> dict[str, int]:
+def kernel_config(
+    kind: str, dtype: torch.dtype, head_dim: int, windowed: bool = False, compressed: bool = False
+) -> dict[str, int]:
     """Tiles and launch options of one banded kernel: ``BLOCK_M`` (query tile), ``BLOCK_N`` (key tile),
     ``num_warps``, ``num_stages``; `LAUNCH` overrides them per kernel.
 
-    The sliding window's dK/dV walks 32-row query tiles in bf16/fp16: a key tile's band then wastes less
-    at its two edges (0.82x the 64-row time at 8k and 64k, G=16, and at 16k, G=6; H100,
-    benchmarks/tune_triton.py)."""
+    In bf16/fp16 (head dim up to 128): the sliding window's dK/dV walks 32-row query tiles: a key tile's
+    band then wastes less at its two edges (0.82x the 64-row time at 8k and 64k, G=16, and at 16k, G=6;
+    H100, benchmarks/tune_triton.py). Over the compressed keys (one key per ``d`` queries) dK/dV walks
+    32-row query tiles too and dq reads 32-key tiles (H200: the compressed backward 0.87x at 8k, G=16,
+    0.91x at 64k, 0.7-0.9x at 8 x 2k, G=6; 1.05x at 16k, G=6)."""
     block_m, block_n, block_d = block_sizes(head_dim)
     config = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(dtype, block_d))
-    if kind == "dkdv" and windowed and torch.finfo(dtype).bits == 16 and block_d <= 128:
-        config["BLOCK_M"] = 32
+    if torch.finfo(dtype).bits == 16 and block_d <= 128:
+        if kind == "dkdv" and (windowed or compressed):
+            config["BLOCK_M"] = 32
+        if kind == "dq" and compressed:
+            config["BLOCK_N"] = 32
     return {**config, **LAUNCH.get(kind, {})}
 
 
@@ -707,8 +714,9 @@ def banded_backward(
     assert delta is not None or same_layout(o, q)
     assert dq is None or same_layout(dq, q)
     block_d = block_sizes(D)[2]
-    dkdv_config = kernel_config("dkdv", q.dtype, D, windowed=window is not None)
-    dq_config = kernel_config("dq", q.dtype, D)
+    compressed = key_stride > 1
+    dkdv_config = kernel_config("dkdv", q.dtype, D, windowed=window is not None, compressed=compressed)
+    dq_config = kernel_config("dq", q.dtype, D, compressed=compressed)
     acc, precision = kernel_dtypes(q.dtype)
     if delta is None:
         delta = torch.empty_like(lse)
