@@ -204,26 +204,38 @@ def _top_n_kernel(
     N_LOCAL: tl.constexpr,
     N_SEL: tl.constexpr,
     NS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
-    # one program per (batch, query row, KV group); idx [B, Tq, HKV, N_SEL] int64
-    pid = tl.program_id(0).to(tl.int64)
-    hk = pid % HKV
-    row = (pid // HKV) % rows
-    b = pid // (HKV * rows)
-    t = q_offset + row0 + row
+    # one program per (BLOCK_R consecutive (query row, KV group) pairs, batch); idx [B, Tq, HKV, N_SEL] int64
+    i_r = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    r = (i_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # row * HKV + hk
+    m_r = r < rows * HKV
+    t = q_offset + row0 + r // HKV  # [R]
     offs = tl.arange(0, NS_PAD)
-    score = tl.load(imp + b * stride_ib + (row * HKV + hk) * Ns + offs, mask=offs < Ns, other=0.0)
-    own = t // SEL_BLOCK_LEN
-    candidate = (offs * SEL_BLOCK_LEN <= t) & (offs < Ns)
-    forced = (offs < N_INIT) | ((offs <= own) & (offs > own - N_LOCAL))
+    m = m_r[:, None] & (offs < Ns)[None, :]
+    score = tl.load(imp + b * stride_ib + r[:, None] * Ns + offs[None, :], mask=m, other=0.0)
+    own = (t // SEL_BLOCK_LEN)[:, None]
+    candidate = m & (offs[None, :] * SEL_BLOCK_LEN <= t[:, None])
+    forced = (offs[None, :] < N_INIT) | ((offs[None, :] <= own) & (offs[None, :] > own - N_LOCAL))
     key = tl.where(forced, float("inf"), score)
     key = tl.where(candidate, key, float("-inf"))
-    out = idx + b * stride_xb + ((row0 + row) * HKV + hk) * N_SEL
+    o_n = tl.arange(0, BLOCK_N)
+    chosen = tl.full([BLOCK_R, BLOCK_N], -1, tl.int64)
     for slot in tl.static_range(N_SEL):
-        best = tl.max(key, 0)
-        j = tl.min(tl.where(key == best, offs, NS_PAD), 0)  # ties to the lower index
-        tl.store(out + slot, tl.where(best == float("-inf"), -1, j).to(tl.int64))
-        key = tl.where(offs == j, float("-inf"), key)
+        best = tl.max(key, 1)  # [R]
+        j = tl.min(tl.where(key == best[:, None], offs[None, :], NS_PAD), 1)  # ties to the lower index
+        pick = tl.where(best == float("-inf"), -1, j).to(tl.int64)
+        chosen = tl.where(o_n[None, :] == slot, pick[:, None], chosen)
+        key = tl.where(offs[None, :] == j[:, None], float("-inf"), key)
+    out = idx + b * stride_xb + (row0 * HKV + r)[:, None] * N_SEL + o_n[None, :]
+    tl.store(out, chosen, mask=m_r[:, None] & (o_n < N_SEL)[None, :])
+
+
+# top-n: (query row, KV group) pairs a program ranks, so that a tile holds about this many scores (one pair
+# a program left 31 of 32 lanes of each warp idle at 2k: ~80 us a layer of m7c-125m's step at 8 x 2048)
+TOP_N_TILE = 4096
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -279,10 +291,13 @@ def _launch_top_n(
     B, _, HKV, num_sel_blocks = imp.shape
     assert imp.stride()[1:] == (HKV * num_sel_blocks, num_sel_blocks, 1)
     assert block_idx.is_contiguous()
-    _top_n_kernel[(B * rows * HKV,)](
+    n_sel = block_idx.shape[-1]
+    ns_pad = max(16, next_power_of_2(num_sel_blocks))
+    block_r = max(1, min(64, TOP_N_TILE // ns_pad))
+    _top_n_kernel[(cdiv(rows * HKV, block_r), B)](
         imp, block_idx, imp.stride(0), block_idx.stride(0), HKV, num_sel_blocks, q_offset, row0, rows,
-        SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=block_idx.shape[-1],
-        NS_PAD=max(16, next_power_of_2(num_sel_blocks)),
+        SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=n_sel, NS_PAD=ns_pad,
+        BLOCK_N=next_power_of_2(n_sel), BLOCK_R=block_r,
     )  # fmt: skip
 
 
