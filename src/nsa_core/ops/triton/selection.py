@@ -110,6 +110,20 @@ def _paired_key_tile(
 
 
 @triton.jit
+def _scan_key_tile(
+    K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # the scan's keys s0.. (BLOCK_S divides l': a key tile lies in one block) and the (row, key) pairs kept:
+    # the rows whose blocks `b_idx [R, N]` hold that block, each up to its own position
+    blk = s0 // L_SEL
+    chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0  # [R]
+    return _key_tile(
+        K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, True
+    )
+
+
+@triton.jit
 def _fwd_block(
     b_q, K_bh, V_bh, sk_t, sv_t, blk, chose, t_r, t_last, m_i, l_i, acc, qk_scale,
     D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -206,12 +220,9 @@ def _selected_fwd_kernel(
     if SCAN:  # every key up to the tile's last position, in order, for the rows whose blocks hold it
         b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
         for s0 in range(0, t_last + 1, BLOCK_S):
-            blk = s0 // L_SEL  # BLOCK_S divides L_SEL: a key tile lies in one block
-            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
-            b_k, b_v, visible = _key_tile(
-                K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r,
-                D, L_SEL, BLOCK_S, BLOCK_D, True,
-            )  # fmt: skip
+            b_k, b_v, visible = _scan_key_tile(
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D
+            )
             m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
     else:
         count = M * N_SEL
@@ -370,12 +381,9 @@ def _selected_bwd_dq_kernel(
     if SCAN:  # the forward's scan: every key up to t_last, for the rows whose blocks hold it
         b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
         for s0 in range(0, t_last + 1, BLOCK_S):
-            blk = s0 // L_SEL
-            chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0
-            b_k, b_v, visible = _key_tile(
-                K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r,
-                D, L_SEL, BLOCK_S, BLOCK_D, True,
-            )  # fmt: skip
+            b_k, b_v, visible = _scan_key_tile(
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D
+            )
             b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
     else:
         count = M * N_SEL
@@ -685,7 +693,8 @@ _SCAN_WARPS = {"fwd": 4, "dq": 8}
 
 
 def _scan_block(sel_block_len: int) -> int:
-    # the scan's key tile: a power of two dividing l' (a tile lies in one block), 16 to 64 keys (0: none)
+    # the scan's key tile: a power of two dividing l' (a tile lies in one block), 16 to 64 keys (0: none);
+    # tiles of two whole blocks (128 keys at l' = 64) were slower (H200, BENCHMARKS.md)
     low = min(64, sel_block_len & -sel_block_len)
     return low if low >= 16 else 0
 
