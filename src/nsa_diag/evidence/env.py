@@ -33,6 +33,7 @@ from typing import Any
 from nsa_diag import __version__
 from nsa_diag.artifacts import is_secret_name
 from nsa_diag.devices import worth_asking_torch
+from nsa_diag.evidence.gpu import nvml_text, with_nvml
 
 ENV_VAR_PREFIXES = ("NSA_", "TORCH_", "NCCL_", "CUDA_", "PYTORCH_", "TRITON_", "SLURM_")
 # What a distributed or slow job is debugged by: thread counts, torchrun's rendezvous and ranks, cuBLAS's
@@ -244,45 +245,30 @@ def _triton(runtime: bool) -> dict[str, Any]:
 
 def _nvml() -> dict[str, Any]:
     """Driver and GPUs as NVML sees them, independent of torch (works while a CUDA context is wedged)."""
-    try:
-        import pynvml
-    except ImportError as exc:
-        return {"available": False, "why": f"pynvml (nvidia-ml-py) cannot be imported: {exc}"}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        return {"available": False, "why": f"NVML did not initialise: {exc}"}
-    try:
-        facts: dict[str, Any] = {
-            "available": True,
-            "driver_version": _text(pynvml.nvmlSystemGetDriverVersion()),
-            "cuda_driver_version": _cuda_driver_version(pynvml.nvmlSystemGetCudaDriverVersion_v2()),
-        }
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(
-                {
-                    "index": index,
-                    "name": _text(pynvml.nvmlDeviceGetName(handle)),
-                    "uuid": _text(pynvml.nvmlDeviceGetUUID(handle)),
-                    "pci_bus_id": _text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
-                    "memory_total_bytes": memory.total,
-                    "memory_used_bytes": memory.used,
-                }
-            )
-        facts["gpus"] = gpus
-        return facts
-    except pynvml.NVMLError as exc:
-        return {"available": False, "why": f"NVML query failed: {exc}"}
-    finally:
-        with contextlib.suppress(pynvml.NVMLError):
-            pynvml.nvmlShutdown()
+    return with_nvml(_nvml_facts)
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+def _nvml_facts(pynvml: Any) -> dict[str, Any]:
+    gpus = []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        gpus.append(
+            {
+                "index": index,
+                "name": nvml_text(pynvml.nvmlDeviceGetName(handle)),
+                "uuid": nvml_text(pynvml.nvmlDeviceGetUUID(handle)),
+                "pci_bus_id": nvml_text(pynvml.nvmlDeviceGetPciInfo(handle).busId),
+                "memory_total_bytes": memory.total,
+                "memory_used_bytes": memory.used,
+            }
+        )
+    return {
+        "available": True,
+        "driver_version": nvml_text(pynvml.nvmlSystemGetDriverVersion()),
+        "cuda_driver_version": _cuda_driver_version(pynvml.nvmlSystemGetCudaDriverVersion_v2()),
+        "gpus": gpus,
+    }
 
 
 def _cuda_driver_version(version: int) -> str:

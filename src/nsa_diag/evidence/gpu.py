@@ -42,7 +42,7 @@ def _with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
     return box["value"]
 
 
-def _text(value: str | bytes) -> str:
+def nvml_text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -57,8 +57,8 @@ def _query_gpu(pynvml: Any, index: int) -> dict[str, Any]:
         except Exception as exc:  # NVMLError_NotSupported on some boards; an older binding lacks a call
             unsupported.append(f"{key}: {type(exc).__name__}: {exc}")
 
-    put("name", lambda: _text(pynvml.nvmlDeviceGetName(handle)))
-    put("uuid", lambda: _text(pynvml.nvmlDeviceGetUUID(handle)))
+    put("name", lambda: nvml_text(pynvml.nvmlDeviceGetName(handle)))
+    put("uuid", lambda: nvml_text(pynvml.nvmlDeviceGetUUID(handle)))
     put("utilization_gpu_percent", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
     put("utilization_memory_percent", lambda: pynvml.nvmlDeviceGetUtilizationRates(handle).memory)
     put("memory_used_bytes", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used)
@@ -86,7 +86,9 @@ def _query_gpu(pynvml: Any, index: int) -> dict[str, Any]:
     return facts
 
 
-def _nvml_snapshot() -> dict[str, Any]:
+def with_nvml(query: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``query(pynvml)`` between NVML's init and shutdown, or ``{"available": False, "why": ...}`` where
+    pynvml cannot be imported, NVML does not initialise or the query fails."""
     try:
         import pynvml
     except ImportError as exc:
@@ -96,19 +98,27 @@ def _nvml_snapshot() -> dict[str, Any]:
     except pynvml.NVMLError as exc:
         return {"available": False, "why": f"NVML did not initialise (no NVIDIA driver or GPU here): {exc}"}
     try:
-        count = pynvml.nvmlDeviceGetCount()
-        if count == 0:
-            return {"available": False, "why": "NVML sees no GPU"}
-        return {
-            "available": True,
-            "driver_version": _text(pynvml.nvmlSystemGetDriverVersion()),
-            "gpus": [_query_gpu(pynvml, index) for index in range(count)],
-        }
+        return query(pynvml)
     except pynvml.NVMLError as exc:
         return {"available": False, "why": f"NVML query failed: {exc}"}
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def _nvml_snapshot() -> dict[str, Any]:
+    return with_nvml(_snapshot)
+
+
+def _snapshot(pynvml: Any) -> dict[str, Any]:
+    count = pynvml.nvmlDeviceGetCount()
+    if count == 0:
+        return {"available": False, "why": "NVML sees no GPU"}
+    return {
+        "available": True,
+        "driver_version": nvml_text(pynvml.nvmlSystemGetDriverVersion()),
+        "gpus": [_query_gpu(pynvml, index) for index in range(count)],
+    }
 
 
 def nvml_snapshot(timeout_s: float = NVML_TIMEOUT_S) -> dict[str, Any]:
