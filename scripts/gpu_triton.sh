@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the Triton kernels (issue 7), on one GPU, in parts so each fits a call:
-#   tests    the tests/core/triton folder at real sizes (CUDA_SIZES), one pytest per file side by side
+#   tests    the tests/core/triton folder ($TESTS: some of its files) at real sizes (CUDA_SIZES), dealt
+#            to $LANES pytests side by side
 #   profile  benchmarks/nsa_profile.py: time per kernel at 8k and 64k (G=16) and 16k (m7c-125m, G=6)
-#   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at three shapes
+#   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at four shapes
 #   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
 #   gqa      benchmarks/nsa_op.py at G=4 and G=6 (m7c-125m's 12 heads / 2 KV heads, head dim 64)
 #   model    benchmarks/model_step.py: m7c-125m training tokens/s and peak, triton vs cuDNN dense
@@ -33,28 +34,29 @@ step() {  # step NAME SECONDS COMMAND...: run under a time limit, log to $out/NA
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for part in "$@"; do
   case $part in
-    tests)  # three lanes side by side, shards in turn within a lane: the kernels compile on the CPUs (in
-      # one process the folder did not finish in 380 s on the H100, ~2.5 s a test); six processes side
-      # by side ran the float64 references of T=8192 x 64 heads out of GPU memory together
-      shards=("test_compression.py:compressed_fp32" "test_window.py:" "test_compression.py:not compressed_fp32"
-              "test_selection.py:" "test_gates.py:" "test_wiring.py:" "test_nsa.py:" "test_rope_kernels.py:")
-      # five lanes on an H200 (139 GB); on an H100 (79 GB) four side by side ran test_compression out of
-      # memory, and five ran test_selection's float64 references out of it
-      lanes=("0 1" "2" "3 4 5 6 7")
+    tests)  # the tests dealt round-robin to lanes side by side (the kernels compile on the CPUs; a lane of
+      # whole files waited on its slowest file: 430 s for test_selection alone), each lane one pytest
+      # under TESTS_S; TESTS: the files (default: all of tests/core/triton); LANES: six on a card of over
+      # 120 GB (165 tests of test_selection and test_nsa in 215 s on an H200), three on smaller ones (four
+      # lanes of whole files ran an H100's 79 GB out with the float64 references)
+      files=()
+      for f in ${TESTS:-$(cd tests/core/triton && ls test_*.py)}; do files+=("tests/core/triton/${f##*/}"); done
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-      (( ${mib:-0} > 120000 )) && lanes=("0 1" "2 4 7" "3" "5" "6")
+      lanes=${LANES:-3}; [[ -z ${LANES:-} ]] && (( ${mib:-0} > 120000 )) && lanes=6
+      python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>/dev/null | grep "::" > "$out/test-ids.txt"
+      echo "=== tests: $(wc -l < "$out/test-ids.txt") in $lanes lanes"
       pids=()
-      for lane in "${lanes[@]}"; do
-        (for i in $lane; do
-          file=${shards[$i]%%:*} expr=${shards[$i]#*:}
-          step "tests-$i" "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 ${expr:+-k "$expr"} "tests/core/triton/$file"
-        done) &
+      for ((i = 0; i < lanes; i++)); do
+        awk -v i=$i -v n=$lanes 'NR % n == i' "$out/test-ids.txt" > "$out/tests-$i.ids"
+        if [[ ! -s $out/tests-$i.ids ]]; then echo "tests-$i: no test dealt to it" > "$out/tests-$i.row"; continue; fi
+        (mapfile -t ids < "$out/tests-$i.ids"
+         timeout -s INT -k 20 "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$out/tests-$i.log" 2>&1
+         echo "tests-$i rc=$? of $(wc -l < "$out/tests-$i.ids"): $(grep -E '(passed|failed|error)' "$out/tests-$i.log" | tail -n 1)" > "$out/tests-$i.row") &
         pids+=($!)
       done
       wait "${pids[@]}"
-      for i in "${!shards[@]}"; do  # step's rows are lost in the subshells: the summaries
-        rows+=("$(printf '%-44s %s' "${shards[$i]}" "$(grep -E '(passed|failed|error)' "$out/tests-$i.log" | tail -n 1)")")
-      done ;;
+      for ((i = 0; i < lanes; i++)); do rows+=("$(cat "$out/tests-$i.row")"); done
+      grep -h -E "^(FAILED|ERROR)" "$out"/tests-*.log | head -n 30 ;;
     profile)
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
