@@ -10,9 +10,9 @@ the compressed blocks overlapping those selection blocks with each row's final l
 the ``G`` query heads (Eq. 10) and maps them onto selection blocks through the overlap counts of Eq. 9
 (``W[c, j]`` = chunks of ``d`` tokens of selection block ``j`` inside compressed block ``c``), one small
 matrix product per tile. The importance lands in a ``[B, rows, HKV, Ns]`` float32 buffer for a chunk of
-query rows bounded to ``IMPORTANCE_ELEMENTS`` (64 MiB), then one program per (query, KV group) takes the
-top ``n``: forced blocks first in ascending order, then by importance, ties to the lower index, -1 for
-unused slots: exactly `select_blocks(block_importance(p))` of `nsa_core.ops.selection`.
+query rows bounded to ``IMPORTANCE_ELEMENTS`` (64 MiB), then a program per tile of (query, KV group) pairs
+takes each pair's top ``n``: forced blocks first in ascending order, then by importance, ties to the lower
+index, -1 for unused slots: exactly `select_blocks(block_importance(p))` of `nsa_core.ops.selection`.
 """
 
 from __future__ import annotations
