@@ -588,8 +588,9 @@ def kernel_config(
     In bf16/fp16 (head dim up to 128): the sliding window's dK/dV walks 32-row query tiles: a key tile's
     band then wastes less at its two edges (0.82x the 64-row time at 8k and 64k, G=16, and at 16k, G=6;
     H100, benchmarks/tune_triton.py). Over the compressed keys (one key per ``d`` queries) dK/dV walks
-    32-row query tiles too and dq reads 32-key tiles (H200: the compressed backward 0.87x at 8k, G=16,
-    0.91x at 64k, 0.7-0.9x at 8 x 2k, G=6; 1.05x at 16k, G=6)."""
+    32-row query tiles too and dq reads 32-key tiles (H200, each alone, the compressed backward's time:
+    dK/dV 0.85x at 8k and 0.87x at 64k, G=16, 0.70-0.92x at 8 x 2k and 1.07x at 16k, G=6; dq 0.87x,
+    0.97x, 0.62-0.88x and 0.98x; BENCHMARKS.md)."""
     block_m, block_n, block_d = block_sizes(head_dim)
     config = dict(BLOCK_M=block_m, BLOCK_N=block_n, **launch_options(dtype, block_d))
     if torch.finfo(dtype).bits == 16 and block_d <= 128:
