@@ -43,7 +43,7 @@ from model_step import DenseAttention  # benchmarks/ is the script's folder
 # cProfile's entries by where their own time is spent: the first group whose test matches
 GROUPS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("autograd engine (C++)", lambda file, name: "run_backward" in name),
-    ("Triton launcher", lambda file, name: "/triton/" in file),
+    ("Triton launcher", lambda file, name: "/triton/" in file and "/nsa_core/" not in file),
     ("nsa_core Python", lambda file, name: "/nsa_core/" in file),
     ("optimizer", lambda file, name: "/torch/optim/" in file),
     ("torch ops from Python", lambda file, name: file == "~" and "torch" in name),
