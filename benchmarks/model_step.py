@@ -10,9 +10,12 @@ projection (NSA's three k/v projections, compressors and gates are its own extra
 Each length runs ``--tokens`` tokens a step (batch = tokens / S, at least 1), 3 warm-up steps, then the
 median of ``--steps`` timed steps (CUDA events); peak is ``max_memory_allocated`` over the timed steps;
 ``host ms`` is the median time the host takes to launch a step (no step synchronises): where it is close
-to the step time, the step is bound by the host.
+to the step time, the step is bound by the host. ``--rounds R`` measures the models in turn R times (a
+new model each time): the figures are the medians over the rounds, the ratio the median of the rounds'
+own ratios with their range (the ratio moved by +-0.06 between single runs on one kind of machine).
 
     python benchmarks/model_step.py --seq-lens 2048 16384
+    python benchmarks/model_step.py --rounds 3  # dense, NSA, dense, NSA, dense, NSA
     python benchmarks/model_step.py --graphs  # the model's forward and backward in CUDA graphs, both models
     python benchmarks/model_step.py --composed  # also NSA with the branches composed (fused=False)
 
@@ -126,6 +129,23 @@ def measure(kind: str, S: int, B: int, steps: int, dtype: torch.dtype, graphs: b
     return result
 
 
+def combined(runs: list[dict]) -> dict:
+    """One model's figures over its rounds: medians of the step and host times, the largest peak; an
+    error if any round had one."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    step_ms = statistics.median(r["step_ms"] for r in runs)
+    return {
+        **runs[0],
+        "step_ms": step_ms,
+        "host_ms": statistics.median(r["host_ms"] for r in runs),
+        "tokens_per_s": runs[0]["B"] * runs[0]["S"] / step_ms * 1e3,
+        "peak_gib": max(r["peak_gib"] for r in runs),
+        "rounds": len(runs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,6 +153,7 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 16384])
     parser.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch = tokens / S)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="the models measured in turn this many times")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--graphs", action="store_true", help="forward and backward in CUDA graphs")
     parser.add_argument(
@@ -159,10 +180,12 @@ def main() -> None:
     rows = []
     for S in args.seq_lens:
         B = max(1, args.tokens // S)
-        pair = {}
-        for kind in kinds:
-            pair[kind] = measure(kind, S, B, args.steps, dtype, args.graphs)
-            torch.cuda.empty_cache()  # the model and optimizer of `measure` are gone
+        rounds: dict[str, list[dict]] = {kind: [] for kind in kinds}
+        for _ in range(max(1, args.rounds)):
+            for kind in kinds:
+                rounds[kind].append(measure(kind, S, B, args.steps, dtype, args.graphs))
+                torch.cuda.empty_cache()  # the model and optimizer of `measure` are gone
+        pair = {kind: combined(runs) for kind, runs in rounds.items()}
         for kind, r in pair.items():
             if "error" in r:
                 print(f"{S:>6} {B:>3}  {kind:<8} {r['error']:>9}")
@@ -171,6 +194,15 @@ def main() -> None:
             if kind != "dense" and "error" not in pair["dense"]:
                 d = pair["dense"]
                 ratio = f"{r['tokens_per_s'] / d['tokens_per_s']:.2f}x tokens/s"
+                if len(rounds[kind]) > 1:
+                    per_round = sorted(
+                        mine["tokens_per_s"] / dense["tokens_per_s"]
+                        for mine, dense in zip(rounds[kind], rounds["dense"], strict=True)
+                    )
+                    median = statistics.median(per_round)
+                    r["ratio_rounds"] = per_round
+                    ratio = f"{median:.2f}x tokens/s ({per_round[0]:.2f}-{per_round[-1]:.2f} in"
+                    ratio += f" {len(per_round)} rounds)"
                 ratio += f", {r['peak_gib'] / d['peak_gib']:.2f}x peak"
             figures = f"{r['step_ms']:>9.1f} {r['host_ms']:>8.1f} {r['tokens_per_s']:>10.0f}"
             figures += f" {r['peak_gib']:>9.2f}"

@@ -6,7 +6,8 @@
 #   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at four shapes
 #   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
 #   gqa      benchmarks/nsa_op.py at G=4 and G=6 (m7c-125m's 12 heads / 2 KV heads, head dim 64)
-#   model    benchmarks/model_step.py: m7c-125m training tokens/s and peak, triton vs cuDNN dense
+#   model    benchmarks/model_step.py ($MODEL_ARGS, default S=2048 and 16384; e.g. add --rounds 3 and raise
+#            MODEL_S): m7c-125m training tokens/s and peak, triton vs cuDNN dense
 #   ab       benchmarks/nsa_op.py ($AB_ARGS, default 8k and 64k) with an older tree in .ab/$AB_BASE (default
 #            base; git archive COMMIT src benchmarks | tar -x -C .ab/base; carry ".ab"), then with this one
 #   ab-model the same for benchmarks/model_step.py ($AB_ARGS, default S=2048 and 16384)
@@ -71,7 +72,7 @@ for part in "$@"; do
     gqa)
       step gqa-g4 90 python3 benchmarks/nsa_op.py --heads 16 --kv-heads 4 --seq-lens 8192 65536 --json "$out/g4.json"
       step gqa-g6 90 python3 benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 8192 65536 --json "$out/g6.json" ;;
-    model) step model "${MODEL_S:-200}" python3 benchmarks/model_step.py --seq-lens 2048 16384 --json "$out/model.json" ;;
+    model) step model "${MODEL_S:-200}" python3 benchmarks/model_step.py ${MODEL_ARGS:---seq-lens 2048 16384} --json "$out/model.json" ;;
   esac
 done
 echo; printf '%s\n' "${rows[@]}"
