@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profiled", type=int, default=3)
-    parser.add_argument("--preset", default="m7c-125m")
+    parser.add_argument("--preset", default="m7c-125m", choices=list(nsa_core.PRESETS))
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
