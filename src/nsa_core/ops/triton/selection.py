@@ -112,15 +112,45 @@ def _paired_key_tile(
 @triton.jit
 def _scan_key_tile(
     K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r,
-    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
 ):  # fmt: skip
     # the scan's keys s0.. (BLOCK_S divides l': a key tile lies in one block) and the (row, key) pairs kept:
-    # the rows whose blocks `b_idx [R, N]` hold that block, each up to its own position
+    # the rows whose blocks `b_idx [R, N]` hold that block, each up to its own position (CAUSAL); without
+    # CAUSAL every row's position is past the tile: whole keys, kept for the rows that chose the block
     blk = s0 // L_SEL
     chose = tl.max((b_idx == blk).to(tl.int32), 1) > 0  # [R]
-    return _key_tile(
-        K_bh, V_bh, sk_t, sv_t, blk, s0 - blk * L_SEL, t_last, chose, t_r, D, L_SEL, BLOCK_S, BLOCK_D, True
-    )
+    if CAUSAL:
+        b_k, b_v, visible = _key_tile(
+            K_bh,
+            V_bh,
+            sk_t,
+            sv_t,
+            blk,
+            s0 - blk * L_SEL,
+            t_last,
+            chose,
+            t_r,
+            D,
+            L_SEL,
+            BLOCK_S,
+            BLOCK_D,
+            True,
+        )
+    else:
+        o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+        m_d = (o_d < D)[None, :]
+        b_k = tl.load(K_bh + (s0 + o_s)[:, None] * sk_t + o_d[None, :], mask=m_d, other=0.0)
+        b_v = tl.load(V_bh + (s0 + o_s)[:, None] * sv_t + o_d[None, :], mask=m_d, other=0.0)
+        visible = chose[:, None]
+    return b_k, b_v, visible
+
+
+@triton.jit
+def _scan_tile(i_m, Tt, q_offset, M: tl.constexpr, BLOCK_S: tl.constexpr):
+    # the scan's tile for program i_m, the longest first (the causal tiles' work grows along the sequence:
+    # the short ones fill the last wave), and the end of the key tiles every row of it reads whole
+    i_m = Tt - 1 - i_m
+    return i_m, (q_offset + i_m * M + 1) // BLOCK_S * BLOCK_S
 
 
 @triton.jit
@@ -203,6 +233,9 @@ def _selected_fwd_kernel(
     i_m = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
+    whole = 0
+    if SCAN:
+        i_m, whole = _scan_tile(i_m, Tt, q_offset, M, BLOCK_S)
     e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
     o_d = tl.arange(0, BLOCK_D)
     m_rd = m_r[:, None] & (o_d < D)[None, :]
@@ -219,9 +252,14 @@ def _selected_fwd_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     if SCAN:  # every key up to the tile's last position, in order, for the rows whose blocks hold it
         b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
-        for s0 in range(0, t_last + 1, BLOCK_S):
+        for s0 in range(0, whole, BLOCK_S):  # before every row's position: masked by the blocks alone
             b_k, b_v, visible = _scan_key_tile(
-                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D, False
+            )
+            m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+        for s0 in range(whole, t_last + 1, BLOCK_S):  # the causal edge
+            b_k, b_v, visible = _scan_key_tile(
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D, True
             )
             m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
     else:
@@ -354,6 +392,9 @@ def _selected_bwd_dq_kernel(
     i_m = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
+    whole = 0
+    if SCAN:
+        i_m, whole = _scan_tile(i_m, Tt, q_offset, M, BLOCK_S)
     e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
     o_d = tl.arange(0, BLOCK_D)
     m_rd = m_r[:, None] & (o_d < D)[None, :]
@@ -380,9 +421,14 @@ def _selected_bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     if SCAN:  # the forward's scan: every key up to t_last, for the rows whose blocks hold it
         b_idx = _tile_blocks(IDX_bh, si_t, tok, m_r, N_SEL, BLOCK_N)
-        for s0 in range(0, t_last + 1, BLOCK_S):
+        for s0 in range(0, whole, BLOCK_S):
             b_k, b_v, visible = _scan_key_tile(
-                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D, False
+            )
+            b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
+        for s0 in range(whole, t_last + 1, BLOCK_S):
+            b_k, b_v, visible = _scan_key_tile(
+                K_bh, V_bh, sk_t, sv_t, b_idx, s0, t_last, t_r, D, L_SEL, BLOCK_S, BLOCK_D, True
             )
             b_dq = _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECISION)
     else:
@@ -424,6 +470,39 @@ def _selected_bwd_dq_kernel(
         (b_dq * scale).to(DQ.dtype.element_ty),
         mask=m_rd,
     )
+
+
+@triton.jit
+def _dkdv_rows(
+    Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
+    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, E: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+):  # fmt: skip
+    # entries e0 .. e0 + E of a block's query list (E tokens x G heads a tile), added to its dK/dV; CAUSAL:
+    # each row masked to the keys up to its position
+    ent = e0 + e_r
+    m_r = (e_r < E) & (ent < hi)
+    tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
+    m_rd = m_r[:, None] & m_d[None, :]
+    b_q = tl.load(
+        Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_rd, other=0.0
+    )
+    b_do = tl.load(
+        DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_rd, other=0.0
+    )
+    row = (i_b * Tq + tok) * (HKV * G) + heads
+    b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
+    b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+    b_p = tl.exp2(b_s - b_lse[:, None])
+    if CAUSAL:
+        visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
+        b_p = tl.where(visible, b_p, 0.0)
+    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
+    return b_dk, b_dv
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "Ns", "q_offset"])
@@ -507,31 +586,21 @@ def _selected_bwd_dkdv_kernel(
         o_r = tl.arange(0, BLOCK_R)
         e_r, g_r = o_r // G, o_r % G
         heads = i_h * G + g_r
-        for e0 in range(lo, hi, E):
-            ent = e0 + e_r
-            m_r = (e_r < E) & (ent < hi)
-            tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
-            m_rd = m_r[:, None] & m_d[None, :]
-            b_q = tl.load(
-                Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :],
-                mask=m_rd,
-                other=0.0,
-            )
-            b_do = tl.load(
-                DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :],
-                mask=m_rd,
-                other=0.0,
-            )
-            row = (i_b * Tq + tok) * (HKV * G) + heads
-            b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
-            b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
-            visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
-            b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)
-            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
-            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
+        # the bucket's rows in token order: only its first l' can see part of the block (causal); the rows
+        # after them see it whole, where padding and foreign key lanes need no mask (lse = inf gives p = 0;
+        # key lanes past the block are not stored)
+        edge = tl.minimum(hi, tl.maximum(lo, start + L_SEL))
+        edge = lo + (edge - lo + E - 1) // E * E
+        for e0 in range(lo, edge, E):
+            b_dk, b_dv = _dkdv_rows(
+                Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
+                sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale, HKV, G, E, PRECISION, True,
+            )  # fmt: skip
+        for e0 in range(edge, hi, E):
+            b_dk, b_dv = _dkdv_rows(
+                Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
+                sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale, HKV, G, E, PRECISION, False,
+            )  # fmt: skip
         b_dk = b_dk * scale
 
         if (count <= CHUNK) | (N_CHUNKS == 1):
