@@ -472,39 +472,6 @@ def _selected_bwd_dq_kernel(
     )
 
 
-@triton.jit
-def _dkdv_rows(
-    Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
-    sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale,
-    HKV: tl.constexpr, G: tl.constexpr, E: tl.constexpr, PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
-):  # fmt: skip
-    # entries e0 .. e0 + E of a block's query list (E tokens x G heads a tile), added to its dK/dV; CAUSAL:
-    # each row masked to the keys up to its position
-    ent = e0 + e_r
-    m_r = (e_r < E) & (ent < hi)
-    tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
-    m_rd = m_r[:, None] & m_d[None, :]
-    b_q = tl.load(
-        Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :], mask=m_rd, other=0.0
-    )
-    b_do = tl.load(
-        DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :], mask=m_rd, other=0.0
-    )
-    row = (i_b * Tq + tok) * (HKV * G) + heads
-    b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
-    b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
-    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
-    b_p = tl.exp2(b_s - b_lse[:, None])
-    if CAUSAL:
-        visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
-        b_p = tl.where(visible, b_p, 0.0)
-    b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
-    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
-    b_ds = b_p * (b_dp - b_delta[:, None])
-    b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
-    return b_dk, b_dv
-
-
 @triton.jit(do_not_specialize=["Tq", "Tk", "Ns", "q_offset"])
 def _selected_bwd_dkdv_kernel(
     Q,
@@ -586,21 +553,31 @@ def _selected_bwd_dkdv_kernel(
         o_r = tl.arange(0, BLOCK_R)
         e_r, g_r = o_r // G, o_r % G
         heads = i_h * G + g_r
-        # the bucket's rows in token order: only its first l' can see part of the block (causal); the rows
-        # after them see it whole, where padding and foreign key lanes need no mask (lse = inf gives p = 0;
-        # key lanes past the block are not stored)
-        edge = tl.minimum(hi, tl.maximum(lo, start + L_SEL))
-        edge = lo + (edge - lo + E - 1) // E * E
-        for e0 in range(lo, edge, E):
-            b_dk, b_dv = _dkdv_rows(
-                Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
-                sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale, HKV, G, E, PRECISION, True,
-            )  # fmt: skip
-        for e0 in range(edge, hi, E):
-            b_dk, b_dv = _dkdv_rows(
-                Q, DO, LSE, DELTA, TOKENS, e0, hi, i_b, e_r, heads, o_d, m_d, pos, m_s, b_k, b_v, b_dk, b_dv,
-                sq_b, sq_t, sq_h, sdo_b, sdo_t, sdo_h, Tq, q_offset, qk_scale, HKV, G, E, PRECISION, False,
-            )  # fmt: skip
+        for e0 in range(lo, hi, E):
+            ent = e0 + e_r
+            m_r = (e_r < E) & (ent < hi)
+            tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
+            m_rd = m_r[:, None] & m_d[None, :]
+            b_q = tl.load(
+                Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :],
+                mask=m_rd,
+                other=0.0,
+            )
+            b_do = tl.load(
+                DO + i_b * sdo_b + tok[:, None] * sdo_t + heads[:, None] * sdo_h + o_d[None, :],
+                mask=m_rd,
+                other=0.0,
+            )
+            row = (i_b * Tq + tok) * (HKV * G) + heads
+            b_lse = tl.load(LSE + row, mask=m_r, other=float("inf"))
+            b_delta = tl.load(DELTA + row, mask=m_r, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision=PRECISION) * qk_scale  # [R, S]
+            visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= q_offset + tok[:, None])
+            b_p = tl.where(visible, tl.exp2(b_s - b_lse[:, None]), 0.0)
+            b_dv += tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do, input_precision=PRECISION)
+            b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
         b_dk = b_dk * scale
 
         if (count <= CHUNK) | (N_CHUNKS == 1):
