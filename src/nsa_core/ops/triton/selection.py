@@ -10,7 +10,8 @@ it; otherwise each token's own blocks for its rows (the forward loads slot i of 
 side as one key tile, ``PAIR_KEYS``). Where the keys are few against the ``n x l'`` a query
 reads (``SCAN_SPAN``), tiles of ``SCAN_ROWS`` rows instead stream every key up to their last position,
 each (row, key) pair masked by the row's blocks: nearly every block is some token's choice there, and each
-key is loaded once for the whole tile. It keeps the log-sum-exp per query head.
+key is loaded once for the whole tile; the longest tiles run first, and the key tiles before every row's
+position are masked by the blocks alone (no causal mask). It keeps the log-sum-exp per query head.
 
 Backward, in two kernels and no atomics:
 - ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward (union, own blocks or scan), streaming
@@ -735,7 +736,9 @@ def _token_rows(
 # instead of once per token that chose it. Chosen when the keys are at most SCAN_SPAN x n x l'.
 SCAN_ROWS = 128  # for 8 KB key tiles (half precision at D <= 64); wider tiles scale it down
 SCAN_SPAN = 4
-_SCAN_WARPS = {"fwd": 4, "dq": 8}
+# warps: with the whole key tiles unmasked, 8 for the forward took m7c's 8 x 2048 from 0.309 to 0.267 ms and
+# 4 x 4096 from 0.531 to 0.465; dq at 4 was 1.16-1.19x its time at 8 (H200, BENCHMARKS.md)
+_SCAN_WARPS = {"fwd": 8, "dq": 8}
 
 
 def _scan_block(sel_block_len: int) -> int:
