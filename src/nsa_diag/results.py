@@ -165,7 +165,7 @@ def unit_evidence(
         main_wchan=hang.main_wchan if hang else None,
         main_state=hang.main_state if hang else None,
         where=Where(**last.where()) if last is not None else None,
-        stalled_for_s=decision.idle_s if decision is not None else None,
+        stalled_for_s=decision.silence_s if decision is not None else None,
         elapsed_s=elapsed,
         timeout_s=spec.timeout,
         rate=rate,

@@ -175,10 +175,16 @@ class Work:
 class Decision:
     status: Status
     elapsed_s: float  # since the worker started
-    idle_s: float  # since the last progress event
+    idle_s: float  # since the last progress event, or since the stall clock was started again (a pause)
     stall_limit_s: float  # the limit that applied (spec.stall or auto's, longer during setup and exit)
     limit_reason: str = ""  # how that limit came about, e.g. "auto: 3 x longest step 2.10 s = 6.3 s ..."
     work: Work | None = None  # past the stall limit: the work that kept it running (or its absence)
+    silent_s: float | None = None  # since the last progress event, pauses included (None: idle_s)
+
+    @property
+    def silence_s(self) -> float:
+        """How long the unit has reported no progress, whatever its stall clock says."""
+        return self.idle_s if self.silent_s is None else self.silent_s
 
 
 @dataclass(frozen=True)
@@ -337,6 +343,7 @@ def decide(
     started = history[0].t
     state = _last_state(history)
     last_progress = started if state is None else min(max(state.time, started), now)
+    silent = now - last_progress
     if since is not None:
         last_progress = max(last_progress, min(since, now))
     idle = now - last_progress
@@ -349,7 +356,7 @@ def decide(
         status = "running" if work.working else "stalled"
     if status == "running" and elapsed > spec.timeout:
         status = "timeout"
-    return Decision(status, elapsed, idle, limit.seconds, limit.reason, work)
+    return Decision(status, elapsed, idle, limit.seconds, limit.reason, work, silent)
 
 
 def heartbeat_alive(state: BeaconState | None, now: float) -> bool | None:

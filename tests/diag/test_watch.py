@@ -441,10 +441,11 @@ def test_slow_dataloader_items_are_a_pause_while_the_workers_read_them(tmp_path:
 
 @pytest.mark.slow
 def test_a_layer_whose_per_token_loop_outlasts_the_stall_is_slow_not_hung(tmp_path: Path) -> None:
-    # each layer's forward: 6-20 s on a 2-core machine; the 25 s timeout comes in one of the eight forwards
+    # each layer's forward must outlast the 5 s stall: at 6144 tokens one took ~5 s on a 2-core machine of
+    # 2026-12 (the stall never came), hence 12288; the 25 s timeout comes in one of the eight forwards
     # (the CPU backward of a per-token graph runs in C++ with no Python frame moving: py-spy's native
     # frames tell it works, and this test does not need py-spy)
-    job = [PY, "per_token_layer.py", "--seq-len", "6144", "--layers", "8"]
+    job = [PY, "per_token_layer.py", "--seq-len", "12288", "--layers", "8"]
     proc, out = _watch(tmp_path, "--stall", "5", "--timeout", "25", job=job)
     assert proc.returncode == 1
     result = _result(out)
@@ -585,6 +586,7 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "collective", result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
+    assert result["reason"].startswith("rank 1 (pid "), result["reason"]
     case = _case(out)
     assert sorted(p.name for p in (case / "ranks").iterdir()) == ["0", "1"]
     # gloo has no debug pipe: each rank's probe dumped its group's flight recorder at the dump request,
@@ -602,7 +604,8 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
 def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuck_rank: int) -> None:
     """A user's FSDP2 job (fully_shard per block, then the model; gloo): healthy, it passes with its steps
     counted; when rank 1's batch read blocks at step 3, rank 0 waits in FSDP's all-gather of step 3's
-    forward: a collective hang whose minority is rank 1, at its read, and no process outlives the case."""
+    forward: a collective hang about rank 1, at its read, which rank 0 waits for; no process outlives the
+    case."""
     job = _torchrun("fsdp2_stuck_rank.py", "--stuck-rank", str(stuck_rank))
     proc, out = _watch(tmp_path, "--stall", "5", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
     result = _result(out)
@@ -614,6 +617,10 @@ def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuc
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "collective", result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
+    # the stuck rank heads the reason; the rank whose stall stopped the job waits for it
+    assert result["reason"].startswith("rank 1 (pid "), result["reason"]
+    assert "rank 0 (pid " in result["reason"]
+    assert "waits for it" in result["reason"]
     assert "all_gather" in result["reason"]
     assert "fsdp2_stuck_rank.py:27 in read_batch" in result["reason"]
     assert result["steps_done"] == 2

@@ -526,6 +526,18 @@ def combine(
     key = decider if decider is not None else root
     if outcome == "timeout":
         key = _timeout_decider(per_unit, training, key)
+    diff = _minority(ranks, folders) if len(ranks) > 1 and per_unit[key].verdict == "hang" else None
+    held_up = ""
+    culprit = diff.minority_ranks[0] if diff is not None and diff.minority_ranks else None
+    if culprit is not None and culprit != key and per_unit.get(culprit, per_unit[key]).verdict == "hang":
+        # the rank the others wait for heads the verdict (a person names the stuck rank first); the rank
+        # whose watchdog stopped the job waits for it
+        waiter = per_unit[key]
+        held_up = (
+            f"; {_label(key, infos.get(key, {}), ranks, root)} waits for it at "
+            f"{location(waiter, key if key in ranks else None)}: {waiter.reason}"
+        )
+        key = culprit
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
@@ -547,9 +559,9 @@ def combine(
         return base.model_copy(
             update={"steps_done": steps, "evidence": evidence, "rate": rate, "reason": reason}
         )
-    reason, kind = base.reason, base.hang_kind
-    if len(ranks) > 1:
-        kind, reason = _rank_hang(per_unit, ranks, folders, key, evidence, reason, kind)
+    reason, kind = base.reason + held_up, base.hang_kind
+    if diff is not None:
+        kind, reason = _rank_hang(per_unit, ranks, diff, key, evidence, reason, kind)
     thread = _focus(folders[key]) if key in folders else None
     waited = _waited_on(key, thread, per_unit, roles, parents)
     if waited:
@@ -630,21 +642,27 @@ def _note_raised(
         }  # fmt: skip
 
 
+def _minority(ranks: Mapping[int, int], folders: Mapping[int, Path]) -> StackDiff:
+    """The ranks' stacks compared (stack clusters; on a tie, the ranks outside a collective)."""
+    threads = {r: _focus(folders[r]) for r in ranks if r in folders}
+    diff = cross_rank_diff(threads, {})
+    if not diff.minority_ranks:
+        collective_minority(diff, folders, ranks)
+    return diff
+
+
 def _rank_hang(
     per_unit: Mapping[int, CaseResult],
     ranks: Mapping[int, int],
-    folders: Mapping[int, Path],
-    decider: int,
+    diff: StackDiff,
+    headline: int,
     evidence: CaseEvidence,
     reason: str,
     kind: str | None,
 ) -> tuple[str | None, str]:
-    """The ranks' minority (stack clusters; on a tie, the ranks outside a collective) and the hang kind."""
-    threads = {r: _focus(folders[r]) for r in ranks if r in folders}
-    diff = cross_rank_diff(threads, {})
+    """The ranks' minority (`_minority`) into the evidence and the reason, and the hang kind. ``headline``:
+    the unit the reason is about, whose place it has said already."""
     evidence.stack_diff = diff
-    if not diff.minority_ranks:
-        collective_minority(diff, folders, ranks)
     minority = diff.minority_ranks
     evidence.minority_ranks = minority
     kinds = {r: per_unit[r].hang_kind for r in ranks if r in per_unit}
@@ -654,7 +672,7 @@ def _rank_hang(
         r = minority[0]
         div = diff.first_divergent_frame.get(str(r))
         text = f"minority rank(s) {', '.join(map(str, minority))}"
-        if r in per_unit:
+        if r in per_unit and r != headline:
             text += f" at {location(per_unit[r], r)}"
         if div is not None and div.frame:
             text += f", first divergent frame {div.frame}"
