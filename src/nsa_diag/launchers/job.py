@@ -526,10 +526,11 @@ def combine(
     key = decider if decider is not None else root
     if outcome == "timeout":
         key = _timeout_decider(per_unit, training, key)
-    diff = _minority(ranks, folders) if len(ranks) > 1 and per_unit[key].verdict == "hang" else None
+    diff = _minority(ranks, folders) if len(ranks) > 1 else None
     held_up = ""
     culprit = diff.minority_ranks[0] if diff is not None and diff.minority_ranks else None
-    if culprit is not None and culprit != key and per_unit.get(culprit, per_unit[key]).verdict == "hang":
+    hung = per_unit[key].verdict == "hang" and culprit in per_unit and per_unit[culprit].verdict == "hang"
+    if culprit is not None and culprit != key and hung:
         # the rank the others wait for heads the verdict (a person names the stuck rank first); the rank
         # whose watchdog stopped the job waits for it
         waiter = per_unit[key]
