@@ -6,6 +6,8 @@ cost what a dense layer's do. This script measures the difference where it arise
 model of `model_step.py` (the same step: forward, cross-entropy, backward, AdamW):
 
 - host and step time, medians of ``--steps`` (host: until the step returns; no step synchronises);
+- NSA again with each Triton launch timed on the host (``JITFunction.run``: Triton's binder, its cache
+  lookup and its C launcher), by kernel: calls a step and microseconds each;
 - NSA again with every Triton launch made a no-op after the warm-up (``JITFunction.run`` replaced: the
   Python around the launches, the torch ops and the autograd engine stay; the kernels' work goes);
 - a cProfile of ``--profiled`` steps, its own time per step grouped by where it is spent: Triton's
@@ -54,6 +56,40 @@ GROUPS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
 
 def group_of(file: str, name: str) -> str:
     return next(group for group, test in GROUPS if test(file, name))
+
+
+@contextlib.contextmanager
+def triton_launches_timed(
+    seconds: collections.Counter[str], calls: collections.Counter[str]
+) -> Iterator[None]:
+    """Every Triton launch (``JITFunction.run``: Triton's binder, cache lookup and its C launcher) timed on
+    the host, by kernel name, into ``seconds`` and ``calls``; put back after."""
+    classes: list[type] = [JITFunction]
+    with contextlib.suppress(ImportError):
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
+
+    def timed(run: Callable) -> Callable:
+        def launch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            began = time.perf_counter()
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
+                seconds[name] += time.perf_counter() - began
+                calls[name] += 1
+
+        return launch
+
+    for cls, run in saved:
+        cls.run = timed(run)
+    try:
+        yield
+    finally:
+        for cls, run in saved:
+            cls.run = run
 
 
 @contextlib.contextmanager
@@ -152,7 +188,20 @@ def measure(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> collecti
     groups: collections.Counter[str] = collections.Counter()
     for (file, _, name), row in pstats.Stats(profiler).stats.items():  # type: ignore[attr-defined]
         groups[group_of(file, name)] += row[2] / args.profiled * 1e3  # own time, ms a step
-    if kind == "nsa":  # last: the skipped kernels leave garbage in the weights' updates
+    if kind == "nsa":
+        seconds: collections.Counter[str] = collections.Counter()
+        calls: collections.Counter[str] = collections.Counter()
+        with triton_launches_timed(seconds, calls):
+            host, wall = timed()
+        inside = sum(seconds.values()) / args.steps * 1e3
+        print(
+            f"nsa, Triton launches timed: host {host:7.1f} ms, step {wall:7.1f} ms; {inside:.1f} ms a step "
+            f"inside Triton's launches ({sum(calls.values()) / args.steps:.0f} a step):"
+        )
+        for name, total in seconds.most_common(args.kernels):
+            per_call = total / calls[name] * 1e6
+            print(f"  {name:<36} {calls[name] / args.steps:5.0f} a step {per_call:8.1f} us each")
+        # last: the skipped kernels leave garbage in the weights' updates
         with triton_launches_skipped():
             host, wall = timed()
         print(f"nsa, Triton launches skipped: host {host:7.1f} ms, step {wall:7.1f} ms")
@@ -167,6 +216,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profiled", type=int, default=3)
+    parser.add_argument("--kernels", type=int, default=12, help="Triton kernels listed by their host time")
     parser.add_argument("--preset", default="m7c-125m", choices=list(nsa_core.PRESETS))
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
