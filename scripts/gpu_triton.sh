@@ -44,20 +44,27 @@ for part in "$@"; do
       for f in ${TESTS:-$(cd tests/core/triton && ls test_*.py)}; do files+=("tests/core/triton/${f##*/}"); done
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
       lanes=${LANES:-3}; [[ -z ${LANES:-} ]] && (( ${mib:-0} > 120000 )) && lanes=6
+      # the lanes' files in a folder of their own; $out gets the ids and one log of every lane (a call
+      # brings back at most 8 files)
+      lanes_dir=$(mktemp -d)
       python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>/dev/null | grep "::" > "$out/test-ids.txt"
       echo "=== tests: $(wc -l < "$out/test-ids.txt") in $lanes lanes"
       pids=()
       for ((i = 0; i < lanes; i++)); do
-        awk -v i=$i -v n=$lanes 'NR % n == i' "$out/test-ids.txt" > "$out/tests-$i.ids"
-        if [[ ! -s $out/tests-$i.ids ]]; then echo "tests-$i: no test dealt to it" > "$out/tests-$i.row"; continue; fi
-        (mapfile -t ids < "$out/tests-$i.ids"
-         timeout -s INT -k 20 "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$out/tests-$i.log" 2>&1
-         echo "tests-$i rc=$? of $(wc -l < "$out/tests-$i.ids"): $(grep -E '(passed|failed|error)' "$out/tests-$i.log" | tail -n 1)" > "$out/tests-$i.row") &
+        lane=$lanes_dir/tests-$i
+        awk -v i=$i -v n=$lanes 'NR % n == i' "$out/test-ids.txt" > "$lane.ids"
+        if [[ ! -s $lane.ids ]]; then echo "tests-$i: no test dealt to it" > "$lane.row"; continue; fi
+        (mapfile -t ids < "$lane.ids"
+         timeout -s INT -k 20 "${TESTS_S:-540}" python3 -m pytest -q -p no:cacheprovider --durations=5 "${ids[@]}" > "$lane.log" 2>&1
+         echo "tests-$i rc=$? of $(wc -l < "$lane.ids"): $(grep -E '(passed|failed|error)' "$lane.log" | tail -n 1)" > "$lane.row") &
         pids+=($!)
       done
       wait "${pids[@]}"
-      for ((i = 0; i < lanes; i++)); do rows+=("$(cat "$out/tests-$i.row")"); done
-      grep -h -E "^(FAILED|ERROR)" "$out"/tests-*.log | head -n 30 ;;
+      for ((i = 0; i < lanes; i++)); do
+        rows+=("$(cat "$lanes_dir/tests-$i.row")")
+        [[ -f $lanes_dir/tests-$i.log ]] && { echo "===== tests-$i"; cat "$lanes_dir/tests-$i.log"; } >> "$out/tests.log"
+      done
+      grep -h -E "^(FAILED|ERROR)" "$lanes_dir"/tests-*.log | head -n 30 ;;
     profile)
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
