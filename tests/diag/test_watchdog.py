@@ -88,6 +88,19 @@ def test_stalled_when_the_progress_counter_stops_although_the_heartbeat_ticks() 
     assert d.stall_limit_s == 2.0
 
 
+def test_a_restarted_stall_clock_delays_the_stall_but_the_silence_counts_from_the_last_progress() -> None:
+    """After a pause (`Watcher.rearm`) the stall clock starts again; the evidence's "no progress for" is
+    the time since the unit's last progress event all the same (a rank that had slept 5 s said 0.0 s)."""
+    h = history((1.0, beacon(7, T0 + 1.0)), (2.0, beacon(7, T0 + 1.0)))
+    d = decide(h, T0 + 6.0, spec(), since=T0 + 5.0)
+    assert d.status == "running"
+    assert d.idle_s == pytest.approx(1.0)
+    assert d.silence_s == pytest.approx(5.0)
+    later = decide(h, T0 + 7.5, spec(), since=T0 + 5.0)
+    assert later.status == "stalled"
+    assert (later.idle_s, later.silence_s) == (pytest.approx(2.5), pytest.approx(6.5))
+
+
 def test_setup_gets_a_longer_stall_limit_and_so_does_a_missing_beacon() -> None:
     h = history((0.2, beacon(1, T0 + 0.1, phase="setup", step=None)))
     assert decide(h, T0 + 10.0, spec()).status == "running"
