@@ -526,7 +526,8 @@ def combine(
     key = decider if decider is not None else root
     if outcome == "timeout":
         key = _timeout_decider(per_unit, training, key)
-    diff = _minority(ranks, folders) if len(ranks) > 1 else None
+    # the ranks' minority, for all but a slow job (whose reason is its rate)
+    diff = _minority(ranks, folders) if len(ranks) > 1 and per_unit[key].verdict != "slow" else None
     held_up = ""
     culprit = diff.minority_ranks[0] if diff is not None and diff.minority_ranks else None
     hung = per_unit[key].verdict == "hang" and culprit in per_unit and per_unit[culprit].verdict == "hang"
