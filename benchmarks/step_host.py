@@ -59,17 +59,29 @@ def group_of(file: str, name: str) -> str:
 
 
 @contextlib.contextmanager
-def triton_launches_timed(
-    seconds: collections.Counter[str], calls: collections.Counter[str]
-) -> Iterator[None]:
-    """Every Triton launch (``JITFunction.run``: Triton's binder, cache lookup and its C launcher) timed on
-    the host, by kernel name, into ``seconds`` and ``calls``; put back after."""
+def _triton_runs_replaced(replace: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Every Triton launch (``run`` of a compiled or interpreted kernel) through ``replace(run)``, put back
+    after."""
     classes: list[type] = [JITFunction]
     with contextlib.suppress(ImportError):
         from triton.runtime.interpreter import InterpretedFunction
 
         classes.append(InterpretedFunction)
     saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
+    for cls, run in saved:
+        cls.run = replace(run)
+    try:
+        yield
+    finally:
+        for cls, run in saved:
+            cls.run = run
+
+
+def triton_launches_timed(
+    seconds: collections.Counter[str], calls: collections.Counter[str]
+) -> contextlib.AbstractContextManager[None]:
+    """Every Triton launch (``JITFunction.run``: Triton's binder, cache lookup and its C launcher) timed on
+    the host, by kernel name, into ``seconds`` and ``calls``."""
 
     def timed(run: Callable) -> Callable:
         def launch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -83,31 +95,12 @@ def triton_launches_timed(
 
         return launch
 
-    for cls, run in saved:
-        cls.run = timed(run)
-    try:
-        yield
-    finally:
-        for cls, run in saved:
-            cls.run = run
+    return _triton_runs_replaced(timed)
 
 
-@contextlib.contextmanager
-def triton_launches_skipped() -> Iterator[None]:
-    """Every Triton kernel launch a no-op (compiled or interpreted), put back after."""
-    classes: list[type] = [JITFunction]
-    with contextlib.suppress(ImportError):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        classes.append(InterpretedFunction)
-    saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
-    for cls, _ in saved:
-        cls.run = lambda self, *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for cls, run in saved:
-            cls.run = run
+def triton_launches_skipped() -> contextlib.AbstractContextManager[None]:
+    """Every Triton kernel launch a no-op (compiled or interpreted)."""
+    return _triton_runs_replaced(lambda run: lambda self, *args, **kwargs: None)
 
 
 class GcCount:
