@@ -6,13 +6,14 @@ cost what a dense layer's do. This script measures the difference where it arise
 model of `model_step.py` (the same step: forward, cross-entropy, backward, AdamW):
 
 - host and step time, medians of ``--steps`` (host: until the step returns; no step synchronises);
-- NSA again with each Triton launch timed on the host (``JITFunction.run``: Triton's binder, its cache
-  lookup and its C launcher), by kernel: calls a step and microseconds each;
-- NSA again with every Triton launch made a no-op after the warm-up (``JITFunction.run`` replaced: the
+- NSA again with each Triton launch timed on the host (``Launcher.launch``: its key and the compiled
+  kernel's launcher, `nsa_core.ops.triton.launch`), by kernel: calls a step and microseconds each;
+- NSA again with every Triton launch made a no-op after the warm-up (``Launcher.launch`` replaced: the
   Python around the launches, the torch ops and the autograd engine stay; the kernels' work goes);
 - a cProfile of ``--profiled`` steps, its own time per step grouped by where it is spent: Triton's
-  launcher, nsa_core's Python, the autograd engine (its C++ between Python calls, torch's backward ops
-  included), torch ops called from Python, the optimizer, torch's Python (module calls), the rest;
+  launcher and `Launcher`, nsa_core's Python, the autograd engine (its C++ between Python calls, torch's
+  backward ops included), torch ops called from Python, the optimizer, torch's Python (module calls), the
+  rest;
 - the Python garbage collections a step and their time.
 
     python benchmarks/step_host.py --seq-len 2048 --batch 8
@@ -37,15 +38,18 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from triton.runtime.jit import JITFunction
 
 import nsa_core
 from model_step import DenseAttention  # benchmarks/ is the script's folder
+from nsa_core.ops.triton.launch import Launcher
 
 # cProfile's entries by where their own time is spent: the first group whose test matches
 GROUPS: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("autograd engine (C++)", lambda file, name: "run_backward" in name),
-    ("Triton launcher", lambda file, name: "/triton/" in file and "/nsa_core/" not in file),
+    (
+        "Triton launcher",
+        lambda file, name: "/triton/" in file and ("/nsa_core/" not in file or "/launch.py" in file),
+    ),
     ("nsa_core Python", lambda file, name: "/nsa_core/" in file),
     ("optimizer", lambda file, name: "/torch/optim/" in file),
     ("torch ops from Python", lambda file, name: file == "~" and "torch" in name),
@@ -60,47 +64,38 @@ def group_of(file: str, name: str) -> str:
 
 @contextlib.contextmanager
 def _triton_runs_replaced(replace: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Every Triton launch (``run`` of a compiled or interpreted kernel) through ``replace(run)``, put back
-    after."""
-    classes: list[type] = [JITFunction]
-    with contextlib.suppress(ImportError):
-        from triton.runtime.interpreter import InterpretedFunction
-
-        classes.append(InterpretedFunction)
-    saved = [(cls, cls.__dict__["run"]) for cls in classes if "run" in cls.__dict__]
-    for cls, run in saved:
-        cls.run = replace(run)
+    """Every Triton launch of nsa_core (``Launcher.launch``: its key, then the compiled kernel's launcher,
+    or Triton's own launch on a key's first use) through ``replace(launch)``, put back after."""
+    launch = Launcher.launch
+    Launcher.launch = replace(launch)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for cls, run in saved:
-            cls.run = run
+        Launcher.launch = launch  # type: ignore[method-assign]
 
 
 def triton_launches_timed(
     seconds: collections.Counter[str], calls: collections.Counter[str]
 ) -> contextlib.AbstractContextManager[None]:
-    """Every Triton launch (``JITFunction.run``: Triton's binder, cache lookup and its C launcher) timed on
-    the host, by kernel name, into ``seconds`` and ``calls``."""
+    """Every Triton launch timed on the host, by kernel name, into ``seconds`` and ``calls``."""
 
-    def timed(run: Callable) -> Callable:
-        def launch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def timed(launch: Callable) -> Callable:
+        def timed_launch(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             began = time.perf_counter()
             try:
-                return run(self, *args, **kwargs)
+                return launch(self, *args, **kwargs)
             finally:
-                name = getattr(getattr(self, "fn", None), "__name__", None) or getattr(self, "__name__", "?")
-                seconds[name] += time.perf_counter() - began
-                calls[name] += 1
+                seconds[self.__name__] += time.perf_counter() - began
+                calls[self.__name__] += 1
 
-        return launch
+        return timed_launch
 
     return _triton_runs_replaced(timed)
 
 
 def triton_launches_skipped() -> contextlib.AbstractContextManager[None]:
     """Every Triton kernel launch a no-op (compiled or interpreted)."""
-    return _triton_runs_replaced(lambda run: lambda self, *args, **kwargs: None)
+    return _triton_runs_replaced(lambda launch: lambda self, *args, **kwargs: None)
 
 
 class GcCount:
@@ -227,7 +222,7 @@ def main() -> None:
     print(f"\ncProfile, own time in ms a step (x{args.profiled} steps):")
     print(f"| {'where':<24} | {'dense':>8} | {'nsa':>8} |")
     print(f"|{'-' * 26}|{'-' * 10}|{'-' * 10}|")
-    for group, _ in GROUPS:
+    for group in dict.fromkeys(group for group, _ in GROUPS):
         dense, nsa = profiles["dense"][group], profiles["nsa"][group]
         print(f"| {group:<24} | {dense:8.1f} | {nsa:8.1f} |")
     totals = [sum(profiles[kind].values()) for kind in ("dense", "nsa")]

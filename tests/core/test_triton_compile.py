@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nsa_core.ops.triton import compression, flash, gates, nsa, rope, selection  # noqa: E402
+from nsa_core.ops.triton.launch import Launcher  # noqa: E402
 
 MODULES = (flash, selection, compression, gates, rope)
 POINTER_TYPES = {
@@ -72,8 +73,8 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> dict:
     launches: dict = {}
     for module in MODULES:
         for name, obj in vars(module).items():
-            if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel"):
-                monkeypatch.setattr(module, name, Recorder(obj, launches))
+            if isinstance(obj, Launcher) and name.endswith("_kernel"):
+                monkeypatch.setattr(module, name, Recorder(obj.kernel, launches))
     return launches
 
 
@@ -181,7 +182,7 @@ def test_every_kernel_compiles_for_sm90(setup: dict, monkeypatch: pytest.MonkeyP
     names = {key[0] for key in launches}
     expected = {
         name for module in MODULES for name, obj in vars(module).items()
-        if isinstance(obj, (Recorder, triton.runtime.JITFunction)) and name.endswith("_kernel")
+        if isinstance(obj, (Recorder, Launcher, triton.runtime.JITFunction)) and name.endswith("_kernel")
     }  # fmt: skip
     assert names == expected, f"never launched: {sorted(expected - names)}"
     target = GPUTarget("cuda", 90, 32)
@@ -193,3 +194,12 @@ def test_every_kernel_compiles_for_sm90(setup: dict, monkeypatch: pytest.MonkeyP
         assert "cubin" in compiled.asm, fn.__name__
         # what the launch would refuse (OutOfResources) on an H100 or H200: 227 KB of shared memory a block
         assert compiled.metadata.shared <= SHARED_MEMORY_SM90, f"{fn.__name__} {constexprs} {options}"
+
+
+def test_every_kernel_launches_through_a_launcher() -> None:
+    # a kernel left a plain JITFunction would pay Triton's binding on every launch (`launch.Launcher`)
+    bare = [
+        f"{module.__name__}.{name}" for module in MODULES for name, obj in vars(module).items()
+        if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")
+    ]  # fmt: skip
+    assert not bare

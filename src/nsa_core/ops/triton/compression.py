@@ -35,6 +35,7 @@ from nsa_core.ops.triton.flash import (
     launch_options,
     next_power_of_2,
 )
+from nsa_core.ops.triton.launch import Launcher
 
 IMPORTANCE_ELEMENTS = 1 << 24  # importance buffer per query chunk: 64 MiB of float32
 
@@ -117,6 +118,7 @@ def _importance_tile(
     return acc + tl.dot(p_group, overlap, input_precision="ieee", out_dtype=ACC)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HQ", "HKV", "G", "Tq", "Nc", "Ns", "q_offset", "row0", "rows"])
 def _importance_kernel(
     q,
@@ -188,6 +190,7 @@ def _importance_kernel(
     tl.store(ptr, acc.to(imp.dtype.element_ty), mask=mask_m[:, None] & (offs_s < Ns)[None, :])
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HKV", "Ns", "q_offset", "row0", "rows"])
 def _top_n_kernel(
     imp,

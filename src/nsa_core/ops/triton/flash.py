@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_core.ops.triton.launch import Launcher
+
 
 @triton.jit
 def _key_range(
@@ -167,6 +169,7 @@ def _fwd_tile(
     return m_new, l_i, acc
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
 def _fwd_kernel(
     q,
@@ -252,6 +255,7 @@ def _fwd_kernel(
     tl.store(lse + pid_bh * Tq + offs_m, row_lse.to(lse.dtype.element_ty), mask=mask_m)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HQ", "Tq"])
 def _delta_kernel(
     o,
@@ -337,6 +341,7 @@ def _dkdv_tile(
     return dk_acc, dv_acc
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HQ", "HKV", "G", "G_PER", "Tq", "Nk", "q_offset", "WINDOW"])
 def _bwd_dkdv_kernel(
     q,
@@ -466,6 +471,7 @@ def _dq_tile(
     return dq_acc + tl.dot(ds.to(k_tile.dtype), k_tile, input_precision=PRECISION, out_dtype=ACC)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["HQ", "G", "Tq", "Nk", "q_offset", "WINDOW"])
 def _bwd_dq_kernel(
     q,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from nsa_core.ops.triton.flash import cdiv, next_power_of_2
+from nsa_core.ops.triton.launch import Launcher
 
 
 @triton.jit
@@ -43,6 +44,7 @@ def _gated_grads(do_tile, gate, o, d_o, d_gate, b, offs_r, mask_r, ptr, mask):
     tl.store(d_gate + offs_r * 3 + b, dg.to(d_gate.dtype.element_ty), mask=mask_r)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["rows"])
 def _gated_sum_fwd_kernel(
     gate,
@@ -63,6 +65,7 @@ def _gated_sum_fwd_kernel(
     tl.store(out + ptr, acc.to(out.dtype.element_ty), mask=mask)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["rows"])
 def _gated_sum_bwd_kernel(
     gate,
@@ -100,6 +103,7 @@ def _gate_row_stats(do_tile, gate, o, lse, lse_out, delta, d_gate, b, offs_r, ma
     tl.store(delta + row, dot.to(delta.dtype.element_ty), mask=mask_r)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["rows", "T", "HQ"])
 def _gated_sum_bwd_stats_kernel(
     gate,

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from nsa_core.ops.triton.flash import cdiv, next_power_of_2
+from nsa_core.ops.triton.launch import Launcher
 
 TWO_PI = tl.constexpr(2.0 * math.pi)  # a constexpr: kernels read no other globals
 
@@ -105,6 +106,7 @@ def _rows(rows, T, pos_start, pos_step, BLOCK_R: tl.constexpr):
     return offs_r, offs_r < rows, pos
 
 
+@Launcher
 @triton.jit(do_not_specialize=["rows", "T", "pos_start"])
 def _qkv_rope_kernel(
     y,
@@ -149,6 +151,7 @@ def _qkv_rope_kernel(
              BLOCK_HALF, False, BACKWARD)  # fmt: skip
 
 
+@Launcher
 @triton.jit(do_not_specialize=["rows", "T", "pos_start", "pos_step"])
 def _rope_kernel(
     x,

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from nsa_core.ops.common import check_qkv
 from nsa_core.ops.triton.flash import cdiv, next_power_of_2
+from nsa_core.ops.triton.launch import Launcher
 
 LOG2E = 1.4426950408889634
 
@@ -184,6 +185,7 @@ def _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.con
     return m_new, l_i, acc
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
 def _selected_fwd_kernel(
     Q,
@@ -333,6 +335,7 @@ def _dq_step(b_q, b_do, b_lse, b_delta, b_k, b_v, visible, b_dq, qk_scale, PRECI
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Tt", "q_offset"])
 def _selected_bwd_dq_kernel(
     Q,
@@ -473,6 +476,7 @@ def _selected_bwd_dq_kernel(
     )
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Tk", "Ns", "q_offset"])
 def _selected_bwd_dkdv_kernel(
     Q,
@@ -601,6 +605,7 @@ def _selected_bwd_dkdv_kernel(
             tl.store(WV + o_w, b_dv)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tk", "Ns"])
 def _selected_bwd_reduce_kernel(
     DK,
@@ -798,6 +803,7 @@ def _tiles(G: int, D: int, sel_block_len: int) -> dict[str, int]:
     )
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Tt"])
 def _tile_union_kernel(
     IDX, UNION, COUNT, si_b, si_t, si_h, Tq, Tt,
@@ -897,6 +903,7 @@ def selected_fwd(
     return o, lse
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Ns", "n_chunks", "q_offset"])
 def _index_count_kernel(
     IDX, COUNTS, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset,
@@ -917,6 +924,7 @@ def _index_count_kernel(
         tl.atomic_add(COUNTS + (i_bh * Ns + blk) * n_chunks + i_c, 1, mask=valid)
 
 
+@Launcher
 @triton.jit(do_not_specialize=["Tq", "Ns", "n_chunks", "q_offset", "last"])
 def _index_fill_kernel(
     IDX, COUNTS, ENDS, OFFSETS, TOKENS, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset, last,
@@ -987,6 +995,7 @@ def build_block_queries(
     return offsets, tokens
 
 
+@Launcher
 @triton.jit(do_not_specialize=["num_buckets", "chunk", "n_chunks"])
 def _hot_slots_kernel(OFFSETS, SLOTS, num_buckets, chunk, n_chunks, BLOCK: tl.constexpr):
     # one program: each bucket's first workspace slot, the exclusive prefix sum of its slot counts
