@@ -203,3 +203,33 @@ def test_every_kernel_launches_through_a_launcher() -> None:
         if isinstance(obj, triton.runtime.JITFunction) and name.endswith("_kernel")
     ]  # fmt: skip
     assert not bare
+
+
+def test_the_ops_launches_keep_their_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch of the op's launchers gets its key from its call form's binder (not the generic key's
+    loop, not Triton's path for an unhashable argument), and a second pass over the same shapes makes no
+    new key: on the GPU each launch after the first of a key goes straight to the compiled kernel."""
+    keys: dict[str, set] = {}
+    generic: list[str] = []
+
+    def record(self: Launcher, grid: object, *args: object, **kwargs: object) -> None:
+        assert self.direct, f"{self.__name__} is not a compiled kernel here"
+        form = (len(args), tuple(kwargs))
+        if form not in self._binders:
+            self._binders[form] = self._binder(args, kwargs)
+        try:
+            key, _ = self._binders[form](0, args, kwargs)  # type: ignore[misc]
+        except (AttributeError, TypeError):
+            generic.append(self.__name__)
+            key = self.key(0, args, kwargs)
+        hash(key)
+        keys.setdefault(self.__name__, set()).add(key)
+
+    monkeypatch.setattr(Launcher, "launch", record)
+    monkeypatch.setattr(flash, "program_target", lambda device: 1 << 12)
+    setup = dict(T=1024, HQ=12, HKV=2, D=64, dtype=torch.bfloat16, geometry=PAPER)
+    _run_op(**setup)
+    first = {name: len(k) for name, k in keys.items()}
+    _run_op(**setup)
+    assert {name: len(k) for name, k in keys.items()} == first
+    assert not generic
