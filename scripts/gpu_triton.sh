@@ -39,7 +39,9 @@ for part in "$@"; do
       # whole files waited on its slowest file: 430 s for test_selection alone), each lane one pytest
       # under TESTS_S; TESTS: the files (default: all of tests/core/triton); LANES: six on a card of over
       # 120 GB (165 tests of test_selection and test_nsa in 215 s on an H200), three on smaller ones (four
-      # lanes of whole files ran an H100's 79 GB out with the float64 references)
+      # lanes of whole files ran an H100's 79 GB out with the float64 references); the whole folder (485
+      # tests) in six lanes ran an H200 out of memory (19 tests, and the CUDA errors after them in the same
+      # lane): give it as two calls, TESTS="test_selection.py" then the other files
       files=()
       for f in ${TESTS:-$(cd tests/core/triton && ls test_*.py)}; do files+=("tests/core/triton/${f##*/}"); done
       mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
