@@ -20,7 +20,8 @@ everything Triton specializes on, and more where that is cheaper to compute:
 
 so a launch never reuses a kernel compiled for a different specialization; a key Triton would not tell
 apart costs one more pass through Triton. Launches go through Triton as before (every time) where the
-fast path does not hold: under the interpreter (``TRITON_INTERPRET=1``), with a launch hook installed (a
+fast path does not hold: under the interpreter (``TRITON_INTERPRET=1``), while Dynamo traces (torch.compile
+then captures the kernel itself, as it does a plain `triton.JITFunction`), with a launch hook installed (a
 profiler such as Proton's), with a pre-run hook on the kernel, with a grid given as a function, or where
 an argument cannot be hashed. Triton's knobs read at launch (``TRITON_DEBUG``) are those of the key's
 first launch.
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -76,7 +78,13 @@ class Launcher:
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
         """Launch the kernel over ``grid`` (one to three program counts) with its arguments and options."""
-        if not self.direct or callable(grid) or self.kernel.pre_run_hooks or not _launch_hooks_idle():
+        if (
+            not self.direct
+            or is_compiling()  # Dynamo traces the kernel itself into its graph
+            or callable(grid)
+            or self.kernel.pre_run_hooks
+            or not _launch_hooks_idle()
+        ):
             self.kernel[grid](*args, **kwargs)
             return
         device = _current_device()
