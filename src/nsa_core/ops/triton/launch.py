@@ -4,7 +4,7 @@
 specializes each of them (a tensor's dtype and 16-byte alignment, an integer's width, whether it is 1 or a
 multiple of 16), builds the cache key of these and of the options (the ``str`` of a dict), looks the
 compiled kernel up, checks the globals it read, and only then calls the compiled kernel's launcher. On
-the host of an H200 machine that took 40-100 us a launch inside the m7c-125m step, 252 launches a step
+the host of an H200 machine that took 37-100 us a launch inside the m7c-125m step, 252 launches a step
 (`benchmarks/step_host.py`): the step at 2k was bound by its host.
 
 `Launcher` wraps a ``@triton.jit`` kernel and is launched the same way. The first launch of each key goes
