@@ -11,13 +11,15 @@
 #   ab       benchmarks/nsa_op.py ($AB_ARGS, default 8k and 64k) with an older tree in .ab/$AB_BASE (default
 #            base; git archive COMMIT src benchmarks | tar -x -C .ab/base; carry ".ab"), then with this one
 #   ab-model the same for benchmarks/model_step.py ($AB_ARGS, default S=2048 and 16384)
+#   host     benchmarks/step_host.py (the m7c-125m step's host time, NSA against dense, each Triton launch
+#            timed by kernel) and benchmarks/nsa_host.py (the op alone at m7c's geometry, 2k)
 # Usage: bash scripts/gpu_triton.sh PART... (each part has a time limit; logs and a table in $OUT)
 #   device: kind nvidia-h100-x1, carry [".whl"], command: bash scripts/gpu_triton.sh tests profile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-triton-out}
 for part in "$@"; do  # a wrong part name fails before any set-up
-  case $part in tests | profile | tune | bench | gqa | model | ab | ab-model) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model, ab, ab-model)"; exit 2 ;; esac
+  case $part in tests | profile | tune | bench | gqa | model | ab | ab-model | host) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model, ab, ab-model, host)"; exit 2 ;; esac
   if [[ $part == ab* && ! -d .ab/${AB_BASE:-base}/src ]]; then echo "part $part needs .ab/${AB_BASE:-base}/src (carry .ab)"; exit 2; fi
 done
 mkdir -p "$out"
@@ -81,6 +83,9 @@ for part in "$@"; do
     gqa)
       step gqa-g4 90 python3 benchmarks/nsa_op.py --heads 16 --kv-heads 4 --seq-lens 8192 65536 --json "$out/g4.json"
       step gqa-g6 90 python3 benchmarks/nsa_op.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 8192 65536 --json "$out/g6.json" ;;
+    host)
+      step step-host 150 python3 benchmarks/step_host.py --seq-len 2048 --batch 8 --kernels 20
+      step nsa-host 60 python3 benchmarks/nsa_host.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 2048 --top 25 ;;
     model) step model "${MODEL_S:-200}" python3 benchmarks/model_step.py ${MODEL_ARGS:---seq-lens 2048 16384} --json "$out/model.json" ;;
   esac
 done
