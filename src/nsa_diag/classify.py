@@ -189,6 +189,15 @@ def _same_top(threads: Sequence[ThreadStack | None]) -> bool:
     return len(tops) > 0 and all(t is not None for t in tops) and len({(t.file, t.line) for t in tops}) == 1  # type: ignore[union-attr]
 
 
+def samples_disagree(samples: Sequence[str]) -> bool:
+    """Whether stack samples (faulthandler texts) put the training thread (`focus_thread`) at different top
+    Python frames: the evidence then takes one more sample (`watchdog.gather_hang_evidence`), and
+    `hang_kind` judges a wait by the last two where they agree (a job that went from a sleep into a wait
+    between the first two)."""
+    focus = [focus_thread(threads) for threads in map(parse_faulthandler, samples) if threads]
+    return len(focus) >= 2 and not _same_top(focus)
+
+
 def _pyspy_match(pyspy_threads: Sequence[ThreadStack], focus: ThreadStack | None) -> ThreadStack | None:
     """The py-spy thread that is the faulthandler ``focus`` thread (same top Python frame; else main)."""
     top = _top_python(focus)
@@ -503,8 +512,14 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     native = innermost_native(pyspy_focus)
     sources = ev.source_lines
     at_top = _thread_text(last, sources)
-    both = _samples_phrase(len(samples))
     same = _same_top(focus)
+    # a third sample, taken where the first two disagreed, settles where the thread is when it agrees with
+    # the second: the first was still on its way (out of a sleep, say) into what it now waits in
+    settled = same or (len(focus) >= 3 and _same_top(focus[-2:]))
+    both = _samples_phrase(len(samples))
+    if settled and not same:
+        first = _thread_text(focus[0], sources)
+        both = f"in the last two of {len(samples)} stack samples (the first at {first})"
     cpu = f"CPU {_pct(ev.cpu_percent)}"
     gpu = f"GPU {_pct(ev.gpu_utilization)}"
 
@@ -528,7 +543,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
         return "gil-held", f"the heartbeat stopped too: the GIL is held at {at_top}{native_note}, {cpu}"
 
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
-    if blocked and same and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
+    if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
         if is_sleep(blocked):
             return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"

@@ -31,6 +31,7 @@ from types import FrameType
 
 from nsa_diag import artifacts, interrupts
 from nsa_diag.beacon import BeaconState
+from nsa_diag.classify import samples_disagree
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
@@ -161,7 +162,9 @@ def gather_evidence(
 
     def one(key: int) -> None:
         unit, w = by_key[key]
-        out[key] = gather_hang_evidence(targets[key], unit.folder, spec, w.last_state, unit.no_signal)
+        out[key] = gather_hang_evidence(
+            targets[key], unit.folder, spec, w.last_state, unit.no_signal, look_again=samples_disagree
+        )
 
     if len(units) == 1:
         for key in targets:

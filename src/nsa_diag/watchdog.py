@@ -714,14 +714,20 @@ def gather_hang_evidence(
     spec: CaseSpec,
     last: BeaconState | None,
     may_signal: str | None = None,
+    look_again: Callable[[Sequence[str]], bool] | None = None,
 ) -> HangEvidence:
-    """Everything before the kill: memory at the hang, two stack samples, GPU, /proc, py-spy (twice for a
-    unit that uses the CPU). Called again for a unit that paused (`Watcher.rearm`): each call's samples are
-    numbered after those already in stacks.txt, and ``samples`` holds this call's alone.
+    """Everything before the kill: memory at the hang, two stack samples (a third where they disagree on a
+    quiet process: ``look_again``), GPU, /proc, py-spy (twice for a unit that uses the CPU). Called again
+    for a unit that paused (`Watcher.rearm`): each call's samples are numbered after those already in
+    stacks.txt, and ``samples`` holds this call's alone.
 
     ``may_signal``: None when the process's SIGUSR1 is faulthandler's (our worker, a probed process);
     else why no SIGUSR1 may be sent (a process of a user's job with its own handler, or no probe):
-    its stacks then come from py-spy alone."""
+    its stacks then come from py-spy alone.
+
+    ``look_again(samples)``: whether the two samples disagree on where the job is (`classify.
+    samples_disagree`); then, with the CPU under `WORK_CPU_MIN` (a wait, not work), a third sample one
+    interval later."""
     pid = proc.pid
     ev = HangEvidence(
         heartbeat_before=heartbeat_alive(read_beacon(case_dir / artifacts.BEACON) or last, time.time())
@@ -766,9 +772,18 @@ def gather_hang_evidence(
                 pid, case_dir, stacks_path, first + 1, ev.heartbeat_before, signal_ok=signal_ok
             )
         )
-        if "heartbeat thread" in writers:
-            ev.notes.stack_samples_written_by = writers  # the SIGUSR1 handler did not answer
     ev.cpu_percent = procfs.cpu_percent(cpu0, cpu1, t1 - t0)
+    quiet = ev.cpu_percent is None or ev.cpu_percent < WORK_CPU_MIN
+    taken = stacks.read_stacks(stacks_path).samples[before:] if sampling and quiet else ()
+    if look_again is not None and len(taken) == 2 and look_again(taken):
+        time.sleep(SAMPLE_INTERVAL_S)
+        writers.append(
+            stacks.take_sample(
+                pid, case_dir, stacks_path, first + 2, ev.heartbeat_before, signal_ok=signal_ok
+            )
+        )
+    if "heartbeat thread" in writers:
+        ev.notes.stack_samples_written_by = writers  # the SIGUSR1 handler did not answer
     ev.exe, ev.argv = procfs.exe(pid), procfs.cmdline(pid)
     ev.io_bytes = io1 - io0 if io0 is not None and io1 is not None else None
     if beat0 is not None and beat1 is not None and beat0 > 0:

@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 
 from nsa_diag import artifacts
-from nsa_diag.classify import Evidence, classify, focus_thread, hang_kind, pause_reason
+from nsa_diag.classify import (
+    Evidence,
+    classify,
+    focus_thread,
+    hang_kind,
+    pause_reason,
+    samples_disagree,
+)
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
 from nsa_diag.records import Rate
@@ -149,6 +156,26 @@ def test_a_deadlock_needs_low_cpu_and_the_same_top_frame() -> None:
     kind, why = hang_kind(moved)
     assert kind == "unknown"
     assert "top frames differ" in why
+
+
+def test_a_wait_the_last_two_of_three_samples_agree_on_is_a_deadlock() -> None:
+    # the evidence takes a third sample where the first two disagree (`samples_disagree`): a job on its
+    # way out of a sleep into a wait that never ends (an upload thread that died) was `unknown` with two
+    event = stalled("event", cpu_percent=0.0)
+    first = samples("busy")[0]
+    two = Evidence(**{**event.__dict__, "stack_samples": [first, event.stack_samples[1]]})
+    three = Evidence(**{**event.__dict__, "stack_samples": [first, *event.stack_samples]})
+    assert samples_disagree(two.stack_samples)
+    assert not samples_disagree(event.stack_samples)
+    assert hang_kind(two)[0] == "unknown"
+    kind, why = hang_kind(three)
+    assert kind == "python-deadlock"
+    assert "threading wait (Condition/Event)" in why
+    assert "in the last two of 3 stack samples (the first at " in why
+    # and not where the last two disagree, or the CPU works
+    moved = Evidence(**{**event.__dict__, "stack_samples": [event.stack_samples[0], first, first]})
+    assert hang_kind(moved)[0] != "python-deadlock"
+    assert hang_kind(replace(three, cpu_percent=60.0))[0] != "python-deadlock"
 
 
 def test_busy_loop() -> None:

@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 from diag_cli import cli_env, run_cli
 
+from nsa_diag import artifacts
 from nsa_diag.app import run_cli as cli_main
+from nsa_diag.classify import focus_thread
+from nsa_diag.evidence import stacks as stack_samples
+from nsa_diag.evidence.stacks import parse_faulthandler
 from nsa_diag.launchers import job
 from nsa_diag.records import StackDiff
 
@@ -409,6 +413,36 @@ def test_a_checkpoint_pause_past_a_short_stall_is_a_pause_and_the_job_passes(tmp
     assert "sleeping at `time.sleep(PAUSE_S)` at checkpoint_pause.py" in pauses[0]["why"], pauses
     (record,) = result["evidence"]["processes"].values()
     assert (record["role"], record["state"]) == ("training", "exited normally (code 0)")
+
+
+@pytest.mark.slow
+def test_a_wait_entered_between_the_stack_samples_is_a_deadlock(tmp_path: Path) -> None:
+    """After its checkpoint the job sleeps 3.6 s (slow storage), then waits for an upload thread that died.
+    A 3 s stall's first sample finds it asleep and the second in the wait: the samples disagree, so the
+    evidence takes a third, and the last two name the wait (it was `unknown` with two samples that
+    disagreed). Where the stall came after the sleep had ended, both samples are in the wait."""
+    env = {"SLOW_STORAGE_S": "3.6"}
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "upload_thread_dies.py"], env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
+    assert "called from `uploaded.wait()` at upload_thread_dies.py:" in result["reason"]
+    sleep_line = (
+        (JOBS / "upload_thread_dies.py")
+        .read_text()
+        .splitlines()
+        .index("                time.sleep(STORAGE_S)  # the shared filesystem flushes")
+    )
+    processes = result["evidence"]["processes"]
+    (pid,) = [pid for pid, record in processes.items() if record["role"] == "training"]
+    workers = [record["state"] for record in processes.values() if record["role"] == "dataloader-worker"]
+    assert len(workers) == 2
+    assert all(state.startswith("idle") for state in workers), workers
+    stacks_txt = _case(out) / "procs" / f"pid-{pid}" / artifacts.STACKS
+    first = stack_samples.read_stacks(stacks_txt).samples[0]
+    main = focus_thread(parse_faulthandler(first))
+    if main is not None and main.python_frames[0].line == sleep_line + 1:  # the first sample in the sleep
+        assert "in the last two of 3 stack samples (the first at `time.sleep(STORAGE_S)`" in result["reason"]
 
 
 # --- slow: one job each -------------------------------------------------------------------------------
