@@ -512,6 +512,18 @@ def _judge(decision: Decision, has_beacon: bool, spec: CaseSpec) -> Decision:
     return replace(decision, status="timeout" if decision.elapsed_s > spec.timeout else "running")
 
 
+def process_ended(history: Sequence[Observation]) -> bool:
+    """Whether the unit's process has exited (its beacon names it; /proc has no entry for it, or a zombie
+    not reaped yet). Such a unit is never judged again: its beacon stays where the process left it (at
+    ``done`` for a helper a job ran and reaped, such as a ``python -c`` check of torch.compile's), and a
+    stall of it would stop a job that is working. The job's own end is `Watcher`'s ``proc``."""
+    state = _last_state(history)
+    if state is None or state.pid <= 0:
+        return False
+    stat = procfs.read_stat(state.pid)
+    return stat is None or stat["state"] in ("Z", "X")
+
+
 def reports_progress(beacon: Path | None, history: Sequence[Observation], optional: bool) -> bool:
     """Whether a unit is judged by its progress: it has a beacon, and with ``optional`` beacons (a user's
     job, `nsa_diag.launchers.command`) that beacon has recorded a progress event beyond its start. A
@@ -615,6 +627,11 @@ class Watcher:
             decisions = [
                 _judge(decide(h, now, spec, since), reports_progress(beacon, h, self.optional), spec)
                 for h, beacon, since in zip(histories, beacons_now, self.since, strict=True)
+            ]
+            # a unit whose process has exited neither stalls nor times out (`process_ended`)
+            decisions = [
+                replace(d, status="running") if d.status != "running" and process_ended(h) else d
+                for d, h in zip(decisions, histories, strict=True)
             ]
             # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
             stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]

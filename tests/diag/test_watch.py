@@ -445,6 +445,22 @@ def test_a_wait_entered_between_the_stack_samples_is_a_deadlock(tmp_path: Path) 
         assert "in the last two of 3 stack samples (the first at `time.sleep(STORAGE_S)`" in result["reason"]
 
 
+@pytest.mark.slow
+def test_a_helper_process_that_ended_long_ago_does_not_stop_the_job(tmp_path: Path) -> None:
+    """The job runs a short-lived Python subprocess before training (its probe reports the subprocess's
+    start and end), then trains for 36 s. The helper's beacon stays at `done`: it was judged stalled
+    30 s after its exit, and the working job was stopped with the helper's verdict, pass (found with
+    torch.compile's own `python -c` helpers under load). A unit whose process has exited is not judged."""
+    proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "helper_then_train.py"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = _result(out)
+    assert (result["verdict"], result["steps_done"]) == ("pass", 40), result["reason"]
+    assert result["reason"] == "the job exited with code 0"
+    roles = sorted(record["role"] for record in result["evidence"]["processes"].values())
+    assert roles == ["helper", "training"]
+    assert "training done" in (_case(out) / "stdout.log").read_text()
+
+
 # --- slow: one job each -------------------------------------------------------------------------------
 
 

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
+import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,7 @@ from nsa_diag.watchdog import (
     decide,
     first_step_s,
     heartbeat_alive,
+    process_ended,
     progress_rate,
     step_intervals,
     steps_done,
@@ -68,6 +72,16 @@ def spec(**kwargs: object) -> CaseSpec:
 
 def history(*states: tuple[float, BeaconState | None]) -> list[Observation]:
     return [Observation(T0, None), *(Observation(T0 + dt, s) for dt, s in states)]
+
+
+def test_a_unit_whose_process_exited_has_ended_and_one_alive_has_not() -> None:
+    # a helper a job ran and reaped (its beacon at done) is never judged again; this process is alive
+    helper = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    gone = int(helper.stdout)
+    done = beacon(3, T0 + 0.5, phase="done", step=None)
+    assert process_ended(history((1.0, replace(done, pid=gone))))
+    assert not process_ended(history((1.0, replace(done, pid=os.getpid()))))
+    assert not process_ended(history((1.0, None)))
 
 
 def test_running_while_progress_is_recent() -> None:
