@@ -34,6 +34,7 @@ from nsa_diag.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beac
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.records import CaseEvidence, GpuFiles, MemoryDump, Rate, WorkSeen
 from nsa_diag.spec import CaseSpec
+from nsa_diag.stopping import alive
 
 Status = Literal["running", "stalled", "timeout"]
 POLL_S = 0.2
@@ -518,10 +519,7 @@ def process_ended(history: Sequence[Observation]) -> bool:
     ``done`` for a helper a job ran and reaped, such as a ``python -c`` check of torch.compile's), and a
     stall of it would stop a job that is working. The job's own end is `Watcher`'s ``proc``."""
     state = _last_state(history)
-    if state is None or state.pid <= 0:
-        return False
-    stat = procfs.read_stat(state.pid)
-    return stat is None or stat["state"] in ("Z", "X")
+    return state is not None and state.pid > 0 and not alive(state.pid)
 
 
 def reports_progress(beacon: Path | None, history: Sequence[Observation], optional: bool) -> bool:

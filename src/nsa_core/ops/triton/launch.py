@@ -93,17 +93,16 @@ class Launcher:
         if binder is _UNSEEN:
             binder = self._binders[form] = self._binder(args, kwargs)
         try:
-            if binder is None:
-                raise TypeError
-            key, values = binder(device, args, kwargs)
-            entry = self.compiled.get(key)
+            key, values = binder(device, args, kwargs) if binder is not None else (None, None)
         except (AttributeError, TypeError):  # an argument unlike the form's first: the generic key
-            try:
-                key, values = self.key(device, args, kwargs), None
-                entry = self.compiled.get(key)
-            except TypeError:  # an argument that cannot be hashed: Triton's own path, every launch
-                self.kernel[grid](*args, **kwargs)
-                return
+            key = values = None
+        try:
+            if key is None:
+                key = self.key(device, args, kwargs)
+            entry = self.compiled.get(key)
+        except TypeError:  # an argument that cannot be hashed: Triton's own path, every launch
+            self.kernel[grid](*args, **kwargs)
+            return
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)
             run, function = getattr(compiled, "run", None), getattr(compiled, "function", None)
