@@ -13,14 +13,17 @@ initialisation on random tokens, the inputs `benchmarks/model_step.py` times.
 
 ``--modes`` names what runs: ``rowsR`` token tiles of ``R`` rows (``rows1``: one token a program;
 ``rowsRturn``: a tile reading its tokens' own blocks reads them in turn, not side by side, ``PAIR_KEYS``),
-``scanR``
-the scan in tiles of ``R`` rows (``scanR:F,Q``: with ``F`` warps for the forward and ``Q`` for dq), ``auto``
-what `selection` chooses for the geometry (``SCAN_SPAN``).
+``scanR`` the scan in tiles of ``R`` rows (``scanR:F,Q``: with ``F`` warps for the forward and ``Q`` for
+dq), ``blocks`` the forward and dq by selection block at any length (``blocksh``: parts in bf16;
+``blockscC``: ``C`` entries a forward program; ``blocksR:W``: the forward's steps of ``R`` rows on ``W``
+warps), ``auto`` what `selection` chooses for the geometry (``SCAN_SPAN``, ``BLOCKS_BYTES``). Token tiles
+and the scan run with ``BLOCKS_BYTES = 0``.
 
     python benchmarks/selection_tiles.py
     python benchmarks/selection_tiles.py --modes rows1 rows16 rows32 --share 60 80
     python benchmarks/selection_tiles.py --geometries "m7c 8x2k" "m7c 16k" --inputs model
     python benchmarks/selection_tiles.py --modes rows16 scan64 scan128 scan128:8,8 auto
+    python benchmarks/selection_tiles.py --geometries "m7c 16k" --modes rows16 blocks blocks128:8 auto
 """
 
 from __future__ import annotations
@@ -92,9 +95,11 @@ def measure(q, k, v, do, idx, ls: int) -> tuple[tuple[torch.Tensor, ...], float,
 
 
 def parse_mode(text: str) -> str:
-    m = re.fullmatch(r"auto|rows(\d+)(turn)?|scan(\d+)(:\d+,\d+)?", text)
+    m = re.fullmatch(r"auto|rows(\d+)(turn)?|scan(\d+)(:\d+,\d+)?|blocks(h)?(c\d+)?(\d+:\d+)?", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: rowsR, rowsRturn, scanR, scanR:F,Q or auto")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: rowsR, rowsRturn, scanR, scanR:F,Q, blocks[h][cC][R:W] or auto"
+        )
     return text
 
 
@@ -102,10 +107,21 @@ def parse_mode(text: str) -> str:
 def configured(mode: str, share: int, span: int) -> Iterator[None]:
     """`selection` set to run ``mode`` (`parse_mode`), put back as it was after."""
     saved = (dict(selection._TILE_ROWS), selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS,
-             dict(selection.PAIR_KEYS))  # fmt: skip
+             dict(selection.PAIR_KEYS), selection.BLOCKS_BYTES, selection.BLOCKS_CHUNK,
+             selection.HALF_PARTS)  # fmt: skip
     saved_launch = {key: dict(value) for key, value in selection.LAUNCH.items()}
     selection.SHARE_PCT, selection.SCAN_SPAN = share, span
-    if mode.startswith("rows"):
+    if mode.startswith(("rows", "scan")):
+        selection.BLOCKS_BYTES = 0
+    if mode.startswith("blocks"):
+        selection.SCAN_SPAN, selection.BLOCKS_BYTES = 0, 1 << 40
+        half, chunk, launch = re.fullmatch(r"blocks(h)?(?:c(\d+))?(\d+:\d+)?", mode).groups()
+        selection.HALF_PARTS = bool(half)
+        selection.BLOCKS_CHUNK = int(chunk or saved[6])
+        if launch:
+            rows, warps = (int(x) for x in launch.split(":"))
+            selection.LAUNCH["fwd-blocks"] = dict(BLOCK_R=rows, num_warps=warps)
+    elif mode.startswith("rows"):
         rows = int(mode[4:].removesuffix("turn"))
         selection._TILE_ROWS.update(fwd=rows, dq=rows)
         selection.SCAN_SPAN = 0
@@ -122,7 +138,8 @@ def configured(mode: str, share: int, span: int) -> Iterator[None]:
     finally:
         selection._TILE_ROWS.clear()
         selection._TILE_ROWS.update(saved[0])
-        selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS, selection.PAIR_KEYS = saved[1:]
+        (selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS, selection.PAIR_KEYS,
+         selection.BLOCKS_BYTES, selection.BLOCKS_CHUNK, selection.HALF_PARTS) = saved[1:]  # fmt: skip
         selection.LAUNCH.clear()
         selection.LAUNCH.update(saved_launch)
 

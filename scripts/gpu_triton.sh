@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the Triton kernels (issue 7), on one GPU, in parts so each fits a call:
-#   tests    the tests/core/triton folder ($TESTS: some of its files) at real sizes (CUDA_SIZES), dealt
-#            to $LANES pytests side by side
+#   tests    the tests/core/triton folder ($TESTS: some of its files; $TESTS_K: pytest's -k over them) at
+#            real sizes (CUDA_SIZES), dealt to $LANES pytests side by side
+#   tiles    benchmarks/selection_tiles.py ($TILES_ARGS): the selection's forward and backward by path
 #   profile  benchmarks/nsa_profile.py: time per kernel at 8k and 64k (G=16) and 16k (m7c-125m, G=6)
 #   tune     benchmarks/tune_triton.py: launch options of every kernel family, timed at four shapes
 #   bench    benchmarks/nsa_op.py: the full op against SDPA flash/cuDNN, 2k..64k, and 256k for ours
@@ -19,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-triton-out}
 for part in "$@"; do  # a wrong part name fails before any set-up
-  case $part in tests | profile | tune | bench | gqa | model | ab | ab-model | host) ;; *) echo "unknown part $part (tests, profile, tune, bench, gqa, model, ab, ab-model, host)"; exit 2 ;; esac
+  case $part in tests | tiles | profile | tune | bench | gqa | model | ab | ab-model | host) ;; *) echo "unknown part $part (tests, tiles, profile, tune, bench, gqa, model, ab, ab-model, host)"; exit 2 ;; esac
   if [[ $part == ab* && ! -d .ab/${AB_BASE:-base}/src ]]; then echo "part $part needs .ab/${AB_BASE:-base}/src (carry .ab)"; exit 2; fi
 done
 mkdir -p "$out"
@@ -51,7 +52,7 @@ for part in "$@"; do
       # the lanes' files in a folder of their own; $out gets the ids and one log of every lane (a call
       # brings back at most 8 files)
       lanes_dir=$(mktemp -d)
-      python3 -m pytest --collect-only -q -p no:cacheprovider "${files[@]}" 2>/dev/null | grep "::" > "$out/test-ids.txt"
+      python3 -m pytest --collect-only -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} "${files[@]}" 2>/dev/null | grep "::" > "$out/test-ids.txt"
       echo "=== tests: $(wc -l < "$out/test-ids.txt") in $lanes lanes"
       pids=()
       for ((i = 0; i < lanes; i++)); do
@@ -72,6 +73,9 @@ for part in "$@"; do
     profile)
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
+    tiles)  # TILES_ARGS as a shell would split it (geometry names hold spaces: "m7c 16k")
+      eval "tiles_args=(${TILES_ARGS:-})"
+      step tiles "${TILES_S:-240}" python3 benchmarks/selection_tiles.py "${tiles_args[@]}" ;;
     tune) step tune "${TUNE_S:-300}" python3 benchmarks/tune_triton.py ${TUNE_FAMILIES:+--families $TUNE_FAMILIES} ;;
     ab | ab-model)  # the same benchmark with the older tree, then with this one
       bench=nsa_op.py args=${AB_ARGS:---seq-lens 8192 65536}

@@ -102,36 +102,37 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
         )
     idx = torch.randint(0, T // g["sel_block_len"], (1, T, HKV, g["n_sel"]))
     do = torch.randn_like(q)
-    span = selection.SCAN_SPAN
-    try:  # the token tiles (long sequences), then the scan (short ones)
-        for selection.SCAN_SPAN in (0, 1 << 30):
+    span, blocks = selection.SCAN_SPAN, selection.BLOCKS_BYTES
+    try:  # the token tiles and by selection block (long sequences), then the scan (short ones)
+        for selection.SCAN_SPAN, selection.BLOCKS_BYTES in ((0, 0), (0, 1 << 40), (1 << 30, blocks)):
             o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
             selection.selected_bwd(
                 do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
             )
     finally:
-        selection.SCAN_SPAN = span
+        selection.SCAN_SPAN, selection.BLOCKS_BYTES = span, blocks
     # tiles of several tokens (the tile union and its path) where the group alone fills the 16 rows
     if HQ // HKV >= 16:
         rows = dict(selection._TILE_ROWS)
         try:
             selection._TILE_ROWS.update(fwd=32, dq=32)
-            selection.SCAN_SPAN = 0  # the tiles at any length
+            selection.SCAN_SPAN, selection.BLOCKS_BYTES = 0, 0  # the tiles at any length
             o, lse = selection.selected_fwd(q, k, v, idx, g["sel_block_len"], 0, scale)
             selection.selected_bwd(
                 do, q, k, v, torch.randn_like(q), torch.zeros_like(lse), idx, g["sel_block_len"], 0, scale
             )
         finally:
             selection._TILE_ROWS.update(rows)
-            selection.SCAN_SPAN = span
+            selection.SCAN_SPAN, selection.BLOCKS_BYTES = span, blocks
     # a hot block: dK/dV in chunks, then their reduction
     hot = torch.zeros_like(idx)
     try:
-        selection.SCAN_SPAN = 0  # the inverted index's path at any length
+        selection.SCAN_SPAN = 0  # the inverted index's path at any length, dq per token and by block
         o, lse = torch.randn_like(q), torch.zeros_like(lse)
-        selection.selected_bwd(do, q, k, v, o, lse, hot, g["sel_block_len"], 0, scale, chunk=16)
+        for selection.BLOCKS_BYTES in (0, 1 << 40):
+            selection.selected_bwd(do, q, k, v, o, lse, hot, g["sel_block_len"], 0, scale, chunk=16)
     finally:
-        selection.SCAN_SPAN = span
+        selection.SCAN_SPAN, selection.BLOCKS_BYTES = span, blocks
     gate = torch.randn(1, T, HQ, 3, dtype=dtype)
     gates.GatedSumFunction.forward(_Ctx(), gate, q, q, q)
     ctx = _Ctx()

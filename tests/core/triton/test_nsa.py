@@ -68,6 +68,7 @@ def _cases() -> list[Case]:
     ]
     if SIZES.real:
         cases += [
+            Case(B=1, T=5000, HKV=2, G=6, D=64, paper=True),  # m7c-125m past the scan: by selection block
             Case(B=1, T=4096, HKV=4, G=16, D=128, paper=True),  # PERFORMANCE.md's heads
             Case(B=1, T=2048, HKV=2, G=6, D=64, paper=True),  # m7c-125m
             Case(B=1, T=1000, HKV=2, G=4, D=64, q_offset=1100, paper=True),
@@ -179,15 +180,38 @@ def test_fused_backward_is_deterministic(dtype: torch.dtype, device: str) -> Non
         assert torch.equal(a, b), f"{name} differs between two runs"
 
 
+@pytest.mark.timeout(600)
+def test_fused_op_by_selection_block(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The selection by selection block inside the fused op (the forward's inverted index kept for the
+    backward, dq's parts summed before the window's and compression's dq are added): the reference's
+    output and gradients in float32, the same bits twice."""
+    from nsa_core.ops.triton import selection
+
+    monkeypatch.setattr(selection, "SCAN_SPAN", 0)
+    monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40)
+    case = CASES[0].values[0]
+    xs = _inputs(case, device)
+    tri, tri_idx = _run(lambda ins: _fused(case, ins), xs, torch.float32)
+    again, _ = _run(lambda ins: _fused(case, ins), xs, torch.float32)
+    ref, _ = _run(lambda ins: _reference(case, tri_idx)(*ins), xs, torch.float64)
+    for name, r, t, t2 in zip(NAMES, ref, tri, again, strict=True):
+        assert_close(name, r, t.double(), FP32_RATIO)
+        assert torch.equal(t, t2), f"{name} differs between two runs"
+
+
+# the m7c-125m geometry at 2048 (the scan) and at 5000 (by selection block)
+GRAPH_CASES = [CASES[-2], CASES[-4]] if SIZES.real else CASES[:1]
+
+
 @pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
-def test_fused_op_replays_in_a_cuda_graph(dtype: torch.dtype, device: str) -> None:
+@pytest.mark.parametrize("case", GRAPH_CASES)
+def test_fused_op_replays_in_a_cuda_graph(case: Case, dtype: torch.dtype, device: str) -> None:
     """The op issues no host synchronisation and allocates nothing whose size depends on the data, so its
     forward and backward can be captured in CUDA graphs (`torch.cuda.make_graphed_callables`: what
     removes the host from a short sequence's step); a replay gives the eager output and gradients bit
     for bit, also on new inputs copied into the graph's."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a CUDA device (the interpreter runs kernels on the CPU)")
-    case = CASES[-2 if SIZES.real else 0].values[0]
 
     class Op(torch.nn.Module):
         def forward(self, *xs: torch.Tensor) -> torch.Tensor:

@@ -198,6 +198,7 @@ def test_token_tiles_match_reference(
     monkeypatch.setattr(selection, "PAIR_KEYS", {"fwd": pair, "dq": pair})
     monkeypatch.setattr(selection, "_TILE_ROWS", {"fwd": rows, "dq": rows})
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the token tiles, never the scan
+    monkeypatch.setattr(selection, "BLOCKS_BYTES", 0)  # nor by selection block
     # one sequence: the tiles run along its rows (test_matches_reference_fp32 runs batches of two); a tile of
     # 16 or 64 rows ends past T = 37
     case = Case(B=1, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4)
@@ -303,9 +304,14 @@ def test_tile_union_lists_each_block_of_a_tile_once(tokens: int, device: str) ->
                 assert union[b, h, i, : count[b, h, i]].tolist() == first_seen
 
 
-def test_hot_block_chunks_match_single_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Blocks chosen by more queries than a chunk take the workspace path: same gradients, deterministic."""
+@pytest.mark.parametrize("by_block", [False, True], ids=["token-dq", "block-dq"])
+def test_hot_block_chunks_match_single_pass(
+    by_block: bool, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks chosen by more queries than a chunk take the workspace path: same gradients, deterministic;
+    with dq per token, and with dq's parts written by dK/dV (by selection block)."""
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the inverted index's path
+    monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40 if by_block else 0)
     case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0], sel_block_len=8, n_sel=5)
     case = Case(**{**case.__dict__, "pattern": "hot"})
     block_idx = make_block_idx(case, device).contiguous()
@@ -318,6 +324,75 @@ def test_hot_block_chunks_match_single_pass(device: str, monkeypatch: pytest.Mon
     for name, a, b, c in zip(("dq", "dk", "dv"), whole, chunked, again, strict=True):
         assert_close(name, a, b, FP32_RATIO, atol=1e-5)
         assert torch.equal(b, c), f"{name}: two runs differ"
+
+
+BLOCK_CASES = [
+    Case(B=2, T=37, HKV=2, G=3, D=16, sel_block_len=8, n_sel=4),  # steps of several entries, past T
+    Case(B=1, T=37, HKV=1, G=16, D=16, sel_block_len=8, n_sel=4),  # two entries a step
+    Case(B=2, T=29, HKV=2, G=1, D=32, sel_block_len=8, n_sel=3, n_local=1),
+    Case(B=1, T=9, HKV=2, G=4, D=32, sel_block_len=16, n_sel=3, q_offset=40),  # a chunk after a cache
+    Case(B=1, T=170, HKV=1, G=2, D=16, sel_block_len=80, n_sel=2, n_init=0, n_local=1),  # 2 key tiles/block
+    Case(B=1, T=64, HKV=2, G=2, D=16, sel_block_len=8, n_sel=5, pattern="hot"),  # everyone reads 0..4
+]
+if SIZES.real:
+    BLOCK_CASES += [
+        Case(B=1, T=16384, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m at 16k
+        Case(B=1, T=8192, HKV=4, G=16, D=128, sel_block_len=64, n_sel=16),  # the paper's heads
+        Case(B=1, T=3000, HKV=2, G=4, D=192, sel_block_len=48, n_sel=8),  # D and l' not powers of 2
+    ]
+
+
+@pytest.mark.parametrize("chunk", [256, 5], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in BLOCK_CASES])
+def test_by_selection_block_matches_reference(
+    case: Case, chunk: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The forward and dq by selection block (each block's query list against its keys, the parts merged
+    per query in slot order) give the reference's output and gradients, whatever the entries a forward
+    program walks, with rows that chose no block, and the same bits twice."""
+    if SIZES.real and chunk != 256 and case.T > 100:
+        pytest.skip("the small chunks on the small cases")
+    monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # never the scan
+    monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40)
+    monkeypatch.setattr(selection, "BLOCKS_CHUNK", chunk)
+    block_idx = make_block_idx(case, device)
+    block_idx[:, 3] = -1  # a row with no block: zeros out, no gradient
+    kwargs = dict(sel_block_len=case.sel_block_len, q_offset=case.q_offset)
+    q, k, v, do = make_inputs(case, device, torch.float64)
+    ref = run(lambda *a: reference(*a, block_idx, **kwargs), q, k, v, do)
+    if SIZES.dtypes:  # the kernels in the model's precision, bounded by the gather backend's error in it
+        low = [x.to(SIZES.dtypes[0]) for x in (q, k, v, do)]
+        base = run(lambda *a: reference(*a, block_idx, **kwargs), *low)
+        tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *low)
+        for name, r, b, t in zip(NAMES, ref, base, tri, strict=True):
+            assert_within_same_dtype_error(name, r, b, t, floor=1e-3)
+    ins = [x.float() for x in (q, k, v, do)]
+    tri = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *ins)
+    again = run(lambda *a: triton_selected_attention(*a, block_idx, **kwargs), *ins)
+    assert not tri[0][:, 3].any()
+    assert not tri[1][:, 3].any()
+    for name, r, t, t2 in zip(NAMES, ref, tri, again, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+        assert torch.equal(t, t2), f"{name}: two runs differ"
+
+
+def test_by_selection_block_is_chosen_past_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """By selection block past the scan's lengths, where each workspace fits BLOCKS_BYTES (m7c-125m in bf16
+    at 32k: 768 MiB of parts; the paper's heads at 8k: 2 GiB, per token as before)."""
+
+    def blocks(B: int, T: int, HQ: int, D: int, ls: int = 64, n: int = 16, dtype=torch.bfloat16) -> bool:
+        return selection._blocks(torch.empty(B, T, HQ, D, device="meta", dtype=dtype), n, ls, T)
+
+    span = selection.SCAN_SPAN * 16 * 64
+    assert not blocks(1, span, 12, 64)  # the scan
+    assert blocks(1, span + 1, 12, 64)
+    assert blocks(1, 32768, 12, 64)
+    assert not blocks(1, 32768, 12, 64, dtype=torch.float32)  # float32 parts: twice the bytes
+    assert not blocks(1, 65536, 12, 64)
+    assert not blocks(1, 8192, 64, 128)
+    assert blocks(1, 1000, 4, 16, ls=8, n=4)  # no scan under 16-key tiles
+    monkeypatch.setattr(selection, "BLOCKS_BYTES", 0)
+    assert not blocks(1, 16384, 12, 64)
 
 
 def test_hot_slots_are_the_prefix_sum_of_each_buckets_chunks(device: str) -> None:
@@ -368,25 +443,28 @@ def test_strided_inputs(device: str) -> None:
 
 
 def test_inverted_index(device: str) -> None:
-    """Bucket (b, h, j) lists, in ascending order, the query rows whose group chose block j (causal only)."""
+    """Bucket (b, h, j) lists, in ascending order, the query rows whose group chose block j (causal only),
+    each as row * n + the slot that holds j."""
     block_idx = torch.tensor([[[[0, -1]], [[0, 1]], [[1, 0]], [[2, 1]]]])  # [B=1, Tq=4, HKV=1, n=2]
     # q_offset=4, l'=4: rows 0..3 sit at t = 4..7; block 2 starts at 8 > t, so row 3's choice of it drops
-    offsets, tokens = build_block_queries(block_idx.to(device), num_keys=8, sel_block_len=4, q_offset=4)
+    offsets, entries = build_block_queries(block_idx.to(device), num_keys=8, sel_block_len=4, q_offset=4)
     assert offsets.tolist() == [0, 3, 6]  # Ns = 2 buckets
-    assert tokens[: offsets[-1]].tolist() == [0, 1, 2, 1, 2, 3]  # entries past the total are undefined
+    # block 0: rows 0, 1 (slot 0), 2 (slot 1); block 1: rows 1 (slot 1), 2 (slot 0), 3 (slot 1)
+    assert entries[: offsets[-1]].tolist() == [0, 2, 5, 3, 4, 7]  # entries past the total are undefined
 
 
 def _sorted_index(
     block_idx: torch.Tensor, num_keys: int, sel_block_len: int, q_offset: int
 ) -> list[list[int]]:
-    # the index by its definition: per bucket (b, h, j), the rows whose group chose block j, ascending
+    # the index by its definition: per bucket (b, h, j), the rows whose group chose block j, ascending,
+    # each as row * n + slot
     B, Tq, HKV, n = block_idx.shape
     Ns = -(-num_keys // sel_block_len)
     buckets: list[list[int]] = [[] for _ in range(B * HKV * Ns)]
     for b, t, h, i in itertools.product(range(B), range(Tq), range(HKV), range(n)):
         j = int(block_idx[b, t, h, i])
         if j >= 0 and j * sel_block_len <= q_offset + t:
-            buckets[(b * HKV + h) * Ns + j].append(t)
+            buckets[(b * HKV + h) * Ns + j].append(t * n + i)
     return buckets
 
 
@@ -408,12 +486,12 @@ def test_inverted_index_matches_its_definition(
         -1,
         block_idx[..., 2],
     )
-    offsets, tokens = build_block_queries(block_idx.to(device), num_keys, l_sel, q_offset)
-    offsets, tokens = offsets.cpu().tolist(), tokens.cpu().tolist()
+    offsets, entries = build_block_queries(block_idx.to(device), num_keys, l_sel, q_offset)
+    offsets, entries = offsets.cpu().tolist(), entries.cpu().tolist()
     expected = _sorted_index(block_idx, num_keys, l_sel, q_offset)
     assert len(offsets) == len(expected) + 1
     assert offsets[0] == 0
-    assert [tokens[offsets[i] : offsets[i + 1]] for i in range(len(expected))] == expected
+    assert [entries[offsets[i] : offsets[i + 1]] for i in range(len(expected))] == expected
 
 
 def test_contract_errors() -> None:

@@ -40,6 +40,7 @@ from nsa_core.ops.triton.flash import banded_backward, banded_forward
 from nsa_core.ops.triton.gates import gated_sum_bwd_stats, gated_sum_fwd, triton_gated_sum
 from nsa_core.ops.triton.selection import (
     SUPPORTED_DTYPES,
+    BlockQueries,
     TokenTiles,
     selected_bwd,
     selected_fwd,
@@ -87,7 +88,8 @@ class NSAAttentionFunction(torch.autograd.Function):
             q_offset=q_offset, scale=scale, **geometry.select(),
         )  # fmt: skip
         mark("forward", "sel")
-        token_tiles: list[TokenTiles] = []  # the forward's tiles, which the backward's dq reads again
+        # what the forward built for the backward: its tiles, which dq reads again, or its inverted index
+        token_tiles: list[TokenTiles | BlockQueries] = []
         o_sel, lse_sel = selected_fwd(
             q, k_sel, v_sel, block_idx, geometry.sel_block_len, q_offset, scale, tiles_out=token_tiles
         )
@@ -103,7 +105,9 @@ class NSAAttentionFunction(torch.autograd.Function):
         # tiles of one token, and the scan's, are block_idx itself (an output: not kept on ctx, which would
         # hold it in a cycle); dq builds nothing for them
         kept = token_tiles[0] if token_tiles else None
-        ctx.token_tiles = kept if kept is not None and kept.tokens > 1 and not kept.scan else None
+        if isinstance(kept, TokenTiles) and (kept.tokens == 1 or kept.scan):
+            kept = None
+        ctx.token_tiles = kept
         ctx.mark_non_differentiable(block_idx)
         return out, block_idx
 

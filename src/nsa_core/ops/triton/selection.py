@@ -11,11 +11,16 @@ side as one key tile, ``PAIR_KEYS``). Where the keys are few against the ``n x l
 reads (``SCAN_SPAN``), tiles of ``SCAN_ROWS`` rows instead stream every key up to their last position,
 each (row, key) pair masked by the row's blocks: nearly every block is some token's choice there, and each
 key is loaded once for the whole tile; the longest tiles run first, and the key tiles before every row's
-position are masked by the blocks alone (no causal mask). It keeps the log-sum-exp per query head.
+position are masked by the blocks alone (no causal mask). Past the scan's lengths, where its workspace
+fits (``BLOCKS_BYTES``), the forward runs by selection block instead: one program per (block, chunk of the
+queries that chose it, through the inverted index below) loads the block's keys once and writes, per
+(query, slot), the softmax over that block alone and its log-sum-exp; a second kernel merges each query's
+slots in slot order. It keeps the log-sum-exp per query head.
 
 Backward, in two kernels and no atomics:
 - ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward (union, own blocks or scan), streaming
-  the same keys again;
+  the same keys again; by selection block, dK/dV below writes each (query, slot)'s part of ``dq`` beside
+  its own sums and one more kernel adds a query's parts in slot order;
 - ``dK/dV`` per (selection block, batch x KV group): an inverted (CSR) index built on the device lists, for
   every block, the query tokens whose group chose it; the block's program walks that list in token order
   and writes its keys' gradients once. Blocks nobody chose get zeros. A block chosen by very many queries
@@ -489,9 +494,10 @@ def _selected_bwd_dkdv_kernel(
     DV,
     WK,
     WV,
+    WDQ,
     OFFSETS,
     SLOTS,
-    TOKENS,
+    ENTRIES,
     sq_b,
     sq_t,
     sq_h,
@@ -519,10 +525,12 @@ def _selected_bwd_dkdv_kernel(
     HKV: tl.constexpr,
     G: tl.constexpr,
     D: tl.constexpr,
+    N_SEL: tl.constexpr,
     L_SEL: tl.constexpr,
     N_SUB: tl.constexpr,
     CHUNK: tl.constexpr,
     N_CHUNKS: tl.constexpr,
+    DQ_PARTS: tl.constexpr,  # also each entry's dq over this key tile, fp32 into WDQ (`_dq_parts_kernel`)
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -561,7 +569,8 @@ def _selected_bwd_dkdv_kernel(
         for e0 in range(lo, hi, E):
             ent = e0 + e_r
             m_r = (e_r < E) & (ent < hi)
-            tok = tl.load(TOKENS + ent, mask=m_r, other=0).to(tl.int64)  # query row 0 .. Tq-1
+            entry = tl.load(ENTRIES + ent, mask=m_r, other=0).to(tl.int64)
+            tok = entry // N_SEL  # query row 0 .. Tq-1
             m_rd = m_r[:, None] & m_d[None, :]
             b_q = tl.load(
                 Q + i_b * sq_b + tok[:, None] * sq_t + heads[:, None] * sq_h + o_d[None, :],
@@ -583,6 +592,11 @@ def _selected_bwd_dkdv_kernel(
             b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=PRECISION)
             b_ds = b_p * (b_dp - b_delta[:, None])
             b_dk += tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q, input_precision=PRECISION)
+            if DQ_PARTS:  # row (b, tok, h, slot, sub, g) of the workspace: summed by _dq_parts_kernel
+                b_dq = tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=PRECISION)
+                part = (((i_b * Tq + tok) * HKV + i_h) * N_SEL + entry % N_SEL) * N_SUB + i_sub
+                b_dq = b_dq.to(WDQ.dtype.element_ty)
+                tl.store(WDQ + (part * G + g_r)[:, None] * D + o_d[None, :], b_dq, mask=m_rd)
         b_dk = b_dk * scale
 
         if (count <= CHUNK) | (N_CHUNKS == 1):
@@ -660,6 +674,189 @@ def _selected_bwd_reduce_kernel(
             b_dv.to(DV.dtype.element_ty),
             mask=m_sd,
         )
+
+
+@triton.jit
+def _block_keys(
+    K_bh, V_bh, sk_t, sv_t, blk, s0, Tk,
+    D: tl.constexpr, L_SEL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # keys s0.. of block `blk`, their positions and which are keys of the block
+    o_s, o_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    pos = blk * L_SEL + s0 + o_s
+    m_s = (s0 + o_s < L_SEL) & (pos < Tk)
+    m_sd = m_s[:, None] & (o_d < D)[None, :]
+    b_k = tl.load(K_bh + pos[:, None] * sk_t + o_d[None, :], mask=m_sd, other=0.0)
+    b_v = tl.load(V_bh + pos[:, None] * sv_t + o_d[None, :], mask=m_sd, other=0.0)
+    return b_k, b_v, pos, m_s
+
+
+@triton.jit
+def _entry_rows(ENTRIES, e0, hi, e_r, Q_bh, sq_t, q_offset, m_d, E: tl.constexpr, N_SEL: tl.constexpr):
+    # the rows of entries e0 .. e0 + E - 1 (below hi) of a block's list: entry, token, position, mask, queries
+    m_r = (e_r < E) & (e0 + e_r < hi)
+    entry = tl.load(ENTRIES + e0 + e_r, mask=m_r, other=0).to(tl.int64)
+    tok = entry // N_SEL
+    b_q = tl.load(Q_bh + tok[:, None] * sq_t, mask=m_r[:, None] & m_d[None, :], other=0.0)
+    return entry, tok, q_offset + tok, m_r, b_q
+
+
+@triton.jit
+def _store_part(WO, WL, entry, tok, m_r, g_r, o_d, m_d, i_b, i_h, Tq, m_i, l_i, acc,
+                HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr):  # fmt: skip
+    # an entry's softmax over its block, normalised, and its log-sum-exp at row (b, token, h, slot, g); a
+    # listed block starts at or before its token, so every listed row saw a key (l_i > 0)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    part = (((i_b * Tq + tok) * HKV + i_h) * N_SEL + entry % N_SEL) * G + g_r
+    b_o = (acc / l_safe[:, None]).to(WO.dtype.element_ty)
+    tl.store(WO + part[:, None] * D + o_d[None, :], b_o, mask=m_r[:, None] & m_d[None, :])
+    tl.store(WL + part, m_i + tl.log2(l_safe), mask=m_r)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["Tq", "Tk", "Ns", "q_offset"])
+def _selected_fwd_blocks_kernel(
+    Q, K, V, WO, WL, OFFSETS, ENTRIES,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h,
+    Tq, Tk, Ns, q_offset, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    # The forward by selection block: one program per (block, batch x KV group, chunk of CHUNK entries of
+    # the block's query list) walks its entries, E = BLOCK_R // G query tokens (x the group's G heads) a
+    # step, against the block's keys (loaded once where the block is one key tile). Each entry's softmax
+    # over this block alone, normalised, and its log-sum-exp go to row (b, token, h, slot, g) of WO and WL;
+    # `_fwd_combine_kernel` merges a token's slots in slot order.
+    i_j = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_c = tl.program_id(2)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    bucket = i_bh * Ns + i_j
+    lo = tl.load(OFFSETS + bucket) + i_c * CHUNK
+    end = tl.load(OFFSETS + bucket + 1)
+    if lo < end:
+        hi = tl.minimum(end, lo + CHUNK)
+        E: tl.constexpr = BLOCK_R // G
+        o_r, o_d = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+        e_r, g_r = o_r // G, o_r % G
+        m_d = o_d < D
+        K_bh = K + i_b * sk_b + i_h * sk_h
+        V_bh = V + i_b * sv_b + i_h * sv_h
+        Q_bh = Q + i_b * sq_b + (i_h * G + g_r)[:, None] * sq_h + o_d[None, :]
+        if L_SEL <= BLOCK_S:  # the block is one key tile: loaded once for all the entries
+            b_k, b_v, pos, m_s = _block_keys(K_bh, V_bh, sk_t, sv_t, i_j, 0, Tk, D, L_SEL, BLOCK_S, BLOCK_D)
+            for e0 in range(lo, hi, E):
+                entry, tok, t_r, m_r, b_q = _entry_rows(
+                    ENTRIES, e0, hi, e_r, Q_bh, sq_t, q_offset, m_d, E, N_SEL
+                )
+                visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= t_r[:, None])
+                m_i, l_i, acc = _fwd_step(
+                    b_q, b_k, b_v, visible, tl.full([BLOCK_R], float("-inf"), tl.float32),
+                    tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, BLOCK_D], tl.float32), qk_scale,
+                    PRECISION,
+                )  # fmt: skip
+                _store_part(
+                    WO, WL, entry, tok, m_r, g_r, o_d, m_d, i_b, i_h, Tq, m_i, l_i, acc, HKV, G, D, N_SEL
+                )
+        else:
+            for e0 in range(lo, hi, E):
+                entry, tok, t_r, m_r, b_q = _entry_rows(
+                    ENTRIES, e0, hi, e_r, Q_bh, sq_t, q_offset, m_d, E, N_SEL
+                )
+                m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_R], tl.float32)
+                acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+                for s0 in range(0, L_SEL, BLOCK_S):
+                    b_k, b_v, pos, m_s = _block_keys(
+                        K_bh, V_bh, sk_t, sv_t, i_j, s0, Tk, D, L_SEL, BLOCK_S, BLOCK_D
+                    )
+                    visible = m_r[:, None] & m_s[None, :] & (pos[None, :] <= t_r[:, None])
+                    m_i, l_i, acc = _fwd_step(b_q, b_k, b_v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+                _store_part(
+                    WO, WL, entry, tok, m_r, g_r, o_d, m_d, i_b, i_h, Tq, m_i, l_i, acc, HKV, G, D, N_SEL
+                )
+
+
+@triton.jit
+def _slot_rows(IDX_bh, si_t, tok, t_r, m_r, i_n, L_SEL: tl.constexpr):
+    # the rows whose token's slot i_n holds a block that starts at or before the token (the index's entries)
+    blk = tl.load(IDX_bh + tok * si_t + i_n, mask=m_r, other=-1)
+    return m_r & (blk >= 0) & (blk * L_SEL <= t_r)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["Tq", "q_offset"])
+def _fwd_combine_kernel(
+    O, LSE, WO, WL, IDX, so_b, so_t, so_h, si_b, si_t, si_h, Tq, q_offset,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr,
+    M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # one program per (tile of M query tokens, batch x KV group): each row's slots merged in slot order
+    # (log-sum-exp weights), the output and log-sum-exp of `_selected_fwd_kernel`
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = (o_d < D)[None, :]
+    IDX_bh = IDX + i_b * si_b + i_h * si_h
+    first = ((i_b * Tq + tok) * HKV + i_h) * N_SEL  # the token's slot 0
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for i_n in range(N_SEL):
+        valid = _slot_rows(IDX_bh, si_t, tok, t_r, m_r, i_n, L_SEL)
+        part = (first + i_n) * G + heads % G
+        b_l = tl.load(WL + part, mask=valid, other=float("-inf"))
+        b_o = tl.load(WO + part[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d, other=0.0)
+        m_new = tl.maximum(m_i, b_l)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(b_l - m_safe)
+        l_i = l_i * alpha + beta
+        acc = acc * alpha[:, None] + beta[:, None] * b_o.to(tl.float32)
+        m_i = m_new
+    # a query with no readable key outputs zeros; its lse is +inf so that the backward's p is 0
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(
+        O + i_b * so_b + tok[:, None] * so_t + heads[:, None] * so_h + o_d[None, :],
+        (acc / l_safe[:, None]).to(O.dtype.element_ty),
+        mask=m_r[:, None] & m_d,
+    )
+    b_lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(LSE + (i_b * Tq + tok) * (HKV * G) + heads, b_lse, mask=m_r)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["Tq", "q_offset"])
+def _dq_parts_kernel(
+    DQ, WDQ, IDX, sdq_b, sdq_t, sdq_h, si_b, si_t, si_h, Tq, q_offset, scale,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr,
+    N_SUB: tl.constexpr, M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # one program per (tile of M query tokens, batch x KV group): dq = scale x the sum of each row's parts
+    # (dK/dV's DQ_PARTS: one per slot and key tile of its block), in slot order
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = (o_d < D)[None, :]
+    IDX_bh = IDX + i_b * si_b + i_h * si_h
+    first = ((i_b * Tq + tok) * HKV + i_h) * N_SEL
+    b_dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    for i_n in range(N_SEL):
+        valid = _slot_rows(IDX_bh, si_t, tok, t_r, m_r, i_n, L_SEL)
+        for i_sub in tl.static_range(N_SUB):
+            part = ((first + i_n) * N_SUB + i_sub) * G + heads % G
+            b_part = tl.load(WDQ + part[:, None] * D + o_d[None, :], mask=valid[:, None] & m_d, other=0.0)
+            b_dq += b_part.to(tl.float32)
+    tl.store(
+        DQ + i_b * sdq_b + tok[:, None] * sdq_t + heads[:, None] * sdq_h + o_d[None, :],
+        (b_dq * scale).to(DQ.dtype.element_ty),
+        mask=m_r[:, None] & m_d,
+    )
 
 
 # --- launchers ---------------------------------------------------------------------------------------------
@@ -751,6 +948,41 @@ def _scan_block(sel_block_len: int) -> int:
     # tiles of two whole blocks (128 keys at l' = 64) were slower (H200, BENCHMARKS.md)
     low = min(64, sel_block_len & -sel_block_len)
     return low if low >= 16 else 0
+
+
+# fwd and dq by selection block, past the scan's lengths: the forward walks each block's query list (the
+# inverted index, built once for the forward and the backward) with the block's keys loaded once, one fp32
+# output and log-sum-exp per (query, slot) merged by a second kernel; dK/dV writes each entry's dq part
+# beside its own sums, summed per query by another. Where the queries choose blocks independently of their
+# neighbours (a model at initialisation, random-like choices at 16k), a tile of query tokens shares few
+# blocks and each token's own blocks were read for it alone. Taken where each of the two workspaces (the
+# forward's parts, dq's parts: a value per query head, slot and head-dim element, dq's per key tile of a
+# block too) is at most BLOCKS_BYTES (m7c-125m, bf16: up to 32k tokens); 0: never.
+BLOCKS_BYTES = 1 << 30
+# bf16/fp16 inputs: the parts in their dtype, merged in fp32 (as the composed branches' outputs and dq are
+# summed in it); half the workspace's traffic: m7c 16k fwd 1.07 -> 0.74 ms, bwd 1.50 -> 1.12 (H200)
+HALF_PARTS = True
+BLOCKS_CHUNK = 256  # entries of a block's list a forward program walks: block 0 holds every query
+PARTS_ROWS = 64  # rows (tokens x the G heads) of a tile that merges parts
+
+
+def _blocks(q: torch.Tensor, n_sel: int, sel_block_len: int, keys: int) -> bool:
+    """Whether fwd and dq run by selection block (`BLOCKS_BYTES`); the scan comes first where it runs."""
+    B, Tq, HQ, D = q.shape
+    if _scan_block(sel_block_len) and keys <= SCAN_SPAN * n_sel * sel_block_len:
+        return False
+    n_sub = cdiv(sel_block_len, _tiles(1, D, sel_block_len)["BLOCK_S"])
+    size = _parts_dtype(q.dtype).itemsize
+    return 0 < B * Tq * HQ * n_sel * D * size * n_sub <= BLOCKS_BYTES
+
+
+def _parts_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if HALF_PARTS and dtype != torch.float32 else torch.float32
+
+
+def _parts_rows(G: int) -> dict[str, int]:
+    M = max(1, PARTS_ROWS // G)
+    return dict(M=M, BLOCK_R=max(16, next_power_of_2(M * G)))
 
 
 def _plan(
@@ -857,6 +1089,14 @@ class TokenTiles:
     scan: bool = False
 
 
+@dataclass(frozen=True)
+class BlockQueries:
+    """The inverted index (`build_block_queries`) the forward built by selection block, for the backward."""
+
+    offsets: torch.Tensor
+    entries: torch.Tensor
+
+
 def _union(block_idx: torch.Tensor, plan: dict[str, int], built: TokenTiles | None = None) -> TokenTiles:
     # one token a tile reads its own blocks, and the scan every block: nothing to build
     tokens, scan = plan["M"], plan["SCAN"]
@@ -876,11 +1116,12 @@ def selected_fwd(
     sel_block_len: int,
     q_offset: int,
     scale: float,
-    tiles_out: list[TokenTiles] | None = None,
+    tiles_out: list[TokenTiles | BlockQueries] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward: returns ``o [B, Tq, HQ, D]`` and ``lse [B, Tq, HQ]`` (float32, log2 units).
 
-    ``tiles_out``: a list that receives the token tiles the forward read, for `selected_bwd`'s dq."""
+    ``tiles_out``: a list that receives what the forward built for `selected_bwd`: the token tiles dq reads
+    again, or the inverted index (`BlockQueries`) where it ran by selection block."""
     B, Tq, HQ, D = q.shape
     HKV = k.shape[2]
     G = HQ // HKV
@@ -889,6 +1130,12 @@ def selected_fwd(
     if Tq == 0:
         return o, lse
     n_sel = block_idx.shape[-1]
+    if _blocks(q, n_sel, sel_block_len, k.shape[1]):
+        index = BlockQueries(*build_block_queries(block_idx, k.shape[1], sel_block_len, q_offset))
+        if tiles_out is not None:
+            tiles_out.append(index)
+        _forward_by_block(q, k, v, o, lse, block_idx, index, sel_block_len, q_offset, scale)
+        return o, lse
     plan = _plan("fwd", q.dtype, _tiles(G, D, sel_block_len), G, n_sel, sel_block_len, k.shape[1])
     built = _union(block_idx, plan)
     if tiles_out is not None:
@@ -901,6 +1148,41 @@ def selected_fwd(
         HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, PRECISION=_precision(q.dtype), **plan,
     )  # fmt: skip
     return o, lse
+
+
+def _forward_by_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    block_idx: torch.Tensor,
+    index: BlockQueries,
+    sel_block_len: int,
+    q_offset: int,
+    scale: float,
+) -> None:
+    # each block's entries against its keys (one part per query head and slot), then the parts merged
+    B, Tq, HQ, D = q.shape
+    Tk, HKV = k.shape[1], k.shape[2]
+    G, n_sel = HQ // HKV, block_idx.shape[-1]
+    tiles = _tiles(G, D, sel_block_len)
+    parts = torch.empty(B * Tq * HQ * n_sel, D, dtype=_parts_dtype(q.dtype), device=q.device)
+    parts_lse = torch.empty(B * Tq * HQ * n_sel, dtype=torch.float32, device=q.device)
+    num_sel_blocks = cdiv(Tk, sel_block_len)
+    # dK/dV's rows a step over the same lists, unless LAUNCH["fwd-blocks"] says otherwise
+    config = {**_launch("dkdv", q.dtype, tiles), **LAUNCH.get("fwd-blocks", {})}
+    _selected_fwd_blocks_kernel[(num_sel_blocks, B * HKV, cdiv(Tq, BLOCKS_CHUNK))](
+        q, k, v, parts, parts_lse, index.offsets, index.entries,
+        *_strides(q), *_strides(k), *_strides(v), Tq, Tk, num_sel_blocks, q_offset, scale * LOG2E,
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, CHUNK=BLOCKS_CHUNK, BLOCK_S=tiles["BLOCK_S"],
+        BLOCK_D=tiles["BLOCK_D"], PRECISION=_precision(q.dtype), **config,
+    )  # fmt: skip
+    rows = _parts_rows(G)
+    _fwd_combine_kernel[(cdiv(Tq, rows["M"]), B * HKV)](
+        o, lse, parts, parts_lse, block_idx, *_strides(o), *_strides(block_idx), Tq, q_offset,
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, BLOCK_D=tiles["BLOCK_D"], **rows,
+    )  # fmt: skip
 
 
 @Launcher
@@ -927,14 +1209,14 @@ def _index_count_kernel(
 @Launcher
 @triton.jit(do_not_specialize=["Tq", "Ns", "n_chunks", "q_offset", "last"])
 def _index_fill_kernel(
-    IDX, COUNTS, ENDS, OFFSETS, TOKENS, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset, last,
+    IDX, COUNTS, ENDS, OFFSETS, ENTRIES, si_b, si_t, si_h, Tq, Ns, n_chunks, q_offset, last,
     HKV: tl.constexpr, N_SEL: tl.constexpr, L_SEL: tl.constexpr, CHUNK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr,
 ):  # fmt: skip
-    # one program per (chunk, batch x KV group): its rows in ascending order, each row's entries at
-    # ENDS[i] - COUNTS[i] (i = bucket * n_chunks + chunk, ENDS the inclusive prefix sum of COUNTS), counting
-    # COUNTS[i] down by one per entry: buckets in order, chunks in order within a bucket, rows in order
-    # within a chunk. No two programs touch one entry i, and a row's n blocks are distinct.
+    # one program per (chunk, batch x KV group): its rows in ascending order, each row's entry (row * n +
+    # slot) at ENDS[i] - COUNTS[i] (i = bucket * n_chunks + chunk, ENDS the inclusive prefix sum of COUNTS),
+    # counting COUNTS[i] down by one per entry: buckets in order, chunks in order within a bucket, rows in
+    # order within a chunk. No two programs touch one entry i, and a row's n blocks are distinct.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_h = i_bh // HKV, i_bh % HKV
@@ -956,7 +1238,7 @@ def _index_fill_kernel(
         i = (i_bh * Ns + blk) * n_chunks + i_c
         left = tl.atomic_add(COUNTS + i, -1, mask=valid)
         slot = tl.load(ENDS + i, mask=valid, other=0) - left
-        tl.store(TOKENS + slot, tok.to(tl.int32), mask=valid)
+        tl.store(ENTRIES + slot, (tok * N_SEL + o_n).to(tl.int32), mask=valid)
 
 
 INDEX_ENTRIES = 1 << 22  # (bucket, chunk) counters of the inverted index: the chunks grow to stay below
@@ -967,8 +1249,9 @@ def build_block_queries(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverted index: for each (batch, KV group, selection block), the query rows that chose it.
 
-    Returns ``offsets [B*HKV*Ns + 1]`` (int64) and ``tokens [E]`` (int32, ``E`` = the slots of
-    ``block_idx``): bucket ``(b*HKV + h)*Ns + j`` lists query rows ``tokens[offsets[i]:offsets[i+1]]`` in
+    Returns ``offsets [B*HKV*Ns + 1]`` (int64) and ``entries [E]`` (int32, ``E`` = the slots of
+    ``block_idx``): bucket ``(b*HKV + h)*Ns + j`` lists ``entries[offsets[i]:offsets[i+1]]``, each
+    ``row * n + slot`` (the query row and the slot of ``block_idx[b, row, h]`` that holds ``j``), rows in
     ascending order; entries past ``offsets[-1]`` are undefined. Unused slots and blocks that start after
     the query are left out. A counting sort over chunks of query rows: a count kernel, one prefix sum and
     a fill kernel; no host synchronisation, the same index whatever the order the GPU runs them in.
@@ -983,16 +1266,16 @@ def build_block_queries(
     n_chunks = cdiv(Tq, chunk_t)
     counts = torch.zeros(num_buckets * n_chunks, dtype=torch.int32, device=device)
     offsets = torch.empty(num_buckets + 1, dtype=torch.int64, device=device)
-    tokens = torch.empty(block_idx.numel(), dtype=torch.int32, device=device)
+    entries = torch.empty(block_idx.numel(), dtype=torch.int32, device=device)
     common = dict(HKV=HKV, N_SEL=n, L_SEL=sel_block_len, CHUNK_T=chunk_t, BLOCK_N=next_power_of_2(n))
     args = (*_strides(block_idx), Tq, num_sel_blocks, n_chunks, q_offset)
     grid = (n_chunks, B * HKV)
     _index_count_kernel[grid](block_idx, counts, *args, BLOCK_T=min(16, chunk_t), **common)
     ends = torch.cumsum(counts, 0)  # int64
     _index_fill_kernel[grid](
-        block_idx, counts, ends, offsets, tokens, *args, num_buckets, BLOCK_J=1024, **common
+        block_idx, counts, ends, offsets, entries, *args, num_buckets, BLOCK_J=1024, **common
     )  # fmt: skip
-    return offsets, tokens
+    return offsets, entries
 
 
 @Launcher
@@ -1045,13 +1328,14 @@ def selected_bwd(
     scale: float,
     chunk: int | None = None,
     delta: torch.Tensor | None = None,
-    token_tiles: TokenTiles | None = None,
+    token_tiles: TokenTiles | BlockQueries | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index. ``chunk`` is for tests.
+    """Launch the backward: ``dq``, then ``dk/dv`` through the inverted index (by selection block: dq's
+    parts with dK/dV's, then their sum). ``chunk`` is for tests.
 
     The fused op (`nsa_core.ops.triton.nsa`) passes ``delta = rowsum(o * do) [B, Tq, HQ]`` (float32); then
-    ``o`` is not read; and the forward's ``token_tiles`` (`selected_fwd`'s ``tiles_out``), which dq reads
-    again where its tiles are the forward's.
+    ``o`` is not read; and what the forward built (`selected_fwd`'s ``tiles_out``): the token tiles, which
+    dq reads again where its tiles are the forward's, or the inverted index.
     """
     B, Tq, HQ, D = q.shape
     Tk, HKV = k.shape[1], k.shape[2]
@@ -1063,50 +1347,67 @@ def selected_bwd(
         return dq.zero_(), dk.zero_(), dv.zero_()
     tiles = _tiles(G, D, sel_block_len)
     precision = _precision(q.dtype)
-    has_delta = delta is not None
-    if delta is None:
-        delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
-    assert delta.shape == (B, Tq, HQ)
-    assert delta.is_contiguous()
     n_sel = block_idx.shape[-1]
-    plan = _plan("dq", q.dtype, tiles, G, n_sel, sel_block_len, Tk)
-    built = _union(block_idx, plan, token_tiles)
-    n_tiles = built.n_tiles
-    _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
-        q, k, v, o, do, dq, lse, delta, block_idx, built.union, built.count,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
-        *_strides(block_idx),
-        Tq, n_tiles, q_offset, scale * LOG2E, scale,
-        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, HAS_DELTA=has_delta, PRECISION=precision,
-        **plan,
-    )  # fmt: skip
-
-    offsets, tokens = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
-    num_sel_blocks = cdiv(Tk, sel_block_len)
     BLOCK_S, BLOCK_D = tiles["BLOCK_S"], tiles["BLOCK_D"]
     n_sub = cdiv(sel_block_len, BLOCK_S)
-    chunk = chunk or _chunk_size(tokens.numel(), n_sub * BLOCK_S * BLOCK_D)
+    by_block = _blocks(q, n_sel, sel_block_len, Tk)
+    if by_block:
+        if delta is None:
+            delta = (o.float() * do.float()).sum(-1)
+        wdq = torch.empty(B * Tq * HQ * n_sel * n_sub, D, dtype=_parts_dtype(q.dtype), device=q.device)
+    else:
+        wdq = dq.new_empty(0)
+        has_delta = delta is not None
+        if delta is None:
+            delta = torch.empty(B, Tq, HQ, dtype=torch.float32, device=q.device)
+        plan = _plan("dq", q.dtype, tiles, G, n_sel, sel_block_len, Tk)
+        built = _union(block_idx, plan, token_tiles if isinstance(token_tiles, TokenTiles) else None)
+        n_tiles = built.n_tiles
+        _selected_bwd_dq_kernel[(n_tiles, B * HKV)](
+            q, k, v, o, do, dq, lse, delta, block_idx, built.union, built.count,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o), *_strides(do), *_strides(dq),
+            *_strides(block_idx),
+            Tq, n_tiles, q_offset, scale * LOG2E, scale,
+            HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, HAS_DELTA=has_delta, PRECISION=precision,
+            **plan,
+        )  # fmt: skip
+    assert delta.shape == (B, Tq, HQ)
+    assert delta.is_contiguous()
+
+    if isinstance(token_tiles, BlockQueries):
+        offsets, entries = token_tiles.offsets, token_tiles.entries
+    else:
+        offsets, entries = build_block_queries(block_idx, Tk, sel_block_len, q_offset)
+    num_sel_blocks = cdiv(Tk, sel_block_len)
+    chunk = chunk or _chunk_size(entries.numel(), n_sub * BLOCK_S * BLOCK_D)
     n_chunks = cdiv(Tq, chunk)  # a bucket lists each query row at most once per used slot
     slots, wk, wv = offsets, dq.new_empty(0), dq.new_empty(0)  # one chunk: no bucket is hot
     if n_chunks > 1:  # a hot bucket's chunks write fp32 partials at its slots, then one sum
         slots = hot_slots(offsets, chunk, n_chunks)
-        num_slots = max(1, min(2 * tokens.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
+        num_slots = max(1, min(2 * entries.numel() // chunk, B * HKV * num_sel_blocks * n_chunks))
         workspace = (num_slots, n_sub * BLOCK_S * BLOCK_D)
         wk = torch.empty(workspace, dtype=torch.float32, device=q.device)
         wv = torch.empty(workspace, dtype=torch.float32, device=q.device)
     grid = (num_sel_blocks * n_sub, B * HKV)
     _selected_bwd_dkdv_kernel[(*grid, n_chunks)](
-        q, k, v, do, lse, delta, dk, dv, wk, wv, offsets, slots, tokens,
+        q, k, v, do, lse, delta, dk, dv, wk, wv, wdq, offsets, slots, entries,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
         Tq, Tk, num_sel_blocks, q_offset, scale * LOG2E, scale,
-        HKV=HKV, G=G, D=D, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
-        BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, PRECISION=precision, **_launch("dkdv", q.dtype, tiles),
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
+        DQ_PARTS=by_block, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D, PRECISION=precision,
+        **_launch("dkdv", q.dtype, tiles),
     )  # fmt: skip
     if n_chunks > 1:
         _selected_bwd_reduce_kernel[grid](
             dk, dv, wk, wv, offsets, slots, *_strides(dk), *_strides(dv), Tk, num_sel_blocks,
             HKV=HKV, D=D, L_SEL=sel_block_len, N_SUB=n_sub, CHUNK=chunk, N_CHUNKS=n_chunks,
             BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
+        )  # fmt: skip
+    if by_block:
+        rows = _parts_rows(G)
+        _dq_parts_kernel[(cdiv(Tq, rows["M"]), B * HKV)](
+            dq, wdq, block_idx, *_strides(dq), *_strides(block_idx), Tq, q_offset, scale,
+            HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, N_SUB=n_sub, BLOCK_D=BLOCK_D, **rows,
         )  # fmt: skip
     return dq, dk, dv
 
