@@ -334,6 +334,7 @@ BLOCK_CASES = [
     Case(B=1, T=170, HKV=1, G=2, D=16, sel_block_len=80, n_sel=2, n_init=0, n_local=1),  # 2 key tiles/block
     Case(B=1, T=64, HKV=2, G=2, D=16, sel_block_len=8, n_sel=5, pattern="hot"),  # everyone reads 0..4
 ]
+assert BLOCK_CASES[5].pattern == "hot"  # BLOCK_PARAMS' second small-chunk case
 if SIZES.real:
     BLOCK_CASES += [
         Case(B=1, T=16384, HKV=2, G=6, D=64, sel_block_len=64, n_sel=16),  # m7c-125m at 16k
@@ -342,16 +343,20 @@ if SIZES.real:
     ]
 
 
-@pytest.mark.parametrize("chunk", [256, 5], ids=lambda c: f"chunk{c}")
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in BLOCK_CASES])
+# each case with the default entries a forward program walks; the first and the hot one also with 5 (a
+# block's list over several programs)
+BLOCK_PARAMS = [pytest.param(c, 256, id=f"{c.id}-chunk256") for c in BLOCK_CASES] + [
+    pytest.param(c, 5, id=f"{c.id}-chunk5") for c in (BLOCK_CASES[0], BLOCK_CASES[5])
+]
+
+
+@pytest.mark.parametrize(("case", "chunk"), BLOCK_PARAMS)
 def test_by_selection_block_matches_reference(
     case: Case, chunk: int, device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The forward and dq by selection block (each block's query list against its keys, the parts merged
     per query in slot order) give the reference's output and gradients, whatever the entries a forward
     program walks, with rows that chose no block, and the same bits twice."""
-    if SIZES.real and chunk != 256 and case.T > 100:
-        pytest.skip("the small chunks on the small cases")
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # never the scan
     monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40)
     monkeypatch.setattr(selection, "BLOCKS_CHUNK", chunk)

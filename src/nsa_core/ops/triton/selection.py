@@ -887,8 +887,9 @@ def _num_stages(dtype: torch.dtype, tiles: dict[str, int]) -> int:
     return 3 if _tile_bytes(dtype, tiles) <= 16 << 10 else 2
 
 
-# Per-kernel overrides ("fwd", "dq", "dkdv" -> num_warps, num_stages, and BLOCK_R for dkdv); empty: the
-# defaults. benchmarks/tune_triton.py sets them to time other launch options.
+# Per-kernel overrides ("fwd", "dq", "dkdv", "fwd-scan", "dq-scan", "fwd-blocks" -> num_warps, num_stages,
+# and BLOCK_R for dkdv and fwd-blocks); empty: the defaults. benchmarks/tune_triton.py and
+# selection_tiles.py set them to time other launch options.
 LAUNCH: dict[str, dict[str, int]] = {}
 _WARPS = {"fwd": 4, "dq": 4, "dkdv": 8}
 # bf16/fp16 on an H100 (benchmarks/tune_triton.py, BENCHMARKS.md): fewer warps and two stages for the
