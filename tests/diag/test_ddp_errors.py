@@ -309,6 +309,39 @@ def test_a_rank_that_raised_is_the_cause_not_the_rank_torchrun_stopped(tmp_path:
     assert (result.verdict, result.missing_grads) == ("grad-missing", AUX)
 
 
+def test_a_rank_that_left_the_loop_first_is_named_after_the_peers_lost_collective(tmp_path: Path) -> None:
+    """ddp_uneven_data.py: rank 1's shard held fewer batches; it exited 0 after 4 steps and rank 0's
+    all-reduce in step 5 raised "Connection closed by peer". The verdict is rank 0's error, at the job's
+    own line (past the probe's wrapper of `Tensor.backward` in its traceback), and the reason says that
+    rank 1 had left the loop and why that ends a peer's collective. A rank's own error gets no such
+    sentence."""
+    case, _ = _case(tmp_path, "ddp_uneven")
+    ranks = _meta("ddp_uneven")["ranks"]
+    assert {r: info["steps_done"] for r, info in ranks.items()} == {"0": 4, "1": 4}
+
+    def unit(verdict: str, code: int, steps: int) -> CaseResult:
+        return CaseResult(
+            name="watch", spec_hash="0", verdict=verdict, reason="-", exit_code=code, steps_done=steps
+        )  # type: ignore[arg-type]
+
+    per_rank = {0: unit("crash", 1, 4), 1: unit("pass", 0, 4)}
+    result = _combine(case, "ddp_uneven", per_rank, _unit("crash", "exited with code 1", 1))
+    assert result.verdict == "error", result.reason
+    assert result.reason.startswith("rank 0: RuntimeError: "), result.reason
+    assert "Connection closed by peer" in result.reason
+    assert "called from ddp_uneven_data.py:34 in main (exit code 1)" in result.reason
+    assert "runtime.py" not in result.reason
+    assert (
+        "; rank 1 exited normally (code 0) after 4 step(s); rank 0 raised in step 5, in a collective rank 1 "
+        "never joined: a rank that leaves the training loop before the others (fewer batches on that rank: "
+        "data sharded unevenly across ranks" in result.reason
+    )
+    case, _ = _case(tmp_path / "own", "ddp_reentrant")  # each rank's own exception: no rank left first
+    per_rank = {0: unit("crash", 1, 2), 1: unit("pass", 0, 2)}
+    result = _combine(case, "ddp_reentrant", per_rank, _unit("crash", "exited with code 1", 1))
+    assert "never joined" not in result.reason
+
+
 def test_a_rank_killed_by_a_signal_of_its_own_stays_the_cause(tmp_path: Path) -> None:
     case, _ = _case(tmp_path, "ddp_unused")
     only_rank1 = [line for line in _stderr("ddp_unused").splitlines() if not line.startswith("[rank0]")]

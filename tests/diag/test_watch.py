@@ -730,6 +730,27 @@ def test_torchrun_ddp_unused_parameters_are_grad_missing_by_name_with_the_fix(tm
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~12 s: two gloo ranks importing torch, a DataLoader worker each
+def test_torchrun_rank_whose_data_ends_first_is_named_after_its_peers_error(tmp_path: Path) -> None:
+    """A user's DDP job whose ranks read their own files (rank 1's hold 4 batches, rank 0's 6): rank 1
+    saves and exits 0 after step 4, rank 0's all-reduce in step 5 raises "Connection closed by peer". The
+    verdict is rank 0's error at the job's own line, and the reason says rank 1 left the loop first."""
+    env = {"GLOO_SOCKET_IFNAME": "lo", "CKPT_DIR": str(tmp_path)}
+    proc, out = _watch(tmp_path, job=_torchrun("ddp_uneven_data.py"), env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "error", result["reason"]
+    assert "Connection closed by peer" in result["reason"]
+    assert "called from ddp_uneven_data.py:34 in main" in result["reason"]
+    assert "rank 1 exited normally (code 0) after 4 step(s); rank 0 raised in step 5" in result["reason"]
+    assert "data sharded unevenly across ranks" in result["reason"]
+    assert (tmp_path / "rank1.pt").is_file()  # rank 1 finished its own epoch
+    processes = result["evidence"]["processes"]
+    assert processes["1"]["state"] == "exited normally (code 0)"
+    assert processes["0"]["state"] == "raised RuntimeError"
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Path) -> None:
     job = _torchrun("ddp_reentrant_checkpoint.py")

@@ -392,7 +392,7 @@ def aggregate(
 
 # A collective whose peer went away (gloo's socket closed, NCCL's remote process gone): the rank that
 # reports it was waiting for a rank that left, the error is that wait's end
-_PEER_LOST = re.compile(
+PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|peer (?:closed|exited)", re.I
 )
 
@@ -424,13 +424,13 @@ class LeftCollective:
 def left_a_collective(
     per_rank: Mapping[int, CaseResult], collectives: Mapping[int, CollectiveState]
 ) -> LeftCollective | None:
-    """A rank failed inside an explicit collective because its peer went away (`_PEER_LOST`) while other
+    """A rank failed inside an explicit collective because its peer went away (`PEER_LOST`) while other
     ranks never entered that collective (they entered fewer of its group's): those ranks are the cause,
     the failed wait the consequence. Under gloo a rank that skips a collective and exits ends the others'
     wait with "Connection closed by peer"; under NCCL they would hang instead."""
     victims = [
         r for r in sorted(per_rank)
-        if per_rank[r].verdict in ("error", "crash") and _PEER_LOST.search(per_rank[r].reason or "")
+        if per_rank[r].verdict in ("error", "crash") and PEER_LOST.search(per_rank[r].reason or "")
         and (c := collectives.get(r)) is not None and c.waiting is not None and c.waiting.n is not None
     ]  # fmt: skip
     if not victims:

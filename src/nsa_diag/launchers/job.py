@@ -26,7 +26,13 @@ from typing import Any, cast
 
 from nsa_diag import artifacts
 from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
-from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minority_hang_kind, rank_exit_codes
+from nsa_diag.analysis.ranks import (
+    PEER_LOST,
+    cross_rank_diff,
+    minority_by_counts,
+    minority_hang_kind,
+    rank_exit_codes,
+)
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
 from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
 from nsa_diag.evidence.roles import TRAINING_ROLES
@@ -152,12 +158,12 @@ class RankError:
         return text + (f" ({exit_code})" if exit_code else "")
 
 
-# A rank whose peer died raises too (gloo: "Connection closed by peer"): the peer's failure is the cause.
-_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe", re.IGNORECASE)
 _ROOT_CAUSE = re.compile(
     r"Root Cause \(first observed failure\):\s*\n\[\d+\]:(?:\n[^\n]*){0,4}?\n\s*rank\s*:\s*(\d+)"
 )
-_OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ")
+# not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
+# `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
+_OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/nsa_diag/probe/")
 
 
 def rank_infos(infos: Mapping[int, ProbeJson]) -> dict[int, ProbeJson]:
@@ -199,7 +205,8 @@ def _explain(tb: Traceback, info: ProbeJson) -> RankError:
 def cause_rank(errors: Mapping[int, RankError], text: str) -> int:
     """The rank whose exception is the job's: not one that only lost its peer, torchrun's first observed
     failure where that rank raised, else the lowest rank."""
-    own = [r for r, e in errors.items() if not _PEER_LOST.search(e.exception.message)] or list(errors)
+    # a rank whose peer died raises too (gloo: "Connection closed by peer"): the peer's failure is the cause
+    own = [r for r, e in errors.items() if not PEER_LOST.search(e.exception.message)] or list(errors)
     first = _ROOT_CAUSE.search(text)
     if first is not None and int(first.group(1)) in own:
         return int(first.group(1))
@@ -503,9 +510,10 @@ def combine(
             # those that exited without a traceback. A rank killed by a signal of its own still is.
             report = raised_report(raised, text, per_unit[root].exit_code)
             base = per_unit[root]
+            left = _left_early(raised, per_unit, ranks)
             update = {
                 "verdict": report.status, "missing_grads": report.missing_grads,
-                "reason": report.reason + named, "steps_done": steps,
+                "reason": report.reason + left + named, "steps_done": steps,
                 "evidence": _merged(base.evidence, evidence),
             }  # fmt: skip
             return base.model_copy(update=update)
@@ -585,6 +593,34 @@ def combine(
         "hang_kind": kind,
     }
     return base.model_copy(update=update)
+
+
+def _left_early(
+    raised: Mapping[int, RankError], per_unit: Mapping[int, CaseResult], ranks: Mapping[int, int]
+) -> str:
+    """Where every rank that raised only lost its peer (`PEER_LOST`) while another rank had exited
+    normally: that rank left the training loop first, and its exit ended the collectives the others were
+    in (gloo raises there; NCCL would wait until its timeout). Said after the exception: "rank 1 exited
+    normally (code 0) after 4 step(s) ...". Empty otherwise: a rank's own exception is the cause."""
+    if not raised or not all(PEER_LOST.search(e.exception.message) for e in raised.values()):
+        return ""
+    left = [
+        r for r in sorted(ranks)
+        if r not in raised and r in per_unit and per_unit[r].exit_code == 0 and per_unit[r].signal is None
+    ]  # fmt: skip
+    if not left:
+        return ""
+    exited = "; ".join(
+        f"rank {r} exited normally (code 0) after {per_unit[r].steps_done} step(s)" for r in left
+    )
+    raised_in = "".join(
+        f"; rank {r} raised in step {per_unit[r].steps_done + 1}" for r in sorted(raised) if r in per_unit
+    )
+    return (
+        f"; {exited}{raised_in}, in a collective {_ranks_text(left)} never joined: a rank that leaves the "
+        "training loop before the others (fewer batches on that rank: data sharded unevenly across ranks, "
+        "or a break or return of its own) ends its peers' collectives"
+    )
 
 
 def _merged(base: CaseEvidence, more: CaseEvidence) -> CaseEvidence:

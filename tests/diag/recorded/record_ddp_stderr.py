@@ -13,7 +13,9 @@ as ``<name>.stderr.txt``, and in ``<name>.meta.json`` the exit code, torch's ver
   (DETAIL would as well, but on torch 2.13 with gloo on the CPU it segfaults in DDP's constructor);
 - ``ddp_unused_tee``: the same through ``torchrun --tee 3``: ``[default<N>]:[rank<N>]:`` on every line;
 - ``ddp_reentrant``: ddp_reentrant_checkpoint.py (marked ready twice; rank 0 or 1 stopped by SIGTERM);
-- ``early_unprefixed``: each rank raises before it joins the process group: bare tracebacks, no prefix.
+- ``early_unprefixed``: each rank raises before it joins the process group: bare tracebacks, no prefix;
+- ``ddp_uneven``: ddp_uneven_data.py (rank 1's shard ends first: it exits 0, rank 0's all-reduce in the
+  next backward raises "Connection closed by peer"; each rank's ``steps_done`` kept too).
 
 ``ddp_interleaved.stderr.txt`` is made from ``ddp_unused_tee``'s: the two ranks' blocks merged line by line
 (the tee's threads, or ranks writing line by line, interleave so; a recorded run rarely shows it).
@@ -44,6 +46,7 @@ RUNS = {
     "ddp_unused_tee": (["--tee", "3", "ddp_unused_param.py"], {}),
     "ddp_reentrant": (["ddp_reentrant_checkpoint.py"], {}),
     "early_unprefixed": (["early_unprefixed.py"], {}),
+    "ddp_uneven": (["ddp_uneven_data.py"], {}),
 }
 
 
@@ -57,7 +60,8 @@ def record(name: str) -> None:
         out = Path(tmp) / "runs"
         cmd = [sys.executable, "-m", "nsa_diag", "watch", "--out", str(out), "--", TORCHRUN, "--standalone",
                "--nproc-per-node", "2", *args]  # fmt: skip
-        subprocess.run(cmd, cwd=cwd, env={**os.environ, **env}, stdin=subprocess.DEVNULL, check=False)
+        run_env = {**os.environ, **env, "CKPT_DIR": tmp}  # ddp_uneven's checkpoints
+        subprocess.run(cmd, cwd=cwd, env=run_env, stdin=subprocess.DEVNULL, check=False)
         (case,) = out.glob("*/cases/watch")
         shutil.copy(case / "stderr.log", HERE / f"{name}.stderr.txt")
         result = json.loads((case / "result.json").read_text())
@@ -66,11 +70,18 @@ def record(name: str) -> None:
             info = json.loads((case / json.loads(rank_json.read_text())["folder"] / "probe.json").read_text())
             keep = ("pid", "ppid", "rank", "ddp_params", "ddp_options")
             ranks[str(info["rank"])] = {k: info[k] for k in keep if k in info}
+            process = result["evidence"]["processes"].get(str(info["rank"]), {})
+            ranks[str(info["rank"])]["steps_done"] = _steps(process.get("where", ""))
     import torch
 
     meta = {"exit_code": result["exit_code"], "torch": torch.__version__, "env": env, "ranks": ranks}
     (HERE / f"{name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"{name}: {result['verdict']}: {result['reason'][:160]}")
+
+
+def _steps(where: str) -> int:
+    # "rank 1, step 4, done": the steps the rank's probe counted
+    return next((int(part.split()[1]) for part in where.split(", ") if part.startswith("step ")), 0)
 
 
 def interleave() -> None:
