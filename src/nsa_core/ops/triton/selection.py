@@ -785,6 +785,24 @@ def _slot_rows(IDX_bh, si_t, tok, t_r, m_r, i_n, L_SEL: tl.constexpr):
     return m_r & (blk >= 0) & (blk * L_SEL <= t_r)
 
 
+@triton.jit
+def _merge_rows(
+    IDX, si_b, si_h, Tq, q_offset,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, N_SEL: tl.constexpr, M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # a merging program's rows, (tile of M query tokens, batch x KV group) from its ids: the batch, tokens,
+    # row mask, heads and positions (`_tile_rows`), the head-dim lanes, the group's block choices, and each
+    # row's first part (its token's slot 0)
+    i_m = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_h = i_bh // HKV, i_bh % HKV
+    _, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
+    o_d = tl.arange(0, BLOCK_D)
+    first = ((i_b * Tq + tok) * HKV + i_h) * N_SEL
+    return i_b, tok, m_r, heads, t_r, o_d, (o_d < D)[None, :], IDX + i_b * si_b + i_h * si_h, first
+
+
 @Launcher
 @triton.jit(do_not_specialize=["Tq", "q_offset"])
 def _fwd_combine_kernel(
@@ -794,14 +812,9 @@ def _fwd_combine_kernel(
 ):  # fmt: skip
     # one program per (tile of M query tokens, batch x KV group): each row's slots merged in slot order
     # (log-sum-exp weights), the output and log-sum-exp of `_selected_fwd_kernel`
-    i_m = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
-    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = (o_d < D)[None, :]
-    IDX_bh = IDX + i_b * si_b + i_h * si_h
-    first = ((i_b * Tq + tok) * HKV + i_h) * N_SEL  # the token's slot 0
+    i_b, tok, m_r, heads, t_r, o_d, m_d, IDX_bh, first = _merge_rows(
+        IDX, si_b, si_h, Tq, q_offset, HKV, G, D, N_SEL, M, BLOCK_R, BLOCK_D
+    )
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -837,14 +850,9 @@ def _dq_parts_kernel(
 ):  # fmt: skip
     # one program per (tile of M query tokens, batch x KV group): dq = scale x the sum of each row's parts
     # (dK/dV's DQ_PARTS: one per slot and key tile of its block), in slot order
-    i_m = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // HKV, i_bh % HKV
-    e_r, tok, m_r, heads, t_r = _tile_rows(i_m, Tq, q_offset, i_h, M, G, BLOCK_R)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = (o_d < D)[None, :]
-    IDX_bh = IDX + i_b * si_b + i_h * si_h
-    first = ((i_b * Tq + tok) * HKV + i_h) * N_SEL
+    i_b, tok, m_r, heads, t_r, o_d, m_d, IDX_bh, first = _merge_rows(
+        IDX, si_b, si_h, Tq, q_offset, HKV, G, D, N_SEL, M, BLOCK_R, BLOCK_D
+    )
     b_dq = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for i_n in range(N_SEL):
         valid = _slot_rows(IDX_bh, si_t, tok, t_r, m_r, i_n, L_SEL)
@@ -952,8 +960,8 @@ def _scan_block(sel_block_len: int) -> int:
 
 
 # fwd and dq by selection block, past the scan's lengths: the forward walks each block's query list (the
-# inverted index, built once for the forward and the backward) with the block's keys loaded once, one fp32
-# output and log-sum-exp per (query, slot) merged by a second kernel; dK/dV writes each entry's dq part
+# inverted index, built once for the forward and the backward) with the block's keys loaded once, one
+# output and log-sum-exp per (query head, slot) merged by a second kernel; dK/dV writes each entry's dq part
 # beside its own sums, summed per query by another. Where the queries choose blocks independently of their
 # neighbours (a model at initialisation, random-like choices at 16k), a tile of query tokens shares few
 # blocks and each token's own blocks were read for it alone. Taken where each of the two workspaces (the
