@@ -235,6 +235,45 @@ def test_reentrant_checkpointing_is_named_from_the_traceback() -> None:
     assert "reentrant activation checkpointing (use_reentrant=True)" in plain.cause  # type: ignore[union-attr]
 
 
+_WORKER_ERROR = """Traceback (most recent call last):
+  File "/home/me/train.py", line 31, in main
+    for step, (x, y) in enumerate(loader, 1):
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", line 1516, in _process_data
+    data.reraise()
+  File "/venv/lib/python3.11/site-packages/torch/_utils.py", line 749, in reraise
+    raise exception
+{outer}: Caught {inner_type} in DataLoader worker process 1.
+Original Traceback (most recent call last):
+  File "/venv/lib/python3.11/site-packages/torch/utils/data/_utils/worker.py", line 374, in _worker_loop
+    data = fetcher.fetch(index)  # type: ignore[possibly-undefined]
+  File "/home/me/train.py", line 15, in __getitem__
+    raise {inner_type}(f"sample {{i}}: corrupt record")
+{inner_type}: sample 137: corrupt record
+
+"""
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner_type", "says"),
+    [
+        ("ValueError", "ValueError", "sample 137: corrupt record (in DataLoader worker process 1)"),
+        # an exception type torch cannot rebuild from a message comes back as a RuntimeError
+        ("RuntimeError", "shards.BadShard",
+         "shards.BadShard: sample 137: corrupt record (in DataLoader worker process 1)"),
+    ],
+)  # fmt: skip
+def test_an_exception_from_a_dataloader_worker_says_its_own_line(
+    outer: str, inner_type: str, says: str
+) -> None:
+    """torch re-raises a DataLoader worker's exception as "Caught X in DataLoader worker process N." with
+    the original traceback in the message: the line a person reads is the original's, and where it was
+    caught."""
+    tb = last_exception(_WORKER_ERROR.format(outer=outer, inner_type=inner_type))
+    assert tb is not None
+    assert tb.type == outer
+    assert tb.first_line == says
+
+
 # --- the job's account and its verdict ----------------------------------------------------------------
 
 

@@ -765,6 +765,20 @@ def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_dataloader_worker_exception_is_an_error_with_its_own_message_and_line(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, job=[PY, "dataloader_bad_sample.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert result["verdict"] == "error", result["reason"]
+    assert result["reason"] == (
+        "ValueError: sample 137: corrupt record (expected 16 floats, got 3) (in DataLoader worker process 0) "
+        "at dataloader_bad_sample.py:20 in __getitem__ (exit code 1)"
+    )
+    assert result["steps_done"] == 8  # batches 0-7 came before the one with sample 137
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+@pytest.mark.slow
 def test_dataloader_worker_that_blocks_is_named(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "dataloader_block.py"])
     result = _result(out)

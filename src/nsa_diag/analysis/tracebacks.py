@@ -32,6 +32,9 @@ _CHAINED = ("During handling of the above exception", "The above exception was t
 _LOG_RECORD = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*)(?::(?: (.*)|$))?$")
 _NAMES_RANK = re.compile(r"\bfor rank (\d+)\b")
+# torch's ExceptionWrapper.reraise: "Caught <type> in DataLoader worker process 0." ("in replica 1 on
+# device 1", "in pin memory thread for device 0"), then "Original Traceback ..." and the original
+_CAUGHT = re.compile(r"^Caught \S+ (in .+?)\.?$")
 LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
 MAX_MESSAGE_LINES = 80
 
@@ -50,7 +53,22 @@ class Traceback:
 
     @property
     def first_line(self) -> str:
-        return self.message.split("\n", 1)[0].strip()
+        """The message's first line; for an exception torch re-raised from a DataLoader worker (or a
+        DataParallel replica, its ``ExceptionWrapper``: "Caught ValueError in DataLoader worker process
+        0." then the original traceback), the original exception's own line and where it was caught:
+        "sample 137: corrupt record (in DataLoader worker process 0)"."""
+        lines = self.message.split("\n")
+        head = lines[0].strip()
+        caught = _CAUGHT.match(head)
+        if caught is None or len(lines) < 2 or not lines[1].startswith("Original Traceback"):
+            return head
+        original = next((line.strip() for line in lines[2:] if line.strip() and not line[0].isspace()), "")
+        if not original:
+            return head
+        kind, _, said = original.partition(": ")
+        if kind.rsplit(".", 1)[-1] == self.type.rsplit(".", 1)[-1]:
+            original = said or kind
+        return f"{original} ({caught.group(1)})"
 
     @property
     def is_launcher(self) -> bool:
