@@ -224,6 +224,12 @@ def _is_library(frame: Frame) -> bool:
     return "/lib/python3" in path and "-packages/" not in path
 
 
+def _exiting(thread: ThreadStack) -> bool:
+    """The interpreter's exit, which waits for every thread that is not a daemon (`threading._shutdown`)."""
+    frames = thread.python_frames
+    return bool(frames) and frames[0].func == "_shutdown" and frames[0].file.endswith("threading.py")
+
+
 def _thread_text(thread: ThreadStack | None, sources: Mapping[str, str]) -> str:
     """The top Python frame, and the first caller outside Python's library when the top is inside it."""
     frames = thread.python_frames if thread else ()
@@ -541,6 +547,17 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
         named = next((f for f in native if not f.func.startswith("0x")), None)
         native_note = f" (native: {named.short()})" if named else ""
         return "gil-held", f"the heartbeat stopped too: the GIL is held at {at_top}{native_note}, {cpu}"
+
+    if last is not None and settled and _exiting(last):
+        running = [t for t in samples[-1] if t is not last and not _is_tooling(t) and t.python_frames]
+        texts = "; ".join(
+            (f"thread {t.name}: " if t.name else "") + _thread_text(t, sources) for t in running
+        )
+        return "python-deadlock", (
+            "the process is exiting and cannot: its main thread waits in threading._shutdown for the threads "
+            f"that are not daemons to end, {both}, {cpu}; threads still running: "
+            + (texts or "none with Python frames")
+        )
 
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):

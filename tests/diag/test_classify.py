@@ -148,6 +148,21 @@ def test_event_wait_is_a_deadlock_named_by_its_threading_frame_and_caller() -> N
     assert "called from record_stacks.py:" in v.reason
 
 
+def test_a_process_that_cannot_exit_names_the_threads_it_waits_for() -> None:
+    """A job's training ended (its beacon at done) but its process never exits: the main thread is in
+    threading._shutdown, which waits for the threads that are not daemons (exit-wait: a real dump of
+    tests/diag/jobs/exit_thread_never_ends.py under watch, its metrics thread left in queue.get). The
+    reason says so and names that thread at the job's own line, not the probe's heartbeat thread."""
+    v = classify(stalled("exit-wait", cpu_percent=0.0))
+    assert (v.verdict, v.hang_kind) == ("hang", "python-deadlock")
+    assert "the process is exiting and cannot: its main thread waits in threading._shutdown" in v.reason
+    assert v.reason.endswith(  # without the source lines, which the watcher reads from the files
+        "threads still running: threading.py:327 in wait, called from "
+        "exit_thread_never_ends.py:18 in uploader"
+    ), v.reason
+    assert "runtime.py" not in v.reason
+
+
 def test_a_deadlock_needs_low_cpu_and_the_same_top_frame() -> None:
     assert classify(stalled("deadlock", "lock.acquire()", cpu_percent=35.0)).hang_kind == "unknown"
     mixed = stalled("deadlock", "lock.acquire()", cpu_percent=0.0)

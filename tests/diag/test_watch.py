@@ -778,6 +778,18 @@ def test_dataloader_worker_exception_is_an_error_with_its_own_message_and_line(t
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~40 s: a job whose beacon says done is judged after the 30 s exit-after-done limit
+def test_a_job_that_cannot_exit_is_a_hang_naming_the_thread_it_waits_for(tmp_path: Path) -> None:
+    proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "exit_thread_never_ends.py"])
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
+    assert result["steps_done"] == 20
+    assert "the process is exiting and cannot" in result["reason"]
+    assert "`item = metrics.get()` at exit_thread_never_ends.py:18 in uploader" in result["reason"]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 @pytest.mark.slow
 def test_dataloader_worker_that_blocks_is_named(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "dataloader_block.py"])
