@@ -64,6 +64,9 @@ Verdict = Literal[
     "skipped",
 ]
 HangKind = Literal["python-deadlock", "python-busy", "gil-held", "cuda-kernel", "collective", "unknown"]
+# an exception whose message has one of these says memory ran out (verdict oom): CUDA's caching allocator
+# ("CUDA out of memory"), and torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory")
+OOM_MESSAGES = ("out of memory", "can't allocate memory")
 InjectKind = literal_of(FaultKind)
 Phase = Literal["forward", "backward", "recompute"]
 PresetName = literal_of(Preset)

@@ -277,6 +277,34 @@ def test_an_exception_from_a_dataloader_worker_says_its_own_line(
 # --- the job's account and its verdict ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("last_line", "status"),
+    [
+        ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+         "memory: you tried to allocate 4000000000000 bytes. Error code 12 (Cannot allocate memory)", "oom"),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.", "oom"),
+        ("MemoryError", "oom"),
+        ("RuntimeError: shape '[8, 16]' is invalid for input of size 100", "error"),
+    ],
+)  # fmt: skip
+def test_a_job_whose_memory_ran_out_is_oom_on_the_cpu_too(
+    tmp_path: Path, last_line: str, status: str
+) -> None:
+    """torch's CPU allocator says "can't allocate memory" where CUDA's says "out of memory": both are oom
+    for a watched job, as for the worker's own cases."""
+    stderr = (
+        "Traceback (most recent call last):\n"
+        '  File "/home/me/train.py", line 8, in <module>\n'
+        "    cache = torch.empty(10**12)\n"
+        f"{last_line}\n"
+    )
+    (tmp_path / "stderr.log").write_text(stderr)
+    report = job.job_report(1, tmp_path, {})
+    assert report is not None
+    assert report.status == status, report.reason
+    assert "train.py:8 in <module>" in report.reason
+
+
 def test_job_report_names_the_unused_parameters_and_the_fix(tmp_path: Path) -> None:
     case, infos = _case(tmp_path, "ddp_unused")
     report = job.job_report(1, case, infos)

@@ -49,7 +49,7 @@ from nsa_diag.records import (
     StopReport,
     Stragglers,
 )
-from nsa_diag.spec import CaseResult, CaseSpec, Where, WorkerException, WorkerReport
+from nsa_diag.spec import OOM_MESSAGES, CaseResult, CaseSpec, Where, WorkerException, WorkerReport
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
 
@@ -92,7 +92,9 @@ def _worker_exception(tb: Traceback) -> WorkerException:
 
 
 def _is_oom(exc: WorkerException | Traceback) -> bool:
-    return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or "out of memory" in exc.message
+    return exc.type.endswith(("OutOfMemoryError", "MemoryError")) or any(
+        m in exc.message for m in OOM_MESSAGES
+    )
 
 
 def _nonfinite(case_dir: Path, infos: Mapping[int, ProbeJson]) -> NonFinite | None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from nsa_diag import artifacts
 from nsa_diag.records import Metrics, NonFinite, Parity, PeakMemory, PhaseSeconds, RankDdp, ReducedCheck
-from nsa_diag.spec import BuiltModel, CaseSpec, Where, WorkerReport
+from nsa_diag.spec import OOM_MESSAGES, BuiltModel, CaseSpec, Where, WorkerReport
 from nsa_diag.worker import inject
 from nsa_diag.worker.checks import run_check
 from nsa_diag.worker.contract import build_model, check_logits, logits_of
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
     from nsa_diag.analysis.memory_model import CheckSize, ReferencePlan
 
-OOM_MESSAGES = ("out of memory", "can't allocate memory")
 ANOMALY_NAN = re.compile(r"Function '(\w+)' returned nan values")
 
 
