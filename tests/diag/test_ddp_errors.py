@@ -277,6 +277,29 @@ def test_an_exception_from_a_dataloader_worker_says_its_own_line(
 # --- the job's account and its verdict ----------------------------------------------------------------
 
 
+def test_a_breakpoint_left_in_the_code_is_said_as_such(tmp_path: Path) -> None:
+    """pdb's BdbQuit (no message) from a breakpoint() left in a watched job, whose stdin is /dev/null: the
+    reason says the debugger was entered and quit, at the job's line."""
+    (tmp_path / "stderr.log").write_text(
+        "Traceback (most recent call last):\n"
+        '  File "/home/me/train.py", line 10, in <module>\n'
+        "    opt.zero_grad()\n"
+        '  File "/usr/lib/python3.11/bdb.py", line 90, in trace_dispatch\n'
+        "    return self.dispatch_line(frame)\n"
+        '  File "/usr/lib/python3.11/bdb.py", line 115, in dispatch_line\n'
+        "    if self.quitting: raise BdbQuit\n"
+        "bdb.BdbQuit\n"
+    )
+    report = job.job_report(1, tmp_path, {})
+    assert report is not None
+    assert report.status == "error"
+    assert report.reason == (
+        "bdb.BdbQuit: the debugger was entered (a breakpoint() or pdb.set_trace() in the code) and quit at "
+        "once: the job's stdin is not a terminal at bdb.py:115 in dispatch_line, called from train.py:10 in "
+        "<module> (exit code 1)"
+    )
+
+
 @pytest.mark.parametrize(
     ("last_line", "status"),
     [

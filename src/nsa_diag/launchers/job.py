@@ -156,6 +156,8 @@ class RankError:
         exit_code = f"exit code {code}" if code is not None else ""
         if self.ddp_error is not None:
             return f"{self.ddp_error.explanation} ({'; '.join(filter(None, [place, exit_code]))})"
+        if exc.type.rsplit(".", 1)[-1] == "BdbQuit":
+            exc = replace(exc, message=_DEBUGGER_QUIT)
         text = f"{exc.type}: {exc.first_line}" + (f" at {at}" if at else "")
         return text + (f" ({exit_code})" if exit_code else "")
 
@@ -165,6 +167,12 @@ _ROOT_CAUSE = re.compile(
 )
 # not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
 # `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
+# pdb's BdbQuit has no message: what happened is that the code entered the debugger (a breakpoint() or
+# pdb.set_trace() left in it), and the debugger read the end of its input (the job's stdin is /dev/null)
+_DEBUGGER_QUIT = (
+    "the debugger was entered (a breakpoint() or pdb.set_trace() in the code) and quit at once: the job's "
+    "stdin is not a terminal"
+)
 _OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/nsa_diag/probe/")
 
 
