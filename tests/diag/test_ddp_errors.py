@@ -277,6 +277,23 @@ def test_an_exception_from_a_dataloader_worker_says_its_own_line(
 # --- the job's account and its verdict ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("we_killed", [False, True], ids=["not-by-nsa-diag", "by-nsa-diag"])
+def test_a_dataloader_worker_killed_by_sigkill_points_at_the_oom_killer(
+    tmp_path: Path, we_killed: bool
+) -> None:
+    """torch's "DataLoader worker (pid N) is killed by signal: Killed." in a job nsa-diag did not kill: the
+    kernel's OOM killer is the usual sender (as for a process of the job killed by SIGKILL)."""
+    said = "RuntimeError: DataLoader worker (pid 32384) is killed by signal: Killed. at train.py:23 in main"
+    root = _unit("error", said, 1)
+    end = Ending(
+        tmp_path, "exited", {99: root}, None, StopReport(exit_code=1, sigkill=we_killed), 1.0, JobNotes()
+    )
+    result = job.combine(CaseSpec(name="watch"), end, root=99, infos={}, ranks={}, rates={}, folders={})
+    assert result.verdict == "error"
+    note = "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
+    assert result.reason == said + ("" if we_killed else note)
+
+
 def test_a_breakpoint_left_in_the_code_is_said_as_such(tmp_path: Path) -> None:
     """pdb's BdbQuit (no message) from a breakpoint() left in a watched job, whose stdin is /dev/null: the
     reason says the debugger was entered and quit, at the job's line."""

@@ -167,6 +167,9 @@ _ROOT_CAUSE = re.compile(
 )
 # not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
 # `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
+# torch's DataLoader when a worker died of SIGKILL ("DataLoader worker (pid 123) is killed by signal:
+# Killed."): the main process raises, the worker's death is the cause
+_WORKER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed")
 # pdb's BdbQuit has no message: what happened is that the code entered the debugger (a breakpoint() or
 # pdb.set_trace() left in it), and the debugger read the end of its input (the job's stdin is /dev/null)
 _DEBUGGER_QUIT = (
@@ -534,7 +537,7 @@ def combine(
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
         if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
             reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
-        if base.signal == "SIGKILL" and not stop.sigkill:
+        if (base.signal == "SIGKILL" or _WORKER_KILLED.search(reason)) and not stop.sigkill:
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
             evidence.stacks_file = stacks_file
