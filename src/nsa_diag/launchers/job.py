@@ -165,8 +165,6 @@ class RankError:
 _ROOT_CAUSE = re.compile(
     r"Root Cause \(first observed failure\):\s*\n\[\d+\]:(?:\n[^\n]*){0,4}?\n\s*rank\s*:\s*(\d+)"
 )
-# not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
-# `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
 # torch's DataLoader when a worker died of SIGKILL ("DataLoader worker (pid 123) is killed by signal:
 # Killed."): the main process raises, the worker's death is the cause
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) is killed by signal: Killed")
@@ -176,6 +174,8 @@ _DEBUGGER_QUIT = (
     "the debugger was entered (a breakpoint() or pdb.set_trace() in the code) and quit at once: the job's "
     "stdin is not a terminal"
 )
+# not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
+# `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
 _OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/nsa_diag/probe/")
 
 
