@@ -212,6 +212,53 @@ def test_compressed_unmasked_tiles_match_reference(case: Case, device: str, smal
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", SMALL_TILE_CASES)
+def test_compressed_backward_in_query_chunks_matches_reference(
+    case: Case, device: str, small_tiles: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dK/dV dealt out in chunks of one query tile (and the group's heads split) equals the reference and,
+    bit for bit up to the float32 sum's order, the backward in one program per key tile."""
+    from nsa_core.ops.triton import flash
+
+    inputs = _inputs(case, device)
+    ref = _run(masked_compressed_attention, case, inputs, torch.float64)
+    runs = []
+    for target in (1, 1 << 30):  # one split; every head split and one query tile a program
+        monkeypatch.setattr(flash, "program_target", lambda device, target=target: target)
+        monkeypatch.setattr(flash, "DKDV_MIN_CHUNK", 1)
+        runs.append(_run(triton_compressed_attention, case, inputs, torch.float32))
+    Tq, Nk = case.T, case.num_blocks
+    geometry = (case.block_stride, case.block_len - 1, 0, small_tiles, small_tiles)
+    assert flash.dkdv_splits(Tq, Nk, case.B * case.HKV, case.G, case.D, case.q_offset, *geometry, 1)[2] == 1
+    h_splits, chunk, splits = flash.dkdv_splits(
+        Tq, Nk, case.B * case.HKV, case.G, case.D, case.q_offset, *geometry, 1 << 30
+    )
+    assert (h_splits, chunk) == (case.G, 1)
+    assert splits > h_splits
+    for name, r, t in zip(("o", "dq", "dk_cmp", "dv_cmp"), ref, runs[1], strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+    for a, b in zip(*runs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dkdv_chunks_cover_every_query_tile() -> None:
+    """The chunks' query tiles reach the longest key tile's (the compressed keys' first tile reads every
+    query), within the workspace; a short band or few programs get one chunk."""
+    from nsa_core.ops.triton.flash import SPLIT_WORKSPACE_BYTES, dkdv_splits
+
+    cmp = (16, 31, 0, 32, 64)  # key stride, offset, no window, BLOCK_M, BLOCK_N
+    h, chunk, splits = dkdv_splits(16384, 1023, 2, 6, 64, 0, *cmp, 528)  # m7c-125m at 16k
+    assert (h, splits % h) == (6, 0)
+    assert 16384 // 32 <= chunk * (splits // h) < 16384 // 32 + chunk
+    assert chunk < 16384 // 32
+    assert dkdv_splits(16384, 16384, 2, 6, 64, 0, 1, 0, 512, 32, 64, 528)[2] == 2  # window: heads only
+    assert dkdv_splits(16384, 1023, 2, 6, 64, 0, *cmp, 1) == (1, 512, 1)
+    h, chunk, splits = dkdv_splits(262144, 16383, 4, 16, 128, 0, *cmp, 1 << 20)
+    assert splits * 4 * 16383 * 128 * 8 <= SPLIT_WORKSPACE_BYTES
+    assert chunk * (splits // h) >= 262144 // 32
+    assert dkdv_splits(2048, 127, 2, 6, 64, 0, *cmp, 528, 8)[1] == 8  # 2k: at least 8 tiles a chunk
+
+
 def _check_importance_and_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The importance and the fused selection in float32 against the reference; returns the selection."""
     ref_imp, ref_idx = _reference_selection(case, inputs)

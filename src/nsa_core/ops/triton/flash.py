@@ -342,7 +342,9 @@ def _dkdv_tile(
 
 
 @Launcher
-@triton.jit(do_not_specialize=["HQ", "HKV", "G", "G_PER", "Tq", "Nk", "q_offset", "WINDOW"])
+@triton.jit(
+    do_not_specialize=["HQ", "HKV", "G", "G_PER", "H_SPLITS", "CHUNK", "Tq", "Nk", "q_offset", "WINDOW"]
+)
 def _bwd_dkdv_kernel(
     q,
     k,
@@ -366,6 +368,8 @@ def _bwd_dkdv_kernel(
     HKV,
     G,
     G_PER,
+    H_SPLITS,
+    CHUNK,
     Tq,
     Nk,
     D,
@@ -382,11 +386,13 @@ def _bwd_dkdv_kernel(
     ACC: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    # one program per (key tile, KV head, head split): dK/dV summed over G_PER query heads of the group;
-    # with several splits each writes its partial sums to its own slice of dk/dv (summed by the launcher)
+    # one program per (key tile, KV head, split): dK/dV summed over G_PER query heads of the group and the
+    # key tile's query tiles [c0, c0 + CHUNK) (split = chunk * H_SPLITS + head split); with several splits
+    # each writes its partial sums to its own slice of dk/dv (summed by the launcher)
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
+    h_split = split % H_SPLITS
     b, hk = pid_bk // HKV, pid_bk % HKV
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -403,9 +409,17 @@ def _bwd_dkdv_kernel(
     if HAS_WINDOW:
         hi = tl.minimum(Tq, last_end + WINDOW - q_offset)
     a, b_full, n_tiles = _full_query_tiles(lo, hi, first_end, last_end, q_offset, WINDOW, HAS_WINDOW, BLOCK_M)
+    # this program's query tiles [c0, c1): the unmasked ones [a, b_full) within them, and the edges before
+    # and after, masked: c0 + j for j < before, then b_full + j - before (a chunk past n_tiles has none)
+    c0 = split // H_SPLITS * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, n_tiles)
+    a, b_full = tl.maximum(a, c0), tl.minimum(b_full, c1)
+    before = tl.maximum(tl.minimum(a, c1) - c0, 0)
+    after_start = tl.maximum(b_full, a)
+    n_masked = before + tl.maximum(c1 - after_start, 0)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=ACC)
-    for g in range(split * G_PER, split * G_PER + G_PER):
+    for g in range(h_split * G_PER, h_split * G_PER + G_PER):
         h = hk * G + g
         q_base = q + b * stride_qb + h * stride_qh
         do_base = do + b * stride_qb + h * stride_qh
@@ -416,8 +430,8 @@ def _bwd_dkdv_kernel(
                 dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
                 KEY_STRIDE, KEY_OFFSET, HAS_WINDOW, False, BLOCK_M, ACC, PRECISION,
             )  # fmt: skip
-        for j in range(0, a + n_tiles - b_full):  # the causal and window edges: masked
-            i = tl.where(j < a, j, j - a + b_full)
+        for j in range(0, n_masked):  # the causal and window edges: masked
+            i = tl.where(j < before, c0 + j, after_start + j - before)
             dk_acc, dv_acc = _dkdv_tile(
                 q_base, do_base, lse_row, delta_row, stride_qt, lo + i * BLOCK_M, k_tile, v_tile,
                 dk_acc, dv_acc, offs_n, offs_d, mask_d, Tq, Nk, q_offset, WINDOW, scale_log2,
@@ -614,7 +628,9 @@ def block_sizes(head_dim: int) -> tuple[int, int, int]:
     return tile, tile, block_d
 
 
-SPLIT_WORKSPACE_BYTES = 64 << 20  # float32 partial dK + dV of the head splits, at most
+# query tiles a dK/dV chunk holds at least (`dkdv_splits`): fewer is more partial sums for little work
+DKDV_MIN_CHUNK = 8
+SPLIT_WORKSPACE_BYTES = 256 << 20  # float32 partial dK + dV of the splits (heads, query chunks), at most
 
 
 def program_target(device: torch.device) -> int:
@@ -644,6 +660,52 @@ def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
             break
         best = splits
     return best
+
+
+@functools.cache
+def dkdv_splits(
+    Tq: int,
+    Nk: int,
+    groups: int,
+    G: int,
+    D: int,
+    q_offset: int,
+    key_stride: int,
+    key_offset: int,
+    window: int,
+    block_m: int,
+    block_n: int,
+    target: int,
+    min_chunk: int = 1,
+) -> tuple[int, int, int]:
+    """``(head splits, query tiles per chunk, splits)`` of the dK/dV programs (``splits`` = head splits x
+    chunks; one program per key tile, (batch, KV head) and split; ``groups`` = B x HKV).
+
+    First the G query heads of a group are split (`head_splits`); then, where a key tile's query tiles are
+    many more than the work each program would get with ``target`` programs, they are dealt out in chunks:
+    over the compressed keys the first key tile reads every query (m7c-125m at 16k: 512 query tiles a head,
+    the last tile 32), so one program walked a whole head's queries while most of the GPU had finished.
+    A chunk holds at least ``min_chunk`` query tiles; the float32 partial sums of all splits stay within
+    `SPLIT_WORKSPACE_BYTES`.
+    """
+    key_tiles = cdiv(Nk, block_n)
+    kv_elements = groups * Nk * D
+    h_splits = head_splits(key_tiles * groups, G, kv_elements, target)
+
+    tiles = []  # each key tile's query tiles, as the kernel's lo and hi give them (once per shape: cached)
+    for tile in range(key_tiles):
+        first_end = tile * block_n * key_stride + key_offset
+        last_end = (min(tile * block_n + block_n, Nk) - 1) * key_stride + key_offset
+        lo = max(first_end - q_offset, 0) // block_m * block_m
+        hi = min(Tq, last_end + window - q_offset) if window else Tq
+        tiles.append(max(cdiv(hi - lo, block_m), 0))
+    longest = max(tiles)
+    chunk = max(cdiv(sum(tiles) * groups * h_splits, target), min_chunk)  # a program's tiles, dealt evenly
+    most = max(SPLIT_WORKSPACE_BYTES // (kv_elements * 8) // h_splits, 1)
+    chunks = min(cdiv(longest, chunk), most)
+    if chunks <= 1:
+        return h_splits, max(longest, 1), h_splits
+    return h_splits, cdiv(longest, chunks), h_splits * chunks
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -735,7 +797,10 @@ def banded_backward(
         dq = torch.empty_like(q)
     G = HQ // HKV
     key_tiles = cdiv(Nk, dkdv_config["BLOCK_N"])
-    splits = head_splits(key_tiles * B * HKV, G, B * Nk * HKV * D, program_target(q.device))
+    h_splits, chunk, splits = dkdv_splits(
+        Tq, Nk, B * HKV, G, D, q_offset, key_stride, key_offset, window or 0,
+        dkdv_config["BLOCK_M"], dkdv_config["BLOCK_N"], program_target(q.device), DKDV_MIN_CHUNK,
+    )  # fmt: skip
     if splits == 1:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dk_out, dv_out = dk, dv
@@ -751,7 +816,7 @@ def banded_backward(
     )  # fmt: skip
     _bwd_dkdv_kernel[(key_tiles, B * HKV, splits)](
         q, k, v, do, lse, delta, dk_out, dv_out, *q.stride()[:3], *k.stride()[:3], *d_strides,
-        HQ, HKV, G, G // splits, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E,
+        HQ, HKV, G, G // h_splits, h_splits, chunk, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E,
         **common, **dkdv_config,
     )  # fmt: skip
     if splits > 1:
