@@ -972,7 +972,10 @@ BLOCKS_BYTES = 1 << 30
 # summed in it); half the workspace's traffic: m7c 16k fwd 1.07 -> 0.74 ms, bwd 1.50 -> 1.12 (H200)
 HALF_PARTS = True
 BLOCKS_CHUNK = 256  # entries of a block's list a forward program walks: block 0 holds every query
-PARTS_ROWS = 64  # rows (tokens x the G heads) of a tile that merges parts
+# elements (rows of tokens x the G heads, x BLOCK_D) of a tile that merges parts: the forward's merge keeps
+# an fp32 output and rescales it, dq's sums; at m7c-125m 16k (D = 64) 128 rows for the forward and 32 for
+# dq took 0.124 + 0.108 ms against 0.175 + 0.132 with 64 for both (H200, benchmarks/nsa_profile.py)
+PARTS_ELEMENTS = {"fwd": 128 * 64, "dq": 32 * 64}
 
 
 def _blocks(q: torch.Tensor, n_sel: int, sel_block_len: int, keys: int) -> bool:
@@ -989,8 +992,8 @@ def _parts_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if HALF_PARTS and dtype != torch.float32 else torch.float32
 
 
-def _parts_rows(G: int) -> dict[str, int]:
-    M = max(1, PARTS_ROWS // G)
+def _parts_rows(kind: str, G: int, block_d: int) -> dict[str, int]:
+    M = max(1, PARTS_ELEMENTS[kind] // block_d // G)
     return dict(M=M, BLOCK_R=max(16, next_power_of_2(M * G)))
 
 
@@ -1187,7 +1190,7 @@ def _forward_by_block(
         HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, CHUNK=BLOCKS_CHUNK, BLOCK_S=tiles["BLOCK_S"],
         BLOCK_D=tiles["BLOCK_D"], PRECISION=_precision(q.dtype), **config,
     )  # fmt: skip
-    rows = _parts_rows(G)
+    rows = _parts_rows("fwd", G, tiles["BLOCK_D"])
     _fwd_combine_kernel[(cdiv(Tq, rows["M"]), B * HKV)](
         o, lse, parts, parts_lse, block_idx, *_strides(o), *_strides(block_idx), Tq, q_offset,
         HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, BLOCK_D=tiles["BLOCK_D"], **rows,
@@ -1413,7 +1416,7 @@ def selected_bwd(
             BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_D,
         )  # fmt: skip
     if by_block:
-        rows = _parts_rows(G)
+        rows = _parts_rows("dq", G, BLOCK_D)
         _dq_parts_kernel[(cdiv(Tq, rows["M"]), B * HKV)](
             dq, wdq, block_idx, *_strides(dq), *_strides(block_idx), Tq, q_offset, scale,
             HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, N_SUB=n_sub, BLOCK_D=BLOCK_D, **rows,
