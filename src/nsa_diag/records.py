@@ -702,6 +702,17 @@ class RankException(Record):
     ddp_error: DdpErrorInfo | None = None
 
 
+class EndedAttempt(Record):
+    """An attempt of a torchrun job that torchrun restarted (``evidence.restarts``): the first process that
+    failed in it (its rank where its probe knew it), its exit code and the exception it raised."""
+
+    attempt: int  # from 1
+    pid: int
+    rank: int | None = None
+    exit_code: int
+    exception: RankException | None = None
+
+
 class CaseEvidence(Record):
     """What the verdict of a case rests on (``evidence`` of result.json, `nsa_diag.results.unit_result`):
     how the watch ended and what stopping took; at a stall or timeout, what was gathered before any kill
@@ -745,7 +756,8 @@ class CaseEvidence(Record):
     pauses: list[Pause] = []
     stragglers: Stragglers | None = None  # the ranks' step times compared (`analysis.stragglers`)
     processes: dict[str, ProcessRecord] = {}
-    rank_exceptions: dict[str, RankException] = {}
+    rank_exceptions: dict[str, RankException] = {}  # the last attempt's, where torchrun restarted the ranks
+    restarts: list[EndedAttempt] = []
     stack_diff: StackDiff | None = None
     minority_ranks: list[int] = []
     waits_on: list[int] = []

@@ -462,6 +462,105 @@ def test_a_rank_killed_by_a_signal_of_its_own_stays_the_cause(tmp_path: Path) ->
 
 # --- the probe's record of DDP's parameter order ------------------------------------------------------
 
+# --- ranks that torchrun restarted (--max-restarts) ------------------------------------------------------
+
+
+def _restarted_case(tmp_path: Path, name: str) -> tuple[Path, dict[int, dict[str, Any]]]:
+    """A watched case of a restarted job: its stderr.log and the probe.json of every rank process of
+    every attempt (the last attempt's with DDP's record); the infos by unit key: the last attempt's ranks
+    by rank, the earlier attempts' processes by pid (as the watch keys them)."""
+    case, _ = _case(tmp_path, name)
+    meta = _meta(name)
+    last = {info["pid"]: info for info in meta["ranks"].values()}
+    infos: dict[int, dict[str, Any]] = {}
+    for pid, proc in meta["procs"].items():
+        info = {**proc, **last.get(int(pid), {})}
+        folder = case / "procs" / f"pid-{pid}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "probe.json").write_text(json.dumps(info))
+        infos[info["rank"] if int(pid) in last else int(pid)] = info
+    return case, infos
+
+
+def test_attempts_torchrun_restarted_are_split_at_its_failure_lines() -> None:
+    from nsa_diag.analysis.restarts import split_attempts
+
+    text = _stderr("elastic_fail")
+    ends, last = split_attempts(text, 1)
+    (end,) = ends
+    first_attempt = {int(pid) for pid, p in _meta("elastic_fail")["procs"].items() if p["restart_count"] == 0}
+    assert (end.exit_code, end.local_rank) == (1, 1)
+    assert end.pid in first_attempt
+    assert "(attempt 0)" in end.text
+    assert "(attempt 1)" not in end.text
+    assert "(attempt 1)" in last
+    assert "(attempt 0)" not in last
+    assert split_attempts(text, 0) == ([], text)
+    assert len(split_attempts(text, 5)[0]) == 2  # as many as torchrun logged
+
+
+def test_a_job_that_passed_after_torchrun_restarted_its_ranks_says_why_it_restarted(tmp_path: Path) -> None:
+    """elastic_retry.py: rank 1 raised OSError in step 3 of the first attempt; torchrun restarted both
+    ranks, which resumed and finished. The job passes; the reason says the restart and what ended the
+    first attempt, which ``evidence.restarts`` records."""
+    case, infos = _restarted_case(tmp_path, "elastic_retry")
+    ranks = {int(r): info["pid"] for r, info in _meta("elastic_retry")["ranks"].items()}
+    passed = CaseResult(name="watch", spec_hash="0", verdict="pass", reason="the job exited with code 0",
+                        exit_code=0)  # type: ignore[arg-type]  # fmt: skip
+    end = Ending(
+        case, "exited", {99: passed, 0: passed, 1: passed}, None, StopReport(exit_code=0), 1.0, JobNotes()
+    )
+    result = job.combine(CaseSpec(name="watch"), end, root=99, infos=infos, ranks=ranks, rates={}, folders={})
+    assert result.verdict == "pass"
+    assert result.reason == (
+        "the job exited with code 0; torchrun restarted the ranks 1 time: attempt 1 ended with rank 1: "
+        "OSError: shard-003.bin: Input/output error (attempt 0) at elastic_retry.py:35 in main (exit code 1)"
+    )
+    (ended,) = result.evidence["restarts"]
+    first = {int(pid) for pid, p in _meta("elastic_retry")["procs"].items() if p["restart_count"] == 0}
+    assert ended["attempt"] == 1
+    assert ended["rank"] == 1
+    assert ended["pid"] in first
+    assert ended["exception"]["type"] == "OSError"
+    assert "rank_exceptions" not in result.evidence  # the last attempt raised nothing
+    assert job.job_report(0, case, infos).reason == "the job exited with code 0"  # type: ignore[union-attr]
+
+
+def test_a_job_whose_every_attempt_failed_names_the_last_and_the_restart(tmp_path: Path) -> None:
+    case, infos = _restarted_case(tmp_path, "elastic_fail")
+    report = job.job_report(1, case, infos)
+    assert report is not None
+    assert report.reason.startswith("rank 1: OSError: shard-003.bin: Input/output error (attempt 1) at ")
+    ranks = {int(r): info["pid"] for r, info in _meta("elastic_fail")["ranks"].items()}
+    per_rank = {0: _unit("crash", "-", 1), 1: _unit("crash", "-", 1)}
+    end = Ending(
+        case, "exited", {99: _unit("crash", "exited with code 1", 1), **per_rank}, None,
+        StopReport(exit_code=1), 1.0, JobNotes(),
+    )  # fmt: skip
+    result = job.combine(CaseSpec(name="watch"), end, root=99, infos=infos, ranks=ranks, rates={}, folders={})
+    assert result.verdict == "error", result.reason
+    assert result.reason.startswith("rank 1: OSError: shard-003.bin: Input/output error (attempt 1) at ")
+    assert result.reason.endswith("; torchrun had restarted the ranks 1 time: attempt 1 ended the same way")
+    assert result.evidence["rank_exceptions"]["1"]["message"].endswith("(attempt 1)")
+    assert result.evidence["restarts"][0]["exception"]["message"].endswith("(attempt 0)")
+    assert "init_process_group" not in result.reason  # the connect hint is for ranks that cannot connect
+
+
+def test_restarted_ranks_that_cannot_connect_get_the_stores_hint() -> None:
+    ended = [job.EndedAttempt(attempt=1, pid=4242, rank=1, exit_code=1)]
+    again = job.Restarts(ended, ["rank 1: OSError: flaky (exit code 1)"], "")
+    hung = (
+        "rank 0: setup: blocked in torch.distributed at distributed_c10d.py:2169 in _new_process_group_helper"
+    )
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in job._connect_hint(again, hung)
+    assert job._connect_hint(again, "rank 0: step 4, backward: blocked in all_reduce") == ""
+    assert job._connect_hint(job.Restarts([], [], ""), hung) == ""
+    assert (
+        again.text()
+        == "; torchrun restarted the ranks 1 time: attempt 1 ended with rank 1: OSError: flaky (exit code 1)"
+    )
+
+
 _DDP_ORDER_JOB = """
 import json, tempfile
 import torch, torch.distributed as dist

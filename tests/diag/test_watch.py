@@ -751,6 +751,49 @@ def test_torchrun_rank_whose_data_ends_first_is_named_after_its_peers_error(tmp_
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~15 s each: two attempts of two gloo ranks importing torch
+@pytest.mark.parametrize("fails_again", [False, True], ids=["passes-on-restart", "fails-again"])
+def test_torchrun_ranks_restarted_after_a_failure_are_said_and_followed(
+    tmp_path: Path, fails_again: bool
+) -> None:
+    """A user's DDP job under ``torchrun --max-restarts 1`` that checkpoints each step: rank 1 raises OSError
+    in step 3; torchrun restarts both ranks, which resume. When the restart finishes, the job passes and
+    the reason says what ended the first attempt; when rank 1 raises again, its last exception is the
+    verdict's and the reason says the first attempt ended the same way. The ranks' folders follow the
+    restarted processes; no process outlives the watch."""
+    env = {"GLOO_SOCKET_IFNAME": "lo", "CKPT_DIR": str(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if fails_again:
+        env["FAIL_ALWAYS"] = "1"
+    torchrun = [
+        str(Path(PY).parent / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+    ]
+    proc, out = _watch(tmp_path, job=[*torchrun, "elastic_retry.py"], env=env)
+    result = _result(out)
+    case = _case(out)
+    first = "rank 1: OSError: shard-003.bin: Input/output error (attempt 0) at elastic_retry.py:35 in main"
+    if fails_again:
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        assert result["verdict"] == "error", result["reason"]
+        assert result["reason"].startswith("rank 1: OSError: shard-003.bin: Input/output error (attempt 1)")
+        assert "; torchrun had restarted the ranks 1 time: attempt 1 ended the same way" in result["reason"]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert result["verdict"] == "pass", result["reason"]
+        assert f"; torchrun restarted the ranks 1 time: attempt 1 ended with {first}" in result["reason"]
+    (ended,) = result["evidence"]["restarts"]
+    assert (ended["attempt"], ended["rank"], ended["exception"]["type"]) == (1, 1, "OSError")
+    for rank in (0, 1):  # each rank's folder is its restarted process's
+        rank_json = json.loads((case / "ranks" / str(rank) / "rank.json").read_text())
+        info = json.loads((case / rank_json["folder"] / "probe.json").read_text())
+        assert (info["rank"], info["restart_count"]) == (rank, 1)
+    assert not any(_alive(p) for p in _job_pids(case))
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Path) -> None:
     job = _torchrun("ddp_reentrant_checkpoint.py")

@@ -212,13 +212,20 @@ class CommandLauncher(Launcher):
                     self.procs[child.pid] = Proc(child.pid, child, None)
 
     def _key(self, case_dir: Path, proc: Proc, info: ProbeJson) -> None:
+        """A new probed process's unit key: its rank (a rank process not forked from one of the same rank)
+        where no process holds that rank, or where the holder is of an earlier torchrun attempt (restarted
+        ranks: the holder is then keyed by its pid); else its pid."""
         assert self.proc is not None
         rank, parent = info.get("rank"), self.procs.get(info.get("ppid", -1))
         same_rank_parent = parent is not None and parent.info.get("rank") == rank
-        taken = set(self.keys.values())
         if proc.pid == self.proc.pid:
             return  # the root unit is always first, keyed by its pid
-        if isinstance(rank, int) and not same_rank_parent and rank not in taken:
+        is_rank = isinstance(rank, int) and not same_rank_parent
+        holder = next((pid for pid, key in self.keys.items() if key == rank and pid != key), None)
+        if is_rank and holder is not None and job.attempt_of(info) > job.attempt_of(self.procs[holder].info):
+            self.keys[holder] = holder  # its rank's earlier attempt: a process of the job like any other
+            holder = None
+        if is_rank and holder is None:
             self.keys[proc.pid] = rank
             rank_folder = case_dir / RANKS_DIR / str(rank)
             artifacts.write_json(

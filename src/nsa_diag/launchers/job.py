@@ -11,6 +11,8 @@
   past the timeout: the unit that decided, where it was ("rank 1, step 5, backward, layers.7"), the ranks'
   minority (`nsa_diag.analysis.ranks.cross_rank_diff`), the processes it waits on (a DataLoader worker).
   The ranks' stragglers (``evidence.stragglers``) are named in any verdict's reason but a hang's, as ddp's.
+- `restarts`: the attempts torchrun restarted (``--max-restarts``), each with what ended it; any verdict's
+  reason says them (``evidence.restarts``), and the last attempt's stderr alone gives the ranks' exceptions.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -33,6 +36,7 @@ from nsa_diag.analysis.ranks import (
     minority_hang_kind,
     rank_exit_codes,
 )
+from nsa_diag.analysis.restarts import split_attempts
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
 from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
 from nsa_diag.evidence.roles import TRAINING_ROLES
@@ -41,6 +45,7 @@ from nsa_diag.launchers.base import Ending
 from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
 from nsa_diag.records import (
     CaseEvidence,
+    EndedAttempt,
     NonFinite,
     ProcessRecord,
     RankException,
@@ -121,7 +126,7 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, ProbeJson]) -> Wor
         return WorkerReport(status="ok", reason="the job exited with code 0")
     if code < 0:
         return None
-    text = _stderr(case_dir)
+    text = restarts(_stderr(case_dir), infos).last_text
     errors = rank_errors(text, rank_infos(infos))
     if errors:
         return raised_report(errors, text, code)
@@ -181,14 +186,98 @@ _OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<froze
 
 def rank_infos(infos: Mapping[int, ProbeJson]) -> dict[int, ProbeJson]:
     """rank -> ``probe.json`` of the job's rank processes, from every probed process's (by pid): a
-    process with a rank that is neither a fork (a DataLoader worker) nor the child of one of that rank."""
+    process with a rank that is neither a fork (a DataLoader worker) nor the child of one of that rank;
+    of ranks that torchrun restarted, the last attempt's."""
     by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
-    ranks = {}
+    ranks: dict[int, ProbeJson] = {}
     for info in infos.values():
         rank, parent = info.get("rank"), by_pid.get(info.get("ppid"), {})
-        if isinstance(rank, int) and not info.get("forked_from") and parent.get("rank") != rank:
+        own = isinstance(rank, int) and not info.get("forked_from") and parent.get("rank") != rank
+        if own and (rank not in ranks or attempt_of(info) >= attempt_of(ranks[rank])):
             ranks[rank] = info
     return ranks
+
+
+def attempt_of(info: ProbeJson) -> int:
+    """The torchrun attempt a process belongs to: its restart count (0: never restarted, or no torchrun)."""
+    count = info.get("restart_count")
+    return count if isinstance(count, int) else 0
+
+
+@dataclass(frozen=True)
+class Restarts:
+    """torchrun's restarts of the job's ranks (`restarts`): how each restarted attempt ended, in a record
+    and in words, and the last attempt's stderr (where its own exceptions are read)."""
+
+    ended: list[EndedAttempt]
+    said: list[str]
+    last_text: str
+
+    def text(self, final: str = "") -> str:
+        """The sentence appended to a verdict's reason, or "" when torchrun restarted nothing: "; torchrun
+        restarted the ranks N time(s): attempt 1 ended with rank 1: OSError: ... (exit code 1)", or "...:
+        attempt 1 ended the same way" where every earlier attempt ended as the ``final`` reason says."""
+        if not self.ended:
+            return ""
+        times = f"{len(self.ended)} time{'s' if len(self.ended) > 1 else ''}"
+        gists = {re.sub(r"\d+", "#", said.split(": ", 1)[-1]) for said in self.said}
+        if final and len(gists) == 1 and gists.pop() in re.sub(r"\d+", "#", final):
+            which = "attempt 1" if len(self.ended) == 1 else f"attempts 1-{len(self.ended)}"
+            return f"; torchrun had restarted the ranks {times}: {which} ended the same way"
+        ends = "; ".join(
+            f"attempt {e.attempt} ended with {said}" for e, said in zip(self.ended, self.said, strict=True)
+        )
+        return f"; torchrun restarted the ranks {times}: {ends}"
+
+
+def restarts(text: str, infos: Mapping[int, ProbeJson]) -> Restarts:
+    """The attempts of the job that torchrun restarted (``--max-restarts``; `nsa_diag.analysis.restarts`),
+    from its stderr ``text`` and every probed process's ``probe.json`` (``infos``, any keys): the first
+    process that failed in each, with its exception where that attempt's stderr shows one."""
+    restarted = max((attempt_of(info) for info in infos.values()), default=0)
+    if restarted == 0:
+        return Restarts([], [], text)
+    ends, last = split_attempts(text, restarted)
+    by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
+    ended, said = [], []
+    for n, end in enumerate(ends, 1):
+        rank = by_pid.get(end.pid, {}).get("rank")
+        attempt = {pid: info for pid, info in by_pid.items() if attempt_of(info) == n - 1}
+        errors = rank_errors(end.text, rank_infos(attempt))
+        if errors and not (isinstance(rank, int) and rank in errors):
+            rank = cause_rank(errors, end.text)
+        error = errors.get(rank) if isinstance(rank, int) else None
+        who = f"rank {rank}" if isinstance(rank, int) else f"pid {end.pid} (local rank {end.local_rank})"
+        if error is not None:
+            said.append(f"{who}: {error.reason(end.exit_code)}")
+        elif end.exit_code < 0:
+            said.append(f"{who} killed by {_signal_name(-end.exit_code)}")
+        else:
+            said.append(f"{who} exiting with code {end.exit_code}")
+        ended.append(
+            EndedAttempt(
+                attempt=n, pid=end.pid, rank=rank if isinstance(rank, int) else None,
+                exit_code=end.exit_code, exception=_rank_exception(error) if error is not None else None,
+            )
+        )  # fmt: skip
+    return Restarts(ended, said, last)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+# restarted ranks that hang or fail connecting their process group: with gloo on torch 2.13, 8 of 13 runs
+# of tests/diag/jobs/elastic_retry.py after their restart (static or c10d rendezvous), none of 10 with the
+# variable set
+_RESTART_CONNECT = (
+    "restarted ranks that cannot connect in init_process_group may be reading the last attempt's addresses "
+    "from torchrun's store, which the job's process group shares (pytorch/pytorch#135712): "
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives the process group a store of its own"
+)
 
 
 def rank_errors(text: str, infos: Mapping[int, ProbeJson]) -> dict[int, RankError]:
@@ -512,8 +601,11 @@ def combine(
     named = f"; straggler {stragglers.describe()}" if stragglers is not None and stragglers.slow else ""
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
+    again = restarts(_stderr(end.case_dir), infos) if ranks else Restarts([], [], "")
+    if again.ended:
+        evidence.restarts = again.ended
     if outcome == "exited":
-        text = _stderr(end.case_dir) if ranks else ""
+        text = again.last_text
         raised = rank_errors(text, {r: infos.get(r, {}) for r in ranks}) if ranks else {}
         _note_raised(raised, processes, evidence)
         crashed = [k for k in ranks if k in per_unit and per_unit[k].verdict == "crash" and k not in raised]
@@ -524,9 +616,10 @@ def combine(
             report = raised_report(raised, text, per_unit[root].exit_code)
             base = per_unit[root]
             left = _left_early(raised, per_unit, ranks)
+            restarted = again.text(report.reason) + _connect_hint(again, report.reason)
             update = {
                 "verdict": report.status, "missing_grads": report.missing_grads,
-                "reason": report.reason + left + named, "steps_done": steps,
+                "reason": report.reason + left + restarted + named, "steps_done": steps,
                 "evidence": _merged(base.evidence, evidence),
             }  # fmt: skip
             return base.model_copy(update=update)
@@ -541,7 +634,8 @@ def combine(
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
             evidence.stacks_file = stacks_file
-        update = {"reason": reason + named, "steps_done": steps, "evidence": _merged(base.evidence, evidence)}
+        reason += again.text(reason if base.verdict != "pass" else "") + named
+        update = {"reason": reason, "steps_done": steps, "evidence": _merged(base.evidence, evidence)}
         return base.model_copy(update=update)
 
     key = decider if decider is not None else root
@@ -558,7 +652,7 @@ def combine(
         waiter = per_unit[key]
         held_up = (
             f"; {_label(key, infos.get(key, {}), ranks, root)} waits for it at "
-            f"{location(waiter, key if key in ranks else None)}: {waiter.reason}"
+            f"{location(waiter, None)}: {waiter.reason}"  # the label names its rank
         )
         key = culprit
     base = per_unit[key]
@@ -576,7 +670,7 @@ def combine(
             if never_progressed(base.where)
             else _slow_reason(rate, spec.timeout, where, base.evidence)
         )
-        reason += named
+        reason += again.text() + named
         if stop.kept_alive:
             reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop.kept_alive))}"
         return base.model_copy(
@@ -596,7 +690,9 @@ def combine(
         )
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
         evidence.waits_on = waited
-    where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {where}"
+    # the label names the rank ("rank 1 (pid 4242)"): the place goes on without it
+    where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {location(base, None)}"
+    reason += again.text() + _connect_hint(again, reason)
     if stop.kept_alive:
         reason += f"; left running (--keep-alive): pids {', '.join(map(str, stop.kept_alive))}"
     update = {
@@ -634,6 +730,12 @@ def _left_early(
         "training loop before the others (fewer batches on that rank: data sharded unevenly across ranks, "
         "or a break or return of its own) ends its peers' collectives"
     )
+
+
+def _connect_hint(again: Restarts, reason: str) -> str:
+    """`_RESTART_CONNECT` where restarted ranks hang or raise while connecting their process group."""
+    connecting = re.search(r"init_process_group|_new_process_group_helper|connectFullMesh", reason)
+    return f"; {_RESTART_CONNECT}" if again.ended and connecting else ""
 
 
 def _merged(base: CaseEvidence, more: CaseEvidence) -> CaseEvidence:
@@ -684,13 +786,14 @@ def _note_raised(
                 f" ({error.status})" if error.status != "error" else ""
             )
     if raised:
-        evidence.rank_exceptions = {
-            str(rank): RankException(
-                type=e.exception.type, message=e.exception.first_line[:500], found_by=e.exception.found_by,
-                **({"ddp_error": e.ddp_error.info()} if e.ddp_error is not None else {}),
-            )
-            for rank, e in sorted(raised.items())
-        }  # fmt: skip
+        evidence.rank_exceptions = {str(rank): _rank_exception(e) for rank, e in sorted(raised.items())}
+
+
+def _rank_exception(e: RankError) -> RankException:
+    return RankException(
+        type=e.exception.type, message=e.exception.first_line[:500], found_by=e.exception.found_by,
+        **({"ddp_error": e.ddp_error.info()} if e.ddp_error is not None else {}),
+    )  # fmt: skip
 
 
 def _minority(ranks: Mapping[int, int], folders: Mapping[int, Path]) -> StackDiff:

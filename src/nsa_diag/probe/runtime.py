@@ -110,6 +110,7 @@ class ProbeJson(TypedDict, total=False):
     rank: int | None
     local_rank: int | None
     world_size: int | None
+    restart_count: int | None  # torchrun's TORCHELASTIC_RESTART_COUNT: the ranks' attempt, from 0
     sigusr1: str  # probe | user
     torch: bool
     role: str | None  # launcher | dataloader-worker
@@ -386,6 +387,7 @@ class Probe:
             rank=_int_env("RANK"),
             local_rank=_int_env("LOCAL_RANK"),
             world_size=_int_env("WORLD_SIZE"),
+            restart_count=_int_env("TORCHELASTIC_RESTART_COUNT"),
             sigusr1="probe",
             torch=False,
             role="launcher" if launcher_argv(list(getattr(sys, "orig_argv", None) or sys.argv)) else None,

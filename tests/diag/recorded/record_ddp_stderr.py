@@ -15,7 +15,13 @@ as ``<name>.stderr.txt``, and in ``<name>.meta.json`` the exit code, torch's ver
 - ``ddp_reentrant``: ddp_reentrant_checkpoint.py (marked ready twice; rank 0 or 1 stopped by SIGTERM);
 - ``early_unprefixed``: each rank raises before it joins the process group: bare tracebacks, no prefix;
 - ``ddp_uneven``: ddp_uneven_data.py (rank 1's shard ends first: it exits 0, rank 0's all-reduce in the
-  next backward raises "Connection closed by peer"; each rank's ``steps_done`` kept too).
+  next backward raises "Connection closed by peer"; each rank's ``steps_done`` kept too);
+- ``elastic_retry``: elastic_retry.py under ``--max-restarts 1``: rank 1 raises OSError in step 3 of the
+  first attempt, torchrun restarts both ranks, which resume from the checkpoint and finish (exit 0);
+- ``elastic_fail``: the same with FAIL_ALWAYS=1: rank 1 raises in both attempts (exit 1).
+  Both with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restarted gloo ranks otherwise fail to connect in about
+  one run of three on torch 2.13); their meta keeps every rank process of both attempts (``procs``, with
+  ``restart_count``).
 
 ``ddp_interleaved.stderr.txt`` is made from ``ddp_unused_tee``'s: the two ranks' blocks merged line by line
 (the tee's threads, or ranks writing line by line, interleave so; a recorded run rarely shows it).
@@ -47,6 +53,14 @@ RUNS = {
     "ddp_reentrant": (["ddp_reentrant_checkpoint.py"], {}),
     "early_unprefixed": (["early_unprefixed.py"], {}),
     "ddp_uneven": (["ddp_uneven_data.py"], {}),
+    "elastic_retry": (
+        ["--max-restarts", "1", "elastic_retry.py"],
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+    ),
+    "elastic_fail": (
+        ["--max-restarts", "1", "elastic_retry.py"],
+        {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FAIL_ALWAYS": "1"},
+    ),
 }
 
 
@@ -72,9 +86,17 @@ def record(name: str) -> None:
             ranks[str(info["rank"])] = {k: info[k] for k in keep if k in info}
             process = result["evidence"]["processes"].get(str(info["rank"]), {})
             ranks[str(info["rank"])]["steps_done"] = _steps(process.get("where", ""))
+        procs = {}  # every rank process, of every attempt (restarted ranks)
+        for probe_json in sorted(case.glob("procs/pid-*/probe.json")):
+            info = json.loads(probe_json.read_text())
+            if isinstance(info.get("rank"), int) and not info.get("forked_from"):
+                keep = ("pid", "ppid", "rank", "restart_count")
+                procs[str(info["pid"])] = {k: info[k] for k in keep if k in info}
     import torch
 
     meta = {"exit_code": result["exit_code"], "torch": torch.__version__, "env": env, "ranks": ranks}
+    if any(p.get("restart_count") for p in procs.values()):
+        meta["procs"] = procs
     (HERE / f"{name}.meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"{name}: {result['verdict']}: {result['reason'][:160]}")
 
