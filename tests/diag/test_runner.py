@@ -303,6 +303,26 @@ def test_gpu_utilization_of_the_case() -> None:
     assert gpu.worker_utilization({"available": False, "why": "no GPU"}, [11]) is None
 
 
+def test_pyspy_missing_points_at_the_one_installed_beside_nsa_diag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A virtual environment run without activating it (pipx's, uv tool's): py-spy, a dependency, is in its
+    scripts folder but not on PATH; the reason says where it is and what to do."""
+    scripts = tmp_path / "venv-bin"
+    scripts.mkdir()
+    (scripts / "py-spy").write_text("#!/bin/sh\n")
+    (scripts / "py-spy").chmod(0o755)
+    monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(scripts))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert stacks.pyspy_missing() == (
+        f"py-spy is not on PATH; the one installed with nsa-diag is {scripts / 'py-spy'}: put {scripts} on "
+        "PATH (activate its environment) for native frames"
+    )
+    assert stacks.pyspy_dump(1, tmp_path / "none.txt")["why"] == stacks.pyspy_missing()
+    monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
+    assert stacks.pyspy_missing() == f"py-spy is not on PATH; {stacks.PYSPY_HINT}"
+
+
 def test_pyspy_dump_or_why_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -316,7 +336,8 @@ def test_pyspy_dump_or_why_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             assert "py-spy is not on PATH" in taken["why"]
         monkeypatch.setenv("PATH", str(tmp_path))
         missing = stacks.pyspy_dump(sleeper.pid, tmp_path / "none.txt")
-        assert missing == {"taken": False, "why": f"py-spy is not on PATH; {stacks.PYSPY_HINT}"}
+        assert missing == {"taken": False, "why": stacks.pyspy_missing()}
+        assert missing["why"].startswith("py-spy is not on PATH; ")
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -570,7 +570,7 @@ class _PySpy:
     def final(self, ob: ProcessObservation, folder: Path) -> None:
         """The ``py-spy dump --native`` of a live Python process, into ``pyspy.txt``."""
         if not self.installed:
-            ob.pyspy = PyspyDump(taken=False, why=f"py-spy is not on PATH; {stacks.PYSPY_HINT}")
+            ob.pyspy = PyspyDump(taken=False, why=stacks.pyspy_missing())
         elif self.refused:
             ob.pyspy = PyspyDump(
                 taken=False, why="not tried: ptrace was refused for this tree (see the advice)"

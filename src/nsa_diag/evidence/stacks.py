@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sysconfig
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,20 @@ SAMPLE_HEADER = "=== stack sample"
 PYSPY_TIMEOUT_S = 20.0
 DUMP_START_TIMEOUT_S = 3.0  # how long a sample waits for the worker's handler to start writing
 PYSPY_HINT = "install it for native frames: pip install py-spy (a dependency of nsa-diag)"
+
+
+def pyspy_missing() -> str:
+    """Why no py-spy runs: none on PATH, and whether the one installed with nsa-diag is beside this Python
+    (a virtual environment run without activating it, pipx's or uv tool's: their programs are not on
+    PATH but nsa-diag's own)."""
+    beside = shutil.which("py-spy", path=sysconfig.get_path("scripts"))
+    if beside is None:
+        return f"py-spy is not on PATH; {PYSPY_HINT}"
+    return (
+        f"py-spy is not on PATH; the one installed with nsa-diag is {beside}: put "
+        f"{os.path.dirname(beside)} on PATH (activate its environment) for native frames"
+    )
+
 
 _THREAD_RE = re.compile(
     r"^(?P<current>Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)(?: \[(?P<name>[^\]]*)\])?"
@@ -280,7 +295,7 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
     """
     exe = shutil.which("py-spy")
     if exe is None:
-        return PyspyDump(taken=False, why=f"py-spy is not on PATH; {PYSPY_HINT}")
+        return PyspyDump(taken=False, why=pyspy_missing())
     attempts = []
     for args in (["dump", "--native", "--pid", str(pid)], ["dump", "--pid", str(pid)]):
         try:
@@ -309,7 +324,7 @@ def pyspy_sample(pid: int, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str | No
     command line's secrets withheld, or None; what happened)."""
     exe = shutil.which("py-spy")
     if exe is None:
-        return None, f"py-spy is not on PATH; {PYSPY_HINT}"
+        return None, pyspy_missing()
     try:
         done = subprocess.run(
             [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout_s,
