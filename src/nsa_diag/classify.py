@@ -230,17 +230,36 @@ def _exiting(thread: ThreadStack) -> bool:
     return bool(frames) and frames[0].func == "_shutdown" and frames[0].file.endswith("threading.py")
 
 
+def _is_installed(frame: Frame) -> bool:
+    """A frame of an installed package (site-packages): not the job's own code either."""
+    path = frame.file.replace("\\", "/")
+    return "/site-packages/" in path or "/dist-packages/" in path
+
+
 def _thread_text(thread: ThreadStack | None, sources: Mapping[str, str]) -> str:
-    """The top Python frame, and the first caller outside Python's library when the top is inside it."""
+    """The top Python frame, and the first caller outside Python's library when the top is inside it; or,
+    when the top is in an installed package, the job's own frame that called into it (a wait inside
+    filelock, requests or a hub client is the job's line's)."""
     frames = thread.python_frames if thread else ()
     if not frames:
         return "no Python frame"
     text = _frame_text(frames[0], sources)
+    caller = None
     if _is_library(frames[0]):
         caller = next((f for f in frames[1:] if not _is_library(f)), None)
-        if caller is not None:
-            text += f", called from {_frame_text(caller, sources)}"
+    elif _is_installed(frames[0]):
+        caller = next((f for f in frames[1:] if not (_is_library(f) or _is_installed(f))), None)
+    if caller is not None:
+        text += f", called from {_frame_text(caller, sources)}"
     return text
+
+
+def _file_lock(thread: ThreadStack | None) -> bool:
+    """Whether the thread waits in the filelock package's acquire (datasets', the hub's and many a job's
+    cache lock: it polls the lock file with a sleep while another process holds it)."""
+    return thread is not None and any(
+        "/filelock/" in f.file.replace("\\", "/") and "acquire" in f.func for f in thread.python_frames
+    )
 
 
 def _native_match(
@@ -561,6 +580,11 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
+        if is_sleep(blocked) and _file_lock(last):
+            return "unknown", (
+                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: "
+                "another process holds that lock (another job sharing the cache, or one left running)"
+            )
         if is_sleep(blocked):
             return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"

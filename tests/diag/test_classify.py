@@ -163,6 +163,25 @@ def test_a_process_that_cannot_exit_names_the_threads_it_waits_for() -> None:
     assert "runtime.py" not in v.reason
 
 
+def test_a_wait_for_a_file_lock_is_said_at_the_jobs_own_line() -> None:
+    """A job that prepares its data under a lock another process holds (file-lock: a real dump of
+    tests/diag/jobs/locked_cache.py under watch while a second process held the lock): filelock polls the
+    lock file with a sleep. The reason says it waits for a file lock, called from the job's own line (not
+    only filelock's frame in site-packages), and that another process holds it."""
+    v = classify(stalled("file-lock", "time.sleep(delay)", cpu_percent=1.0))  # the line the watcher reads
+    assert v.hang_kind == "unknown"
+    assert (
+        "; waiting for a file lock (filelock polls it with a sleep) at `time.sleep(delay)` at "
+        "_acquire.py:177 in _poll_until_acquired, called from locked_cache.py:18 in prepare in both stack "
+        "samples"
+    ) in v.reason, v.reason
+    assert v.reason.endswith(
+        "another process holds that lock (another job sharing the cache, or one left running)"
+    )
+    plain = classify(stalled("event", cpu_percent=0.0))  # a frame of Python's library: called from, as before
+    assert "called from record_stacks.py:" in plain.reason
+
+
 def test_a_deadlock_needs_low_cpu_and_the_same_top_frame() -> None:
     assert classify(stalled("deadlock", "lock.acquire()", cpu_percent=35.0)).hang_kind == "unknown"
     mixed = stalled("deadlock", "lock.acquire()", cpu_percent=0.0)
