@@ -257,6 +257,7 @@ def test_dkdv_chunks_cover_every_query_tile() -> None:
     assert splits * 4 * 16383 * 128 * 8 <= SPLIT_WORKSPACE_BYTES
     assert chunk * (splits // h) >= 262144 // 32
     assert dkdv_splits(2048, 127, 2, 6, 64, 0, *cmp, 528, 8)[1] == 8  # 2k: at least 8 tiles a chunk
+    assert dkdv_splits(6, 0, 2, 6, 64, 0, *cmp, 528, 8) == (1, 1, 1)  # no compressed key yet
 
 
 def _check_importance_and_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -410,7 +410,7 @@ def _bwd_dkdv_kernel(
         hi = tl.minimum(Tq, last_end + WINDOW - q_offset)
     a, b_full, n_tiles = _full_query_tiles(lo, hi, first_end, last_end, q_offset, WINDOW, HAS_WINDOW, BLOCK_M)
     # this program's query tiles [c0, c1): the unmasked ones [a, b_full) within them, and the edges before
-    # and after, masked: c0 + j for j < before, then b_full + j - before (a chunk past n_tiles has none)
+    # and after, masked: c0 + j for j < before, then after_start + j - before (past n_tiles: none)
     c0 = split // H_SPLITS * CHUNK
     c1 = tl.minimum(c0 + CHUNK, n_tiles)
     a, b_full = tl.maximum(a, c0), tl.minimum(b_full, c1)
@@ -662,7 +662,7 @@ def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
     return best
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # a shape's splits, once: its loop runs over the key tiles
 def dkdv_splits(
     Tq: int,
     Nk: int,
@@ -690,16 +690,18 @@ def dkdv_splits(
     """
     key_tiles = cdiv(Nk, block_n)
     kv_elements = groups * Nk * D
+    if kv_elements == 0:  # no keys (no compressed block yet): nothing to split
+        return 1, 1, 1
     h_splits = head_splits(key_tiles * groups, G, kv_elements, target)
 
-    tiles = []  # each key tile's query tiles, as the kernel's lo and hi give them (once per shape: cached)
+    tiles = []  # each key tile's query tiles, as the kernel's lo and hi give them
     for tile in range(key_tiles):
         first_end = tile * block_n * key_stride + key_offset
         last_end = (min(tile * block_n + block_n, Nk) - 1) * key_stride + key_offset
         lo = max(first_end - q_offset, 0) // block_m * block_m
         hi = min(Tq, last_end + window - q_offset) if window else Tq
         tiles.append(max(cdiv(hi - lo, block_m), 0))
-    longest = max(tiles)
+    longest = max(tiles, default=0)
     chunk = max(cdiv(sum(tiles) * groups * h_splits, target), min_chunk)  # a program's tiles, dealt evenly
     most = max(SPLIT_WORKSPACE_BYTES // (kv_elements * 8) // h_splits, 1)
     chunks = min(cdiv(longest, chunk), most)
