@@ -137,6 +137,7 @@ class Evidence:
     program: str | None = None  # its command line at the evidence (secrets withheld): "sleep 600"
     exe: str | None = None  # the program it ran then (/proc/<pid>/exe)
     exec_from: str | None = None  # the program it ran when first seen, where that differs: it exec'd `exe`
+    file_locks: Sequence[str] = ()  # file locks other processes hold (`procfs.held_file_locks`)
 
 
 @dataclass(frozen=True)
@@ -581,9 +582,13 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
         if is_sleep(blocked) and _file_lock(last):
+            held = (
+                f"file locks other processes hold: {'; '.join(ev.file_locks)}"
+                if ev.file_locks
+                else "another process holds that lock (another job sharing the cache, or one left running)"
+            )
             return "unknown", (
-                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: "
-                "another process holds that lock (another job sharing the cache, or one left running)"
+                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: {held}"
             )
         if is_sleep(blocked):
             return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"

@@ -738,6 +738,7 @@ class CaseEvidence(Record):
     gpu: GpuFiles | None = None
     work: WorkSeen | None = None
     exec: ExecChange | None = None
+    file_locks: list[str] = []  # held by other processes, where the stalled one waits in filelock
     activity: str | None = None  # what a unit that was not stuck was doing
     fatal_error: str | None = None
     interrupted_by: str | None = None

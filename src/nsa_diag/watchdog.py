@@ -665,6 +665,9 @@ def watch(
 # --- the escalation: evidence before any kill ----------------------------------------------------------
 
 
+FILE_LOCK_FRAME = "/filelock/"  # a stack sample in the filelock package: the file locks held are read
+
+
 @dataclass
 class HangEvidence:
     """What was gathered from a stalled or slow worker before it was stopped."""
@@ -684,6 +687,7 @@ class HangEvidence:
     progressed: bool | None = None
     exe: str | None = None  # the program the process runs (/proc/<pid>/exe), and its command line
     argv: list[str] = field(default_factory=list)
+    file_locks: list[str] = field(default_factory=list)  # held by other processes, when it waits in filelock
     # what else was gathered (memory at the hang, py-spy, GPU files, why stacks were not sampled), as the
     # case's evidence writes it
     notes: CaseEvidence = field(default_factory=CaseEvidence)
@@ -828,6 +832,9 @@ def gather_hang_evidence(
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes.gpu = _gpu_files(case_dir, snapshot)
     ev.samples = list(stacks.read_stacks(stacks_path).samples[before:])
+    if any(FILE_LOCK_FRAME in sample for sample in ev.samples):  # who holds the lock it may wait for
+        ev.file_locks = procfs.held_file_locks(pid)
+        ev.notes.file_locks = ev.file_locks
     after = read_beacon(case_dir / artifacts.BEACON)
     if after is not None:
         ev.progressed = last is None or after.seq > last.seq

@@ -10,6 +10,7 @@ explicitly, so the tests do not depend on where the recording was made.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from nsa_diag.classify import (
     pause_reason,
     samples_disagree,
 )
+from nsa_diag.evidence import procfs
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
 from nsa_diag.records import Rate
@@ -180,6 +182,31 @@ def test_a_wait_for_a_file_lock_is_said_at_the_jobs_own_line() -> None:
     )
     plain = classify(stalled("event", cpu_percent=0.0))  # a frame of Python's library: called from, as before
     assert "called from record_stacks.py:" in plain.reason
+    held = "/data/cache/tokenized.lock (flock, pid 7: python prepare.py)"  # as `procfs.held_file_locks` says
+    named = classify(stalled("file-lock", "time.sleep(delay)", cpu_percent=1.0, file_locks=[held]))
+    assert named.reason.endswith(f"in both stack samples, CPU 1%: file locks other processes hold: {held}")
+
+
+def test_held_file_locks_names_the_lock_file_and_its_holder(tmp_path: Path) -> None:
+    """/proc/locks and the holder's open files: the lock file's path, the lock's kind, the holder's pid and
+    command line; the waiter's own locks and unreadable lines are left out."""
+    lock = tmp_path / "tokenized.lock"
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(30)"  # noqa: E501
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        held = procfs.held_file_locks(os.getpid())
+        assert any(
+            h.startswith(f"{lock} (flock, pid {holder.pid}: {sys.executable} -c import fcntl") for h in held
+        ), held
+        assert not any(f"pid {holder.pid}:" in h for h in procfs.held_file_locks(holder.pid))
+    finally:
+        holder.kill()
+        holder.wait()
+    gone = "1: FLOCK  ADVISORY  WRITE 999999999 fe:00:1 0 EOF"  # no such process: its file cannot be read
+    odd = f"{gone}\n2: -> FLOCK  ADVISORY  WRITE 5 fe:00:1 0 EOF\nbad\n"  # a waiter's line; garbage
+    assert procfs.held_file_locks(1, odd) == []
 
 
 def test_a_deadlock_needs_low_cpu_and_the_same_top_frame() -> None:

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import TypedDict
 
+from nsa_diag.redact import redact_argv
+
 PROC = Path("/proc")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 STATUS_FIELDS = (
@@ -152,6 +154,53 @@ def cmdline(pid: int) -> list[str]:
     """The command line of ``pid`` as a list of words (empty when it cannot be read)."""
     text = _read(PROC / str(pid) / "cmdline") or ""
     return [word for word in text.split("\0") if word] if text else []
+
+
+MAX_LOCKS = 3  # file locks named at a hang
+
+
+def held_file_locks(waiter: int, locks_text: str | None = None) -> list[str]:
+    """The file locks (``/proc/locks``: flock and POSIX locks) that processes other than ``waiter`` and
+    this one (nsa-diag's own run-folder lock) hold, as "PATH (flock, pid N: CMD)", the ``.lock`` files
+    first, at most `MAX_LOCKS`. A lock's file is found among its holder's open files by device and inode
+    (a holder another user runs cannot be read: its lock is left out). ``locks_text``: /proc/locks' text
+    (tests)."""
+    text = _read(PROC / "locks") if locks_text is None else locks_text
+    found = []
+    for line in (text or "").splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 19963 fe:00:2146672 0 EOF" (a waiter's line has "->" after the id)
+        if len(fields) < 6 or fields[1] == "->" or not fields[4].isdigit():
+            continue
+        kind, pid, dev_inode = fields[1].lower(), int(fields[4]), fields[5].split(":")
+        if pid in (waiter, os.getpid()) or len(dev_inode) != 3:
+            continue
+        try:
+            major, minor, inode = int(dev_inode[0], 16), int(dev_inode[1], 16), int(dev_inode[2])
+        except ValueError:
+            continue
+        path = _open_file(pid, major, minor, inode)
+        if path is not None:
+            command = " ".join(" ".join(redact_argv(cmdline(pid))).split())[:120]  # secrets withheld
+            found.append(f"{path} ({kind}, pid {pid}: {command})")
+    found.sort(key=lambda held: not held.split(" (", 1)[0].endswith(".lock"))
+    return found[:MAX_LOCKS]
+
+
+def _open_file(pid: int, major: int, minor: int, inode: int) -> str | None:
+    """The path of the file ``pid`` has open on device ``major:minor`` at ``inode``, if it can be read."""
+    try:
+        fds = os.listdir(PROC / str(pid) / "fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            st = os.stat(PROC / str(pid) / "fd" / fd)
+        except OSError:
+            continue
+        if st.st_ino == inode and (os.major(st.st_dev), os.minor(st.st_dev)) == (major, minor):
+            return os.readlink(PROC / str(pid) / "fd" / fd)
+    return None
 
 
 def is_python(program: str) -> bool:
