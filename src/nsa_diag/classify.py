@@ -45,7 +45,7 @@ from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pysp
 from nsa_diag.records import Rate
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 from nsa_diag.stackframes import Frame, ThreadStack, gpu_wait, innermost_native
-from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
+from nsa_diag.watchdog import FILE_LOCK_FRAME, WORK_CPU_MIN, WORK_IO_BYTES, Work
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
 WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "unchecked", "error", "skipped")
@@ -259,7 +259,7 @@ def _file_lock(thread: ThreadStack | None) -> bool:
     """Whether the thread waits in the filelock package's acquire (datasets', the hub's and many a job's
     cache lock: it polls the lock file with a sleep while another process holds it)."""
     return thread is not None and any(
-        "/filelock/" in f.file.replace("\\", "/") and "acquire" in f.func for f in thread.python_frames
+        FILE_LOCK_FRAME in f.file.replace("\\", "/") and "acquire" in f.func for f in thread.python_frames
     )
 
 

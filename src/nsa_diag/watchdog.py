@@ -665,7 +665,9 @@ def watch(
 # --- the escalation: evidence before any kill ----------------------------------------------------------
 
 
-FILE_LOCK_FRAME = "/filelock/"  # a stack sample in the filelock package: the file locks held are read
+# a frame of the filelock package: a sample with one gets the file locks held read (`classify` says the
+# wait when the frame is its acquire)
+FILE_LOCK_FRAME = "/filelock/"
 
 
 @dataclass
