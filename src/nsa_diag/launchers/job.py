@@ -271,7 +271,7 @@ def _signal_name(number: int) -> str:
 
 
 # restarted ranks that hang or fail connecting their process group: with gloo on torch 2.13, 8 of 13 runs
-# of tests/diag/jobs/elastic_retry.py after their restart (static or c10d rendezvous), none of 10 with the
+# of tests/diag/jobs/elastic_retry.py after their restart (static or c10d rendezvous), none of 16 with the
 # variable set
 _RESTART_CONNECT = (
     "restarted ranks that cannot connect in init_process_group may be reading the last attempt's addresses "
