@@ -8,9 +8,10 @@ what the inputs hold before it (MiB).
 
 The op takes ``q [B, T, HQ, D]``, ``k/v [B, T, HKV, D]`` shared by the three branches and gate logits
 ``[B, T, HQ, 3]``: compressed keys/values through a learnable phi (an MLP over each block of l tokens,
-`nsa_core.layers.attention.BlockCompressor`), compressed attention with the importance (Eq. 9, group
-sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected attention, sliding window,
-sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
+`nsa_core.layers.attention.BlockCompressor`, run as the model's fused path runs it: its Triton kernels,
+`triton_block_compress`; ``--phi torch``: the module's torch operations), compressed attention with the
+importance (Eq. 9, group sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected
+attention, sliding window, sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
 
     python benchmarks/nsa_op.py                                  # 2k .. 64k, and 256k for ours alone
     python benchmarks/nsa_op.py --seq-lens 8192 65536 --breakdown  # plus each branch's own time
@@ -61,6 +62,7 @@ from nsa_core.ops.triton import (
     triton_selected_attention,
     triton_sliding_window_attention,
 )
+from nsa_core.ops.triton.compressor import triton_block_compress
 
 MIB = 1 << 20
 
@@ -89,9 +91,15 @@ class NSAOp(torch.nn.Module):
         return o_cmp, o_sel, o_win
 
     def compressed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi of ``k`` and ``v`` as the model's fused path runs it (`triton_block_compress`), or the
+        module's torch operations with ``--phi torch``."""
         a = self.args
-        k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
-        return k_cmp, self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
+        if getattr(a, "phi", "triton") == "torch":
+            k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
+            return k_cmp, self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
+        geometry = dict(block_len=a.block_len, block_stride=a.block_stride)
+        k_cmp = triton_block_compress(k, self.phi_k.weights(), **geometry)
+        return k_cmp, triton_block_compress(v, self.phi_v.weights(), **geometry)
 
     def fused(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor
@@ -314,6 +322,10 @@ def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inputs", choices=["random", "smooth"], default="random")
     parser.add_argument("--corr-len", type=int, default=256, help="smooth inputs: tokens between knots")
     parser.add_argument("--noise", type=float, default=0.25, help="smooth inputs: relative white noise")
+    parser.add_argument(
+        "--phi", choices=["triton", "torch"], default="triton",
+        help="the fused op's phi: its Triton kernels (the model's fused path) or the module's torch ops",
+    )  # fmt: skip
 
 
 def main() -> None:

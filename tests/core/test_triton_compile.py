@@ -24,10 +24,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nsa_core.ops.triton import compression, flash, gates, nsa, rope, selection  # noqa: E402
+from nsa_core.ops.triton import compression, compressor, flash, gates, nsa, rope, selection  # noqa: E402
 from nsa_core.ops.triton.launch import Launcher  # noqa: E402
 
-MODULES = (flash, selection, compression, gates, rope)
+MODULES = (flash, selection, compression, compressor, gates, rope)
 POINTER_TYPES = {
     torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.float64: "*fp64",
     torch.int64: "*i64", torch.int32: "*i32", torch.bool: "*i1",
@@ -152,6 +152,13 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     ctx = _Ctx()
     rope.RopeFunction.forward(ctx, k_cmp, inv_freq, g["block_len"] - 1, g["block_stride"])
     rope.RopeFunction.backward(ctx, k_cmp)
+    # the block compressor phi, each way
+    l = g["block_len"]
+    weights = tuple(torch.randn(*shape, dtype=dtype) for shape in ((l, D), (D, l * D), (D,), (D, D), (D,)))
+    ctx = _Ctx()
+    ctx.needs_input_grad = (True,) * 6
+    out = compressor.BlockCompressFunction.forward(ctx, k, *weights, l, g["block_stride"], 0)
+    compressor.BlockCompressFunction.backward(ctx, out)
 
 
 class _Ctx:

@@ -80,6 +80,24 @@ class BlockCompressor(nn.Module):
         # [B, N, H, l, D] -> [B, N, H, D]
         return self.mlp((blocks + self.pos).flatten(-2))
 
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """``(pos, W1, b1, W2, b2)``: what `nsa_core.ops.triton.compressor` computes phi from."""
+        first, second = self.mlp[0], self.mlp[2]
+        return self.pos, first.weight, first.bias, second.weight, second.bias
+
+    def plain(self) -> bool:
+        """Whether running phi as the kernels of `triton_block_compress` hides nothing: the module and its
+        MLP as built (no hook, no replaced layer, plain weight tensors) and no global module hook."""
+        modules = (self, *self.mlp)
+        kinds = tuple(type(m) for m in self.mlp)
+        hooked = any(
+            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+            for m in modules
+        )
+        weights = all(type(w.data) is torch.Tensor for w in self.weights())
+        built = kinds == (nn.Linear, nn.SiLU, nn.Linear)
+        return built and not hooked and weights and not _global_module_hooks()
+
 
 class NSAAttention(nn.Module):
     """Native Sparse Attention (arXiv 2502.11089) with grouped-query heads.
@@ -297,12 +315,12 @@ class NSAAttention(nn.Module):
         )
         first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
         c.k_cmp_raw, c.v_cmp_raw = append(c.k_cmp_raw, k_raw), append(c.v_cmp_raw, v_raw)
-        k_cmp = self.phi_k(unfold_blocks(c.k_cmp_raw, nsa.block_len, nsa.block_stride, first))
+        k_cmp = self._phi(self.phi_k, c.k_cmp_raw, first)
         if k_cmp.shape[1]:  # keys rotated at each block's last token
             last = first * nsa.block_stride + nsa.block_len - 1
             k_cmp = rope(k_cmp, inv_freq, pos_start=last, pos_step=nsa.block_stride)
         c.k_cmp = append(c.k_cmp, k_cmp)
-        c.v_cmp = append(c.v_cmp, self._compress(self.phi_v, c.v_cmp_raw, first, rotate=False))
+        c.v_cmp = append(c.v_cmp, self._phi(self.phi_v, c.v_cmp_raw, first))
         c.k_sel, c.v_sel = append(c.k_sel, k_sel), append(c.v_sel, v_sel)
         c.k_win, c.v_win = append(c.k_win, k_win), append(c.v_win, v_win)
         c.length = pos0 + T
@@ -314,6 +332,16 @@ class NSAAttention(nn.Module):
             on_branch=self._on_branch if self._branch_hooks else None, **self._selection_geometry(),
         )  # fmt: skip
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
+
+    def _phi(self, phi: BlockCompressor, raw: torch.Tensor, first: int) -> torch.Tensor:
+        # the fused path's compressor: its Triton kernels (no block copy; one launch forward, three backward)
+        # where the module is plain, else the module, which a hook or a replaced layer must see run
+        nsa = self.nsa
+        if not phi.plain():
+            return phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))
+        compress = triton_op("compressor", "triton_block_compress")
+        geometry = dict(block_len=nsa.block_len, block_stride=nsa.block_stride, first=first)
+        return compress(raw, phi.weights(), **geometry)
 
     def _projections(self, x: torch.Tensor) -> torch.Tensor:
         """``[q | k_cmp v_cmp | k_sel v_sel | k_win v_win]`` of ``x`` as one GEMM over the four weights side

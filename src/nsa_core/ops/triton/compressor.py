@@ -1,0 +1,279 @@
+"""The block compressor phi in Triton: one kernel forward, three backward, instead of torch's ~14 a side.
+
+phi turns each complete block of ``l`` tokens of ``raw [B, T, H, D]`` (blocks ``first ..``, stride ``d``)
+into one vector: ``y = W2 silu(W1 flat(block + pos) + b1) + b2`` with ``pos [l, D]``, ``W1 [D, l D]`` and
+``W2 [D, D]`` (`nsa_core.layers.attention.BlockCompressor`). In torch that is an overlapping-block copy
+(every token twice at ``l = 2d``), two GEMMs, the activation and their backward, about fourteen launches a
+side for each of the key and value compressors, and the unfold's backward. Here:
+
+- forward: a program takes ``BLOCK_N`` blocks of one (batch, head) and sums ``x_j W1_j^T`` over the
+  ``l`` token positions ``j`` of a block, reading the tokens where they lie (no block copy); the hidden
+  pre-activation ``h`` is kept for the backward (``[rows, D]``, rows = blocks x heads: small);
+- backward: ``dh = (dy W2) * silu'(h)`` by block tiles; the tokens' gradient by tiles of stride chunks
+  (token ``u = c d + r`` of chunk ``c`` lies in block ``c - m`` at position ``r + m d``, ``m = 0 ..``):
+  each token's sum over its blocks in one program, no atomics; the weights' gradients by one program per
+  token position ``j`` (``dW1_j = dh^T x_j``, and ``dpos_j = (sum_rows dh) W1_j``, which is the sum over
+  blocks of the input's gradient) and one for ``W2``, ``b2`` and ``b1``, each summing its rows in order.
+
+Everything is deterministic. Rounding follows torch's: ``block + pos`` and ``h`` are rounded to the
+inputs' dtype before the products that read them; products accumulate in float32 (float16/bfloat16) or
+exactly (float32, ``ieee``); ``dh`` stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_core.ops.triton.flash import cdiv, kernel_dtypes
+from nsa_core.ops.triton.launch import Launcher
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_ROWS = 64  # blocks (or stride chunks, or rows of a weight sum) a program takes at a time
+
+
+@triton.jit
+def _block_input(raw, pos, base, first_token, mask, j, s_t, offs_c, D):
+    # x_j of blocks whose first token is first_token (per row; base: the row's batch and head offset):
+    # raw[b, first_token + j, h, :] + pos[j], rounded to raw's dtype
+    ptrs = raw + (base + (first_token + j).to(tl.int64) * s_t)[:, None] + offs_c[None, :]
+    x = tl.load(ptrs, mask=mask[:, None], other=0.0).to(tl.float32)
+    x = x + tl.load(pos + j * D + offs_c).to(tl.float32)[None, :]
+    return x.to(raw.dtype.element_ty)
+
+
+@Launcher
+@triton.jit(do_not_specialize=["N", "start"])
+def _compress_fwd_kernel(
+    raw, pos, w1, b1, w2, b2, hidden, out,
+    N, H, start, stride_d, block_len, s_b, s_t, s_h,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program (block tile, b * H + h): out rows (b, n, h) of the tile, hidden the same rows
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_c = tl.arange(0, D)
+    base = tl.zeros([BLOCK_N], dtype=tl.int64) + (b.to(tl.int64) * s_b + h * s_h)
+    first_token = start + offs_n * stride_d
+    acc = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for j in range(block_len):
+        x = _block_input(raw, pos, base, first_token, mask_n, j, s_t, offs_c, D)
+        w = tl.load(w1 + offs_c[None, :] * (block_len * D) + j * D + offs_c[:, None])  # W1_j^T [c, o]
+        acc += tl.dot(x, w, input_precision=PRECISION)
+    pre = (acc + tl.load(b1 + offs_c).to(tl.float32)[None, :]).to(hidden.dtype.element_ty)
+    rows = ((b * N + offs_n) * H + h).to(tl.int64)
+    tl.store(hidden + rows[:, None] * D + offs_c[None, :], pre, mask=mask_n[:, None])
+    pre = pre.to(tl.float32)
+    act = (pre * tl.sigmoid(pre)).to(w2.dtype.element_ty)
+    w = tl.load(w2 + offs_c[None, :] * D + offs_c[:, None])  # W2^T [i, o]
+    y = tl.dot(act, w, input_precision=PRECISION) + tl.load(b2 + offs_c).to(tl.float32)[None, :]
+    tl.store(out + rows[:, None] * D + offs_c[None, :], y.to(out.dtype.element_ty), mask=mask_n[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["rows"])
+def _compress_bwd_hidden_kernel(
+    dy, hidden, w2, dh, rows, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr
+):
+    # dh = (dy W2) * silu'(h), float32, rows of the tile
+    offs_r = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_r = offs_r < rows
+    offs_c = tl.arange(0, D)
+    ptrs = offs_r[:, None] * D + offs_c[None, :]
+    dy_tile = tl.load(dy + ptrs, mask=mask_r[:, None], other=0.0)
+    w = tl.load(w2 + offs_c[:, None] * D + offs_c[None, :])  # W2 [o, i]
+    da = tl.dot(dy_tile, w, input_precision=PRECISION)
+    pre = tl.load(hidden + ptrs, mask=mask_r[:, None], other=0.0).to(tl.float32)
+    sig = tl.sigmoid(pre)
+    tl.store(dh + ptrs, da * sig * (1.0 + pre * (1.0 - sig)), mask=mask_r[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["N", "T", "start"])
+def _compress_bwd_input_kernel(
+    dh, w1, d_raw,
+    N, H, T, start, stride_d, block_len, s_b, s_t, s_h,
+    D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program (chunk tile, b * H + h): d_raw of tokens start + c d + r, r < d, for the tile's chunks c; a
+    # token's blocks are c - m for m = 0 .. while r + m d < l (none: zeros)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_k = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_c = tl.arange(0, D)
+    blocks_per_token = tl.cdiv(block_len, stride_d)
+    for r in range(stride_d):
+        acc = tl.zeros([BLOCK_C, D], dtype=tl.float32)
+        for m in range(blocks_per_token):
+            j = r + m * stride_d
+            if j < block_len:
+                n = offs_k - m
+                valid = (n >= 0) & (n < N)
+                rows = ((b * N + n) * H + h).to(tl.int64)
+                g = tl.load(dh + rows[:, None] * D + offs_c[None, :], mask=valid[:, None], other=0.0)
+                w = tl.load(w1 + offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :])  # W1_j [o, c]
+                acc += tl.dot(g.to(w1.dtype.element_ty), w, input_precision=PRECISION)
+        token = start + offs_k * stride_d + r
+        ptrs = d_raw + b.to(tl.int64) * s_b + token.to(tl.int64)[:, None] * s_t + h * s_h + offs_c[None, :]
+        tl.store(ptrs, acc.to(d_raw.dtype.element_ty), mask=(token < T)[:, None])
+
+
+@Launcher
+@triton.jit(do_not_specialize=["N", "start", "rows"])
+def _compress_bwd_weight_kernel(
+    raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2,
+    N, H, start, stride_d, block_len, rows, s_b, s_t, s_h,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program j < l: dW1_j = sum_rows dh^T x_j and d_pos_j = (sum_rows dh) W1_j; program l: dW2, db2, db1
+    j = tl.program_id(0)
+    offs_c = tl.arange(0, D)
+    acc = tl.zeros([D, D], dtype=tl.float32)
+    col = tl.zeros([D], dtype=tl.float32)  # sum over rows of dh (j < l) or dy (j = l)
+    col_dh = tl.zeros([D], dtype=tl.float32)
+    for r0 in range(0, rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < rows
+        ptrs = offs_r.to(tl.int64)[:, None] * D + offs_c[None, :]
+        g = tl.load(dh + ptrs, mask=mask_r[:, None], other=0.0)  # [R, o]
+        if j < block_len:
+            b, n, h = offs_r // (N * H), (offs_r // H) % N, offs_r % H
+            base = b.to(tl.int64) * s_b + h.to(tl.int64) * s_h
+            x = _block_input(raw, pos, base, start + n * stride_d, mask_r, j, s_t, offs_c, D)
+            acc += tl.dot(tl.trans(g.to(raw.dtype.element_ty)), x, input_precision=PRECISION)
+            col += tl.sum(g, 0)
+        else:
+            g_y = tl.load(dy + ptrs, mask=mask_r[:, None], other=0.0)
+            pre = tl.load(hidden + ptrs, mask=mask_r[:, None], other=0.0).to(tl.float32)
+            act = (pre * tl.sigmoid(pre)).to(dy.dtype.element_ty)
+            acc += tl.dot(tl.trans(g_y), act, input_precision=PRECISION)
+            col += tl.sum(g_y.to(tl.float32), 0)
+            col_dh += tl.sum(g, 0)
+    square = offs_c[:, None] * D + offs_c[None, :]
+    if j < block_len:
+        w1_j = offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :]  # [o, c]
+        tl.store(d_w1 + w1_j, acc.to(d_w1.dtype.element_ty))
+        dpos = tl.sum(col[:, None] * tl.load(w1 + w1_j).to(tl.float32), 0)
+        tl.store(d_pos + j * D + offs_c, dpos.to(d_pos.dtype.element_ty))
+    else:
+        tl.store(d_w2 + square, acc.to(d_w2.dtype.element_ty))
+        tl.store(d_b2 + offs_c, col.to(d_b2.dtype.element_ty))
+        tl.store(d_b1 + offs_c, col_dh.to(d_b1.dtype.element_ty))
+
+
+def _strides(raw: torch.Tensor) -> tuple[int, int, int]:
+    return raw.stride(0), raw.stride(1), raw.stride(2)
+
+
+def _warps(D: int) -> int:
+    return 4 if D <= 64 else 8  # the weight sums hold a [D, D] float32 accumulator
+
+
+class BlockCompressFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, raw, pos, w1, b1, w2, b2, block_len, block_stride, first):  # type: ignore[override]
+        B, T, H, D = raw.shape
+        start = first * block_stride
+        N = (T - start - block_len) // block_stride + 1
+        out = raw.new_empty(B, N, H, D)
+        hidden = torch.empty_like(out)
+        precision = kernel_dtypes(raw.dtype)[1]
+        _compress_fwd_kernel[(cdiv(N, BLOCK_ROWS), B * H)](
+            raw, pos, w1, b1, w2, b2, hidden, out, N, H, start, block_stride, block_len, *_strides(raw),
+            D=D, BLOCK_N=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
+        )  # fmt: skip
+        ctx.save_for_backward(raw, pos, w1, w2, hidden)
+        ctx.geometry = (block_len, block_stride, start)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        raw, pos, w1, w2, hidden = ctx.saved_tensors
+        block_len, block_stride, start = ctx.geometry
+        B, T, H, D = raw.shape
+        N = hidden.shape[1]
+        rows = B * N * H
+        dy = dy.contiguous()
+        precision = kernel_dtypes(raw.dtype)[1]
+        dh = torch.empty(rows, D, dtype=torch.float32, device=raw.device)
+        _compress_bwd_hidden_kernel[(cdiv(rows, BLOCK_ROWS),)](
+            dy, hidden, w2, dh, rows, D=D, BLOCK_N=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D)
+        )
+        d_raw = None
+        if ctx.needs_input_grad[0]:
+            # every token from start on is written (zeros where no block holds it); those before: zeros
+            d_raw = (torch.zeros if start else torch.empty)(raw.shape, dtype=raw.dtype, device=raw.device)
+            chunks = cdiv(T - start, block_stride)
+            _compress_bwd_input_kernel[(cdiv(chunks, BLOCK_ROWS), B * H)](
+                dh, w1, d_raw, N, H, T, start, block_stride, block_len, *_strides(d_raw),
+                D=D, BLOCK_C=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
+            )  # fmt: skip
+        d_pos, d_w1, d_w2 = torch.empty_like(pos), torch.empty_like(w1), torch.empty_like(w2)
+        d_b1, d_b2 = pos.new_empty(D), pos.new_empty(D)
+        _compress_bwd_weight_kernel[(block_len + 1,)](
+            raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2,
+            N, H, start, block_stride, block_len, rows, *_strides(raw),
+            D=D, BLOCK_R=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
+        )  # fmt: skip
+        return d_raw, d_pos, d_w1, d_b1, d_w2, d_b2, None, None, None
+
+
+def runs_in_triton(raw: torch.Tensor, weights: tuple[torch.Tensor, ...], block_len: int) -> bool:
+    """Whether `triton_block_compress` runs its kernels on these inputs rather than torch: one supported
+    dtype for all, a power-of-two head dim of 16 to 128, parameters of phi's shapes, plain tensors."""
+    D = raw.shape[-1]
+    pos, w1, b1, w2, b2 = weights
+    shapes = (pos.shape, w1.shape, b1.shape, w2.shape, b2.shape)
+    return (
+        raw.dtype in SUPPORTED_DTYPES
+        and all(w.dtype == raw.dtype and w.device == raw.device for w in weights)
+        and 16 <= D <= 128
+        and D & (D - 1) == 0
+        and shapes == ((block_len, D), (D, block_len * D), (D,), (D, D), (D,))
+        and all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (raw, *weights))
+    )
+
+
+def torch_block_compress(
+    raw: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    *,
+    block_len: int,
+    block_stride: int,
+    first: int = 0,
+) -> torch.Tensor:
+    """phi in torch, as `BlockCompressor.forward` over `nsa_core.ops.compression.unfold_blocks`."""
+    from nsa_core.ops.compression import unfold_blocks
+
+    pos, w1, b1, w2, b2 = weights
+    blocks = unfold_blocks(raw, block_len, block_stride, first)
+    hidden = torch.nn.functional.silu(torch.nn.functional.linear((blocks + pos).flatten(-2), w1, b1))
+    return torch.nn.functional.linear(hidden, w2, b2)
+
+
+def triton_block_compress(
+    raw: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    *,
+    block_len: int,
+    block_stride: int,
+    first: int = 0,
+) -> torch.Tensor:
+    """phi over the complete blocks ``first ..`` of ``raw [B, T, H, D]``: ``[B, N, H, D]``.
+
+    ``weights = (pos [l, D], W1 [D, l D], b1 [D], W2 [D, D], b2 [D])``: `BlockCompressor`'s ``pos``,
+    ``mlp[0]`` and ``mlp[2]``. Differentiable in ``raw`` and the five weights. Runs the module's torch
+    operations where the kernels do not apply (`runs_in_triton`) or where there is no complete block."""
+    if block_len < 1 or block_stride < 1 or first < 0:
+        raise ValueError(f"block_len={block_len}, block_stride={block_stride} and first={first} are invalid")
+    N = (raw.shape[1] - first * block_stride - block_len) // block_stride + 1
+    if N < 1 or not runs_in_triton(raw, weights, block_len):
+        return torch_block_compress(raw, weights, block_len=block_len, block_stride=block_stride, first=first)
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    return BlockCompressFunction.apply(
+        raw, *(w.contiguous() for w in weights), block_len, block_stride, first
+    )

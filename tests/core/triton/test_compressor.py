@@ -1,0 +1,155 @@
+"""The Triton block compressor against `BlockCompressor` itself run in float64: the output and the gradients
+of the raw keys and of the five weights, over block geometries where a token lies in one, two or three
+blocks, a tail of tokens in no block, and a first block past zero (a cache's next blocks). On CUDA the
+bf16/fp16 runs are bounded by a multiple of the module's own error in the same dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from nsa_core.layers.attention import BlockCompressor
+from nsa_core.ops.compression import unfold_blocks
+from nsa_core.ops.triton.compressor import runs_in_triton, triton_block_compress
+
+from ..utils import assert_close, assert_within_same_dtype_error
+from .conftest import SIZES
+
+FP32_RATIO = 1e-5  # float32 kernels against float64: summation order only
+
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    T: int
+    H: int
+    D: int
+    block_len: int
+    block_stride: int
+    first: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}-T{self.T}-H{self.H}-D{self.D}-l{self.block_len}-d{self.block_stride}-f{self.first}"
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for D in SIZES.head_dims:
+        T = max(SIZES.seq_lens)
+        cases += [
+            Case(2, T + 5, 2, D, 8, 4),  # a token in two blocks, a tail in none
+            Case(1, T, 3, D, 8, 8),  # one block a token
+            Case(1, T + 3, 1, D, 12, 4, first=2),  # three blocks a token, from block 2 on
+        ]
+    if SIZES.real:
+        cases.append(Case(2, 2048, 2, 64, 32, 16))  # m7c-125m's compressor
+    return cases
+
+
+CASES = _cases()
+
+
+def _module(case: Case, dtype: torch.dtype, device: str) -> BlockCompressor:
+    torch.manual_seed(case.T + case.D)
+    phi = BlockCompressor(case.block_len, case.D)
+    with torch.no_grad():
+        phi.pos.normal_()  # O(1) position codes: their gradient is compared at its own scale
+    return phi.to(device=device, dtype=dtype)
+
+
+def _weights(phi: BlockCompressor) -> tuple[torch.Tensor, ...]:
+    return (phi.pos, phi.mlp[0].weight, phi.mlp[0].bias, phi.mlp[2].weight, phi.mlp[2].bias)
+
+
+def _run(case: Case, dtype: torch.dtype, device: str, triton: bool) -> list[torch.Tensor]:
+    """The output, then the gradients of raw and of the five weights, as float64 on the CPU."""
+    phi = _module(case, dtype, device)
+    gen = torch.Generator().manual_seed(case.T)
+    raw64 = torch.randn(case.B, case.T, case.H, case.D, generator=gen, dtype=torch.float64)
+    raw = raw64.to(device=device, dtype=dtype).requires_grad_(True)
+    geometry = dict(block_len=case.block_len, block_stride=case.block_stride, first=case.first)
+    if triton:
+        assert runs_in_triton(raw, _weights(phi), case.block_len)
+        out = triton_block_compress(raw, _weights(phi), **geometry)
+    else:
+        out = phi(unfold_blocks(raw, **geometry))
+    dy = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
+    out.backward(dy)
+    return [x.detach().double().cpu() for x in (out, raw.grad, *(w.grad for w in _weights(phi)))]
+
+
+NAMES = ("out", "d_raw", "d_pos", "d_w1", "d_b1", "d_w2", "d_b2")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_compressor_fp32_matches_float64_module(case: Case, device: str) -> None:
+    ref = _run(case, torch.float64, "cpu", triton=False)
+    tri = _run(case, torch.float32, device, triton=True)
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+@pytest.mark.skipif(not SIZES.dtypes, reason="bf16/fp16 runs need CUDA")
+@pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_compressor_low_precision_within_module_error(case: Case, dtype: torch.dtype, device: str) -> None:
+    ref = _run(case, torch.float64, "cpu", triton=False)
+    base = _run(case, dtype, device, triton=False)
+    tri = _run(case, dtype, device, triton=True)
+    for name, r, b, t in zip(NAMES, ref, base, tri, strict=True):
+        assert_within_same_dtype_error(name, r, b, t, floor=1e-3)
+
+
+def test_compressor_falls_back_to_torch(device: str) -> None:
+    # no complete block, a head dim the kernels do not take, weights of another dtype: the module's result
+    for D, T, wdtype in ((16, 3, torch.float32), (24, 40, torch.float32), (16, 40, torch.float64)):
+        phi = BlockCompressor(8, D).to(device=device, dtype=wdtype)
+        raw = torch.randn(1, T, 2, D, device=device)
+        out = triton_block_compress(raw.to(wdtype), _weights(phi), block_len=8, block_stride=4)
+        expected = phi(unfold_blocks(raw.to(wdtype), 8, 4))
+        assert out.shape == expected.shape
+        torch.testing.assert_close(out, expected)
+    with pytest.raises(ValueError, match="block_stride=0"):
+        triton_block_compress(raw, _weights(phi), block_len=8, block_stride=0)
+
+
+@pytest.mark.parametrize("dtype", SIZES.dtypes, ids=str)
+def test_compressor_replays_in_a_cuda_graph(dtype: torch.dtype, device: str) -> None:
+    """No host synchronisation and no data-dependent allocation: forward and backward captured in CUDA graphs
+    (`torch.cuda.make_graphed_callables`) replay the eager output and gradients bit for bit."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device (the interpreter runs kernels on the CPU)")
+    case = CASES[-1]
+    phi = _module(case, dtype, device)
+    geometry = dict(block_len=case.block_len, block_stride=case.block_stride)
+
+    def eager(raw: torch.Tensor) -> torch.Tensor:
+        return triton_block_compress(raw, _weights(phi), **geometry)
+
+    class Phi(torch.nn.Module):  # phi's weights are the graph's parameters: their gradients are replayed
+        def __init__(self) -> None:
+            super().__init__()
+            self.phi = phi
+
+        def forward(self, raw: torch.Tensor) -> torch.Tensor:
+            return eager(raw)
+
+    shape = (case.B, case.T, case.H, case.D)
+    graphed = torch.cuda.make_graphed_callables(
+        Phi(), (torch.randn(shape, device=device, dtype=dtype, requires_grad=True),)
+    )
+    for seed in (1, 2):
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        raw = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+        results = []
+        for fn in (eager, graphed):
+            phi.zero_grad(set_to_none=True)
+            x = raw.clone().requires_grad_(True)
+            out = fn(x)
+            out.backward(torch.ones_like(out))
+            results.append([out.detach(), x.grad, *(w.grad.clone() for w in _weights(phi))])
+        for name, a, b in zip(NAMES, *results, strict=True):
+            assert torch.equal(a, b), f"{name}: the CUDA graph's replay differs from the eager run"
