@@ -153,3 +153,25 @@ def test_compressor_replays_in_a_cuda_graph(dtype: torch.dtype, device: str) -> 
             results.append([out.detach(), x.grad, *(w.grad.clone() for w in _weights(phi))])
         for name, a, b in zip(NAMES, *results, strict=True):
             assert torch.equal(a, b), f"{name}: the CUDA graph's replay differs from the eager run"
+
+
+@pytest.mark.parametrize("max_splits", [16, 2], ids=["splits", "capped"])
+def test_compressor_weight_sums_split_over_rows(
+    max_splits: int, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long sequences split the weights' sums over row ranges, added in order by a second kernel: the same
+    gradients as the float64 module, with as many splits as the rows ask for or fewer, longer ones."""
+    from nsa_core.ops.triton import compressor
+
+    monkeypatch.setattr(compressor, "SPLIT_ROWS", compressor.BLOCK_ROWS)
+    monkeypatch.setattr(compressor, "MAX_SPLITS", max_splits)
+    reduce = compressor._compress_bwd_weight_reduce_kernel
+    grids: list[tuple[int, ...]] = []
+    original = reduce.launch
+    monkeypatch.setattr(reduce, "launch", lambda grid, *a, **k: (grids.append(grid), original(grid, *a, **k)))
+    case = Case(2, 3 * max(SIZES.seq_lens) + 5, 4, SIZES.head_dims[0], 8, 4)  # 2 x 4 heads x 48 blocks
+    ref = _run(case, torch.float64, "cpu", triton=False)
+    tri = _run(case, torch.float32, device, triton=True)
+    assert grids == [(case.block_len + 1,)]  # split: the partial sums added once
+    for name, r, t in zip(NAMES, ref, tri, strict=True):
+        assert_close(name, r, t, FP32_RATIO, atol=1e-5)

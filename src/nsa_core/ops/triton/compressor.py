@@ -1,4 +1,4 @@
-"""The block compressor phi in Triton: one kernel forward, three backward, instead of torch's ~14 a side.
+"""The block compressor phi in Triton: one kernel forward, three or four backward, for torch's ~14 a side.
 
 phi turns each complete block of ``l`` tokens of ``raw [B, T, H, D]`` (blocks ``first ..``, stride ``d``)
 into one vector: ``y = W2 silu(W1 flat(block + pos) + b1) + b2`` with ``pos [l, D]``, ``W1 [D, l D]`` and
@@ -13,7 +13,8 @@ side for each of the key and value compressors, and the unfold's backward. Here:
   (token ``u = c d + r`` of chunk ``c`` lies in block ``c - m`` at position ``r + m d``, ``m = 0 ..``):
   each token's sum over its blocks in one program, no atomics; the weights' gradients by one program per
   token position ``j`` (``dW1_j = dh^T x_j``, and ``dpos_j = (sum_rows dh) W1_j``, which is the sum over
-  blocks of the input's gradient) and one for ``W2``, ``b2`` and ``b1``, each summing its rows in order.
+  blocks of the input's gradient) and one for ``W2``, ``b2`` and ``b1``, each summing its rows in order
+  (over `SPLIT_ROWS` rows, split into row ranges whose partial sums a fourth kernel adds in order).
 
 Everything is deterministic. Rounding follows torch's: ``block + pos`` and ``h`` are rounded to the
 inputs' dtype before the products that read them; products accumulate in float32 (float16/bfloat16) or
@@ -31,6 +32,12 @@ from nsa_core.ops.triton.launch import Launcher
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_ROWS = 64  # blocks (or stride chunks, or rows of a weight sum) a program takes at a time
+# the weights' gradients sum over every (batch, block, head) row: one program per token position sums up to
+# SPLIT_ROWS of them (a short sequence's step: no second launch); more are split into at most MAX_SPLITS
+# row ranges, whose float32 partial sums a second kernel adds in order (at 64k tokens and 4 heads the
+# unsplit sum took 1.37 ms of the compressor's 1.59, H200)
+SPLIT_ROWS = 2048
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -121,22 +128,41 @@ def _compress_bwd_input_kernel(
         tl.store(ptrs, acc.to(d_raw.dtype.element_ty), mask=(token < T)[:, None])
 
 
+@triton.jit
+def _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D: tl.constexpr):
+    # the sums of program j written as gradients: dW1_j and d_pos_j = col W1_j (j < l), or dW2, db2, db1
+    offs_c = tl.arange(0, D)
+    if j < block_len:
+        w1_j = offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :]  # [o, c]
+        tl.store(d_w1 + w1_j, acc.to(d_w1.dtype.element_ty))
+        dpos = tl.sum(col[:, None] * tl.load(w1 + w1_j).to(tl.float32), 0)
+        tl.store(d_pos + j * D + offs_c, dpos.to(d_pos.dtype.element_ty))
+    else:
+        tl.store(d_w2 + offs_c[:, None] * D + offs_c[None, :], acc.to(d_w2.dtype.element_ty))
+        tl.store(d_b2 + offs_c, col.to(d_b2.dtype.element_ty))
+        tl.store(d_b1 + offs_c, col_dh.to(d_b1.dtype.element_ty))
+
+
 @Launcher
-@triton.jit(do_not_specialize=["N", "start", "rows"])
+@triton.jit(do_not_specialize=["N", "start", "rows", "rows_per_split"])
 def _compress_bwd_weight_kernel(
-    raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2,
-    N, H, start, stride_d, block_len, rows, s_b, s_t, s_h,
-    D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+    raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2, part,
+    N, H, start, stride_d, block_len, rows, rows_per_split, s_b, s_t, s_h,
+    D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # program j < l: dW1_j = sum_rows dh^T x_j and d_pos_j = (sum_rows dh) W1_j; program l: dW2, db2, db1
-    j = tl.program_id(0)
+    # program (j, split): over the split's rows, j < l: dW1_j = sum dh^T x_j and sum dh (for d_pos_j);
+    # j = l: dW2 = sum dy^T silu(h), db2 = sum dy, db1 = sum dh. SPLIT: partial sums into part
+    # [splits, l + 1, D * D + 2 D] (float32, summed in order by `_compress_bwd_weight_reduce_kernel`)
+    j, split = tl.program_id(0), tl.program_id(1)
     offs_c = tl.arange(0, D)
     acc = tl.zeros([D, D], dtype=tl.float32)
     col = tl.zeros([D], dtype=tl.float32)  # sum over rows of dh (j < l) or dy (j = l)
     col_dh = tl.zeros([D], dtype=tl.float32)
-    for r0 in range(0, rows, BLOCK_R):
+    r_begin = split * rows_per_split
+    r_end = tl.minimum(rows, r_begin + rows_per_split)
+    for r0 in range(r_begin, r_end, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rows
+        mask_r = offs_r < r_end
         ptrs = offs_r.to(tl.int64)[:, None] * D + offs_c[None, :]
         g = tl.load(dh + ptrs, mask=mask_r[:, None], other=0.0)  # [R, o]
         if j < block_len:
@@ -152,16 +178,32 @@ def _compress_bwd_weight_kernel(
             acc += tl.dot(tl.trans(g_y), act, input_precision=PRECISION)
             col += tl.sum(g_y.to(tl.float32), 0)
             col_dh += tl.sum(g, 0)
-    square = offs_c[:, None] * D + offs_c[None, :]
-    if j < block_len:
-        w1_j = offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :]  # [o, c]
-        tl.store(d_w1 + w1_j, acc.to(d_w1.dtype.element_ty))
-        dpos = tl.sum(col[:, None] * tl.load(w1 + w1_j).to(tl.float32), 0)
-        tl.store(d_pos + j * D + offs_c, dpos.to(d_pos.dtype.element_ty))
+    if SPLIT:
+        at = part + (split * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
+        tl.store(at + offs_c[:, None] * D + offs_c[None, :], acc)
+        tl.store(at + D * D + offs_c, col)
+        tl.store(at + D * D + D + offs_c, col_dh)
     else:
-        tl.store(d_w2 + square, acc.to(d_w2.dtype.element_ty))
-        tl.store(d_b2 + offs_c, col.to(d_b2.dtype.element_ty))
-        tl.store(d_b1 + offs_c, col_dh.to(d_b1.dtype.element_ty))
+        _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
+
+
+@Launcher
+@triton.jit
+def _compress_bwd_weight_reduce_kernel(
+    part, w1, d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D: tl.constexpr
+):
+    # program j: the splits' partial sums of j added in split order, then written as gradients
+    j = tl.program_id(0)
+    offs_c = tl.arange(0, D)
+    acc = tl.zeros([D, D], dtype=tl.float32)
+    col = tl.zeros([D], dtype=tl.float32)
+    col_dh = tl.zeros([D], dtype=tl.float32)
+    for split in range(splits):
+        at = part + (split * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
+        acc += tl.load(at + offs_c[:, None] * D + offs_c[None, :])
+        col += tl.load(at + D * D + offs_c)
+        col_dh += tl.load(at + D * D + D + offs_c)
+    _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
 
 
 def _strides(raw: torch.Tensor) -> tuple[int, int, int]:
@@ -213,11 +255,22 @@ class BlockCompressFunction(torch.autograd.Function):
             )  # fmt: skip
         d_pos, d_w1, d_w2 = torch.empty_like(pos), torch.empty_like(w1), torch.empty_like(w2)
         d_b1, d_b2 = pos.new_empty(D), pos.new_empty(D)
-        _compress_bwd_weight_kernel[(block_len + 1,)](
-            raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2,
-            N, H, start, block_stride, block_len, rows, *_strides(raw),
-            D=D, BLOCK_R=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
+        # the weights' sums over the rows: one program per token position (and W2's) while the rows are
+        # few; split over row ranges beyond, each split's partial sums then added in order
+        splits = min(MAX_SPLITS, cdiv(rows, SPLIT_ROWS))
+        rows_per_split = cdiv(cdiv(rows, splits), BLOCK_ROWS) * BLOCK_ROWS
+        part = dh  # written only where split
+        if splits > 1:
+            part = torch.empty(splits, block_len + 1, D * D + 2 * D, dtype=torch.float32, device=raw.device)
+        _compress_bwd_weight_kernel[(block_len + 1, splits)](
+            raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2, part,
+            N, H, start, block_stride, block_len, rows, rows_per_split, *_strides(raw),
+            D=D, BLOCK_R=BLOCK_ROWS, PRECISION=precision, SPLIT=splits > 1, num_warps=_warps(D),
         )  # fmt: skip
+        if splits > 1:
+            _compress_bwd_weight_reduce_kernel[(block_len + 1,)](
+                part, w1, d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D=D, num_warps=_warps(D)
+            )
         return d_raw, d_pos, d_w1, d_b1, d_w2, d_b2, None, None, None
 
 
