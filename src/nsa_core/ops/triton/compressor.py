@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_core.ops.compression import unfold_blocks
 from nsa_core.ops.triton.flash import cdiv, kernel_dtypes
 from nsa_core.ops.triton.launch import Launcher
 
@@ -299,8 +300,6 @@ def torch_block_compress(
     first: int = 0,
 ) -> torch.Tensor:
     """phi in torch, as `BlockCompressor.forward` over `nsa_core.ops.compression.unfold_blocks`."""
-    from nsa_core.ops.compression import unfold_blocks
-
     pos, w1, b1, w2, b2 = weights
     blocks = unfold_blocks(raw, block_len, block_stride, first)
     hidden = torch.nn.functional.silu(torch.nn.functional.linear((blocks + pos).flatten(-2), w1, b1))
