@@ -34,34 +34,39 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/compressor.py needs a CUDA device")
     dtype = getattr(torch, args.dtype)
-    geometry = dict(block_len=args.block_len, block_stride=args.block_stride)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, l={args.block_len}, "
           f"d={args.block_stride}; ms forward / forward+backward")  # fmt: skip
     for shape in args.shapes:
-        T, H, D = (int(x) for x in shape.split("x"))
-        phi = BlockCompressor(args.block_len, D).to(device="cuda", dtype=dtype)
-        raw = torch.randn(1, T, H, D, device="cuda", dtype=dtype, requires_grad=True)
-        paths = {
-            "torch": lambda: phi(unfold_blocks(raw, args.block_len, args.block_stride)),
-            "triton": lambda: triton_block_compress(raw, phi.weights(), **geometry),
-        }
-        dy = torch.randn_like(paths["torch"]())
-        leaves = [raw, *phi.parameters()]
-        times = {}
-        for name, fn in paths.items():
-            forward = do_bench(fn, return_mode="median")
-            both = do_bench(lambda fn=fn: fn().backward(dy), grad_to_none=leaves, return_mode="median")
-            times[name] = f"{forward:.3f} / {both:.3f}"
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            paths["triton"]().backward(dy)
-            torch.cuda.synchronize()
-        kernels = {
-            e.name.removeprefix("_compress_").removesuffix("_kernel"): e.device_time
-            for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("_compress")
-        }
-        split = ", ".join(f"{name} {us:.1f}" for name, us in kernels.items())
-        print(f"{shape:>12}: torch {times['torch']}, triton {times['triton']}; triton us: {split}")
+        print(f"{shape:>12}: {compare(shape, args, dtype)}")
+
+
+def compare(shape: str, args: argparse.Namespace, dtype: torch.dtype) -> str:
+    """One shape's line: both paths' times, and the Triton backward's kernels."""
+    T, H, D = (int(x) for x in shape.split("x"))
+    geometry = dict(block_len=args.block_len, block_stride=args.block_stride)
+    phi = BlockCompressor(args.block_len, D).to(device="cuda", dtype=dtype)
+    raw = torch.randn(1, T, H, D, device="cuda", dtype=dtype, requires_grad=True)
+    paths = {
+        "torch": lambda: phi(unfold_blocks(raw, args.block_len, args.block_stride)),
+        "triton": lambda: triton_block_compress(raw, phi.weights(), **geometry),
+    }
+    dy = torch.randn_like(paths["torch"]())
+    leaves = [raw, *phi.parameters()]
+    times = {}
+    for name, fn in paths.items():
+        forward = do_bench(fn, return_mode="median")
+        both = do_bench(lambda fn=fn: fn().backward(dy), grad_to_none=leaves, return_mode="median")
+        times[name] = f"{forward:.3f} / {both:.3f}"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        paths["triton"]().backward(dy)
+        torch.cuda.synchronize()
+    kernels = {
+        e.name.removeprefix("_compress_").removesuffix("_kernel"): e.device_time
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("_compress")
+    }
+    split = ", ".join(f"{name} {us:.1f}" for name, us in kernels.items())
+    return f"torch {times['torch']}, triton {times['triton']}; triton us: {split}"
 
 
 if __name__ == "__main__":
