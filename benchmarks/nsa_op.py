@@ -95,7 +95,7 @@ class NSAOp(torch.nn.Module):
         """phi of ``k`` and ``v`` as the model's fused path runs it (`triton_block_compress`), or the
         module's torch operations with ``--phi torch``."""
         a = self.args
-        if getattr(a, "phi", "triton") == "torch":
+        if a.phi == "torch":
             k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
             return k_cmp, self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
         geometry = dict(block_len=a.block_len, block_stride=a.block_stride)

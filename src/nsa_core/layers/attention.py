@@ -334,8 +334,8 @@ class NSAAttention(nn.Module):
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
 
     def _phi(self, phi: BlockCompressor, raw: torch.Tensor, first: int) -> torch.Tensor:
-        # the fused path's compressor: its Triton kernels (no block copy; one launch forward, three backward)
-        # where the module is plain, else the module, which a hook or a replaced layer must see run
+        # the fused path's compressor: its Triton kernels (no block copy; one launch forward, three or four
+        # backward) where the module is plain, else the module, which a hook or a replaced layer must see run
         nsa = self.nsa
         if not phi.plain():
             return phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))

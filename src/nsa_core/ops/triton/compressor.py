@@ -1,10 +1,11 @@
-"""The block compressor phi in Triton: one kernel forward, three or four backward, for torch's ~14 a side.
+"""The block compressor phi in Triton: one kernel forward, three or four backward (torch: ~16 in all).
 
 phi turns each complete block of ``l`` tokens of ``raw [B, T, H, D]`` (blocks ``first ..``, stride ``d``)
 into one vector: ``y = W2 silu(W1 flat(block + pos) + b1) + b2`` with ``pos [l, D]``, ``W1 [D, l D]`` and
 ``W2 [D, D]`` (`nsa_core.layers.attention.BlockCompressor`). In torch that is an overlapping-block copy
-(every token twice at ``l = 2d``), two GEMMs, the activation and their backward, about fourteen launches a
-side for each of the key and value compressors, and the unfold's backward. Here:
+(every token twice at ``l = 2d``), two GEMMs, the activation, their backward and the unfold's: at m7c-125m's
+geometry the op's forward+backward went from 80 kernels to 56 with the kernels below (eight of the 56), so
+its key and value compressors had taken some 32 (BENCHMARKS.md). Here:
 
 - forward: a program takes ``BLOCK_N`` blocks of one (batch, head) and sums ``x_j W1_j^T`` over the
   ``l`` token positions ``j`` of a block, reading the tokens where they lie (no block copy); the hidden
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_core.ops.compression import unfold_blocks
+from nsa_core.ops.compression import num_compressed_blocks, unfold_blocks
 from nsa_core.ops.triton.flash import cdiv, kernel_dtypes
 from nsa_core.ops.triton.launch import Launcher
 
@@ -220,7 +221,7 @@ class BlockCompressFunction(torch.autograd.Function):
     def forward(ctx, raw, pos, w1, b1, w2, b2, block_len, block_stride, first):  # type: ignore[override]
         B, T, H, D = raw.shape
         start = first * block_stride
-        N = (T - start - block_len) // block_stride + 1
+        N = num_compressed_blocks(T - start, block_len, block_stride)
         out = raw.new_empty(B, N, H, D)
         hidden = torch.empty_like(out)
         precision = kernel_dtypes(raw.dtype)[1]
@@ -287,7 +288,7 @@ def runs_in_triton(raw: torch.Tensor, weights: tuple[torch.Tensor, ...], block_l
         and 16 <= D <= 128
         and D & (D - 1) == 0
         and shapes == ((block_len, D), (D, block_len * D), (D,), (D, D), (D,))
-        and all(type(x) is torch.Tensor or type(x) is torch.nn.Parameter for x in (raw, *weights))
+        and all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in (raw, *weights))
     )
 
 
@@ -321,7 +322,7 @@ def triton_block_compress(
     operations where the kernels do not apply (`runs_in_triton`) or where there is no complete block."""
     if block_len < 1 or block_stride < 1 or first < 0:
         raise ValueError(f"block_len={block_len}, block_stride={block_stride} and first={first} are invalid")
-    N = (raw.shape[1] - first * block_stride - block_len) // block_stride + 1
+    N = num_compressed_blocks(raw.shape[1] - first * block_stride, block_len, block_stride)
     if N < 1 or not runs_in_triton(raw, weights, block_len):
         return torch_block_compress(raw, weights, block_len=block_len, block_stride=block_stride, first=first)
     if raw.stride(-1) != 1:
