@@ -15,9 +15,9 @@ alone is never work: a computation and a spin both use a core. Each process gets
   indices in torch's worker loop), torch's launcher (torchrun's agent) waiting on its ranks, a shell
   waiting for its child.
 - ``paused``: it does no work and is not stuck (`classify.pause_reason`): **sleeping** (``time.sleep`` in
-  its stacks, or without a stack its main thread in the kernel's nanosleep in every round: a sleep ends
-  by itself, so it is never a python-deadlock), reading or writing a checkpoint, in a disk wait, waiting
-  for a batch its DataLoader worker is busy producing.
+  its stacks, or without a stack its main thread in the kernel's nanosleep in every round, or in most
+  and running in the others: a sleep ends by itself, so it is never a python-deadlock), reading or
+  writing a checkpoint, in a disk wait, waiting for a batch its DataLoader worker is busy producing.
 - ``stalled``: its evidence shows it stuck: a wait at the same frame in every sample (``collective``,
   ``cuda-kernel``, ``python-deadlock``), a held GIL (``gil-held``), or no CPU, no I/O and nothing else
   moving at all (``unknown``, with its wait channel).
@@ -298,14 +298,22 @@ def _kind(ev: Evidence, runnable: float | None) -> tuple[HangKind, str]:
 
 
 def _sleeping(ob: ProcessObservation, cpu: float | None) -> str | None:
-    """Without a stack: its main thread in the kernel's nanosleep (``time.sleep``) in every round."""
-    channels = [t.get("wchan") or "" for t in ob.main_threads()]
-    if len(channels) >= 2 and all("nanosleep" in c for c in channels) and (cpu or 0.0) < DEADLOCK_CPU_MAX:
-        return (
-            f"sleeping: its main thread in the kernel's {channels[-1]} in every round, "
-            f"{_cpu_text(cpu, None)} (no stack): a sleep ends by itself"
-        )
-    return None
+    """Without a stack: its main thread in the kernel's nanosleep (``time.sleep``) in every round, or in
+    most and running in the others (a loop that naps, caught awake between two naps)."""
+    rounds = ob.main_threads()
+    naps = [t.get("wchan") or "" for t in rounds if "nanosleep" in (t.get("wchan") or "")]
+    awake = [t for t in rounds if not t.get("wchan")]  # running or runnable: /proc gives no wait channel
+    if len(naps) < 2 or 2 * len(naps) < len(rounds) or len(naps) + len(awake) < len(rounds):
+        return None
+    if (cpu or 0.0) >= DEADLOCK_CPU_MAX:
+        return None
+    rounds_text = (
+        "in every round" if not awake else f"in {len(naps)} of {len(rounds)} rounds (running in the others)"
+    )
+    return (
+        f"sleeping: its main thread in the kernel's {naps[-1]} {rounds_text}, "
+        f"{_cpu_text(cpu, None)} (no stack): a sleep ends by itself"
+    )
 
 
 def judge_process(

@@ -27,9 +27,10 @@ GPU utilisation, where the beacon last was) and `classify` decides, without touc
 
 `pause_reason` says when a stalled unit is not stuck at all, from the same evidence: a progress event came
 while it was taken, its innermost frame moved between the samples while it used the CPU, it sleeps
-(``time.sleep``), it writes or reads a checkpoint (``torch.serialization``) or files (/proc's I/O bytes, a
-disk wait), or it waits for a DataLoader batch that one of its workers is busy producing. The executor
-then watches on (`nsa_diag.watchdog.Watcher.rearm`) instead of stopping the job.
+(``time.sleep`` in every sample, or in most and the others in the loop around it, in no wait), it
+writes or reads a checkpoint (``torch.serialization``) or files (/proc's I/O bytes, a disk wait), or it
+waits for a DataLoader batch that one of its workers is busy producing. The executor then watches on
+(`nsa_diag.watchdog.Watcher.rearm`) instead of stopping the job.
 """
 
 from __future__ import annotations
@@ -188,6 +189,33 @@ def _top_python(thread: ThreadStack | None) -> Frame | None:
 def _same_top(threads: Sequence[ThreadStack | None]) -> bool:
     tops = [_top_python(t) for t in threads]
     return len(tops) > 0 and all(t is not None for t in tops) and len({(t.file, t.line) for t in tops}) == 1  # type: ignore[union-attr]
+
+
+def _last_asleep(focus: Sequence[ThreadStack | None], sources: Mapping[str, str]) -> ThreadStack | None:
+    """The last sample whose own Python frames show a sleep, or None."""
+    return next((t for t in reversed(focus) if is_sleep(_blocking(t, (), sources, None))), None)
+
+
+def _naps(focus: Sequence[ThreadStack | None], asleep: ThreadStack, sources: Mapping[str, str]) -> str | None:
+    """Whether the samples show the thread napping where ``asleep`` (one of them, judged a sleep) is: ""
+    when every sample is at its frame; else, when at least half are and the others run in the function
+    around it, in no wait (a loop that sleeps and checks, caught between two naps on a loaded machine), the
+    words that say so; None otherwise."""
+    if _same_top(focus):
+        return ""
+    nap = _top_python(asleep)
+    if nap is None or any(t is None for t in focus):
+        return None
+    others = [t for t in focus if t is not None and _top_python(t) != nap]
+    around = all(
+        any((f.file, f.func) == (nap.file, nap.func) for f in t.python_frames)
+        and not _blocking(t, (), sources, None)
+        for t in others
+    )
+    at_nap = len(focus) - len(others)
+    if 2 * at_nap < len(focus) or not around:
+        return None
+    return f" in {at_nap} of {len(focus)} stack samples (in the others between two naps, in {nap.func})"
 
 
 def samples_disagree(samples: Sequence[str]) -> bool:
@@ -436,8 +464,10 @@ def pause_reason(ev: Evidence) -> str | None:
     pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
     native = innermost_native(pyspy_focus)
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
-    if is_sleep(blocked) and _same_top(focus) and (cpu is None or cpu < DEADLOCK_CPU_MAX):
-        return f"sleeping at {_thread_text(last, sources)}: a sleep ends by itself"
+    asleep = last if is_sleep(blocked) else _last_asleep(focus, sources)
+    naps = _naps(focus, asleep, sources) if asleep is not None else None
+    if naps is not None and (cpu is None or cpu < DEADLOCK_CPU_MAX):
+        return f"sleeping at {_thread_text(asleep, sources)}{naps}: a sleep ends by itself"
     if waits_on_dataloader(last):
         busy = [f"{label}: {why}" for label, why in ev.workers.items() if why]
         if busy:

@@ -447,10 +447,14 @@ def test_signal_plan_of_this_process_follows_the_kernel() -> None:
 def _observation(
     pid: int, cpu_s: Sequence[float], dumps: Sequence[str] = (), beacons: Sequence[Any] = (),
     rank: str | None = None, ppid: int = 1, cmdline: tuple[str, ...] = ("python", "train.py"),
-    wchan: str | None = None, state: str = "R", pyspy: Sequence[str] = (), caught: bool = True,
+    wchan: str | Sequence[str | None] | None = None, state: str | Sequence[str] = "R",
+    pyspy: Sequence[str] = (), caught: bool = True,
 ) -> ProcessObservation:  # fmt: skip
     """One process's rounds a second apart: its CPU seconds at each, its SIGUSR1 dumps (``dumps``) or
-    py-spy samples (``pyspy``), beacon reads, RANK, its main thread's /proc state and wait channel."""
+    py-spy samples (``pyspy``), beacon reads, RANK, its main thread's /proc state and wait channel (the same
+    in every round, or one per round)."""
+    wchans = [wchan] * len(cpu_s) if wchan is None or isinstance(wchan, str) else list(wchan)
+    states = [state] * len(cpu_s) if isinstance(state, str) else list(state)
     info = ProcessInfo(
         pid=pid, ppid=ppid, cmdline=cmdline, python=True, started=0.0,
         env_vars={"RANK": rank} if rank is not None else {}, env_vars_withheld=(), probe=None,
@@ -465,7 +469,7 @@ def _observation(
                 "pid": pid,
                 "utime_s": cpu,
                 "stime_s": 0.0,
-                "threads": [{"tid": pid, "state": state, "wchan": wchan}],
+                "threads": [{"tid": pid, "state": states[n], "wchan": wchans[n]}],
             },
         )
         for n, cpu in enumerate(cpu_s)
@@ -603,6 +607,56 @@ def test_sleeping_is_paused_not_deadlocked(tmp_path: Path) -> None:
         _observation(7, (1.0, 1.0), [CONDITION_WAIT] * 2, state="S", wchan="futex_wait_queue")
     )
     assert (locked.state, locked.kind) == ("stalled", "python-deadlock")
+
+
+def test_a_loop_that_naps_is_paused_when_caught_awake_between_naps(tmp_path: Path) -> None:
+    """`while not done(): time.sleep(0.2)` on a loaded machine: a round or a sample now and then catches the
+    thread awake, between two naps (CI once called such a job stalled). Still paused: most rounds asleep
+    and the others running, or most samples at the sleep and the others in the loop around it, in no
+    wait. A loop that went from its naps into a lock wait is not paused, nor one that is mostly awake."""
+    blind = judge_process(
+        _observation(
+            7, (1.0, 1.0, 1.0, 1.0), caught=False, state=("S", "R", "S", "S"),
+            wchan=("hrtimer_nanosleep", None, "hrtimer_nanosleep", "hrtimer_nanosleep"),
+        )
+    )  # fmt: skip
+    assert blind.state == "paused", blind.why
+    assert "hrtimer_nanosleep in 3 of 4 rounds (running in the others)" in blind.why
+    mostly_awake = judge_process(
+        _observation(
+            7, (1.0, 1.0, 1.0), caught=False, state=("S", "R", "R"), wchan=("hrtimer_nanosleep", None, None)
+        )
+    )
+    assert mostly_awake.state != "paused", mostly_awake.why
+    in_a_lock = judge_process(
+        _observation(
+            7, (1.0, 1.0, 1.0), caught=False, state="S",
+            wchan=("hrtimer_nanosleep", "hrtimer_nanosleep", "futex_wait_queue"),
+        )
+    )  # fmt: skip
+    assert in_a_lock.state != "paused", in_a_lock.why
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import threading\nimport time\n\nstop = threading.Event()\nlock = threading.Lock()\n"
+        "while not stop.is_set():\n    time.sleep(0.2)\nlock.acquire()\n"
+    )
+    nap = [(str(script), 7, "<module>")]
+    check = [("/usr/lib/python3.11/threading.py", 601, "Event.is_set"), (str(script), 6, "<module>")]
+    lock = [(str(script), 8, "<module>")]
+    caught_awake = [_pyspy(nap), _pyspy(check), _pyspy(nap)]
+    napping = judge_process(_observation(7, (1.0, 1.0, 1.0), pyspy=caught_awake, caught=False, state="S"))
+    assert napping.state == "paused", napping.why
+    assert "in 2 of 3 stack samples (in the others between two naps, in <module>)" in napping.why
+    assert "a sleep ends by itself" in napping.why
+    last_awake = [_pyspy(nap), _pyspy(nap), _pyspy(check)]
+    assert (
+        judge_process(_observation(7, (1.0,) * 3, pyspy=last_awake, caught=False, state="S")).state
+        == "paused"
+    )
+    into_lock = [_pyspy(nap), _pyspy(lock), _pyspy(lock)]
+    locked = judge_process(_observation(7, (1.0,) * 3, pyspy=into_lock, caught=False, state="S"))
+    assert locked.state == "stalled", locked.why
 
 
 def test_idle_dataloader_workers_are_never_the_focus() -> None:
