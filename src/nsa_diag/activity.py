@@ -66,7 +66,7 @@ from nsa_diag.classify import (
     pause_reason,
     waits_on_dataloader,
 )
-from nsa_diag.evidence import stacks
+from nsa_diag.evidence import procfs, stacks
 from nsa_diag.evidence.live import ProcessInfo, ProcessObservation, TreeObservation
 from nsa_diag.evidence.probefiles import location
 from nsa_diag.evidence.roles import TRAINING_ROLES, ProcessFacts, Role, assign_roles, describe
@@ -222,9 +222,12 @@ def _rank_of(info: ProcessInfo) -> int | None:
 
 def _waits(ob: ProcessObservation) -> str:
     thread = ob.main_thread() or {}
-    return f"main thread {thread.get('state', '?')}" + (
-        f" in {thread['wchan']}" if thread.get("wchan") else ""
-    )
+    wchan = thread.get("wchan")
+    text = f"main thread {thread.get('state', '?')}" + (f" in {wchan}" if wchan else "")
+    if procfs.waits_for_file_lock(wchan):
+        held = "; ".join(ob.file_locks) or "none this user can read"
+        text += f" (a file lock wait: file locks other processes hold: {held})"
+    return text
 
 
 def _beacon_progress(ob: ProcessObservation) -> tuple[ActivityProgress, float | None, bool | None]:
@@ -349,7 +352,7 @@ def judge_process(
         cpu_percent=cpu, heartbeat_advancing=heartbeat, gpu_utilization=_gpu_percent(ob),
         main_wchan=thread.get("wchan"), main_state=thread.get("state"),
         where=_where(beacons[-1] if beacons else None), source_lines=stacks.source_lines(threads),
-        workers=dict(workers or {}),
+        workers=dict(workers or {}), file_locks=ob.file_locks,
     )  # fmt: skip
     if ob.info.python:
         kind: HangKind | None

@@ -41,12 +41,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from nsa_diag.evidence.procfs import is_python
+from nsa_diag.evidence.procfs import FILE_LOCK_FRAME, FILE_LOCK_WCHANS, is_python
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy
 from nsa_diag.records import Rate
 from nsa_diag.spec import HangKind, Verdict, Where, WorkerReport
 from nsa_diag.stackframes import Frame, ThreadStack, gpu_wait, innermost_native
-from nsa_diag.watchdog import FILE_LOCK_FRAME, WORK_CPU_MIN, WORK_IO_BYTES, Work
+from nsa_diag.watchdog import WORK_CPU_MIN, WORK_IO_BYTES, Work
 
 Outcome = Literal["exited", "stalled", "timeout", "interrupted"]
 WORKER_VERDICTS = ("oom", "nonfinite", "grad-missing", "mismatch", "unchecked", "error", "skipped")
@@ -55,6 +55,7 @@ BUSY_CPU_MIN = 50.0
 # Hang kinds that show a worker not working: past the timeout without progress, these are a hang, not slow.
 STUCK_KINDS = ("collective", "gil-held", "python-deadlock")
 
+FILE_LOCK_WAIT = "file lock wait"  # flock/lockf/fcntl(F_SETLKW) blocked on a lock another process holds
 # Python frames (file suffix, function) that wait: threading, queue, subprocess, multiprocessing, futures.
 _BLOCKING_PY = {
     ("threading.py", "wait"): "threading wait (Condition/Event)",
@@ -73,6 +74,7 @@ _BLOCKING_PY = {
 }
 # The call on a source line that blocks in C (faulthandler cannot show C functions).
 _BLOCKING_SOURCE = (
+    (re.compile(r"\b(flock|lockf)\(|F_SETLKW"), FILE_LOCK_WAIT + " (fcntl)"),
     (re.compile(r"\.acquire\("), "threading lock acquire"),
     (re.compile(r"\.wait\("), "wait"),
     (re.compile(r"\.join\("), "join"),
@@ -82,6 +84,7 @@ _BLOCKING_SOURCE = (
 )
 # Native frames (py-spy --native) of a blocked thread: patterns searched in the function name.
 _BLOCKING_NATIVE = (
+    (re.compile(r"^_*(GI_+)?(libc_)?(flock|lockf|fcntl)(64)?$"), FILE_LOCK_WAIT),
     (re.compile(r"acquire_lock"), "threading lock acquire"),
     (re.compile(r"pthread_mutex_(timed)?lock|__lll_lock_wait"), "mutex lock"),
     (re.compile(r"pthread_cond_\w*wait|condition_variable::wait"), "condition wait"),
@@ -92,6 +95,7 @@ _BLOCKING_NATIVE = (
 )
 # Kernel wait channels (/proc/<pid>/wchan) of a sleeping main thread.
 _BLOCKING_WCHAN = (
+    *((needle, FILE_LOCK_WAIT) for needle in FILE_LOCK_WCHANS),
     ("futex", "futex wait (lock or condition)"),
     ("nanosleep", "sleep"),
     ("poll", "I/O wait"),
@@ -289,6 +293,13 @@ def _file_lock(thread: ThreadStack | None) -> bool:
     return thread is not None and any(
         FILE_LOCK_FRAME in f.file.replace("\\", "/") and "acquire" in f.func for f in thread.python_frames
     )
+
+
+def _held(file_locks: Sequence[str]) -> str:
+    """Who holds the file lock a process waits for (`procfs.held_file_locks`), or what that means."""
+    if file_locks:
+        return f"file locks other processes hold: {'; '.join(file_locks)}"
+    return "another process holds that lock (another job sharing the cache, or one left running)"
 
 
 def _native_match(
@@ -612,16 +623,17 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
         if is_sleep(blocked) and _file_lock(last):
-            held = (
-                f"file locks other processes hold: {'; '.join(ev.file_locks)}"
-                if ev.file_locks
-                else "another process holds that lock (another job sharing the cache, or one left running)"
-            )
             return "unknown", (
-                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: {held}"
+                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: "
+                + _held(ev.file_locks)
             )
         if is_sleep(blocked):
             return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
+        if blocked.startswith(FILE_LOCK_WAIT):
+            return "unknown", (
+                f"waiting for a file lock ({blocked.removeprefix(FILE_LOCK_WAIT).strip(' ()') or 'flock'}) "
+                f"at {at_top} {both}, {cpu}: {_held(ev.file_locks)}"
+            )
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"
 
     if _busy(ev) and last is not None:

@@ -665,11 +665,6 @@ def watch(
 # --- the escalation: evidence before any kill ----------------------------------------------------------
 
 
-# a frame of the filelock package: a sample with one gets the file locks held read (`classify` says the
-# wait when the frame is its acquire)
-FILE_LOCK_FRAME = "/filelock/"
-
-
 @dataclass
 class HangEvidence:
     """What was gathered from a stalled or slow worker before it was stopped."""
@@ -834,7 +829,8 @@ def gather_hang_evidence(
     ev.gpu_utilization = gpu.worker_utilization(snapshot, procfs.session_pids(pid))
     ev.notes.gpu = _gpu_files(case_dir, snapshot)
     ev.samples = list(stacks.read_stacks(stacks_path).samples[before:])
-    if any(FILE_LOCK_FRAME in sample for sample in ev.samples):  # who holds the lock it may wait for
+    # who holds the lock it may wait for: in filelock's polling loop, or blocked in the kernel on one
+    if procfs.may_wait_for_file_lock(ev.samples, ev.main_wchan):
         ev.file_locks = procfs.held_file_locks(pid)
         ev.notes.file_locks = ev.file_locks
     after = read_beacon(case_dir / artifacts.BEACON)

@@ -40,6 +40,7 @@ from nsa_diag.evidence.live import (
     other_user_refusal,
     process_info,
 )
+from nsa_diag.evidence.procfs import waits_for_file_lock, wchan
 from nsa_diag.session.attach import summary_markdown
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -213,6 +214,42 @@ def test_deadlocked_job_is_python_deadlock_and_finishes_unchanged(start_job: Any
     # its own handler wrote the five dumps attach asked for into its stderr (two threads each), nothing else
     assert stderr.count("most recent call first") == 10
     assert "Traceback" not in stderr
+
+
+def test_a_job_blocked_on_a_file_lock_names_the_process_that_holds_it(tmp_path: Path) -> None:
+    """tests/diag/jobs/flock_checkpoint.py blocks in fcntl.flock at its checkpoint save while another
+    process holds the shared folder's lock: stalled, a file lock wait, the lock file and its holder named
+    (from its stacks with py-spy, from its wait channel without)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    lock = shared / "checkpoints.lock"
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(300)"  # noqa: E501
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    job: subprocess.Popen[str] | None = None
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        with open(tmp_path / "job.out", "w") as out:
+            job = subprocess.Popen(
+                [sys.executable, str(JOBS / "flock_checkpoint.py")], stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "CHECKPOINT_DIR": str(shared)}, text=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not waits_for_file_lock(wchan(job.pid)):
+            assert job.poll() is None, (tmp_path / "job.out").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "job.out").read_text()
+            time.sleep(0.05)
+        code, record, err = attach(job.pid, tmp_path / "runs", *QUICK)
+        assert job.poll() is None  # untouched
+    finally:
+        for proc in (holder, job):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+    assert code == 1, err
+    assert record["state"] == "stalled", record["reason"]
+    assert "file lock" in record["reason"]
+    assert f"{lock} (flock, pid {holder.pid}:" in record["reason"], record["reason"]
 
 
 def test_busy_loop_at_one_frame_is_unclear_not_progressing(start_job: Any, tmp_path: Path) -> None:

@@ -187,6 +187,54 @@ def test_a_wait_for_a_file_lock_is_said_at_the_jobs_own_line() -> None:
     assert named.reason.endswith(f"in both stack samples, CPU 1%: file locks other processes hold: {held}")
 
 
+_SAVING = (
+    "Current thread 0x00007f0000000001 (most recent call first):\n"
+    '  File "/job/train.py", line 20 in save_checkpoint\n'
+    '  File "/job/train.py", line 37 in main\n'
+    '  File "/job/train.py", line 41 in <module>\n'
+)
+
+
+def test_a_blocking_file_lock_wait_is_said_with_its_holder() -> None:
+    """A job blocked in ``fcntl.flock`` (or lockf, fcntl F_SETLKW) on a lock another process holds: seen
+    in its source line, py-spy's native frame or its main thread's wait channel. The reason says it waits
+    for a file lock and who holds it, like filelock's polling wait (it was "cause unclear")."""
+    held = "/shared/checkpoints.lock (flock, pid 7: python other_job.py)"
+    base = Evidence(
+        outcome="stalled", stack_samples=[_SAVING, _SAVING], where=WHERE, stalled_for_s=2.1,
+        heartbeat_advancing=True, cpu_percent=0.0,
+    )  # fmt: skip
+    by_source = classify(
+        replace(
+            base, source_lines={"/job/train.py:20": "fcntl.flock(lock, fcntl.LOCK_EX)"}, file_locks=[held]
+        )
+    )
+    assert (by_source.verdict, by_source.hang_kind) == ("hang", "unknown")
+    assert (
+        "waiting for a file lock (fcntl) at `fcntl.flock(lock, fcntl.LOCK_EX)` at train.py:20 in "
+        f"save_checkpoint in both stack samples, CPU 0%: file locks other processes hold: {held}"
+    ) in by_source.reason, by_source.reason
+    by_kernel = classify(replace(base, main_wchan="locks_lock_inode_wait"))
+    assert (
+        "waiting for a file lock (kernel wchan locks_lock_inode_wait) at train.py:20 in save_checkpoint"
+    ) in by_kernel.reason, by_kernel.reason
+    assert by_kernel.reason.endswith(
+        "another process holds that lock (another job sharing the cache, or one left running)"
+    )
+    posix = classify(replace(base, main_wchan="fcntl_setlk"))
+    assert "waiting for a file lock (kernel wchan fcntl_setlk)" in posix.reason, posix.reason
+    native = (
+        'Process 7: python train.py\n\nThread 7 (idle): "MainThread"\n    flock (libc.so.6)\n'
+        "    save_checkpoint (/job/train.py:20)\n    main (/job/train.py:37)\n"
+        "    <module> (/job/train.py:41)\n"
+    )
+    by_native = classify(replace(base, pyspy=native))
+    assert "waiting for a file lock (flock) at train.py:20 in save_checkpoint" in by_native.reason, (
+        by_native.reason
+    )
+    assert "file lock" not in classify(replace(base, main_wchan="do_epoll_wait")).reason  # not every wait
+
+
 def test_held_file_locks_names_the_lock_file_and_its_holder(tmp_path: Path) -> None:
     """/proc/locks and the holder's open files: the lock file's path, the lock's kind, the holder's pid and
     command line; the waiter's own locks and unreadable lines are left out."""
@@ -204,6 +252,30 @@ def test_held_file_locks_names_the_lock_file_and_its_holder(tmp_path: Path) -> N
     finally:
         holder.kill()
         holder.wait()
+    other = tmp_path / "other.lock"  # a second lock held: all are named for a waiter blocked on none
+    holder2 = subprocess.Popen([sys.executable, "-c", hold, str(other)], stdout=subprocess.PIPE, text=True)
+    wait = "import fcntl, sys; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX)"
+    try:
+        assert holder2.stdout is not None
+        assert holder2.stdout.readline().strip() == "held"
+        assert any(f"pid {holder2.pid}:" in h for h in procfs.held_file_locks(os.getpid()))
+        holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        waiter = subprocess.Popen([sys.executable, "-c", wait, str(lock)])
+        deadline = time.monotonic() + 30
+        while not procfs.waits_for_file_lock(procfs.wchan(waiter.pid)):
+            assert time.monotonic() < deadline
+            assert waiter.poll() is None
+            time.sleep(0.05)
+        # blocked on ``lock``: its holder only, not the other lock's
+        (named,) = procfs.held_file_locks(waiter.pid)
+        assert named.startswith(f"{lock} (flock, pid {holder.pid}:"), named
+    finally:
+        for proc in (holder2, locals().get("holder"), locals().get("waiter")):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
     gone = "1: FLOCK  ADVISORY  WRITE 999999999 fe:00:1 0 EOF"  # no such process: its file cannot be read
     odd = f"{gone}\n2: -> FLOCK  ADVISORY  WRITE 5 fe:00:1 0 EOF\nbad\n"  # a waiter's line; garbage
     assert procfs.held_file_locks(1, odd) == []

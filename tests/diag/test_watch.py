@@ -446,6 +446,44 @@ def test_a_wait_entered_between_the_stack_samples_is_a_deadlock(tmp_path: Path) 
 
 
 @pytest.mark.slow
+def test_a_save_blocked_on_a_file_lock_another_job_holds_names_the_lock_and_its_holder(
+    tmp_path: Path,
+) -> None:
+    """The job saves its checkpoint under an exclusive fcntl.flock on a shared folder's lock file, which
+    another job holds: it blocks in the kernel at its save. A hang at its own line, waiting for a file lock,
+    the lock file and the pid and command of the process that holds it named (it was "cause unclear");
+    that process is not the job's, so it is left alone."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    hold = "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(300)"  # noqa: E501
+    holder = subprocess.Popen(
+        [PY, "-c", hold, str(shared / "checkpoints.lock")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        env = {"CHECKPOINT_DIR": str(shared)}
+        proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "flock_checkpoint.py"], env=env)
+        assert holder.poll() is None  # another job's process: never signalled
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "unknown"), result["reason"]
+    assert (
+        "waiting for a file lock (fcntl) at `fcntl.flock(lock, fcntl.LOCK_EX)` at flock_checkpoint.py:20 in "
+        "save_checkpoint"
+    ) in result["reason"], result["reason"]
+    assert (
+        f"file locks other processes hold: {shared / 'checkpoints.lock'} (flock, pid {holder.pid}:"
+        in (result["reason"])
+    )
+    assert result["steps_done"] == 3
+    assert not [pid for pid in _job_pids(_case(out)) if _alive(pid)]
+
+
+@pytest.mark.slow
 def test_a_helper_process_that_ended_long_ago_does_not_stop_the_job(tmp_path: Path) -> None:
     """The job runs a short-lived Python subprocess before training (its probe reports the subprocess's
     start and end), then trains for 36 s. The helper's beacon stays at `done`: it was judged stalled

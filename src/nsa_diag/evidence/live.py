@@ -397,6 +397,7 @@ class ProcessObservation:
     gpu: list[dict[str, Any]] = field(default_factory=list)  # NVML rows of this pid, one per GPU it uses
     at_hang: AtHang | None = None  # the probe's at_hang.json, where a watchdog left one
     no_more_dumps: bool = False  # a signal's dump did not come back: not signalled again
+    file_locks: list[str] = field(default_factory=list)  # held by others, where it may wait for one
 
     @property
     def pid(self) -> int:
@@ -640,6 +641,10 @@ def observe_tree(
             spy.final(ob, folder)
             if not ob.dumps and not ob.pyspy_samples and not ob.pyspy_text:
                 without.append(ob.pid)
+            main = ob.main_thread()
+            texts = [*ob.dumps, *ob.pyspy_samples, ob.pyspy_text or ""]
+            if procfs.may_wait_for_file_lock(texts, main["wchan"] if main else None):
+                ob.file_locks = procfs.held_file_locks(ob.pid)
         if ob.info.probe is not None:
             ob.at_hang = read_at_hang(ob.info.probe)
     live = [ob.pid for ob in observations]

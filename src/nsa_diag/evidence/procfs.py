@@ -10,6 +10,7 @@ Every reader returns what it could read and never raises for a process that has 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TypedDict
 
@@ -157,20 +158,44 @@ def cmdline(pid: int) -> list[str]:
 
 
 MAX_LOCKS = 3  # file locks named at a hang
+# the kernel's wait channels of a thread blocked in flock (locks_lock_inode_wait; flock_lock_inode_wait
+# before Linux 4.4) or in a POSIX lock (fcntl F_SETLKW, lockf: fcntl_setlk)
+FILE_LOCK_WCHANS = ("lock_inode_wait", "fcntl_setlk", "lock_file_wait")
+
+
+# a frame of the filelock package (`classify` says the wait when the frame is its acquire)
+FILE_LOCK_FRAME = "/filelock/"
+
+
+def waits_for_file_lock(wchan: str | None) -> bool:
+    """Whether a thread's kernel wait channel is a file lock's (`FILE_LOCK_WCHANS`)."""
+    return wchan is not None and any(needle in wchan for needle in FILE_LOCK_WCHANS)
+
+
+def may_wait_for_file_lock(stack_texts: Iterable[str], main_wchan: str | None) -> bool:
+    """Whether a process may wait for a file lock another holds, so that `held_file_locks` is worth
+    reading: a frame of filelock in its stacks (which polls the lock with a sleep), or its main thread
+    blocked in the kernel on one."""
+    return waits_for_file_lock(main_wchan) or any(FILE_LOCK_FRAME in text for text in stack_texts)
 
 
 def held_file_locks(waiter: int, locks_text: str | None = None) -> list[str]:
     """The file locks (``/proc/locks``: flock and POSIX locks) that processes other than ``waiter`` and
-    this one (nsa-diag's own run-folder lock) hold, as "PATH (flock, pid N: CMD)", the ``.lock`` files
-    first, at most `MAX_LOCKS`. A lock's file is found among its holder's open files by device and inode
+    this one (nsa-diag's own run-folder lock) hold, as "PATH (flock, pid N: CMD)": where ``waiter`` is
+    blocked in the kernel on a lock, that lock's holders only; else all, the ``.lock`` files first; at most
+    `MAX_LOCKS`. A lock's file is found among its holder's open files by device and inode
     (a holder another user runs cannot be read: its lock is left out). ``locks_text``: /proc/locks' text
     (tests)."""
     text = _read(PROC / "locks") if locks_text is None else locks_text
+    lines = [line.split() for line in (text or "").splitlines()]
+    # "1: FLOCK  ADVISORY  WRITE 19963 fe:00:2146672 0 EOF"; a process blocked on a lock has a line with
+    # "->" after the id: only that lock's holders then
+    waits = {f[6] for f in lines if len(f) >= 7 and f[1] == "->" and f[5] == str(waiter)}
     found = []
-    for line in (text or "").splitlines():
-        fields = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 19963 fe:00:2146672 0 EOF" (a waiter's line has "->" after the id)
+    for fields in lines:
         if len(fields) < 6 or fields[1] == "->" or not fields[4].isdigit():
+            continue
+        if waits and fields[5] not in waits:
             continue
         kind, pid, dev_inode = fields[1].lower(), int(fields[4]), fields[5].split(":")
         if pid in (waiter, os.getpid()) or len(dev_inode) != 3:
