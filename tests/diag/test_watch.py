@@ -484,6 +484,31 @@ def test_a_save_blocked_on_a_file_lock_another_job_holds_names_the_lock_and_its_
 
 
 @pytest.mark.slow
+def test_a_job_waiting_for_its_evaluation_subprocess_names_the_child_and_what_it_does(tmp_path: Path) -> None:
+    """The job runs its evaluation as a separate program (subprocess.run) that never finishes: it polls
+    for a result file with a sleep. The hang is the job's, at its own line, and the reason says the child
+    it waits for and that the child is paused in its sleep (a child started by exec, not forked: found by
+    its parent pid). Both are stopped."""
+    proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "eval_subprocess.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
+    assert "blocked in subprocess wait" in result["reason"]
+    lines = (JOBS / "eval_subprocess.py").read_text().splitlines()
+    line = 1 + next(n for n, text in enumerate(lines) if "subprocess.run(" in text)
+    assert f"called from eval_subprocess.py:{line} in main" in result["reason"], result["reason"]
+    processes = result["evidence"]["processes"]
+    (child,) = [pid for pid, record in processes.items() if record["role"] == "helper"]
+    assert result["evidence"]["waits_on"] == [int(child)]
+    assert (
+        f"the stalled process waits for its child process: pid {child}: paused: sleeping at "
+        in (result["reason"])
+    ), result["reason"]
+    assert processes[child]["state"].startswith("paused: sleeping at <string>:"), processes[child]
+    assert not [pid for pid in _job_pids(_case(out)) if _alive(pid)]
+
+
+@pytest.mark.slow
 def test_a_helper_process_that_ended_long_ago_does_not_stop_the_job(tmp_path: Path) -> None:
     """The job runs a short-lived Python subprocess before training (its probe reports the subprocess's
     start and end), then trains for 36 s. The helper's beacon stays at `done`: it was judged stalled

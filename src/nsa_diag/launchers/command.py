@@ -493,12 +493,11 @@ class CommandLauncher(Launcher):
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
         roles = {self.keys.get(pid, pid): role for pid, role in self.roles().items()}
-        parents = {}
+        parents = {}  # the process it was forked from, else its parent process where that is the job's
         for pid, info in ((pid, p.info) for pid, p in self.procs.items()):
-            forked = info.get("forked_from")
-            parents[self.keys.get(pid, pid)] = (
-                self.keys.get(forked, forked) if isinstance(forked, int) else None
-            )
+            forked, ppid = info.get("forked_from"), info.get("ppid")
+            parent = forked if isinstance(forked, int) else ppid if ppid in self.procs else None
+            parents[self.keys.get(pid, pid)] = self.keys.get(parent, parent) if parent is not None else None
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
         folders = {unit.key: unit.folder for unit in end.units}
         result = job.combine(

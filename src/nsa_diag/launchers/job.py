@@ -521,9 +521,11 @@ def process_state(
         return "ended (exit status unknown: not nsa-diag's child, and its probe saw no normal exit)"
     thread = _focus(folder) if folder is not None else None
     activity = res.evidence.activity
+    # what it did instead of being stuck: work the liveness signals saw, or a pause (a sleep, a checkpoint)
+    doing = "working" if res.evidence.work is not None and res.evidence.work.working else "paused"
     if role == "dataloader-worker":
         if activity:
-            return f"working: {activity}"
+            return f"{doing}: {activity}"
         if dataloader_worker_idle(thread):
             return "idle: waiting for indices from the training process"
         return f"stuck: {res.reason}" if res.verdict == "hang" else "waiting (its stacks say no more)"
@@ -532,7 +534,7 @@ def process_state(
     if role == "shell":
         return "waiting for its child process"
     if activity:
-        return f"working: {activity}"
+        return f"{doing}: {activity}"
     if res.verdict == "hang":
         return f"stuck ({res.hang_kind}): {res.reason}"
     return res.verdict
