@@ -251,6 +251,23 @@ def _frame_text(frame: Frame | None, sources: Mapping[str, str]) -> str:
     return f"`{source}` at {frame.short()}" if source else frame.short()
 
 
+# nsa-diag's probe: its wrappers of `Tensor.backward` and the collectives sit in a watched job's stacks (also
+# from a source tree), under the job's own frame
+PROBE_PATH = "/nsa_diag/probe/"
+# paths of frames that are not the job's own code: Python's library, installed packages, the probe
+NOT_OWN_CODE = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", PROBE_PATH)
+
+
+def is_own_code(file: str) -> bool:
+    """Whether a frame's file is the job's own code (`NOT_OWN_CODE`)."""
+    path = file.replace("\\", "/")
+    return not any(part in path for part in NOT_OWN_CODE)
+
+
+def _is_probe(frame: Frame) -> bool:
+    return PROBE_PATH in frame.file.replace("\\", "/")
+
+
 def _is_library(frame: Frame) -> bool:
     """A frame of Python's own library (threading, ctypes, ...): the interesting one is its caller."""
     path = frame.file.replace("\\", "/")
@@ -272,16 +289,18 @@ def _is_installed(frame: Frame) -> bool:
 def _thread_text(thread: ThreadStack | None, sources: Mapping[str, str]) -> str:
     """The top Python frame, and the first caller outside Python's library when the top is inside it; or,
     when the top is in an installed package, the job's own frame that called into it (a wait inside
-    filelock, requests or a hub client is the job's line's)."""
+    filelock, requests or a hub client is the job's line's); the probe's wrappers are passed over."""
     frames = thread.python_frames if thread else ()
     if not frames:
         return "no Python frame"
     text = _frame_text(frames[0], sources)
     caller = None
     if _is_library(frames[0]):
-        caller = next((f for f in frames[1:] if not _is_library(f)), None)
+        caller = next((f for f in frames[1:] if not (_is_library(f) or _is_probe(f))), None)
     elif _is_installed(frames[0]):
-        caller = next((f for f in frames[1:] if not (_is_library(f) or _is_installed(f))), None)
+        caller = next(
+            (f for f in frames[1:] if not (_is_library(f) or _is_installed(f) or _is_probe(f))), None
+        )
     if caller is not None:
         text += f", called from {_frame_text(caller, sources)}"
     return text
@@ -699,7 +718,9 @@ def _crash(ev: Evidence) -> Classification:
     where_frame = f" in {_thread_text(current, ev.source_lines)}" if frame else ""
     if ev.signal:
         what = f" ({fatal})" if fatal else ""
-        return Classification("crash", None, f"killed by {ev.signal}{what} at {at}{where_frame}")
+        thrown = cpp_terminate(ev.stderr_tail) if ev.signal == "SIGABRT" else None
+        said = f"; stderr: {thrown}" if thrown else ""
+        return Classification("crash", None, f"killed by {ev.signal}{what} at {at}{where_frame}{said}")
     wr = ev.worker_result
     if wr is not None and wr.status == "ok":
         return Classification(
@@ -710,6 +731,23 @@ def _crash(ev: Evidence) -> Classification:
     return Classification(
         "crash", None, f"exited with code {ev.exit_code} without a result at {at}{where_frame}{said}"
     )
+
+
+# C++'s std::terminate on an uncaught exception (then abort: SIGABRT), as libstdc++ prints it
+_TERMINATE = re.compile(
+    r"terminate called after throwing an instance of '([^']+)'\s*\n\s*what\(\):\s*([^\n]*)"
+)
+
+
+def cpp_terminate(text: str) -> str | None:
+    """The last C++ exception that ended a process through std::terminate in ``text`` (a gloo or NCCL
+    error thrown on a thread of torch's): its type and message, cut to 300 characters; or None."""
+    found = _TERMINATE.findall(text)
+    if not found:
+        return None
+    kind, message = found[-1]
+    message = " ".join(message.split())
+    return f"C++ exception {kind}: {message[:300]}" + ("..." if len(message) > 300 else "")
 
 
 def _last_line(text: str) -> str:

@@ -21,8 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
-from nsa_diag.analysis.ranks import rank_exit_codes
+from nsa_diag.analysis.ranks import launcher_stopped, rank_exit_codes
 from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
+from nsa_diag.classify import cpp_terminate
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import Ending
 from nsa_diag.records import JobNotes, StopReport
@@ -102,6 +103,32 @@ def test_torchrun_summary_is_never_the_exception() -> None:
     assert last is not None
     assert last.type == "RuntimeError"
     assert job.last_traceback(text).type == "RuntimeError"  # type: ignore[union-attr]
+
+
+def test_torch_multiprocessing_spawn_says_which_process_ended_and_how() -> None:
+    """mp.spawn's account of a process that ended without an exception is the ranks' exit codes (its
+    process index is the rank), never the exception; the processes it stopped after it are by pid."""
+    text = (
+        "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+        "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 20 vs 4.\n"
+        "W1202 14:09:05.178000 24129 torch/multiprocessing/spawn.py:165] Terminating process 24135 via "
+        "signal SIGTERM\n"
+        "Traceback (most recent call last):\n"
+        '  File "/tmp/train.py", line 31, in <module>\n'
+        "    mp.spawn(worker, args=(2,), nprocs=2)\n"
+        '  File "/x/torch/multiprocessing/spawn.py", line 192, in join\n'
+        "    raise ProcessExitedException(\n"
+        "torch.multiprocessing.spawn.ProcessExitedException: process 0 terminated with signal SIGABRT\n"
+    )
+    assert rank_exit_codes(text) == {0: -6}
+    assert rank_exit_codes(text.replace("with signal SIGABRT", "with exit code 3")) == {0: 3}
+    assert launcher_stopped(text) == {24135: -15}
+    assert rank_exceptions(text, (0, 1), rank_exit_codes(text)) == {}  # spawn's own exception is no rank's
+    assert cpp_terminate(text) == (
+        "C++ exception gloo::EnforceNotMet: [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. "
+        "20 vs 4."
+    )
+    assert cpp_terminate("Traceback (most recent call last):\nValueError: x") is None
 
 
 def test_bare_tracebacks_go_to_the_failed_ranks() -> None:

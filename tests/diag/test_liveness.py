@@ -137,3 +137,12 @@ def test_a_shell_that_starts_python_and_spawned_ranks() -> None:
         ProcessFacts(51, 50, ("python", "-c", "from multiprocessing.spawn import spawn_main"), rank=0),
         ProcessFacts(52, 50, ("python", "-c", "from multiprocessing.spawn import spawn_main"), rank=1),
     ]) == {50: "launcher", 51: "rank", 52: "rank"}  # fmt: skip
+    # its resource tracker, beside the ranks under the launcher, is a helper, not a training process
+    tracker = ProcessFacts(
+        53, 50, ("python", "-c", "from multiprocessing.resource_tracker import main;main(7)")
+    )
+    assert assign_roles([
+        ProcessFacts(50, 1, ("python", "spawn.py")),
+        ProcessFacts(51, 50, ("python", "-c", "from multiprocessing.spawn import spawn_main"), rank=0),
+        tracker,
+    ])[53] == "helper"  # fmt: skip

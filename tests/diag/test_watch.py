@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -710,6 +711,56 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     assert "flight recorder: rank 1 (" in result["reason"]
     assert "rank 1 barrier [] at main (ddp_skip_allreduce.py:30)" in result["reason"]
     assert not any(_alive(p) for p in _job_pids(case))
+
+
+@pytest.mark.slow  # ~30 s each: two gloo ranks importing torch, spawned
+def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path) -> None:
+    """DDP under torch.multiprocessing.spawn (no torchrun; each process learns its rank at
+    init_process_group). Rank 0 alone all-reduces a metric and gloo aborts it: a crash of rank 0 at the
+    job's line with gloo's own words, not spawn's exception in the parent; rank 1 was stopped by spawn,
+    the resource tracker is a helper. Rank 1 stuck on its data: a hang headed by rank 1, which the flight
+    recorder shows never entered the all-reduce rank 0 waits in inside DDP's backward."""
+    env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    lines = (JOBS / "spawn_ddp.py").read_text().splitlines()
+
+    def line_of(text: str) -> int:
+        return 1 + next(n for n, source in enumerate(lines) if text in source)
+
+    proc, out = _watch(
+        tmp_path / "mismatch", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "mismatch"],
+        env={**env, "MASTER_PORT": str(_free_port())},
+    )  # fmt: skip
+    result = _result(out)
+    assert result["verdict"] == "crash", result["reason"]
+    assert result["reason"].startswith("rank 0: killed by SIGABRT (Aborted)"), result["reason"]
+    assert f"called from spawn_ddp.py:{line_of('dist.all_reduce(metric)')} in worker" in result["reason"]
+    assert "C++ exception gloo::EnforceNotMet" in result["reason"]
+    assert "collective mismatch" in result["reason"]
+    states = {
+        r["label"].split(" (")[0]: (r["role"], r["state"]) for r in result["evidence"]["processes"].values()
+    }
+    assert states["rank 0"] == ("rank", "killed by SIGABRT"), states
+    assert states["rank 1"] == ("rank", "killed by SIGTERM"), states
+    assert sorted(role for role, _ in states.values()) == ["helper", "launcher", "rank", "rank"], states
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+    proc, out = _watch(
+        tmp_path / "stuck", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "stuck"],
+        env={**env, "MASTER_PORT": str(_free_port())},
+    )  # fmt: skip
+    result = _result(out)
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["reason"].startswith("rank 1 (pid "), result["reason"]
+    assert f"`x = batches.get()` at spawn_ddp.py:{line_of('batches.get()')} in worker" in result["reason"]
+    assert result["evidence"]["minority_ranks"] == [1]
+    assert result["evidence"]["flight_recorder"]["analysis"]["culprits"] == [1]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow  # ~15 s each: two gloo ranks importing torch

@@ -2,7 +2,8 @@
 
 The torchrun launcher (`nsa_diag.launchers.torchrun`) reads each rank's files and passes them in; here:
 
-- `rank_exit_codes`: torchrun's failure summary on its stderr -> each failed rank's exit code;
+- `rank_exit_codes`: torchrun's failure summary (or mp.spawn's exception) on the job's stderr -> each failed
+  rank's exit code;
 - `collective_state`: from a rank's progress records, the explicit collectives it entered per process group
   and the one it waits in;
 - `cross_rank_diff`: each rank's training-thread stack normalised and clustered; the ranks outside the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,9 +61,38 @@ SEVERITY = (
 _EXITCODE = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
-def rank_exit_codes(torchrun_stderr: str) -> dict[int, int]:
-    """torchrun's failure summary (``rank : 1 (local_rank: 1)`` / ``exitcode : -11``) -> {rank: code}."""
-    return {int(r): int(c) for r, c in _EXITCODE.findall(torchrun_stderr)}
+# torch.multiprocessing.spawn's exception when a process it started ended without a Python exception; the
+# process index it names is the rank by convention (the first argument spawn gives the function)
+_SPAWN_EXIT = re.compile(
+    r"ProcessExitedException: process (\d+) terminated with (?:signal (SIG[A-Z0-9]+)|exit code (-?\d+))"
+)
+
+
+def rank_exit_codes(stderr: str) -> dict[int, int]:
+    """The ranks' exit codes a launcher wrote on the job's stderr: torchrun's failure summary (``rank : 1
+    (local_rank: 1)`` / ``exitcode : -11``), torch.multiprocessing.spawn's ``process 0 terminated with
+    signal SIGABRT`` (a signal as its negative number, as torchrun gives it) -> {rank: code}."""
+    codes = {int(r): int(c) for r, c in _EXITCODE.findall(stderr)}
+    for index, name, code in _SPAWN_EXIT.findall(stderr):
+        if name in signal.Signals.__members__:
+            codes.setdefault(int(index), -signal.Signals[name].value)
+        elif code:
+            codes.setdefault(int(index), int(code))
+    return codes
+
+
+# torch.multiprocessing.spawn's warning as it stops the other processes after one failed
+_SPAWN_STOPPED = re.compile(r"Terminating process (\d+) via signal (SIG[A-Z0-9]+)")
+
+
+def launcher_stopped(stderr: str) -> dict[int, int]:
+    """The processes a launcher said it stopped after a rank failed (torch.multiprocessing.spawn's
+    ``Terminating process 4242 via signal SIGTERM``) -> {pid: the signal as a negative exit code}."""
+    return {
+        int(pid): -signal.Signals[name].value
+        for pid, name in _SPAWN_STOPPED.findall(stderr)
+        if name in signal.Signals.__members__
+    }
 
 
 # --- the cross-rank diff ------------------------------------------------------------------------------

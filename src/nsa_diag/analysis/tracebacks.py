@@ -35,7 +35,10 @@ _NAMES_RANK = re.compile(r"\bfor rank (\d+)\b")
 # torch's ExceptionWrapper.reraise: "Caught <type> in DataLoader worker process 0." ("in replica 1 on
 # device 1", "in pin memory thread for device 0"), then "Original Traceback ..." and the original
 _CAUGHT = re.compile(r"^Caught \S+ (in .+?)\.?$")
-LAUNCHER_ERRORS = ("ChildFailedError",)  # torchrun's summary of a rank's failure, not the failure
+LAUNCHER_ERRORS = (  # a launcher's account of a rank's failure, not the failure
+    "ChildFailedError",  # torchrun's summary
+    "ProcessExitedException",  # torch.multiprocessing.spawn's: a process ended without an exception
+)
 MAX_MESSAGE_LINES = 80
 
 

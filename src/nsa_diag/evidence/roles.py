@@ -14,8 +14,10 @@ on its ranks by design, an idle DataLoader worker waits for indices by design, a
 - ``rank``: a process with a rank (RANK, or the probe saw it join a process group) that was not forked from
   a process of the same rank;
 - ``shell``: not Python (a shell script, ``bash -c``): judged by its exit status alone;
-- ``training``: a Python process with no training process or rank above it (the job's main process);
-- ``helper``: any other Python process (a subprocess of the training process, a compile worker).
+- ``training``: a Python process with no training process or rank above it (the job's main process), nor
+  a launcher of ranks;
+- ``helper``: any other Python process (a subprocess of the training process, a compile worker, the
+  resource tracker beside the ranks of torch.multiprocessing.spawn).
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def assign_roles(processes: Sequence[ProcessFacts]) -> dict[int, Role]:
             continue
         above = ancestors(p)
         trained = any(a.python and roles.get(a.pid) not in ("launcher", "shell") for a in above)
-        roles[p.pid] = "helper" if trained else "training"
+        # beside ranks under their launcher, a process without a rank is one of its helpers
+        # (torch.multiprocessing.spawn's resource tracker)
+        beside_ranks = any(a.pid in parents for a in above)
+        roles[p.pid] = "helper" if trained or beside_ranks else "training"
     return roles
 
 

@@ -234,7 +234,8 @@ class CommandLauncher(Launcher):
             )
         else:
             self.keys[proc.pid] = proc.pid
-        self.order.append(proc.pid)
+        if proc.pid not in self.order:
+            self.order.append(proc.pid)
 
     def _root_folder(self, case_dir: Path) -> Path:
         assert self.proc is not None
@@ -246,7 +247,11 @@ class CommandLauncher(Launcher):
         root = self._root_folder(case_dir)
         self._see(self.proc.pid, root).read_info()
         for pid in self.order:
-            self.procs[pid].read_info()
+            info = self.procs[pid].read_info()
+            if self.keys[pid] == pid and isinstance(info.get("rank"), int):
+                # a rank its probe learned after it started (torch.multiprocessing.spawn's processes get
+                # theirs from init_process_group, torchrun's from the environment)
+                self._key(case_dir, self.procs[pid], info)
         roles = self.roles()
         found = [
             Unit(
@@ -500,10 +505,12 @@ class CommandLauncher(Launcher):
             parents[self.keys.get(pid, pid)] = self.keys.get(parent, parent) if parent is not None else None
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
         folders = {unit.key: unit.folder for unit in end.units}
+        recorded = end.notes.flight_recorder.analysis if end.notes.flight_recorder is not None else None
         result = job.combine(
             self.spec, ending,
             root=self.proc.pid, infos=infos, ranks=self.ranks(), rates=rates, folders=folders,
             roles=roles, parents=parents, alive=alive, stragglers=self._stragglers(),
+            blamed=recorded.culprits if recorded is not None else (),
         )  # fmt: skip
         said = flight_recorder_says(end.notes.flight_recorder) if result.verdict == "hang" else None
         if said:  # the ranks' recorders, read as `nsa-diag fr` reads them

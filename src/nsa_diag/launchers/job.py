@@ -32,13 +32,21 @@ from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
 from nsa_diag.analysis.ranks import (
     PEER_LOST,
     cross_rank_diff,
+    launcher_stopped,
     minority_by_counts,
     minority_hang_kind,
     rank_exit_codes,
 )
 from nsa_diag.analysis.restarts import split_attempts
 from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
-from nsa_diag.classify import dataloader_worker_idle, focus_thread, never_progressed, waits_on_dataloader
+from nsa_diag.classify import (
+    cpp_terminate,
+    dataloader_worker_idle,
+    focus_thread,
+    is_own_code,
+    never_progressed,
+    waits_on_dataloader,
+)
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending
@@ -179,9 +187,6 @@ _DEBUGGER_QUIT = (
     "the debugger was entered (a breakpoint() or pdb.set_trace() in the code) and quit at once: the job's "
     "stdin is not a terminal"
 )
-# not the job's own code: Python's library, installed packages, and nsa-diag's probe (its wrappers of
-# `Tensor.backward` and the collectives sit in a watched job's tracebacks, also from a source tree)
-_OWN_CODE_SKIPS = ("/site-packages/", "/dist-packages/", "/lib/python3", "<frozen ", "/nsa_diag/probe/")
 
 
 def rank_infos(infos: Mapping[int, ProbeJson]) -> dict[int, ProbeJson]:
@@ -359,7 +364,7 @@ def _frames(traceback: str) -> str | None:
     if not frames:
         return None
     text = _frame_text(frames[-1])
-    own = [f for f in frames if not any(part in f[0].replace("\\", "/") for part in _OWN_CODE_SKIPS)]
+    own = [f for f in frames if is_own_code(f[0])]
     if own and own[-1] != frames[-1]:
         text += f", called from {_frame_text(own[-1])}"
     return text
@@ -381,14 +386,18 @@ def unit_ends(
     stop: StopReport,
     ranks: Mapping[int, int],
 ) -> dict[int, tuple[WatchResult, StopReport]]:
-    """Each unit's end: the command's own exit status; a rank's from torchrun's failure summary; any other
-    process that had exited before the evidence: 0 when its probe saw a normal exit, else unknown."""
-    codes = rank_exit_codes(_stderr(case_dir))
+    """Each unit's end: the command's own exit status; a rank's from torchrun's failure summary (or
+    mp.spawn's exception); any other process that had exited before the evidence: 0 when its probe saw a
+    normal exit, the signal its launcher said it stopped it with, else unknown."""
+    stderr = _stderr(case_dir)
+    codes, stopped = rank_exit_codes(stderr), launcher_stopped(stderr)
     ends = {}
     for i, (unit, w) in enumerate(zip(units, watched, strict=True)):
         info = _info(unit.folder)
         own = info.get("exit_code") if isinstance(info.get("exit_code"), int) else None  # os._exit's
         normal = own if own is not None else (0 if info.get("exited") else None)
+        if normal is None and isinstance(info.get("pid"), int):
+            normal = stopped.get(info["pid"])  # stopped by its launcher after another rank failed
         if i == 0:
             code = stop.exit_code
         elif unit.key in ranks:
@@ -581,10 +590,12 @@ def combine(
     parents: Mapping[int, int | None] | None = None,
     alive: Sequence[int] = (),
     stragglers: Stragglers | None = None,
+    blamed: Sequence[int] = (),
 ) -> CaseResult:
     """The job's result from its units' (module docstring). ``roles`` and ``parents`` (by unit key): what
     each process is and which unit it was forked from; ``alive``: the unit keys still running when the
-    evidence was taken; ``stragglers``: the ranks' step times compared."""
+    evidence was taken; ``stragglers``: the ranks' step times compared; ``blamed``: the ranks the flight
+    recorders' dumps blame (`nsa_diag.analysis.flight`), for a hang the stacks do not settle."""
     outcome, per_unit, decider, stop = end.outcome, end.per_unit, end.decider, end.stop
     roles, parents = roles or {}, parents or {}
     running = set(alive) if outcome != "exited" else set()
@@ -630,6 +641,9 @@ def combine(
             source = min(crashed, key=lambda k: (per_unit[k].signal == "SIGTERM", k))
         base = per_unit[source]
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
+        if source != root and base.signal == "SIGABRT" and "stderr:" not in reason:
+            thrown = cpp_terminate(_stderr(end.case_dir))  # a rank's C++ exception, on the job's stderr
+            reason += f"; the job's stderr: {thrown}" if thrown else ""
         if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
             reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
         if (base.signal == "SIGKILL" or _WORKER_KILLED.search(reason)) and not stop.sigkill:
@@ -645,6 +659,12 @@ def combine(
         key = _timeout_decider(per_unit, training, key)
     # the ranks' minority, for all but a slow job (whose reason is its rate)
     diff = _minority(ranks, folders) if len(ranks) > 1 and per_unit[key].verdict != "slow" else None
+    if diff is not None and not diff.minority_ranks and blamed:
+        # the stacks and the probe's counts do not tell (a collective inside DDP's backward), the ranks'
+        # flight recorders do: the ranks that never entered the collective the others wait in
+        diff.minority_ranks = [r for r in blamed if r in ranks]
+        diff.majority_ranks = [r for r in ranks if r not in diff.minority_ranks]
+        diff.basis = "the flight recorder: the rank(s) that never entered the collective the others wait in"
     held_up = ""
     culprit = diff.minority_ranks[0] if diff is not None and diff.minority_ranks else None
     hung = per_unit[key].verdict == "hang" and culprit in per_unit and per_unit[culprit].verdict == "hang"
