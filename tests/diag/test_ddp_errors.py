@@ -129,6 +129,23 @@ def test_torch_multiprocessing_spawn_says_which_process_ended_and_how() -> None:
         "20 vs 4."
     )
     assert cpp_terminate("Traceback (most recent call last):\nValueError: x") is None
+    raised = (  # a process that raised: spawn's exception carries its traceback
+        "Traceback (most recent call last):\n"
+        '  File "/tmp/train.py", line 50, in <module>\n'
+        "    mp.spawn(worker, args=(2,), nprocs=2)\n"
+        "torch.multiprocessing.spawn.ProcessRaisedException: \n\n"
+        "-- Process 1 terminated with the following error:\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/torch/multiprocessing/spawn.py", line 87, in _wrap\n'
+        "    fn(i, *args)\n"
+        '  File "/tmp/train.py", line 31, in worker\n'
+        '    raise RuntimeError("corrupt shard 17")\n'
+        "RuntimeError: corrupt shard 17\n"
+    )
+    assert rank_exit_codes(raised) == {1: 1}
+    found = rank_exceptions(raised, (0, 1), rank_exit_codes(raised))
+    assert list(found) == [1]
+    assert (found[1].type, found[1].message) == ("RuntimeError", "corrupt shard 17")
 
 
 def test_bare_tracebacks_go_to_the_failed_ranks() -> None:

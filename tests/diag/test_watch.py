@@ -719,7 +719,8 @@ def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path
     init_process_group). Rank 0 alone all-reduces a metric and gloo aborts it: a crash of rank 0 at the
     job's line with gloo's own words, not spawn's exception in the parent; rank 1 was stopped by spawn,
     the resource tracker is a helper. Rank 1 stuck on its data: a hang headed by rank 1, which the flight
-    recorder shows never entered the all-reduce rank 0 waits in inside DDP's backward."""
+    recorder shows never entered the all-reduce rank 0 waits in inside DDP's backward. Rank 1 raising:
+    its exception, from inside spawn's, is rank 1's; rank 0 was stopped by spawn."""
     env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     lines = (JOBS / "spawn_ddp.py").read_text().splitlines()
 
@@ -755,6 +756,19 @@ def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path
     assert result["evidence"]["minority_ranks"] == [1]
     assert result["evidence"]["flight_recorder"]["analysis"]["culprits"] == [1]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+    proc, out = _watch(
+        tmp_path / "raise", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "raise"],
+        env={**env, "MASTER_PORT": str(_free_port())},
+    )  # fmt: skip
+    result = _result(out)
+    assert result["verdict"] == "error", result["reason"]
+    raised = line_of('raise RuntimeError("corrupt shard')
+    assert result["reason"].startswith(
+        f"rank 1: RuntimeError: corrupt shard 17 at spawn_ddp.py:{raised} in worker"
+    ), result["reason"]
+    states = {r["label"].split(" (")[0]: r["state"] for r in result["evidence"]["processes"].values()}
+    assert (states["rank 0"], states["rank 1"]) == ("killed by SIGTERM", "raised RuntimeError"), states
 
 
 def _free_port() -> int:

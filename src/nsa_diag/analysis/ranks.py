@@ -67,12 +67,17 @@ _SPAWN_EXIT = re.compile(
     r"ProcessExitedException: process (\d+) terminated with (?:signal (SIG[A-Z0-9]+)|exit code (-?\d+))"
 )
 
+_SPAWN_RAISED = re.compile(r"^-- Process (\d+) terminated with the following error:", re.MULTILINE)
+
 
 def rank_exit_codes(stderr: str) -> dict[int, int]:
     """The ranks' exit codes a launcher wrote on the job's stderr: torchrun's failure summary (``rank : 1
     (local_rank: 1)`` / ``exitcode : -11``), torch.multiprocessing.spawn's ``process 0 terminated with
-    signal SIGABRT`` (a signal as its negative number, as torchrun gives it) -> {rank: code}."""
+    signal SIGABRT`` (a signal as its negative number, as torchrun gives it) or ``Process 1 terminated
+    with the following error`` (1) -> {rank: code}."""
     codes = {int(r): int(c) for r, c in _EXITCODE.findall(stderr)}
+    for index in _SPAWN_RAISED.findall(stderr):
+        codes.setdefault(int(index), 1)  # spawn's wrapper exits 1 after the exception
     for index, name, code in _SPAWN_EXIT.findall(stderr):
         if name in signal.Signals.__members__:
             codes.setdefault(int(index), -signal.Signals[name].value)

@@ -38,6 +38,7 @@ _CAUGHT = re.compile(r"^Caught \S+ (in .+?)\.?$")
 LAUNCHER_ERRORS = (  # a launcher's account of a rank's failure, not the failure
     "ChildFailedError",  # torchrun's summary
     "ProcessExitedException",  # torch.multiprocessing.spawn's: a process ended without an exception
+    "ProcessRaisedException",  # spawn's, around the traceback of the process that raised
 )
 MAX_MESSAGE_LINES = 80
 

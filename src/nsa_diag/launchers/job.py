@@ -395,9 +395,17 @@ def unit_ends(
     for i, (unit, w) in enumerate(zip(units, watched, strict=True)):
         info = _info(unit.folder)
         own = info.get("exit_code") if isinstance(info.get("exit_code"), int) else None  # os._exit's
-        normal = own if own is not None else (0 if info.get("exited") else None)
-        if normal is None and isinstance(info.get("pid"), int):
-            normal = stopped.get(info["pid"])  # stopped by its launcher after another rank failed
+        # stopped by its launcher after another rank failed (its probe may still have seen it exit)
+        by_launcher = stopped.get(info["pid"]) if isinstance(info.get("pid"), int) else None
+        normal = (
+            own
+            if own is not None
+            else by_launcher
+            if by_launcher is not None
+            else 0
+            if info.get("exited")
+            else None
+        )
         if i == 0:
             code = stop.exit_code
         elif unit.key in ranks:

@@ -5,6 +5,7 @@ process learns its rank from spawn's index. At step 4 something goes wrong on on
                   gloo aborts rank 0 ("Is there a distributed collective mismatch in your code?")
 --fault stuck     rank 1's data source never answers (a queue nothing fills): rank 0 waits in DDP's
                   all-reduce in backward
+--fault raise     rank 1 finds a corrupt shard and raises: spawn stops rank 0
 """
 
 import argparse
@@ -29,6 +30,8 @@ def worker(rank: int, world: int, fault: str) -> None:
     for step in range(1, 9):
         if fault == "stuck" and rank == 1 and step == 4:
             x = batches.get()  # the loader thread that fills it died
+        elif fault == "raise" and rank == 1 and step == 4:
+            raise RuntimeError("corrupt shard 17")
         else:
             x = torch.randn(8, 16)
         loss = model(x).pow(2).mean()
@@ -45,6 +48,6 @@ def worker(rank: int, world: int, fault: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["mismatch", "stuck"], required=True)
+    parser.add_argument("--fault", choices=["mismatch", "stuck", "raise"], required=True)
     args = parser.parse_args()
     mp.spawn(worker, args=(2, args.fault), nprocs=2)
