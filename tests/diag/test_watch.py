@@ -727,11 +727,14 @@ def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path
     def line_of(text: str) -> int:
         return 1 + next(n for n, source in enumerate(lines) if text in source)
 
-    proc, out = _watch(
-        tmp_path / "mismatch", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "mismatch"],
-        env={**env, "MASTER_PORT": str(_free_port())},
-    )  # fmt: skip
-    result = _result(out)
+    def watch(fault: str) -> tuple[dict[str, Any], Path]:
+        _, out = _watch(
+            tmp_path / fault, "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", fault],
+            env={**env, "MASTER_PORT": str(_free_port())},
+        )  # fmt: skip
+        return _result(out), out
+
+    result, out = watch("mismatch")
     assert result["verdict"] == "crash", result["reason"]
     assert result["reason"].startswith("rank 0: killed by SIGABRT (Aborted)"), result["reason"]
     assert f"called from spawn_ddp.py:{line_of('dist.all_reduce(metric)')} in worker" in result["reason"]
@@ -745,11 +748,7 @@ def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path
     assert sorted(role for role, _ in states.values()) == ["helper", "launcher", "rank", "rank"], states
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
-    proc, out = _watch(
-        tmp_path / "stuck", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "stuck"],
-        env={**env, "MASTER_PORT": str(_free_port())},
-    )  # fmt: skip
-    result = _result(out)
+    result, out = watch("stuck")
     assert result["verdict"] == "hang", result["reason"]
     assert result["reason"].startswith("rank 1 (pid "), result["reason"]
     assert f"`x = batches.get()` at spawn_ddp.py:{line_of('batches.get()')} in worker" in result["reason"]
@@ -757,11 +756,7 @@ def test_a_ddp_job_started_by_mp_spawn_names_the_rank_that_failed(tmp_path: Path
     assert result["evidence"]["flight_recorder"]["analysis"]["culprits"] == [1]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
-    proc, out = _watch(
-        tmp_path / "raise", "--stall", "8", job=[PY, "spawn_ddp.py", "--fault", "raise"],
-        env={**env, "MASTER_PORT": str(_free_port())},
-    )  # fmt: skip
-    result = _result(out)
+    result, out = watch("raise")
     assert result["verdict"] == "error", result["reason"]
     raised = line_of('raise RuntimeError("corrupt shard')
     assert result["reason"].startswith(
