@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
-from nsa_diag.analysis.ranks import launcher_stopped, rank_exit_codes
+from nsa_diag.analysis.ranks import ends_said, rank_exit_codes
 from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
 from nsa_diag.classify import cpp_terminate
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import Ending
-from nsa_diag.records import JobNotes, StopReport
+from nsa_diag.records import JobNotes, ProcessRecord, StopReport
 from nsa_diag.spec import CaseResult, CaseSpec
 
 RECORDED = Path(__file__).resolve().parent / "recorded"
@@ -122,7 +122,10 @@ def test_torch_multiprocessing_spawn_says_which_process_ended_and_how() -> None:
     )
     assert rank_exit_codes(text) == {0: -6}
     assert rank_exit_codes(text.replace("with signal SIGABRT", "with exit code 3")) == {0: 3}
-    assert launcher_stopped(text) == {24135: -15}
+    assert ends_said(text) == {24135: -15}
+    killed = "RuntimeError: DataLoader worker (pid 4093) is killed by signal: Killed. \n"
+    assert ends_said(killed) == {4093: -9}
+    assert ends_said("DataLoader worker (pid 7) is killed by signal: Segmentation fault. ") == {7: -11}
     assert rank_exceptions(text, (0, 1), rank_exit_codes(text)) == {}  # spawn's own exception is no rank's
     assert cpp_terminate(text) == (
         "C++ exception gloo::EnforceNotMet: [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. "
@@ -146,6 +149,37 @@ def test_torch_multiprocessing_spawn_says_which_process_ended_and_how() -> None:
     found = rank_exceptions(raised, (0, 1), rank_exit_codes(raised))
     assert list(found) == [1]
     assert (found[1].type, found[1].message) == ("RuntimeError", "corrupt shard 17")
+
+
+def test_a_broken_dataloader_connection_names_the_workers_that_ended() -> None:
+    """The main process's error after a DataLoader worker was killed is a race: torch's own message names
+    the signal; "exited unexpectedly" or a ConnectionResetError inside multiprocessing do not, so the
+    workers that ended without a normal exit are named with the OOM killer. Other errors get nothing."""
+    processes = {
+        "10": ProcessRecord(label="pid 10", role="training", state="exited with code 1"),
+        "11": ProcessRecord(label="pid 11", role="dataloader-worker", state="ended (exit status unknown)"),
+        "12": ProcessRecord(label="pid 12", role="dataloader-worker", state="idle: waiting for indices"),
+    }
+    roles = {10: "training", 11: "dataloader-worker", 12: "dataloader-worker"}
+    reset = (
+        "Traceback (most recent call last):\n"
+        '  File "/x/python3.11/multiprocessing/connection.py", line 395, in _recv\n'
+        "    chunk = read(handle, remaining)\n"
+        "ConnectionResetError: [Errno 104] Connection reset by peer\n"
+    )
+    said = job._lost_workers(reset, processes, roles)
+    assert said.startswith("; DataLoader workers ended without a normal exit (pid 11): "), said
+    assert "OOM killer" in said
+    unexpected = (
+        'Traceback (most recent call last):\n  File "/x/torch/utils/data/dataloader.py", line 1304, in f\n'
+        "RuntimeError: DataLoader worker (pid(s) 11) exited unexpectedly\n"
+    )
+    assert job._lost_workers(unexpected, processes, roles) == said
+    other = (
+        'Traceback (most recent call last):\n  File "t.py", line 1, in <module>\nConnectionResetError: x\n'
+    )
+    assert job._lost_workers(other, processes, roles) == ""  # not inside the DataLoader
+    assert job._lost_workers(reset, {"10": processes["10"]}, roles) == ""  # no worker ended
 
 
 def test_bare_tracebacks_go_to_the_failed_ranks() -> None:

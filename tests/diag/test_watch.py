@@ -931,6 +931,30 @@ def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Pat
 
 
 @pytest.mark.slow
+def test_a_dataloader_worker_killed_by_the_kernel_is_named_killed(tmp_path: Path) -> None:
+    """The kernel kills a DataLoader worker (SIGKILL) as it reads a sample. What the main process raises
+    is a race (of 14 runs here: torch's "is killed by signal: Killed" 11 times, "exited unexpectedly" 2, a
+    ConnectionResetError in multiprocessing 1). Torch's first: the worker's record says killed by SIGKILL
+    (torch said so on the job's stderr) and the OOM killer is named. The others: the workers that ended
+    without a normal exit are named, with the OOM killer, after the job's own error."""
+    proc, out = _watch(tmp_path, "--stall", "10", job=[PY, "dataloader_worker_killed.py"])
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    reason = result["reason"]
+    assert result["verdict"] == "error", reason
+    workers = [
+        r["state"] for r in result["evidence"]["processes"].values() if r["role"] == "dataloader-worker"
+    ]
+    if "is killed by signal: Killed" in reason:
+        assert "the kernel's OOM killer usually does" in reason
+        assert "killed by SIGKILL" in workers, workers
+    else:
+        assert reason.startswith(("RuntimeError: DataLoader worker (pid(s) ", "ConnectionResetError")), reason
+        assert "; DataLoader workers ended without a normal exit (pid " in reason, reason
+        assert "OOM killer: see dmesg" in reason
+
+
+@pytest.mark.slow
 def test_dataloader_worker_exception_is_an_error_with_its_own_message_and_line(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, job=[PY, "dataloader_bad_sample.py"])
     assert proc.returncode == 1, proc.stderr[-2000:]

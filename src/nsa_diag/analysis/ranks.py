@@ -88,16 +88,25 @@ def rank_exit_codes(stderr: str) -> dict[int, int]:
 
 # torch.multiprocessing.spawn's warning as it stops the other processes after one failed
 _SPAWN_STOPPED = re.compile(r"Terminating process (\d+) via signal (SIG[A-Z0-9]+)")
+# torch's DataLoader, when a worker died by a signal ("Killed": often the kernel's OOM killer)
+_WORKER_KILLED_BY = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.\n]+)")
+_BY_DESCRIPTION = {signal.strsignal(s): s for s in signal.Signals if signal.strsignal(s)}
 
 
-def launcher_stopped(stderr: str) -> dict[int, int]:
-    """The processes a launcher said it stopped after a rank failed (torch.multiprocessing.spawn's
-    ``Terminating process 4242 via signal SIGTERM``) -> {pid: the signal as a negative exit code}."""
-    return {
+def ends_said(stderr: str) -> dict[int, int]:
+    """The processes whose end the job's stderr states: those a launcher said it stopped after a rank
+    failed (torch.multiprocessing.spawn's ``Terminating process 4242 via signal SIGTERM``), DataLoader
+    workers torch said were killed (``DataLoader worker (pid 4243) is killed by signal: Killed.``) ->
+    {pid: the signal as a negative exit code}."""
+    ends = {
         int(pid): -signal.Signals[name].value
         for pid, name in _SPAWN_STOPPED.findall(stderr)
         if name in signal.Signals.__members__
     }
+    for pid, description in _WORKER_KILLED_BY.findall(stderr):
+        if description.strip() in _BY_DESCRIPTION:
+            ends.setdefault(int(pid), -_BY_DESCRIPTION[description.strip()].value)
+    return ends
 
 
 # --- the cross-rank diff ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from nsa_diag.analysis.ddp_errors import DdpError, explain_ddp_error
 from nsa_diag.analysis.ranks import (
     PEER_LOST,
     cross_rank_diff,
-    launcher_stopped,
+    ends_said,
     minority_by_counts,
     minority_hang_kind,
     rank_exit_codes,
@@ -388,20 +388,21 @@ def unit_ends(
 ) -> dict[int, tuple[WatchResult, StopReport]]:
     """Each unit's end: the command's own exit status; a rank's from torchrun's failure summary (or
     mp.spawn's exception); any other process that had exited before the evidence: 0 when its probe saw a
-    normal exit, the signal its launcher said it stopped it with, else unknown."""
+    normal exit, the signal the job's stderr says ended it (`ends_said`), else unknown."""
     stderr = _stderr(case_dir)
-    codes, stopped = rank_exit_codes(stderr), launcher_stopped(stderr)
+    codes, said = rank_exit_codes(stderr), ends_said(stderr)
     ends = {}
     for i, (unit, w) in enumerate(zip(units, watched, strict=True)):
         info = _info(unit.folder)
         own = info.get("exit_code") if isinstance(info.get("exit_code"), int) else None  # os._exit's
-        # stopped by its launcher after another rank failed (its probe may still have seen it exit)
-        by_launcher = stopped.get(info["pid"]) if isinstance(info.get("pid"), int) else None
+        # stopped by its launcher after another rank failed (its probe may still have seen it exit), or a
+        # DataLoader worker torch said was killed
+        by_stderr = said.get(info["pid"]) if isinstance(info.get("pid"), int) else None
         normal = (
             own
             if own is not None
-            else by_launcher
-            if by_launcher is not None
+            else by_stderr
+            if by_stderr is not None
             else 0
             if info.get("exited")
             else None
@@ -654,6 +655,8 @@ def combine(
             reason += f"; the job's stderr: {thrown}" if thrown else ""
         if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
             reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
+        if source == root and base.verdict == "error":
+            reason += _lost_workers(_stderr(end.case_dir), processes, roles)
         if (base.signal == "SIGKILL" or _WORKER_KILLED.search(reason)) and not stop.sigkill:
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
@@ -732,6 +735,38 @@ def combine(
         "hang_kind": kind,
     }
     return base.model_copy(update=update)
+
+
+# what the main process gets when a DataLoader worker dies while it sends a batch (torch raises its own
+# "DataLoader worker (pid N) is killed by signal" only when it notices the death first)
+_BROKEN_PIPES = ("ConnectionResetError", "EOFError", "BrokenPipeError", "ConnectionRefusedError")
+
+
+def _lost_workers(stderr: str, processes: Mapping[str, ProcessRecord], roles: Mapping[int, str]) -> str:
+    """A clause for an error that is a broken connection inside torch's DataLoader or multiprocessing, or
+    torch's "DataLoader worker (pid(s) N) exited unexpectedly": the DataLoader workers that ended without
+    an exit their probe saw, which such an error follows (a worker the kernel killed: the OOM killer); ""
+    otherwise. Which of these errors the main process gets for one killed worker is a race."""
+    tb = last_exception(stderr)
+    if tb is None:
+        return ""
+    unexpected = "DataLoader worker (pid" in tb.message and "exited unexpectedly" in tb.message
+    broken = tb.type.rsplit(".", 1)[-1] in _BROKEN_PIPES and (
+        "torch/utils/data/" in tb.text or "multiprocessing/" in tb.text
+    )
+    if not (unexpected or broken):
+        return ""
+    ended = [
+        key for key, record in processes.items()
+        if roles.get(int(key)) == "dataloader-worker" and record.state.startswith(("ended", "killed by"))
+    ]  # fmt: skip
+    if not ended:
+        return ""
+    pids = ", ".join(f"pid {key}" for key in ended)
+    return (
+        f"; DataLoader workers ended without a normal exit ({pids}): a worker the kernel kills (its OOM "
+        "killer: see dmesg) ends so, and the main process then fails as it reads from it"
+    )
 
 
 def _left_early(
