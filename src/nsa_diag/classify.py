@@ -650,7 +650,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
             return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
         if blocked.startswith(FILE_LOCK_WAIT):
             return "unknown", (
-                f"waiting for a file lock ({blocked.removeprefix(FILE_LOCK_WAIT).strip(' ()') or 'flock'}) "
+                f"waiting for a file lock ({blocked.removeprefix(FILE_LOCK_WAIT).strip(' ()')}) "
                 f"at {at_top} {both}, {cpu}: {_held(ev.file_locks)}"
             )
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"

@@ -398,15 +398,12 @@ def unit_ends(
         # stopped by its launcher after another rank failed (its probe may still have seen it exit), or a
         # DataLoader worker torch said was killed
         by_stderr = said.get(info["pid"]) if isinstance(info.get("pid"), int) else None
-        normal = (
-            own
-            if own is not None
-            else by_stderr
-            if by_stderr is not None
-            else 0
-            if info.get("exited")
-            else None
-        )
+        if own is not None:
+            normal = own
+        elif by_stderr is not None:
+            normal = by_stderr
+        else:
+            normal = 0 if info.get("exited") else None
         if i == 0:
             code = stop.exit_code
         elif unit.key in ranks:
@@ -623,7 +620,8 @@ def combine(
     named = f"; straggler {stragglers.describe()}" if stragglers is not None and stragglers.slow else ""
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
-    again = restarts(_stderr(end.case_dir), infos) if ranks else Restarts([], [], "")
+    stderr = _stderr(end.case_dir)  # the job's stderr, read once
+    again = restarts(stderr, infos) if ranks else Restarts([], [], "")
     if again.ended:
         evidence.restarts = again.ended
     if outcome == "exited":
@@ -651,12 +649,12 @@ def combine(
         base = per_unit[source]
         reason = base.reason if source == root else f"rank {source}: {base.reason}"
         if source != root and base.signal == "SIGABRT" and "stderr:" not in reason:
-            thrown = cpp_terminate(_stderr(end.case_dir))  # a rank's C++ exception, on the job's stderr
+            thrown = cpp_terminate(stderr)  # a rank's C++ exception, on the job's stderr
             reason += f"; the job's stderr: {thrown}" if thrown else ""
         if source == root and base.verdict == "crash" and base.signal is None and base.exit_code:
-            reason = _exit_reason(base.exit_code, base.where, steps, _stderr(end.case_dir))
+            reason = _exit_reason(base.exit_code, base.where, steps, stderr)
         if source == root and base.verdict == "error":
-            reason += _lost_workers(_stderr(end.case_dir), processes, roles)
+            reason += _lost_workers(stderr, processes, roles)
         if (base.signal == "SIGKILL" or _WORKER_KILLED.search(reason)) and not stop.sigkill:
             reason += "; nsa-diag did not send that SIGKILL: the kernel's OOM killer usually does (see dmesg)"
         if (stacks_file := _stacks_file(folders.get(source), end.case_dir)) is not None:
