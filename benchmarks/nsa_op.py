@@ -57,6 +57,7 @@ from triton.testing import do_bench
 from nsa_core.layers.attention import BlockCompressor
 from nsa_core.ops.compression import unfold_blocks
 from nsa_core.ops.triton import (
+    selection,
     triton_compressed_attention,
     triton_gated_sum,
     triton_nsa_attention,
@@ -74,6 +75,8 @@ class NSAOp(torch.nn.Module):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
+        # the process's setting: every op it builds runs so
+        selection.BLOCKS_BYTES, selection.BLOCKS_GROUP = args.blocks_bytes, args.blocks_group
         self.phi_k = BlockCompressor(args.block_len, args.head_dim)
         self.phi_v = BlockCompressor(args.block_len, args.head_dim)
 
@@ -326,6 +329,14 @@ def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--phi", choices=["triton", "torch"], default="triton",
         help="the fused op's phi: its Triton kernels (the model's fused path) or the module's torch ops",
+    )  # fmt: skip
+    parser.add_argument(
+        "--blocks-bytes", type=int, default=selection.BLOCKS_BYTES,
+        help="the selection by selection block up to this workspace (selection.BLOCKS_BYTES; 0: never)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--blocks-group", type=int, default=selection.BLOCKS_GROUP,
+        help="... and up to this many query heads a KV group (selection.BLOCKS_GROUP)",
     )  # fmt: skip
 
 

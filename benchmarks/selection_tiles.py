@@ -108,13 +108,13 @@ def configured(mode: str, share: int, span: int) -> Iterator[None]:
     """`selection` set to run ``mode`` (`parse_mode`), put back as it was after."""
     saved = (dict(selection._TILE_ROWS), selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS,
              dict(selection.PAIR_KEYS), selection.BLOCKS_BYTES, selection.BLOCKS_CHUNK,
-             selection.HALF_PARTS)  # fmt: skip
+             selection.HALF_PARTS, selection.BLOCKS_GROUP)  # fmt: skip
     saved_launch = {key: dict(value) for key, value in selection.LAUNCH.items()}
     selection.SHARE_PCT, selection.SCAN_SPAN = share, span
     if mode.startswith(("rows", "scan")):
         selection.BLOCKS_BYTES = 0
     if mode.startswith("blocks"):
-        selection.SCAN_SPAN, selection.BLOCKS_BYTES = 0, 1 << 40
+        selection.SCAN_SPAN, selection.BLOCKS_BYTES, selection.BLOCKS_GROUP = 0, 1 << 40, 1 << 10
         half, chunk, launch = re.fullmatch(r"blocks(h)?(?:c(\d+))?(\d+:\d+)?", mode).groups()
         selection.HALF_PARTS = bool(half)
         selection.BLOCKS_CHUNK = int(chunk or saved[6])
@@ -139,7 +139,8 @@ def configured(mode: str, share: int, span: int) -> Iterator[None]:
         selection._TILE_ROWS.clear()
         selection._TILE_ROWS.update(saved[0])
         (selection.SHARE_PCT, selection.SCAN_SPAN, selection.SCAN_ROWS, selection.PAIR_KEYS,
-         selection.BLOCKS_BYTES, selection.BLOCKS_CHUNK, selection.HALF_PARTS) = saved[1:]  # fmt: skip
+         selection.BLOCKS_BYTES, selection.BLOCKS_CHUNK, selection.HALF_PARTS,
+         selection.BLOCKS_GROUP) = saved[1:]  # fmt: skip
         selection.LAUNCH.clear()
         selection.LAUNCH.update(saved_launch)
 

@@ -189,6 +189,7 @@ def test_fused_op_by_selection_block(device: str, monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)
     monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40)
+    monkeypatch.setattr(selection, "BLOCKS_GROUP", 64)
     case = CASES[0].values[0]
     xs = _inputs(case, device)
     tri, tri_idx = _run(lambda ins: _fused(case, ins), xs, torch.float32)

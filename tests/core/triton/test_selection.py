@@ -322,6 +322,7 @@ def test_hot_block_chunks_match_single_pass(
     with dq per token, and with dq's parts written by dK/dV (by selection block)."""
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # the inverted index's path
     monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40 if by_block else 0)
+    monkeypatch.setattr(selection, "BLOCKS_GROUP", 64)
     case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0], sel_block_len=8, n_sel=5)
     case = Case(**{**case.__dict__, "pattern": "hot"})
     block_idx = make_block_idx(case, device).contiguous()
@@ -354,10 +355,12 @@ if SIZES.real:
 
 
 # each case with the default entries a forward program walks; the first and the hot one also with 5 (a
-# block's list over several programs)
+# block's list over several programs), and at real sizes m7c-125m's with 1024
 BLOCK_PARAMS = [pytest.param(c, 256, id=f"{c.id}-chunk256") for c in BLOCK_CASES] + [
     pytest.param(c, 5, id=f"{c.id}-chunk5") for c in (BLOCK_CASES[0], BLOCK_CASES[5])
 ]
+if SIZES.real:  # m7c-125m at 16k in the chunks of its 64k (`_blocks_chunk`)
+    BLOCK_PARAMS.append(pytest.param(BLOCK_CASES[6], 1024, id=f"{BLOCK_CASES[6].id}-chunk1024"))
 
 
 @pytest.mark.parametrize(("case", "chunk"), BLOCK_PARAMS)
@@ -369,6 +372,7 @@ def test_by_selection_block_matches_reference(
     program walks, with rows that chose no block, and the same bits twice."""
     monkeypatch.setattr(selection, "SCAN_SPAN", 0)  # never the scan
     monkeypatch.setattr(selection, "BLOCKS_BYTES", 1 << 40)
+    monkeypatch.setattr(selection, "BLOCKS_GROUP", 64)  # whatever the group
     monkeypatch.setattr(selection, "BLOCKS_CHUNK", chunk)
     block_idx = make_block_idx(case, device)
     block_idx[:, 3] = -1  # a row with no block: zeros out, no gradient
@@ -380,21 +384,40 @@ def test_by_selection_block_matches_reference(
 
 def test_by_selection_block_is_chosen_past_the_scan(monkeypatch: pytest.MonkeyPatch) -> None:
     """By selection block past the scan's lengths, where each workspace fits BLOCKS_BYTES (m7c-125m in bf16
-    at 32k: 768 MiB of parts; the paper's heads at 8k: 2 GiB, per token as before)."""
+    at 64k: 1.5 GiB of parts) and a KV group has at most BLOCKS_GROUP query heads (the paper's 16 heads a
+    group stay per token at any length)."""
 
-    def blocks(B: int, T: int, HQ: int, D: int, ls: int = 64, n: int = 16, dtype=torch.bfloat16) -> bool:
-        return selection._blocks(torch.empty(B, T, HQ, D, device="meta", dtype=dtype), n, ls, T)
+    def blocks(T: int, HQ: int, D: int, G: int, ls: int = 64, n: int = 16, dtype=torch.bfloat16) -> bool:
+        return selection._blocks(torch.empty(1, T, HQ, D, device="meta", dtype=dtype), G, n, ls, T)
 
     span = selection.SCAN_SPAN * 16 * 64
-    assert not blocks(1, span, 12, 64)  # the scan
-    assert blocks(1, span + 1, 12, 64)
-    assert blocks(1, 32768, 12, 64)
-    assert not blocks(1, 32768, 12, 64, dtype=torch.float32)  # float32 parts: twice the bytes
-    assert not blocks(1, 65536, 12, 64)
-    assert not blocks(1, 8192, 64, 128)
-    assert blocks(1, 1000, 4, 16, ls=8, n=4)  # no scan under 16-key tiles
+    assert not blocks(span, 12, 64, 6)  # the scan
+    assert blocks(span + 1, 12, 64, 6)
+    assert blocks(65536, 12, 64, 6)
+    assert not blocks(65536, 12, 64, 6, dtype=torch.float32)  # float32 parts: twice the bytes
+    assert not blocks(131072, 12, 64, 6)
+    assert blocks(16384, 32, 128, 8)
+    assert not blocks(16384, 32, 128, 16)  # the group
+    assert not blocks(span + 1, 64, 128, 16)
+    assert blocks(1000, 4, 16, 2, ls=8, n=4)  # no scan under 16-key tiles
+    monkeypatch.setattr(selection, "BLOCKS_GROUP", 16)
+    assert blocks(span + 1, 64, 128, 16)
     monkeypatch.setattr(selection, "BLOCKS_BYTES", 0)
-    assert not blocks(1, 16384, 12, 64)
+    assert not blocks(16384, 12, 64, 6)
+
+
+def test_forward_by_block_chunks_grow_with_the_lists() -> None:
+    """A forward program walks BLOCKS_CHUNK entries, more (up to 4x) where the lists are long enough to
+    keep BLOCKS_PROGRAMS programs: m7c-125m at 16k 256, at 64k 1024 (H200, BENCHMARKS.md)."""
+
+    def slots(T: int) -> int:  # m7c-125m's list entries at most: 2 KV groups x 16 slots a token
+        return 2 * T * 16
+
+    assert selection._blocks_chunk(slots(16384)) == selection.BLOCKS_CHUNK == 256
+    assert selection._blocks_chunk(slots(32768)) == 512
+    assert selection._blocks_chunk(slots(65536)) == 1024
+    assert selection._blocks_chunk(slots(1 << 20)) == 1024
+    assert selection._blocks_chunk(slots(37)) == 256
 
 
 def test_hot_slots_are_the_prefix_sum_of_each_buckets_chunks(device: str) -> None:

@@ -966,26 +966,46 @@ def _scan_block(sel_block_len: int) -> int:
 # neighbours (a model at initialisation, random-like choices at 16k), a tile of query tokens shares few
 # blocks and each token's own blocks were read for it alone. Taken where each of the two workspaces (the
 # forward's parts, dq's parts: a value per query head, slot and head-dim element, dq's per key tile of a
-# block too) is at most BLOCKS_BYTES (m7c-125m, bf16: up to 32k tokens); 0: never.
-BLOCKS_BYTES = 1 << 30
+# block too) is at most BLOCKS_BYTES (m7c-125m, bf16: up to 64k tokens); 0: never. At m7c 64k (1.5 GiB a
+# workspace) the op took 17.8 ms against 23.3 per token, its peak 2189 MiB against 678 (H200).
+BLOCKS_BYTES = 2 << 30
+# ... and where a KV group has at most BLOCKS_GROUP query heads: the parts' traffic grows with the group (a
+# value per head, against the block's keys loaded once for all of them). With 16 heads a group at 8k (paper
+# geometry, 2 GiB) the op took 12.1 ms by block against 10.9 per token (H200).
+BLOCKS_GROUP = 8
 # bf16/fp16 inputs: the parts in their dtype, merged in fp32 (as the composed branches' outputs and dq are
 # summed in it); half the workspace's traffic: m7c 16k fwd 1.07 -> 0.74 ms, bwd 1.50 -> 1.12 (H200)
 HALF_PARTS = True
 BLOCKS_CHUNK = 256  # entries of a block's list a forward program walks: block 0 holds every query
+# ... doubled, up to 4x, while the programs stay at least BLOCKS_PROGRAMS (the lists' entries / chunk): at
+# m7c-125m 64k the forward took 2.04 ms with 1024 against 2.26 with 256, at 16k 0.64 against 0.51 (H200)
+BLOCKS_PROGRAMS = 2048
 # elements (rows of tokens x the G heads, x BLOCK_D) of a tile that merges parts: the forward's merge keeps
 # an fp32 output and rescales it, dq's sums; at m7c-125m 16k (D = 64) 128 rows for the forward and 32 for
 # dq took 0.124 + 0.108 ms against 0.175 + 0.132 with 64 for both (H200, benchmarks/nsa_profile.py)
 PARTS_ELEMENTS = {"fwd": 128 * 64, "dq": 32 * 64}
 
 
-def _blocks(q: torch.Tensor, n_sel: int, sel_block_len: int, keys: int) -> bool:
-    """Whether fwd and dq run by selection block (`BLOCKS_BYTES`); the scan comes first where it runs."""
+def _blocks(q: torch.Tensor, G: int, n_sel: int, sel_block_len: int, keys: int) -> bool:
+    """Whether fwd and dq run by selection block (`BLOCKS_BYTES`, `BLOCKS_GROUP`); the scan comes first where
+    it runs."""
     B, Tq, HQ, D = q.shape
     if _scan_block(sel_block_len) and keys <= SCAN_SPAN * n_sel * sel_block_len:
+        return False
+    if G > BLOCKS_GROUP:
         return False
     n_sub = cdiv(sel_block_len, _tiles(1, D, sel_block_len)["BLOCK_S"])
     size = _parts_dtype(q.dtype).itemsize
     return 0 < B * Tq * HQ * n_sel * D * size * n_sub <= BLOCKS_BYTES
+
+
+def _blocks_chunk(slots: int) -> int:
+    """Entries of a block's list a forward program walks, for ``slots`` (B x HKV x Tq x n) list entries at
+    most: BLOCKS_CHUNK, doubled up to 4x while the programs stay at least BLOCKS_PROGRAMS."""
+    chunk = BLOCKS_CHUNK
+    while chunk < 4 * BLOCKS_CHUNK and slots // (2 * chunk) >= BLOCKS_PROGRAMS:
+        chunk *= 2
+    return chunk
 
 
 def _parts_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -1142,7 +1162,7 @@ def selected_fwd(
     if Tq == 0:
         return o, lse
     n_sel = block_idx.shape[-1]
-    if _blocks(q, n_sel, sel_block_len, k.shape[1]):
+    if _blocks(q, G, n_sel, sel_block_len, k.shape[1]):
         index = BlockQueries(*build_block_queries(block_idx, k.shape[1], sel_block_len, q_offset))
         if tiles_out is not None:
             tiles_out.append(index)
@@ -1184,10 +1204,11 @@ def _forward_by_block(
     num_sel_blocks = cdiv(Tk, sel_block_len)
     # dK/dV's rows a step over the same lists, unless LAUNCH["fwd-blocks"] says otherwise
     config = {**_launch("dkdv", q.dtype, tiles), **LAUNCH.get("fwd-blocks", {})}
-    _selected_fwd_blocks_kernel[(num_sel_blocks, B * HKV, cdiv(Tq, BLOCKS_CHUNK))](
+    chunk = _blocks_chunk(B * HKV * Tq * n_sel)
+    _selected_fwd_blocks_kernel[(num_sel_blocks, B * HKV, cdiv(Tq, chunk))](
         q, k, v, parts, parts_lse, index.offsets, index.entries,
         *_strides(q), *_strides(k), *_strides(v), Tq, Tk, num_sel_blocks, q_offset, scale * LOG2E,
-        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, CHUNK=BLOCKS_CHUNK, BLOCK_S=tiles["BLOCK_S"],
+        HKV=HKV, G=G, D=D, N_SEL=n_sel, L_SEL=sel_block_len, CHUNK=chunk, BLOCK_S=tiles["BLOCK_S"],
         BLOCK_D=tiles["BLOCK_D"], PRECISION=_precision(q.dtype), **config,
     )  # fmt: skip
     rows = _parts_rows("fwd", G, tiles["BLOCK_D"])
@@ -1362,7 +1383,7 @@ def selected_bwd(
     n_sel = block_idx.shape[-1]
     BLOCK_S, BLOCK_D = tiles["BLOCK_S"], tiles["BLOCK_D"]
     n_sub = cdiv(sel_block_len, BLOCK_S)
-    by_block = _blocks(q, n_sel, sel_block_len, Tk)
+    by_block = _blocks(q, G, n_sel, sel_block_len, Tk)
     if by_block:
         if delta is None:
             delta = (o.float() * do.float()).sum(-1)
