@@ -12,10 +12,10 @@ reads (``SCAN_SPAN``), tiles of ``SCAN_ROWS`` rows instead stream every key up t
 each (row, key) pair masked by the row's blocks: nearly every block is some token's choice there, and each
 key is loaded once for the whole tile; the longest tiles run first, and the key tiles before every row's
 position are masked by the blocks alone (no causal mask). Past the scan's lengths, where its workspace
-fits (``BLOCKS_BYTES``), the forward runs by selection block instead: one program per (block, chunk of the
-queries that chose it, through the inverted index below) loads the block's keys once and writes, per
-(query, slot), the softmax over that block alone and its log-sum-exp; a second kernel merges each query's
-slots in slot order. It keeps the log-sum-exp per query head.
+fits (``BLOCKS_BYTES``) and a KV group has at most ``BLOCKS_GROUP`` heads, the forward runs by selection
+block instead: one program per (block, chunk of the queries that chose it, through the inverted index
+below) loads the block's keys once and writes, per (query, slot), the softmax over that block alone and its
+log-sum-exp; a second kernel merges each query's slots in slot order. It keeps the log-sum-exp per query head.
 
 Backward, in two kernels and no atomics:
 - ``dq`` (and ``delta = rowsum(o * dO)``) per tile as in the forward (union, own blocks or scan), streaming
