@@ -465,6 +465,16 @@ def native_moved(ev: Evidence) -> str | None:
 
 def pause_reason(ev: Evidence) -> str | None:
     """Why a unit past its stall limit is not stuck (module docstring), or None when nothing says so."""
+    return _not_stuck(ev, sleep=True)
+
+
+def work_reason(ev: Evidence) -> str | None:
+    """`pause_reason` but for a sleep: what shows the unit doing work (progress, a moving frame at CPU, I/O,
+    a checkpoint, a disk wait, its DataLoader worker producing its batch), or None."""
+    return _not_stuck(ev, sleep=False)
+
+
+def _not_stuck(ev: Evidence, sleep: bool) -> str | None:
     if ev.progressed:
         return "a progress event came while the evidence was taken"
     samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
@@ -496,7 +506,7 @@ def pause_reason(ev: Evidence) -> str | None:
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
     asleep = last if is_sleep(blocked) else _last_asleep(focus, sources)
     naps = _naps(focus, asleep, sources) if asleep is not None else None
-    if naps is not None and (cpu is None or cpu < DEADLOCK_CPU_MAX):
+    if sleep and naps is not None and (cpu is None or cpu < DEADLOCK_CPU_MAX):
         return f"sleeping at {_thread_text(asleep, sources)}{naps}: a sleep ends by itself"
     if waits_on_dataloader(last):
         busy = [f"{label}: {why}" for label, why in ev.workers.items() if why]

@@ -186,7 +186,13 @@ def _pause(
         return None
     observed = observed_units(units, watched.units, hangs)
     key = units[watched.decider].key
-    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed))
+
+    def is_rank(unit: Unit) -> bool:  # torchrun's ranks under `ddp`; a watched job's by their role
+        return unit.role == "rank" or (unit.role is None and spec.ddp is not None)
+
+    others = [u for u in units if u.key != key and is_rank(u)] if is_rank(units[watched.decider]) else []
+    ranks = [replace(observed[u.key], label=f"rank {u.key}") for u in others]
+    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 
 from nsa_diag import artifacts
 from nsa_diag.beacon import BeaconState, read_beacon
-from nsa_diag.classify import Evidence, classify, pause_reason
+from nsa_diag.classify import Evidence, classify, hang_kind, pause_reason, work_reason
 from nsa_diag.evidence import stacks
 from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
 from nsa_diag.redact import redact_argv
@@ -205,11 +206,55 @@ def worker_activity(spec: CaseSpec, worker: Observed) -> str | None:
     return why
 
 
-def stalled_pause(spec: CaseSpec, stalled: Observed, workers: list[Observed]) -> str | None:
+def stalled_pause(
+    spec: CaseSpec, stalled: Observed, workers: list[Observed], ranks: Sequence[Observed] = ()
+) -> str | None:
     """Why the unit that stalled is not stuck (`classify.pause_reason`, with its DataLoader workers' own
-    activity), or None: then it is hung."""
+    activity), or None: then it is hung.
+
+    ``ranks``: the job's other ranks. A rank blocked in a collective waits for them: while each of them
+    works (`rank_work`) or is blocked in a collective too, and one works, the collective can still
+    complete (rank 0 evaluates for minutes while rank 1 waits in the barrier after it). A rank that only
+    sleeps does not count: the sleep of a rank the others wait for is what a hung read looks like too."""
     activity = {w.label: worker_activity(spec, w) for w in workers}
-    return pause_reason(unit_evidence(spec, stalled.folder, stalled.watched, stalled.hang, workers=activity))
+    ev = unit_evidence(spec, stalled.folder, stalled.watched, stalled.hang, workers=activity)
+    why = pause_reason(ev)
+    if why is not None or not ranks or hang_kind(ev)[0] != "collective":
+        return why
+    working = []
+    for other in ranks:
+        work = rank_work(spec, other)
+        if work is not None:
+            working.append(f"{other.label}: {work}")
+        elif other.hang is None or not _in_collective(spec, other):
+            return None  # stuck elsewhere (or not seen): the collective cannot complete
+    if not working:
+        return None
+    return "it waits in a collective for rank(s) still working: " + "; ".join(working)
+
+
+def _in_collective(spec: CaseSpec, rank: Observed) -> bool:
+    return hang_kind(unit_evidence(spec, rank.folder, rank.watched, rank.hang))[0] == "collective"
+
+
+def rank_work(spec: CaseSpec, rank: Observed) -> str | None:
+    """What shows a rank working at another's stall: progress within its own stall limit, or the work of
+    `classify.work_reason` and of its liveness window; None when nothing does."""
+    decision = rank.watched.decision
+    if (
+        decision is not None
+        and decision.status == "running"
+        and decision.work is None
+        and decision.silence_s < decision.stall_limit_s  # since its last progress, pauses included
+        and rank.watched.last_state is not None
+    ):
+        limit = decision.stall_limit_s
+        return f"progress {decision.silence_s:.0f} s ago, within its stall limit of {limit:.0f} s"
+    why = work_reason(unit_evidence(spec, rank.folder, rank.watched, rank.hang)) if rank.hang else None
+    work = rank.watched.work
+    if why is None and work is not None and work.working:
+        why = work.describe()
+    return why
 
 
 def unit_result(

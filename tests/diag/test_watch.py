@@ -800,6 +800,32 @@ def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuc
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~20 s each: two gloo ranks importing torch, a 10 s evaluation
+@pytest.mark.parametrize("spin", [False, True], ids=["evaluates", "spins"])
+def test_a_rank_waiting_for_a_rank_that_works_is_paused_not_hung(tmp_path: Path, spin: bool) -> None:
+    """Rank 0 alone evaluates for 10 s after step 3 while rank 1 waits in the barrier after it, past the
+    stall limit of 4 s. Rank 0 works (its frames move at full CPU): rank 1's wait is a pause, the job
+    passes with that pause noted. When rank 0's evaluation never ends in a loop on one line (no work seen:
+    a busy loop), the job is hung there, about rank 0."""
+    job = _torchrun("ddp_rank0_eval.py", "--eval-s", "10", *(["--spin"] if spin else []))
+    proc, out = _watch(tmp_path, "--stall", "4", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    result = _result(out)
+    if not spin:
+        assert proc.returncode == 0, result["reason"]
+        assert result["verdict"] == "pass", result["reason"]
+        assert result["steps_done"] == 6
+        pauses = result["evidence"]["pauses"]
+        working = "it waits in a collective for rank(s) still working: rank 0: "
+        assert any(p["unit"] == 1 and p["why"].startswith(working) for p in pauses), pauses
+        return
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-busy", result["reason"]
+    assert result["reason"].startswith("rank 0 (pid "), result["reason"]
+    assert "ddp_rank0_eval.py:23 in evaluate" in result["reason"]
+    assert result["evidence"]["minority_ranks"] == [0]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
 
