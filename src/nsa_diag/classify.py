@@ -398,6 +398,25 @@ def waits_on_dataloader(thread: ThreadStack | None) -> bool:
     )
 
 
+# where a process waits for its child processes: subprocess, multiprocessing (a Pool's map, a Process's join,
+# a queue or pipe), concurrent.futures (a ProcessPoolExecutor's results)
+CHILD_WAITS = ("subprocess.py", "multiprocessing/popen_fork.py", "multiprocessing/connection.py",
+               "multiprocessing/queues.py", "multiprocessing/pool.py", "concurrent/futures/")  # fmt: skip
+
+
+def waits_on_children(thread: ThreadStack | None) -> bool:
+    """Whether the thread waits in subprocess, multiprocessing or concurrent.futures (`CHILD_WAITS`, in its
+    six innermost Python frames): for its child processes."""
+    files = [f.file.replace("\\", "/") for f in thread.python_frames[:6]] if thread else []
+    return any(f.endswith(w) or w in f for f in files for w in CHILD_WAITS)
+
+
+def last_focus(ev: Evidence) -> ThreadStack | None:
+    """The thread the last stack sample is about (`focus_thread`), or None without a sample."""
+    samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
+    return focus_thread(samples[-1]) if samples else None
+
+
 def dataloader_worker_idle(thread: ThreadStack | None) -> bool:
     """Whether a DataLoader worker's thread waits for its next indices (in torch's worker loop, not in a
     sample's read): idle by design, never the culprit."""

@@ -192,7 +192,12 @@ def _pause(
 
     others = [u for u in units if u.key != key and is_rank(u)] if is_rank(units[watched.decider]) else []
     ranks = [replace(observed[u.key], label=f"rank {u.key}") for u in others]
-    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks)
+    children = [
+        replace(observed[u.key], label=f"pid {u.key}")
+        for u in units
+        if u.parent == key and u.role not in ("dataloader-worker", "rank")
+    ]
+    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks, children)
 
 
 @dataclass(frozen=True)

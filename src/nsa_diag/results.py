@@ -23,18 +23,29 @@ from pydantic import ValidationError
 
 from nsa_diag import artifacts
 from nsa_diag.beacon import BeaconState, read_beacon
-from nsa_diag.classify import Evidence, classify, hang_kind, pause_reason, work_reason
+from nsa_diag.classify import (
+    Evidence,
+    classify,
+    hang_kind,
+    last_focus,
+    pause_reason,
+    waits_on_children,
+    work_reason,
+)
 from nsa_diag.evidence import stacks
 from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
 from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
     BUSY_WORKER_CPU,
+    WORK_CPU_MIN,
     HangEvidence,
     StallLimit,
     WatchResult,
+    Work,
     configured_limit,
     is_job,
+    process_ended,
     progress_rate,
     step_limit,
     steps_done,
@@ -207,23 +218,37 @@ def worker_activity(spec: CaseSpec, worker: Observed) -> str | None:
 
 
 def stalled_pause(
-    spec: CaseSpec, stalled: Observed, workers: list[Observed], ranks: Sequence[Observed] = ()
+    spec: CaseSpec,
+    stalled: Observed,
+    workers: list[Observed],
+    ranks: Sequence[Observed] = (),
+    children: Sequence[Observed] = (),
 ) -> str | None:
     """Why the unit that stalled is not stuck (`classify.pause_reason`, with its DataLoader workers' own
     activity), or None: then it is hung.
 
+    ``children``: its other child processes. A process that waits for its children (`waits_on_children`: a
+    Pool's map, subprocess.run, a ProcessPoolExecutor) is paused while one of them works (`unit_work`);
+    one that only sleeps does not count.
+
     ``ranks``: the job's other ranks. A rank blocked in a collective waits for them: while each of them
-    works (`rank_work`) or is blocked in a collective too, and one works, the collective can still
+    works (`unit_work`) or is blocked in a collective too, and one works, the collective can still
     complete (rank 0 evaluates for minutes while rank 1 waits in the barrier after it). A rank that only
     sleeps does not count: the sleep of a rank the others wait for is what a hung read looks like too."""
     activity = {w.label: worker_activity(spec, w) for w in workers}
     ev = unit_evidence(spec, stalled.folder, stalled.watched, stalled.hang, workers=activity)
     why = pause_reason(ev)
-    if why is not None or not ranks or hang_kind(ev)[0] != "collective":
+    if why is not None:
         return why
+    if children and waits_on_children(last_focus(ev)):
+        busy = [f"{c.label}: {work}" for c in children if (work := unit_work(spec, c, progress=False))]
+        if busy:
+            return "it waits for its child process(es), which are working: " + "; ".join(busy)
+    if not ranks or hang_kind(ev)[0] != "collective":
+        return None
     working = []
     for other in ranks:
-        work = rank_work(spec, other)
+        work = unit_work(spec, other)
         if work is not None:
             working.append(f"{other.label}: {work}")
         elif other.hang is None or not _in_collective(spec, other):
@@ -237,24 +262,37 @@ def _in_collective(spec: CaseSpec, rank: Observed) -> bool:
     return hang_kind(unit_evidence(spec, rank.folder, rank.watched, rank.hang))[0] == "collective"
 
 
-def rank_work(spec: CaseSpec, rank: Observed) -> str | None:
-    """What shows a rank working at another's stall: progress within its own stall limit, or the work of
-    `classify.work_reason` and of its liveness window; None when nothing does."""
-    decision = rank.watched.decision
+def unit_work(spec: CaseSpec, unit: Observed, progress: bool = True) -> str | None:
+    """What shows a unit (another rank, a child process) working at a stall: with ``progress``, progress
+    within its own stall limit (a rank's steps; a helper's start-up events are not progress); the work of
+    `classify.work_reason` and of its liveness window; None when nothing does, or the process has ended."""
+    if process_ended(unit.watched.history):
+        return None
+    decision = unit.watched.decision
     if (
-        decision is not None
+        progress
+        and decision is not None
         and decision.status == "running"
         and decision.work is None
         and decision.silence_s < decision.stall_limit_s  # since its last progress, pauses included
-        and rank.watched.last_state is not None
+        and unit.watched.last_state is not None
     ):
         limit = decision.stall_limit_s
         return f"progress {decision.silence_s:.0f} s ago, within its stall limit of {limit:.0f} s"
-    why = work_reason(unit_evidence(spec, rank.folder, rank.watched, rank.hang)) if rank.hang else None
-    work = rank.watched.work
-    if why is None and work is not None and work.working:
-        why = work.describe()
-    return why
+    why = work_reason(unit_evidence(spec, unit.folder, unit.watched, unit.hang)) if unit.hang else None
+    return why or window_work(unit.watched.work, unit.hang)
+
+
+def window_work(work: Work | None, hang: HangEvidence | None) -> str | None:
+    """The work of a unit's liveness window (`Work.describe`), or None: none, or only frame moves while the
+    process no longer uses the CPU as its evidence is taken (a Pool worker that finished its tasks and
+    idles keeps its earlier moves in the window for up to 20 s)."""
+    if work is None or not work.working:
+        return None
+    cpu_now = hang.cpu_percent if hang is not None else None
+    if work.signals == ["moves"] and cpu_now is not None and cpu_now < WORK_CPU_MIN:
+        return None
+    return work.describe()
 
 
 def unit_result(
@@ -299,8 +337,7 @@ def unit_result(
     if ev.exec_from is not None:  # the process runs another program than the one first seen
         evidence.exec = ExecChange(from_=ev.exec_from, into=ev.exe, argv=hang.argv if hang else [])
     if hang is not None:  # what it was doing, when that was not being stuck (a DataLoader worker reading)
-        working = watched.work is not None and watched.work.working
-        evidence.activity = pause_reason(ev) or (watched.work.describe() if working else None)
+        evidence.activity = pause_reason(ev) or window_work(watched.work, hang)
     if stack_file.fatal:
         evidence.fatal_error = stacks.fatal_error(stack_file.fatal)
     # The limit that decided a stall or timeout; for a worker that exited, the one its steps ran under.

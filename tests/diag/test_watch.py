@@ -826,6 +826,34 @@ def test_a_rank_waiting_for_a_rank_that_works_is_paused_not_hung(tmp_path: Path,
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~15 s healthy, ~25 s stuck
+@pytest.mark.parametrize("stuck", [False, True], ids=["healthy", "stuck-worker"])
+def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: Path, stuck: bool) -> None:
+    """Each epoch the job tokenizes its shards in a multiprocessing Pool (3 s of CPU a shard) while the
+    main process waits in pool.map, past the stall limit of 3 s: it waits for its child processes and they
+    work, so it is paused and the job passes. When one worker blocks on a lock for ever, the other finishes
+    its shards and idles: then the job is hung, the main process waiting for its children, the blocked one
+    named at its line."""
+    proc, out = _watch(
+        tmp_path, "--stall", "3", job=[PY, "pool_preprocess.py", *(["--stuck"] if stuck else [])]
+    )
+    result = _result(out)
+    pauses = result["evidence"].get("pauses", [])
+    assert any(
+        p["why"].startswith("it waits for its child process(es), which are working: pid ") for p in pauses
+    ), pauses
+    if not stuck:
+        assert proc.returncode == 0, result["reason"]
+        assert result["verdict"] == "pass", result["reason"]
+        return
+    assert result["verdict"] == "hang", result["reason"]
+    assert result["hang_kind"] == "python-deadlock", result["reason"]
+    assert "pool_preprocess.py:45 in main" in result["reason"]
+    assert "the stalled process waits for its child process: " in result["reason"]
+    assert "at `lock.acquire()` at pool_preprocess.py:24 in tokenize" in result["reason"]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
 

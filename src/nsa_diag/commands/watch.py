@@ -57,18 +57,18 @@ def watch(
     process of it (torchrun's ranks and DataLoader workers included) gets a light probe at start-up: a
     heartbeat and progress beacon, faulthandler on SIGUSR1, and once torch is imported hooks on the
     model's blocks and the optimizer step, so progress reads "rank 1, step 5, backward, layers.7".
-    No progress and no work for the stall limit is a **hang** (`--stall auto`: 3x the longest step,
-    optimizer step to optimizer step, at least 60 s). Work below the blocks (CUDA allocations, a moving
-    frame with CPU, I/O) keeps a job running, and a pause (a sleep, a checkpoint, a batch a DataLoader
-    worker is reading) is watched on, not stopped; progress or work past `--timeout` is **slow**, with its
-    rate and ETA. Before anything is stopped, evidence from every process: two stack samples, py-spy when
-    installed, /proc, GPU, the NCCL flight recorder, the ranks' minority. The verdict is about the
-    training process (or each rank); DataLoader workers, torchrun's agent and helpers are reported as
-    what they are. Then the job is stopped (SIGTERM, grace, SIGKILL) unless `--keep-alive`. A job that
-    exits gets pass, error (its last traceback), crash, oom or nonfinite (a NaN loss it called backward()
-    on). The ranks' step times are compared: a rank consistently slower than the others
-    (`--straggler-ratio`) is named, with the phase its extra time is in, also when the job passes.
-    Its output streams here and into `<out>/<time>-watch/cases/<name>/` with `replay.sh`.
+    No progress and no work for the stall limit is a **hang** (`--stall auto`: 3x the longest step, optimizer
+    step to optimizer step, at least 60 s). Work below the blocks (CUDA allocations, a moving frame with CPU,
+    I/O) keeps a job running, and a pause (a sleep, a checkpoint, a batch a DataLoader worker is reading,
+    child processes or another rank that work) is watched on, not stopped; progress or work past `--timeout`
+    is **slow**, with its rate and ETA. Before anything is stopped, evidence from every process: two stack
+    samples, py-spy when installed, /proc, GPU, the NCCL flight recorder, the ranks' minority. The verdict is
+    about the training process (or each rank); DataLoader workers, torchrun's agent and helpers are reported
+    as what they are. Then the job is stopped (SIGTERM, grace, SIGKILL) unless `--keep-alive`. A job that
+    exits gets pass, error (its last traceback), crash, oom or nonfinite (a NaN loss it called backward() on).
+    The ranks' step times are compared: a rank consistently slower than the others (`--straggler-ratio`) is
+    named, with the phase its extra time is in, also when the job passes. Its output streams here and into
+    `<out>/<time>-watch/cases/<name>/` with `replay.sh`.
 
     Exit code 0 when the job passes, 1 when not, 2 for a bad option or command, 130 on Ctrl-C (the job
     is stopped).

@@ -91,7 +91,8 @@ class Unit:
     no_signal: str | None = None
     # What the process is (`nsa_diag.evidence.roles`): None for our own worker and ranks (training).
     role: str | None = None
-    # The key of the unit it was forked from (a DataLoader worker's training process), or None.
+    # The key of the unit it was forked from (a DataLoader worker's training process), else of its parent
+    # process where that is one of the job's (a child started by exec), or None.
     parent: int | None = None
 
 

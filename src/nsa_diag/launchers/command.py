@@ -262,7 +262,6 @@ class CommandLauncher(Launcher):
         for pid in self.order:
             proc = self.procs[pid]
             assert proc.folder is not None
-            parent = proc.info.get("forked_from")
             found.append(
                 Unit(
                     self.keys[pid],
@@ -270,10 +269,18 @@ class CommandLauncher(Launcher):
                     proc.folder / artifacts.BEACON,
                     job.no_signal(proc.info),
                     role=roles.get(pid),
-                    parent=self.keys.get(parent, parent) if isinstance(parent, int) else None,
+                    parent=self._parent(pid),
                 )
             )
         return found
+
+    def _parent(self, pid: int) -> int | None:
+        """The key of the process ``pid`` was forked from, else of its parent process where that is one of
+        the job's (a child started by exec: subprocess.run)."""
+        info = self.procs[pid].info
+        forked, ppid = info.get("forked_from"), info.get("ppid")
+        parent = forked if isinstance(forked, int) else ppid if ppid in self.procs else None
+        return self.keys.get(parent, parent) if parent is not None else None
 
     def facts(self) -> list[ProcessFacts]:
         """What is known of each process seen: its probe's record, else /proc (`evidence.roles`)."""
@@ -498,11 +505,7 @@ class CommandLauncher(Launcher):
             self.keys.get(pid, pid): p.read_info() for pid, p in self.procs.items() if p.folder is not None
         }
         roles = {self.keys.get(pid, pid): role for pid, role in self.roles().items()}
-        parents = {}  # the process it was forked from, else its parent process where that is the job's
-        for pid, info in ((pid, p.info) for pid, p in self.procs.items()):
-            forked, ppid = info.get("forked_from"), info.get("ppid")
-            parent = forked if isinstance(forked, int) else ppid if ppid in self.procs else None
-            parents[self.keys.get(pid, pid)] = self.keys.get(parent, parent) if parent is not None else None
+        parents = {self.keys.get(pid, pid): self._parent(pid) for pid in self.procs}
         alive = [self.keys.get(pid, pid) for pid in self.alive_at_evidence]
         folders = {unit.key: unit.folder for unit in end.units}
         recorded = end.notes.flight_recorder.analysis if end.notes.flight_recorder is not None else None

@@ -45,6 +45,7 @@ from nsa_diag.classify import (
     focus_thread,
     is_own_code,
     never_progressed,
+    waits_on_children,
     waits_on_dataloader,
 )
 from nsa_diag.evidence.roles import TRAINING_ROLES
@@ -464,10 +465,6 @@ def _focus(folder: Path) -> ThreadStack | None:
     return None
 
 
-_CHILD_WAITS = ("subprocess.py", "multiprocessing/popen_fork.py", "multiprocessing/connection.py",
-                "multiprocessing/queues.py", "concurrent/futures/")  # fmt: skip
-
-
 def _waited_on(
     key: int,
     thread: ThreadStack | None,
@@ -481,8 +478,7 @@ def _waited_on(
     children = [k for k in per_unit if k != key and parents.get(k) == key]
     if waits_on_dataloader(thread):
         return [k for k in children if roles.get(k) == "dataloader-worker"]
-    files = [f.file.replace("\\", "/") for f in thread.python_frames[:6]] if thread else []
-    if any(f.endswith(w) or w in f for f in files for w in _CHILD_WAITS):
+    if waits_on_children(thread):
         return [k for k in children if roles.get(k) != "dataloader-worker"]
     return []
 
