@@ -192,10 +192,12 @@ def _pause(
 
     others = [u for u in units if u.key != key and is_rank(u)] if is_rank(units[watched.decider]) else []
     ranks = [replace(observed[u.key], label=f"rank {u.key}") for u in others]
+    # its Python child processes (a Pool's workers, a subprocess.run of python): not its DataLoader workers
+    # (`dataloader_workers`), nor a program without a probe (a shell, a service written in Go)
     children = [
         replace(observed[u.key], label=f"pid {u.key}")
         for u in units
-        if u.parent == key and u.role not in ("dataloader-worker", "rank")
+        if u.parent == key and u.role == "helper"
     ]
     return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks, children)
 
