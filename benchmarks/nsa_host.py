@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nsa_op import NSAOp, add_geometry_arguments, inputs
+from nsa_op import NSAOp, add_geometry_arguments, configure, inputs
 
 
 def main() -> None:
@@ -35,6 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/nsa_host.py needs a CUDA device")
+    configure(args)
     torch.manual_seed(0)
     op = NSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, HQ={args.heads} HKV={args.kv_heads} "

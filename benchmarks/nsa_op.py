@@ -75,8 +75,6 @@ class NSAOp(torch.nn.Module):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
-        # the process's setting: every op it builds runs so
-        selection.BLOCKS_BYTES, selection.BLOCKS_GROUP = args.blocks_bytes, args.blocks_group
         self.phi_k = BlockCompressor(args.block_len, args.head_dim)
         self.phi_v = BlockCompressor(args.block_len, args.head_dim)
 
@@ -340,6 +338,11 @@ def add_geometry_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def configure(args: argparse.Namespace) -> None:
+    """The selection's path options of `add_geometry_arguments`, set for the process: every op runs so."""
+    selection.BLOCKS_BYTES, selection.BLOCKS_GROUP = args.blocks_bytes, args.blocks_group
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -354,6 +357,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/nsa_op.py needs a CUDA device")
+    configure(args)
 
     torch.manual_seed(0)
     op = NSAOp(args).to(device="cuda", dtype=getattr(torch, args.dtype))

@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from nsa_op import ComposedNSAOp, NSAOp, add_geometry_arguments, inputs
+from nsa_op import ComposedNSAOp, NSAOp, add_geometry_arguments, configure, inputs
 
 
 def kernel_times(op: NSAOp, xs: list[torch.Tensor], steps: int) -> tuple[dict[str, float], float]:
@@ -55,6 +55,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/nsa_profile.py needs a CUDA device")
+    configure(args)
     torch.manual_seed(0)
     op = (ComposedNSAOp if args.composed else NSAOp)(args).to(device="cuda", dtype=getattr(torch, args.dtype))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, HQ={args.heads} HKV={args.kv_heads} "

@@ -476,8 +476,7 @@ def native_moved(ev: Evidence) -> str | None:
     cpu = ev.cpu_percent
     if not (ev.pyspy and ev.pyspy_more and cpu is not None and cpu >= WORK_CPU_MIN):
         return None
-    samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
-    last = focus_thread(samples[-1]) if samples else None
+    last = last_focus(ev)
     moved = _native_moved([_pyspy_match(parse_pyspy(t), last) for t in (ev.pyspy, *ev.pyspy_more)])
     return " -> ".join(moved) if moved else None
 

@@ -241,31 +241,35 @@ def stalled_pause(
     if why is not None:
         return why
     if children and waits_on_children(last_focus(ev)):
-        busy = [f"{c.label}: {work}" for c in children if (work := unit_work(spec, c, progress=False))]
+        works = {c.label: unit_work(c, _evidence(spec, c), progress=False) for c in children}
+        busy = [f"{label}: {work}" for label, work in works.items() if work]
         if busy:
             return "it waits for its child process(es), which are working: " + "; ".join(busy)
     if not ranks or hang_kind(ev)[0] != "collective":
         return None
     working = []
     for other in ranks:
-        work = unit_work(spec, other)
+        other_ev = _evidence(spec, other)
+        work = unit_work(other, other_ev)
         if work is not None:
             working.append(f"{other.label}: {work}")
-        elif other.hang is None or not _in_collective(spec, other):
+        elif other_ev is None or hang_kind(other_ev)[0] != "collective":
             return None  # stuck elsewhere (or not seen): the collective cannot complete
     if not working:
         return None
     return "it waits in a collective for rank(s) still working: " + "; ".join(working)
 
 
-def _in_collective(spec: CaseSpec, rank: Observed) -> bool:
-    return hang_kind(unit_evidence(spec, rank.folder, rank.watched, rank.hang))[0] == "collective"
+def _evidence(spec: CaseSpec, unit: Observed) -> Evidence | None:
+    # what `classify` looks at for a unit whose evidence was taken at the stall; None where none was
+    return unit_evidence(spec, unit.folder, unit.watched, unit.hang) if unit.hang is not None else None
 
 
-def unit_work(spec: CaseSpec, unit: Observed, progress: bool = True) -> str | None:
-    """What shows a unit (another rank, a child process) working at a stall: with ``progress``, progress
-    within its own stall limit (a rank's steps; a helper's start-up events are not progress); the work of
-    `classify.work_reason` and of its liveness window; None when nothing does, or the process has ended."""
+def unit_work(unit: Observed, ev: Evidence | None, progress: bool = True) -> str | None:
+    """What shows a unit (another rank, a child process; ``ev`` its `_evidence`) working at a stall: with
+    ``progress``, progress within its own stall limit (a rank's steps; a helper's start-up events are not
+    progress); the work of `classify.work_reason` and of its liveness window; None when nothing does, or
+    the process has ended."""
     if process_ended(unit.watched.history):
         return None
     decision = unit.watched.decision
@@ -279,7 +283,7 @@ def unit_work(spec: CaseSpec, unit: Observed, progress: bool = True) -> str | No
     ):
         limit = decision.stall_limit_s
         return f"progress {decision.silence_s:.0f} s ago, within its stall limit of {limit:.0f} s"
-    why = work_reason(unit_evidence(spec, unit.folder, unit.watched, unit.hang)) if unit.hang else None
+    why = work_reason(ev) if ev is not None else None
     return why or window_work(unit.watched.work, unit.hang)
 
 

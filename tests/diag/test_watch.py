@@ -81,6 +81,26 @@ def test_probe_api_is_a_no_op_outside_watch_and_imports_nothing_heavy() -> None:
     assert proc.stdout.strip() == "False []", proc.stderr
 
 
+def test_the_probe_ignores_sigusr1_once_its_exit_handler_ran(tmp_path: Path) -> None:
+    """A stack sample asked for while the interpreter finalizes (faulthandler's handler gone) must not end
+    a job that exits well: after the probe's atexit handler, SIGUSR1 is ignored; before it, it dumps."""
+    code = (
+        "import os, signal, time\n"
+        "from nsa_diag.probe.runtime import start\n"
+        f"probe = start({str(tmp_path)!r})\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"
+        "probe._at_exit()\n"
+        "assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN\n"
+        "os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.2)\n"
+        "print('alive')\n"
+    )
+    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "alive"
+    (stacks,) = tmp_path.glob("pid-*/stacks.txt")
+    assert "Current thread" in stacks.read_text()  # the first signal's dump
+
+
 def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
     """`watch --branch-marks`: the job's environment asks its probe for NSA branch marks (by default it
     hooks the blocks alone), and replay.sh asks again."""

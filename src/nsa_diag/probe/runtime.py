@@ -444,9 +444,17 @@ class Probe:
 
     def _at_exit(self) -> None:
         """A normal interpreter exit (not a signal, not ``os._exit``): its time, for the exit status of a
-        process that is not nsa-diag's child."""
-        if self.info["pid"] == os.getpid():
-            self.note("exited", time.time())
+        process that is not nsa-diag's child. Then SIGUSR1 is ignored: the interpreter's finalization
+        removes faulthandler's handler, and a stack sample the watchdog asks for then would end the process
+        by the signal's default action (a job that was exiting well reported killed by SIGUSR1). This
+        handler, registered at start-up, runs after the job's own: a hang in those is still sampled."""
+        if self.info["pid"] != os.getpid():
+            return
+        self.note("exited", time.time())
+        if self.info["sigusr1"] == "probe":
+            with contextlib.suppress(Exception):
+                faulthandler.unregister(signal.SIGUSR1)
+                getattr(signal.signal, "__wrapped__", signal.signal)(signal.SIGUSR1, signal.SIG_IGN)
 
     # --- heartbeat ----------------------------------------------------------------------------------
 
