@@ -182,6 +182,56 @@ def test_a_broken_dataloader_connection_names_the_workers_that_ended() -> None:
     assert job._lost_workers(reset, {"10": processes["10"]}, roles) == ""  # no worker ended
 
 
+# CPython's own fallback when a signal handler raises into the printing of a traceback (torch's SIGCHLD
+# handler as a DataLoader worker dies): the frames printed so far, then the exception object dumped
+# (3 of 30 runs of tests/diag/jobs/dataloader_worker_killed.py here, as these three)
+_DUMP = (
+    "object address  : 0x7f460b8018c0\nobject refcount : 2\nobject type     : 0x7f463c250f20\n"
+    "object type name: ConnectionResetError\n"
+    "object repr     : ConnectionResetError(104, 'Connection reset by peer')\nlost sys.stderr\n"
+)
+_DL_FRAMES = (
+    "Traceback (most recent call last):\n"
+    '  File "/w/jobs/dataloader_worker_killed.py", line 24, in <module>\n'
+    "    for step, (x, y) in enumerate(DataLoader(Shards(), batch_size=8, num_workers=2)):\n"
+)
+_TORCH_FRAME = (
+    '  File "/v/site-packages/torch/utils/data/dataloader.py", line 1291, in _try_get_data\n'
+    "    data = self._data_queue.get(timeout=timeout)\n"
+    "           ^^^^^^^^^^^^^"
+)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [_DL_FRAMES + _TORCH_FRAME + _DUMP, _DL_FRAMES + _DUMP, _DUMP],
+    ids=["cut-in-a-frame", "cut-after-a-frame", "no-frame"],
+)
+def test_an_exception_python_could_not_print_is_read_from_its_dump(text: str) -> None:
+    """Before, such a job "exited with code 1 ...; its last stderr line: lost sys.stderr", a crash."""
+    tb = last_exception(text)
+    assert tb is not None
+    assert tb.cut
+    assert (tb.type, tb.message) == ("ConnectionResetError", "[Errno 104] Connection reset by peer")
+    assert tb.text.endswith("\nConnectionResetError: [Errno 104] Connection reset by peer") or tb.text == (
+        "ConnectionResetError: [Errno 104] Connection reset by peer"
+    )
+    assert "object address" not in tb.text
+    if "line 1291" in text:
+        assert tb.text.splitlines()[-2].rstrip().endswith("^^^^^^^^^^^^^")
+    processes = {
+        "10": ProcessRecord(label="pid 10", role="training", state="exited with code 1"),
+        "11": ProcessRecord(label="pid 11", role="dataloader-worker", state="killed by SIGKILL"),
+    }
+    said = job._lost_workers(text, processes, {10: "training", 11: "dataloader-worker"})
+    assert said.startswith("; DataLoader workers ended without a normal exit (pid 11): "), said
+
+
+def test_an_object_dump_without_lost_stderr_is_no_exception() -> None:
+    """A fatal error's dump (no "lost sys.stderr" after it) is not an exception the job raised."""
+    assert last_exception(_DUMP.replace("lost sys.stderr\n", "Fatal Python error: bad\n")) is None
+
+
 def test_bare_tracebacks_go_to_the_failed_ranks() -> None:
     text = _stderr("early_unprefixed")
     found = rank_exceptions(text, (0, 1), rank_exit_codes(text))

@@ -13,7 +13,11 @@ A torchrun job's ranks write into one stderr (``nsa-diag watch`` keeps it as the
 
 `parse` reads every traceback of one stream of lines: the frames (indented), the exception line
 (``Type: message``), then the message's further lines (torch's messages run over several, unindented)
-up to an empty line, the next traceback, a chained exception's header or a log record. `rank_exceptions`
+up to an empty line, the next traceback, a chained exception's header or a log record. Where Python
+could not finish printing (a signal handler raised into the printing: torch's SIGCHLD handler as a
+DataLoader worker dies), it dumps the exception object instead (``object type name: ConnectionResetError``,
+``object repr : ...``, then ``lost sys.stderr``): that dump is the exception, after the frames printed
+before it, if any. `rank_exceptions`
 gives each rank its last exception; bare tracebacks go, in this order of evidence, to the rank the
 message names ("... for rank 1"), to the only rank that failed without one, or to the failed ranks in
 order (``found_by`` says which).
@@ -41,6 +45,12 @@ LAUNCHER_ERRORS = (  # a launcher's account of a rank's failure, not the failure
     "ProcessRaisedException",  # spawn's, around the traceback of the process that raised
 )
 MAX_MESSAGE_LINES = 80
+# CPython's fallback when writing an exception to sys.stderr fails (_PyObject_Dump, then "lost sys.stderr")
+_DUMP_TYPE = re.compile(r"object type name: ([A-Za-z_][\w.]*)\s*$")
+_DUMP_REPR = re.compile(r"^object repr\s*: (.*)$")
+_LOST = "lost sys.stderr"
+_DUMP_LINES = 8  # the dump's lines from its first ("object address") to "lost sys.stderr"
+_OS_ERROR_REPR = re.compile(r"^\((\d+), '(.*)'\)$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,7 @@ class Traceback:
     order: int
     rank: int | None = None
     found_by: str = ""
+    cut: bool = False  # printed in part: the frames before the dump CPython wrote instead (docstring)
 
     @property
     def first_line(self) -> str:
@@ -106,14 +117,50 @@ def _ends_message(line: str) -> bool:
     )
 
 
+def _dumped(lines: Sequence[Line], at: int) -> tuple[str, str, int] | None:
+    """The exception CPython dumped (module docstring) in the lines from ``at`` on: its type, its message
+    (``str()`` of the repr where it can be told) and the index after "lost sys.stderr"; None if the lines
+    there are not such a dump."""
+    kind = message = None
+    for k in range(at, min(at + _DUMP_LINES, len(lines))):
+        text = lines[k][1].strip()
+        if kind is None and (m := _DUMP_TYPE.search(text)) is not None:
+            kind = m.group(1)
+        elif kind is not None and message is None and (m := _DUMP_REPR.match(text)) is not None:
+            message = m.group(1)
+        elif message is not None and text == _LOST:
+            return kind, _repr_message(kind, message), k + 1
+    return None
+
+
+def _repr_message(kind: str, text: str) -> str:
+    """What ``str()`` of the exception whose repr is ``text`` says, where the repr tells it:
+    ``ConnectionResetError(104, 'Connection reset by peer')`` -> ``[Errno 104] Connection reset by peer``,
+    ``ValueError('bad')`` -> ``bad``; the repr itself otherwise."""
+    args = text[len(kind) :] if text.startswith(kind) else ""
+    if (m := _OS_ERROR_REPR.match(args)) is not None:
+        return f"[Errno {m.group(1)}] {m.group(2)}"
+    if len(args) > 4 and args[:2] in ("('", '("') and args[-2:] in ("')", '")') and args[1] == args[-2]:
+        return args[2:-2]
+    return text
+
+
 def parse(lines: Sequence[Line]) -> list[Traceback]:
-    """Every complete traceback in ``lines`` (one stream: one rank's, or the bare lines), in order."""
+    """Every complete traceback in ``lines`` (one stream: one rank's, or the bare lines), in order, with
+    the exceptions CPython dumped when it could not print them."""
     found = []
     i, n = 0, len(lines)
     while i < n:
         start, line = lines[i]
         if line.strip() != TRACEBACK:
-            i += 1
+            dump = _dumped(lines, i) if _DUMP_TYPE.search(line) or "object address" in line else None
+            if dump is None:
+                i += 1
+                continue
+            kind, message, i = dump
+            found.append(
+                Traceback(type=kind, message=message, text=f"{kind}: {message}", order=start, cut=True)
+            )
             continue
         body = [TRACEBACK]
         j = i + 1
@@ -121,6 +168,14 @@ def parse(lines: Sequence[Line]) -> list[Traceback]:
             body.append(lines[j][1])
             j += 1
         m = _EXCEPTION.match(lines[j][1].rstrip()) if j < n else None
+        dump = _dumped(lines, j - 1) if m is None else None
+        if dump is not None:  # the printing failed: its frames, then the exception CPython dumped
+            kind, message, k = dump
+            frames = [b.split("object address", 1)[0].rstrip() for b in body]
+            text = "\n".join([*frames, f"{kind}: {message}"])
+            found.append(Traceback(type=kind, message=message, text=text, order=start, cut=True))
+            i = k
+            continue
         if m is None:  # cut short (the process died, another traceback began): not an exception
             i = j
             continue

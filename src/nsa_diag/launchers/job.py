@@ -746,7 +746,9 @@ def _lost_workers(stderr: str, processes: Mapping[str, ProcessRecord], roles: Ma
         return ""
     unexpected = "DataLoader worker (pid" in tb.message and "exited unexpectedly" in tb.message
     broken = tb.type.rsplit(".", 1)[-1] in _BROKEN_PIPES and (
-        "torch/utils/data/" in tb.text or "multiprocessing/" in tb.text
+        "torch/utils/data/" in tb.text
+        or "multiprocessing/" in tb.text
+        or tb.cut  # Python could not print all its frames (`tracebacks`: the exception it dumped)
     )
     if not (unexpected or broken):
         return ""
