@@ -207,11 +207,10 @@ class Observed:
 
 def worker_activity(spec: CaseSpec, worker: Observed) -> str | None:
     """What a DataLoader worker is doing, when it is producing a batch (not idle, not stuck): its pause or
-    work (`classify.pause_reason`, the liveness window), or its CPU; None when it is idle or stuck."""
+    work (`classify.pause_reason`, the liveness window as `window_work` reads it: a worker that produced
+    its batch and idles keeps its earlier moves there), or its CPU; None when it is idle or stuck."""
     ev = unit_evidence(spec, worker.folder, worker.watched, worker.hang)
-    why = pause_reason(ev)
-    if why is None and worker.watched.work is not None and worker.watched.work.working:
-        why = worker.watched.work.describe()
+    why = pause_reason(ev) or window_work(worker.watched.work, worker.hang)
     if why is None and worker.hang is not None and (worker.hang.cpu_percent or 0.0) >= BUSY_WORKER_CPU:
         why = f"CPU {worker.hang.cpu_percent:.0f}%"
     return why
