@@ -9,8 +9,8 @@ what the inputs hold before it (MiB).
 The op takes ``q [B, T, HQ, D]``, ``k/v [B, T, HKV, D]`` shared by the three branches and gate logits
 ``[B, T, HQ, 3]``: compressed keys/values through a learnable phi (an MLP over each block of l tokens,
 `nsa_core.layers.attention.BlockCompressor`, run as the model's fused path runs it: its Triton kernels,
-`triton_block_compress`; ``--phi torch``: the module's torch operations), compressed attention with the
-importance (Eq. 9, group sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected
+keys and values in the same launches, `triton_block_compress_pair`; ``--phi torch``: the module's torch
+operations), compressed attention with the importance (Eq. 9, group sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected
 attention, sliding window, sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
 
     python benchmarks/nsa_op.py                                  # 2k .. 64k, and 256k for ours alone
@@ -64,7 +64,7 @@ from nsa_core.ops.triton import (
     triton_selected_attention,
     triton_sliding_window_attention,
 )
-from nsa_core.ops.triton.compressor import triton_block_compress
+from nsa_core.ops.triton.compressor import triton_block_compress_pair
 
 MIB = 1 << 20
 
@@ -93,15 +93,14 @@ class NSAOp(torch.nn.Module):
         return o_cmp, o_sel, o_win
 
     def compressed_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi of ``k`` and ``v`` as the model's fused path runs it (`triton_block_compress`), or the
+        """phi of ``k`` and ``v`` as the model's fused path runs it (`triton_block_compress_pair`), or the
         module's torch operations with ``--phi torch``."""
         a = self.args
         if a.phi == "torch":
             k_cmp = self.phi_k(unfold_blocks(k, a.block_len, a.block_stride))
             return k_cmp, self.phi_v(unfold_blocks(v, a.block_len, a.block_stride))
         geometry = dict(block_len=a.block_len, block_stride=a.block_stride)
-        k_cmp = triton_block_compress(k, self.phi_k.weights(), **geometry)
-        return k_cmp, triton_block_compress(v, self.phi_v.weights(), **geometry)
+        return triton_block_compress_pair((k, v), (self.phi_k.weights(), self.phi_v.weights()), **geometry)
 
     def fused(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor

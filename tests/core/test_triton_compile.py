@@ -156,8 +156,8 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
     l = g["block_len"]
     weights = tuple(torch.randn(*shape, dtype=dtype) for shape in ((l, D), (D, l * D), (D,), (D, D), (D,)))
     ctx = _Ctx()
-    ctx.needs_input_grad = (True,) * 6
-    out = compressor.BlockCompressFunction.forward(ctx, k, *weights, l, g["block_stride"], 0)
+    ctx.needs_input_grad = (False,) * 3 + (True,) * 6
+    out = compressor.BlockCompressFunction.forward(ctx, l, g["block_stride"], 0, k, *weights)
     split_rows = compressor.SPLIT_ROWS
     try:  # the weights' sums in one pass, then split over rows with their reduction
         for rows in (split_rows, 16):
@@ -165,6 +165,11 @@ def _run_op(T: int, HQ: int, HKV: int, D: int, dtype: torch.dtype, geometry: dic
             compressor.BlockCompressFunction.backward(ctx, out)
     finally:
         compressor.SPLIT_ROWS = split_rows
+    # ... and the keys' and values' phi in the same launches
+    ctx = _Ctx()
+    ctx.needs_input_grad = (False,) * 3 + (True,) * 12
+    outs = compressor.BlockCompressFunction.forward(ctx, l, g["block_stride"], 0, k, v, *weights, *weights)
+    compressor.BlockCompressFunction.backward(ctx, *outs)
 
 
 class _Ctx:

@@ -315,12 +315,11 @@ class NSAAttention(nn.Module):
         )
         first = num_compressed_blocks(pos0, nsa.block_len, nsa.block_stride)
         c.k_cmp_raw, c.v_cmp_raw = append(c.k_cmp_raw, k_raw), append(c.v_cmp_raw, v_raw)
-        k_cmp = self._phi(self.phi_k, c.k_cmp_raw, first)
+        k_cmp, v_cmp = self._phis(c.k_cmp_raw, c.v_cmp_raw, first)
         if k_cmp.shape[1]:  # keys rotated at each block's last token
             last = first * nsa.block_stride + nsa.block_len - 1
             k_cmp = rope(k_cmp, inv_freq, pos_start=last, pos_step=nsa.block_stride)
-        c.k_cmp = append(c.k_cmp, k_cmp)
-        c.v_cmp = append(c.v_cmp, self._phi(self.phi_v, c.v_cmp_raw, first))
+        c.k_cmp, c.v_cmp = append(c.k_cmp, k_cmp), append(c.v_cmp, v_cmp)
         c.k_sel, c.v_sel = append(c.k_sel, k_sel), append(c.v_sel, v_sel)
         c.k_win, c.v_win = append(c.k_win, k_win), append(c.v_win, v_win)
         c.length = pos0 + T
@@ -333,15 +332,24 @@ class NSAAttention(nn.Module):
         )  # fmt: skip
         return self.o_proj(out.reshape(B, T, cfg.heads * cfg.head_dim))
 
-    def _phi(self, phi: BlockCompressor, raw: torch.Tensor, first: int) -> torch.Tensor:
-        # the fused path's compressor: its Triton kernels (no block copy; one launch forward, three or four
-        # backward) where the module is plain, else the module, which a hook or a replaced layer must see run
+    def _phis(
+        self, k_raw: torch.Tensor, v_raw: torch.Tensor, first: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the fused path's compressors: their Triton kernels (no block copy; the keys' and the values' in
+        # the same launches, one forward, three or four backward) where both modules are plain, else each
+        # plain one alone and the module itself where a hook or a replaced layer must see it run
         nsa = self.nsa
-        if not phi.plain():
-            return phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))
-        compress = triton_op("compressor", "triton_block_compress")
         geometry = dict(block_len=nsa.block_len, block_stride=nsa.block_stride, first=first)
-        return compress(raw, phi.weights(), **geometry)
+        if self.phi_k.plain() and self.phi_v.plain():
+            pair = triton_op("compressor", "triton_block_compress_pair")
+            return pair((k_raw, v_raw), (self.phi_k.weights(), self.phi_v.weights()), **geometry)
+        compress = triton_op("compressor", "triton_block_compress")
+        return tuple(  # type: ignore[return-value]
+            compress(raw, phi.weights(), **geometry)
+            if phi.plain()
+            else phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))
+            for phi, raw in ((self.phi_k, k_raw), (self.phi_v, v_raw))
+        )
 
     def _projections(self, x: torch.Tensor) -> torch.Tensor:
         """``[q | k_cmp v_cmp | k_sel v_sel | k_win v_win]`` of ``x`` as one GEMM over the four weights side

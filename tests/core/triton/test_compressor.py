@@ -12,7 +12,7 @@ import torch
 
 from nsa_core.layers.attention import BlockCompressor
 from nsa_core.ops.compression import unfold_blocks
-from nsa_core.ops.triton.compressor import runs_in_triton, triton_block_compress
+from nsa_core.ops.triton.compressor import runs_in_triton, triton_block_compress, triton_block_compress_pair
 
 from ..utils import assert_close, assert_within_same_dtype_error
 from .conftest import SIZES
@@ -172,6 +172,75 @@ def test_compressor_weight_sums_split_over_rows(
     case = Case(2, 3 * max(SIZES.seq_lens) + 5, 4, SIZES.head_dims[0], 8, 4)  # 2 x 4 heads x 48 blocks
     ref = _run(case, torch.float64, "cpu", triton=False)
     tri = _run(case, torch.float32, device, triton=True)
-    assert grids == [(case.block_len + 1,)]  # split: the partial sums added once
+    assert grids == [(case.block_len + 1, 1)]  # split: the partial sums added once (one member)
     for name, r, t in zip(NAMES, ref, tri, strict=True):
         assert_close(name, r, t, FP32_RATIO, atol=1e-5)
+
+
+def _pair_run(case: Case, dtype: torch.dtype, device: str, pair: bool) -> list[torch.Tensor]:
+    """Keys' and values' phi (two modules, two raw tensors) through `triton_block_compress_pair` or two
+    `triton_block_compress` calls: both outputs, then the gradients of both raws and of both weight sets."""
+    phis = [_module(case, dtype, device) for _ in range(2)]
+    with torch.no_grad():
+        for w in _weights(phis[1]):
+            w.mul_(-0.5)  # the values' weights unlike the keys'
+    gen = torch.Generator().manual_seed(case.T + 1)
+    raws = [
+        torch.randn(case.B, case.T, case.H, case.D, generator=gen)
+        .to(device=device, dtype=dtype)
+        .requires_grad_()
+        for _ in range(2)
+    ]
+    geometry = dict(block_len=case.block_len, block_stride=case.block_stride, first=case.first)
+    if pair:
+        outs = triton_block_compress_pair(tuple(raws), tuple(_weights(phi) for phi in phis), **geometry)
+    else:
+        outs = [
+            triton_block_compress(raw, _weights(phi), **geometry) for raw, phi in zip(raws, phis, strict=True)
+        ]
+    dys = [torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype) for out in outs]
+    torch.autograd.backward(outs, dys)
+    grads = [w.grad for phi in phis for w in _weights(phi)]
+    return [x.detach() for x in (*outs, *(raw.grad for raw in raws), *grads)]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one pass", "split sums"])
+@pytest.mark.parametrize("case", CASES[:3] + CASES[-1:], ids=lambda c: c.id)
+def test_compressor_pair_equals_two_calls(
+    case: Case, split: bool, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keys' and values' phi in the same launches: both outputs and all fourteen gradients equal those
+    of two calls bit for bit (the same kernels, the member a program axis), in float32 and bf16/fp16, with
+    the weights' sums in one pass and split over row ranges."""
+    from nsa_core.ops.triton import compressor
+
+    if split:
+        monkeypatch.setattr(compressor, "SPLIT_ROWS", compressor.BLOCK_ROWS)
+    launches = []
+    original = compressor.BlockCompressFunction.apply
+    monkeypatch.setattr(
+        compressor.BlockCompressFunction, "apply", lambda *a: (launches.append(len(a)), original(*a))[1]
+    )
+    for dtype in (torch.float32, *SIZES.dtypes):
+        launches.clear()
+        pair = _pair_run(case, dtype, device, pair=True)
+        assert launches == [3 + 12], "the pair did not run as one function"
+        two = _pair_run(case, dtype, device, pair=False)
+        for i, (a, b) in enumerate(zip(pair, two, strict=True)):
+            assert torch.equal(a, b), f"{dtype} tensor {i} of the pair differs from two calls"
+
+
+def test_compressor_pair_of_unlike_tensors_makes_two_calls(device: str) -> None:
+    # raws of two layouts (one a transposed view): two calls, each as `triton_block_compress` alone
+    case = CASES[0]
+    phis = [_module(case, torch.float32, device) for _ in range(2)]
+    raw = torch.randn(case.B, case.T, case.H, case.D, device=device)
+    other = torch.randn(case.B, case.H, case.T, case.D, device=device).transpose(1, 2)
+    geometry = dict(block_len=case.block_len, block_stride=case.block_stride)
+    pair = triton_block_compress_pair((raw, other), tuple(_weights(phi) for phi in phis), **geometry)
+    for out, x, phi in zip(pair, (raw, other), phis, strict=True):
+        assert torch.equal(out, triton_block_compress(x, _weights(phi), **geometry))
+    with pytest.raises(ValueError, match="block_stride=0"):
+        triton_block_compress_pair(
+            (raw, raw), tuple(_weights(phi) for phi in phis), block_len=8, block_stride=0
+        )

@@ -200,6 +200,65 @@ def test_fused_op_by_selection_block(device: str, monkeypatch: pytest.MonkeyPatc
         assert torch.equal(t, t2), f"{name} differs between two runs"
 
 
+class _Counted:
+    """A kernel launched as ``kernel[grid](...)``, its launches counted."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+SHARED_NAMES = ("out", "dq", "dk_cmp", "dv_cmp", "dk", "dv", "d_gate")
+
+
+def _run_shared(fn, xs: list[torch.Tensor], dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    # one k and one v for the selection and the window (k_sel, v_sel of xs), as the op is commonly called
+    q, k_cmp, v_cmp, k, v, _, _, gate, do = (x.detach().to(dtype) for x in xs)
+    leaves = [x.requires_grad_(True) for x in (q, k_cmp, v_cmp, k, v, gate)]
+    q, k_cmp, v_cmp, k, v, gate = leaves
+    out, block_idx = fn([q, k_cmp, v_cmp, k, v, k, v, gate])
+    out.backward(do)
+    return [out.detach(), *(x.grad for x in leaves)], block_idx
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("splits", ["partial sums", "one program per key tile"])
+@pytest.mark.parametrize(
+    "case", [CASES[0], *(c for c in CASES if c.values[0].paper)][: 3 if SIZES.real else 1]
+)
+def test_fused_op_with_shared_keys(
+    case: Case, splits: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The selection and the window on the same k and v: the window's backward adds its dK/dV into the
+    selection's (in the sum of its partial sums, or after its one pass) and the op returns one gradient
+    each. The float64 reference's gradients (autograd's sums), the same bits twice, and in bf16/fp16
+    within the composed path's error."""
+    from nsa_core.ops.triton import flash
+
+    if splits == "partial sums":  # programs enough for the heads to split and the queries to chunk
+        monkeypatch.setattr(flash, "program_target", lambda device: 1 << 12)
+    else:
+        monkeypatch.setattr(flash, "SPLIT_WORKSPACE_BYTES", 0)  # no head splits, no query chunks
+    sums = _Counted(flash._dkdv_sum_kernel)
+    monkeypatch.setattr(flash, "_dkdv_sum_kernel", sums)
+    xs = _inputs(case, device)
+    tri, tri_idx = _run_shared(lambda ins: _fused(case, ins), xs, torch.float32)
+    assert (sums.launches > 0) == (splits == "partial sums")
+    again, _ = _run_shared(lambda ins: _fused(case, ins), xs, torch.float32)
+    ref, _ = _run_shared(lambda ins: _reference(case, tri_idx)(*ins), xs, torch.float64)
+    for name, r, t, t2 in zip(SHARED_NAMES, ref, tri, again, strict=True):
+        assert_close(name, r, t.double(), FP32_RATIO)
+        assert torch.equal(t, t2), f"{name} differs between two runs"
+    for dtype in SIZES.dtypes:
+        tri, _ = _run_shared(lambda ins: _fused(case, ins), xs, dtype)
+        base, _ = _run_shared(lambda ins: _composed(case, ins), xs, dtype)
+        for name, r, b, t in zip(SHARED_NAMES, ref, base, tri, strict=True):
+            assert_within_same_dtype_error(name, r, b, t, LOW_PRECISION_FLOOR, LOW_PRECISION_FACTOR)
+
+
 # the m7c-125m geometry at 2048 (the scan) and at 5000 (by selection block)
 GRAPH_CASES = [CASES[-2], CASES[-4]] if SIZES.real else CASES[:1]
 

@@ -144,27 +144,28 @@ def test_a_hook_on_a_projection_sees_it() -> None:
 
 
 def test_the_fused_layer_runs_phi_as_kernels_unless_a_hook_is_on_it() -> None:
-    """The fused layer runs its block compressors through `triton_block_compress` (no block copy); a hook on
-    a compressor or on its MLP's layers makes the layer call the module instead, so the hook sees it run."""
+    """The fused layer runs its block compressors through `triton_block_compress_pair` (no block copy; the
+    keys' and values' phi in one launch, the member a program axis); a hook on a compressor or on its MLP's
+    layers makes the layer call that module instead, so the hook sees it run, and the other one alone."""
     from nsa_core.ops.triton import compressor
 
     _, model = pair()
     attn = model.blocks[0].attn
-    launches: list[str] = []
+    members: list[int] = []  # per forward launch: how many compressors it ran
     kernel = compressor._compress_fwd_kernel
     original = kernel.launch
-    kernel.launch = lambda grid, *args, **kwargs: (launches.append("fwd"), original(grid, *args, **kwargs))
+    kernel.launch = lambda grid, *args, **kwargs: (members.append(grid[2]), original(grid, *args, **kwargs))
     try:
         with torch.no_grad():
             model(random_tokens(1, HOOK_LEN).to(SIZES.device))
-        assert len(launches) == 2 * len(model.blocks)  # phi_k and phi_v of every layer
+        assert members == [2] * len(model.blocks)  # phi_k and phi_v of every layer, together
         seen: list[tuple[int, ...]] = []
         handle = attn.phi_v.mlp[0].register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
-        launches.clear()
+        members.clear()
         with torch.no_grad():
             model(random_tokens(1, HOOK_LEN).to(SIZES.device))
         handle.remove()
     finally:
         kernel.launch = original
     assert len(seen) == 1
-    assert len(launches) == 2 * len(model.blocks) - 1
+    assert members == [1] + [2] * (len(model.blocks) - 1)  # the hooked layer's phi_k alone

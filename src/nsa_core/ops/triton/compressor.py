@@ -17,6 +17,11 @@ its key and value compressors had taken some 32 (BENCHMARKS.md). Here:
   blocks of the input's gradient) and one for ``W2``, ``b2`` and ``b1``, each summing its rows in order
   (over `SPLIT_ROWS` rows, split into row ranges whose partial sums a fourth kernel adds in order).
 
+The keys' and the values' phi (two raw tensors of one layout, each with its own weights) run in the same
+launches (`triton_block_compress_pair`): every kernel takes both members' pointers and a program axis picks
+one, so a layer issues one autograd function and four or five kernels for both, not two and eight or ten
+(at m7c-125m's 2k op the host's issue time was the op's time, BENCHMARKS.md).
+
 Everything is deterministic. Rounding follows torch's: ``block + pos`` and ``h`` are rounded to the
 inputs' dtype before the products that read them; products accumulate in float32 (float16/bfloat16) or
 exactly (float32, ``ieee``); ``dh`` stays float32.
@@ -43,6 +48,15 @@ MAX_SPLITS = 16
 
 
 @triton.jit
+def _pick(which, first, second):
+    # the pointer of the pair's member ``which`` (0: keys, 1: values); one member: first and second alike
+    chosen = first
+    if which == 1:
+        chosen = second
+    return chosen
+
+
+@triton.jit
 def _block_input(raw, pos, base, first_token, mask, j, s_t, offs_c, D):
     # x_j of blocks whose first token is first_token (per row; base: the row's batch and head offset):
     # raw[b, first_token + j, h, :] + pos[j], rounded to raw's dtype
@@ -53,14 +67,19 @@ def _block_input(raw, pos, base, first_token, mask, j, s_t, offs_c, D):
 
 
 @Launcher
-@triton.jit(do_not_specialize=["N", "start"])
+@triton.jit(do_not_specialize=["N", "start", "rows"])
 def _compress_fwd_kernel(
-    raw, pos, w1, b1, w2, b2, hidden, out,
-    N, H, start, stride_d, block_len, s_b, s_t, s_h,
+    raw, raw2, pos, pos2, w1, w1_2, b1, b1_2, w2, w2_2, b2, b2_2, hidden, out, out2,
+    N, H, start, stride_d, block_len, rows, s_b, s_t, s_h,
     D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # program (block tile, b * H + h): out rows (b, n, h) of the tile, hidden the same rows
-    bh = tl.program_id(1)
+    # program (block tile, b * H + h, member): out rows (b, n, h) of the tile, hidden the same rows (the
+    # member's ``rows`` after the first's)
+    bh, which = tl.program_id(1), tl.program_id(2)
+    raw, pos, w1 = _pick(which, raw, raw2), _pick(which, pos, pos2), _pick(which, w1, w1_2)
+    b1, w2, b2 = _pick(which, b1, b1_2), _pick(which, w2, w2_2), _pick(which, b2, b2_2)
+    out = _pick(which, out, out2)
+    hidden += which.to(tl.int64) * rows * D
     b, h = bh // H, bh % H
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -73,21 +92,25 @@ def _compress_fwd_kernel(
         w = tl.load(w1 + offs_c[None, :] * (block_len * D) + j * D + offs_c[:, None])  # W1_j^T [c, o]
         acc += tl.dot(x, w, input_precision=PRECISION)
     pre = (acc + tl.load(b1 + offs_c).to(tl.float32)[None, :]).to(hidden.dtype.element_ty)
-    rows = ((b * N + offs_n) * H + h).to(tl.int64)
-    tl.store(hidden + rows[:, None] * D + offs_c[None, :], pre, mask=mask_n[:, None])
+    r = ((b * N + offs_n) * H + h).to(tl.int64)
+    tl.store(hidden + r[:, None] * D + offs_c[None, :], pre, mask=mask_n[:, None])
     pre = pre.to(tl.float32)
     act = (pre * tl.sigmoid(pre)).to(w2.dtype.element_ty)
     w = tl.load(w2 + offs_c[None, :] * D + offs_c[:, None])  # W2^T [i, o]
     y = tl.dot(act, w, input_precision=PRECISION) + tl.load(b2 + offs_c).to(tl.float32)[None, :]
-    tl.store(out + rows[:, None] * D + offs_c[None, :], y.to(out.dtype.element_ty), mask=mask_n[:, None])
+    tl.store(out + r[:, None] * D + offs_c[None, :], y.to(out.dtype.element_ty), mask=mask_n[:, None])
 
 
 @Launcher
 @triton.jit(do_not_specialize=["rows"])
 def _compress_bwd_hidden_kernel(
-    dy, hidden, w2, dh, rows, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr
+    dy, dy2, hidden, w2, w2_2, dh, rows, D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr
 ):
-    # dh = (dy W2) * silu'(h), float32, rows of the tile
+    # program (row tile, member): dh = (dy W2) * silu'(h), float32, rows of the tile
+    which = tl.program_id(1)
+    dy, w2 = _pick(which, dy, dy2), _pick(which, w2, w2_2)
+    hidden += which.to(tl.int64) * rows * D
+    dh += which.to(tl.int64) * rows * D
     offs_r = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_r = offs_r < rows
     offs_c = tl.arange(0, D)
@@ -101,14 +124,18 @@ def _compress_bwd_hidden_kernel(
 
 
 @Launcher
-@triton.jit(do_not_specialize=["N", "T", "start"])
+@triton.jit(do_not_specialize=["N", "T", "start", "rows"])
 def _compress_bwd_input_kernel(
-    dh, w1, d_raw,
-    N, H, T, start, stride_d, block_len, s_b, s_t, s_h,
+    dh, w1, w1_2, d_raw,
+    N, H, T, start, stride_d, block_len, rows, s_p, s_b, s_t, s_h,
     D: tl.constexpr, BLOCK_C: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # program (chunk tile, b * H + h): d_raw of tokens start + c d + r, r < d, for the tile's chunks c; a
-    # token's blocks are c - m for m = 0 .. while r + m d < l (none: zeros)
+    # program (chunk tile, b * H + h, member): d_raw of tokens start + c d + r, r < d, for the tile's chunks
+    # c; a token's blocks are c - m for m = 0 .. while r + m d < l (none: zeros). d_raw [members, B, T, H, D]
+    which = tl.program_id(2)
+    w1 = _pick(which, w1, w1_2)
+    dh += which.to(tl.int64) * rows * D
+    d_raw += which.to(tl.int64) * s_p
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_k = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -121,8 +148,8 @@ def _compress_bwd_input_kernel(
             if j < block_len:
                 n = offs_k - m
                 valid = (n >= 0) & (n < N)
-                rows = ((b * N + n) * H + h).to(tl.int64)
-                g = tl.load(dh + rows[:, None] * D + offs_c[None, :], mask=valid[:, None], other=0.0)
+                rows_n = ((b * N + n) * H + h).to(tl.int64)
+                g = tl.load(dh + rows_n[:, None] * D + offs_c[None, :], mask=valid[:, None], other=0.0)
                 w = tl.load(w1 + offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :])  # W1_j [o, c]
                 acc += tl.dot(g.to(w1.dtype.element_ty), w, input_precision=PRECISION)
         token = start + offs_k * stride_d + r
@@ -131,31 +158,42 @@ def _compress_bwd_input_kernel(
 
 
 @triton.jit
-def _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D: tl.constexpr):
-    # the sums of program j written as gradients: dW1_j and d_pos_j = col W1_j (j < l), or dW2, db2, db1
+def _weight_grads(j, which, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D: tl.constexpr):
+    # the sums of program j written as gradients of the member ``which`` (its weights' gradients after the
+    # first member's in each pair tensor): dW1_j and d_pos_j = col W1_j (j < l), or dW2, db2, db1
     offs_c = tl.arange(0, D)
+    at = which.to(tl.int64)
     if j < block_len:
         w1_j = offs_c[:, None] * (block_len * D) + j * D + offs_c[None, :]  # [o, c]
-        tl.store(d_w1 + w1_j, acc.to(d_w1.dtype.element_ty))
+        tl.store(d_w1 + at * (block_len * D * D) + w1_j, acc.to(d_w1.dtype.element_ty))
         dpos = tl.sum(col[:, None] * tl.load(w1 + w1_j).to(tl.float32), 0)
-        tl.store(d_pos + j * D + offs_c, dpos.to(d_pos.dtype.element_ty))
+        tl.store(d_pos + at * (block_len * D) + j * D + offs_c, dpos.to(d_pos.dtype.element_ty))
     else:
-        tl.store(d_w2 + offs_c[:, None] * D + offs_c[None, :], acc.to(d_w2.dtype.element_ty))
-        tl.store(d_b2 + offs_c, col.to(d_b2.dtype.element_ty))
-        tl.store(d_b1 + offs_c, col_dh.to(d_b1.dtype.element_ty))
+        w2_at = d_w2 + at * (D * D) + offs_c[:, None] * D + offs_c[None, :]
+        tl.store(w2_at, acc.to(d_w2.dtype.element_ty))
+        tl.store(d_b2 + at * D + offs_c, col.to(d_b2.dtype.element_ty))
+        tl.store(d_b1 + at * D + offs_c, col_dh.to(d_b1.dtype.element_ty))
 
 
 @Launcher
-@triton.jit(do_not_specialize=["N", "start", "rows", "rows_per_split"])
+@triton.jit(do_not_specialize=["N", "start", "rows", "rows_per_split", "splits"])
 def _compress_bwd_weight_kernel(
-    raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2, part,
-    N, H, start, stride_d, block_len, rows, rows_per_split, s_b, s_t, s_h,
+    raw, raw2, pos, pos2, w1, w1_2, dy, dy2, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2, part,
+    N, H, start, stride_d, block_len, rows, rows_per_split, splits, s_b, s_t, s_h,
     D: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    # program (j, split): over the split's rows, j < l: dW1_j = sum dh^T x_j and sum dh (for d_pos_j);
-    # j = l: dW2 = sum dy^T silu(h), db2 = sum dy, db1 = sum dh. SPLIT: partial sums into part
-    # [splits, l + 1, D * D + 2 D] (float32, summed in order by `_compress_bwd_weight_reduce_kernel`)
-    j, split = tl.program_id(0), tl.program_id(1)
+    # program (j, split, member): over the split's rows, j < l: dW1_j = sum dh^T x_j and sum dh (for
+    # d_pos_j); j = l: dW2 = sum dy^T silu(h), db2 = sum dy, db1 = sum dh. SPLIT: partial sums into part
+    # [members, splits, l + 1, D * D + 2 D] (float32, summed in order by `_compress_bwd_weight_reduce_kernel`)
+    j, split, which = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    raw, pos, w1, dy = (
+        _pick(which, raw, raw2),
+        _pick(which, pos, pos2),
+        _pick(which, w1, w1_2),
+        _pick(which, dy, dy2),
+    )
+    hidden += which.to(tl.int64) * rows * D
+    dh += which.to(tl.int64) * rows * D
     offs_c = tl.arange(0, D)
     acc = tl.zeros([D, D], dtype=tl.float32)
     col = tl.zeros([D], dtype=tl.float32)  # sum over rows of dh (j < l) or dy (j = l)
@@ -181,31 +219,32 @@ def _compress_bwd_weight_kernel(
             col += tl.sum(g_y.to(tl.float32), 0)
             col_dh += tl.sum(g, 0)
     if SPLIT:
-        at = part + (split * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
+        at = part + ((which * splits + split) * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
         tl.store(at + offs_c[:, None] * D + offs_c[None, :], acc)
         tl.store(at + D * D + offs_c, col)
         tl.store(at + D * D + D + offs_c, col_dh)
     else:
-        _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
+        _weight_grads(j, which, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
 
 
 @Launcher
 @triton.jit
 def _compress_bwd_weight_reduce_kernel(
-    part, w1, d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D: tl.constexpr
+    part, w1, w1_2, d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D: tl.constexpr
 ):
-    # program j: the splits' partial sums of j added in split order, then written as gradients
-    j = tl.program_id(0)
+    # program (j, member): the splits' partial sums of j added in split order, then written as gradients
+    j, which = tl.program_id(0), tl.program_id(1)
+    w1 = _pick(which, w1, w1_2)
     offs_c = tl.arange(0, D)
     acc = tl.zeros([D, D], dtype=tl.float32)
     col = tl.zeros([D], dtype=tl.float32)
     col_dh = tl.zeros([D], dtype=tl.float32)
     for split in range(splits):
-        at = part + (split * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
+        at = part + ((which * splits + split) * (block_len + 1) + j).to(tl.int64) * (D * D + 2 * D)
         acc += tl.load(at + offs_c[:, None] * D + offs_c[None, :])
         col += tl.load(at + D * D + offs_c)
         col_dh += tl.load(at + D * D + D + offs_c)
-    _weight_grads(j, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
+    _weight_grads(j, which, acc, col, col_dh, w1, d_pos, d_w1, d_b1, d_w2, d_b2, block_len, D)
 
 
 def _strides(raw: torch.Tensor) -> tuple[int, int, int]:
@@ -216,64 +255,99 @@ def _warps(D: int) -> int:
     return 4 if D <= 64 else 8  # the weight sums hold a [D, D] float32 accumulator
 
 
+def _second(members: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    # the second member's pointer, or the first's where there is one member (never read then)
+    return members[-1]
+
+
 class BlockCompressFunction(torch.autograd.Function):
+    """phi over one raw tensor, or over two of one shape and layout (the keys and the values, each with
+    its own weights) in the same launches: ``apply(block_len, block_stride, first, *raws, *weights)`` with
+    five weights a member, in the members' order; returns one output a member."""
+
     @staticmethod
-    def forward(ctx, raw, pos, w1, b1, w2, b2, block_len, block_stride, first):  # type: ignore[override]
+    def forward(ctx, block_len, block_stride, first, *tensors):  # type: ignore[override]
+        P = len(tensors) // 6
+        raws = tensors[:P]
+        pos, w1, b1, w2, b2 = (tensors[P + i :: 5] for i in range(5))
+        raw = raws[0]
         B, T, H, D = raw.shape
         start = first * block_stride
         N = num_compressed_blocks(T - start, block_len, block_stride)
-        out = raw.new_empty(B, N, H, D)
-        hidden = torch.empty_like(out)
+        rows = B * N * H
+        outs = tuple(raw.new_empty(B, N, H, D) for _ in raws)
+        hidden = raw.new_empty(P, B, N, H, D)
         precision = kernel_dtypes(raw.dtype)[1]
-        _compress_fwd_kernel[(cdiv(N, BLOCK_ROWS), B * H)](
-            raw, pos, w1, b1, w2, b2, hidden, out, N, H, start, block_stride, block_len, *_strides(raw),
+        _compress_fwd_kernel[(cdiv(N, BLOCK_ROWS), B * H, P)](
+            raw, _second(raws), pos[0], _second(pos), w1[0], _second(w1), b1[0], _second(b1), w2[0],
+            _second(w2), b2[0], _second(b2), hidden, outs[0], _second(outs),
+            N, H, start, block_stride, block_len, rows, *_strides(raw),
             D=D, BLOCK_N=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
         )  # fmt: skip
-        ctx.save_for_backward(raw, pos, w1, w2, hidden)
-        ctx.geometry = (block_len, block_stride, start)
-        return out
+        ctx.save_for_backward(*raws, *pos, *w1, *w2, hidden)
+        ctx.geometry = (block_len, block_stride, start, P)
+        return outs if P > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        raw, pos, w1, w2, hidden = ctx.saved_tensors
-        block_len, block_stride, start = ctx.geometry
-        B, T, H, D = raw.shape
-        N = hidden.shape[1]
-        rows = B * N * H
-        dy = dy.contiguous()
-        precision = kernel_dtypes(raw.dtype)[1]
-        dh = torch.empty(rows, D, dtype=torch.float32, device=raw.device)
-        _compress_bwd_hidden_kernel[(cdiv(rows, BLOCK_ROWS),)](
-            dy, hidden, w2, dh, rows, D=D, BLOCK_N=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D)
+    def backward(ctx, *dys):  # type: ignore[override]
+        block_len, block_stride, start, P = ctx.geometry
+        saved = ctx.saved_tensors
+        raws, pos, w1, w2, hidden = (
+            saved[:P],
+            saved[P : 2 * P],
+            saved[2 * P : 3 * P],
+            saved[3 * P : 4 * P],
+            saved[-1],
         )
-        d_raw = None
-        if ctx.needs_input_grad[0]:
+        raw = raws[0]
+        B, T, H, D = raw.shape
+        N = hidden.shape[2]
+        rows = B * N * H
+        dys = tuple(dy.contiguous() for dy in dys)
+        precision = kernel_dtypes(raw.dtype)[1]
+        dh = torch.empty(P, rows, D, dtype=torch.float32, device=raw.device)
+        _compress_bwd_hidden_kernel[(cdiv(rows, BLOCK_ROWS), P)](
+            dys[0], _second(dys), hidden, w2[0], _second(w2), dh, rows,
+            D=D, BLOCK_N=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
+        )  # fmt: skip
+        d_raws: tuple[torch.Tensor | None, ...] = (None,) * P
+        if any(ctx.needs_input_grad[3 : 3 + P]):
             # every token from start on is written (zeros where no block holds it); those before: zeros
-            d_raw = (torch.zeros if start else torch.empty)(raw.shape, dtype=raw.dtype, device=raw.device)
+            d_raw = (torch.zeros if start else torch.empty)(
+                (P, *raw.shape), dtype=raw.dtype, device=raw.device
+            )
             chunks = cdiv(T - start, block_stride)
-            _compress_bwd_input_kernel[(cdiv(chunks, BLOCK_ROWS), B * H)](
-                dh, w1, d_raw, N, H, T, start, block_stride, block_len, *_strides(d_raw),
+            _compress_bwd_input_kernel[(cdiv(chunks, BLOCK_ROWS), B * H, P)](
+                dh, w1[0], _second(w1), d_raw, N, H, T, start, block_stride, block_len, rows,
+                d_raw.stride(0), *_strides(d_raw[0]),
                 D=D, BLOCK_C=BLOCK_ROWS, PRECISION=precision, num_warps=_warps(D),
             )  # fmt: skip
-        d_pos, d_w1, d_w2 = torch.empty_like(pos), torch.empty_like(w1), torch.empty_like(w2)
-        d_b1, d_b2 = pos.new_empty(D), pos.new_empty(D)
+            d_raws = tuple(d_raw[i] if ctx.needs_input_grad[3 + i] else None for i in range(P))
+        p0 = pos[0]
+        d_pos, d_w1, d_w2 = p0.new_empty(P, *p0.shape), p0.new_empty(P, *w1[0].shape), p0.new_empty(P, D, D)
+        d_b1, d_b2 = p0.new_empty(P, D), p0.new_empty(P, D)
         # the weights' sums over the rows: one program per token position (and W2's) while the rows are
         # few; split over row ranges beyond, each split's partial sums then added in order
         splits = min(MAX_SPLITS, cdiv(rows, SPLIT_ROWS))
         rows_per_split = cdiv(cdiv(rows, splits), BLOCK_ROWS) * BLOCK_ROWS
         part = dh  # written only where split
         if splits > 1:
-            part = torch.empty(splits, block_len + 1, D * D + 2 * D, dtype=torch.float32, device=raw.device)
-        _compress_bwd_weight_kernel[(block_len + 1, splits)](
-            raw, pos, w1, dy, hidden, dh, d_pos, d_w1, d_b1, d_w2, d_b2, part,
-            N, H, start, block_stride, block_len, rows, rows_per_split, *_strides(raw),
+            part = torch.empty(
+                P, splits, block_len + 1, D * D + 2 * D, dtype=torch.float32, device=raw.device
+            )
+        _compress_bwd_weight_kernel[(block_len + 1, splits, P)](
+            raw, _second(raws), pos[0], _second(pos), w1[0], _second(w1), dys[0], _second(dys), hidden, dh,
+            d_pos, d_w1, d_b1, d_w2, d_b2, part,
+            N, H, start, block_stride, block_len, rows, rows_per_split, splits, *_strides(raw),
             D=D, BLOCK_R=BLOCK_ROWS, PRECISION=precision, SPLIT=splits > 1, num_warps=_warps(D),
         )  # fmt: skip
         if splits > 1:
-            _compress_bwd_weight_reduce_kernel[(block_len + 1,)](
-                part, w1, d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D=D, num_warps=_warps(D)
-            )
-        return d_raw, d_pos, d_w1, d_b1, d_w2, d_b2, None, None, None
+            _compress_bwd_weight_reduce_kernel[(block_len + 1, P)](
+                part, w1[0], _second(w1), d_pos, d_w1, d_b1, d_w2, d_b2, splits, block_len, D=D,
+                num_warps=_warps(D),
+            )  # fmt: skip
+        weights = tuple(g for i in range(P) for g in (d_pos[i], d_w1[i], d_b1[i], d_w2[i], d_b2[i]))
+        return None, None, None, *d_raws, *weights
 
 
 def runs_in_triton(raw: torch.Tensor, weights: tuple[torch.Tensor, ...], block_len: int) -> bool:
@@ -320,13 +394,47 @@ def triton_block_compress(
     ``weights = (pos [l, D], W1 [D, l D], b1 [D], W2 [D, D], b2 [D])``: `BlockCompressor`'s ``pos``,
     ``mlp[0]`` and ``mlp[2]``. Differentiable in ``raw`` and the five weights. Runs the module's torch
     operations where the kernels do not apply (`runs_in_triton`) or where there is no complete block."""
-    if block_len < 1 or block_stride < 1 or first < 0:
-        raise ValueError(f"block_len={block_len}, block_stride={block_stride} and first={first} are invalid")
+    _check_geometry(block_len, block_stride, first)
     N = num_compressed_blocks(raw.shape[1] - first * block_stride, block_len, block_stride)
     if N < 1 or not runs_in_triton(raw, weights, block_len):
         return torch_block_compress(raw, weights, block_len=block_len, block_stride=block_stride, first=first)
     if raw.stride(-1) != 1:
         raw = raw.contiguous()
     return BlockCompressFunction.apply(
-        raw, *(w.contiguous() for w in weights), block_len, block_stride, first
+        block_len, block_stride, first, raw, *(w.contiguous() for w in weights)
     )
+
+
+def triton_block_compress_pair(
+    raws: tuple[torch.Tensor, torch.Tensor],
+    weights: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]],
+    *,
+    block_len: int,
+    block_stride: int,
+    first: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_block_compress` of two raw tensors, each with its own weights (the keys' phi and the
+    values'), in the launches of one: one autograd function, four or five kernels forward and backward
+    for both where two calls issue twice as many. The same results as the two calls; where the two do not
+    share a shape, dtype and layout, or the kernels do not apply to one of them, it makes the two calls."""
+    _check_geometry(block_len, block_stride, first)
+    (raw, raw2), (w, w2) = raws, weights
+    N = num_compressed_blocks(raw.shape[1] - first * block_stride, block_len, block_stride)
+    if (
+        N < 1
+        or (raw.shape, raw.dtype, raw.device) != (raw2.shape, raw2.dtype, raw2.device)
+        or raw.stride() != raw2.stride()
+        or raw.stride(-1) != 1
+        or not runs_in_triton(raw, w, block_len)
+        or not runs_in_triton(raw2, w2, block_len)
+    ):
+        geometry = dict(block_len=block_len, block_stride=block_stride, first=first)
+        return triton_block_compress(raw, w, **geometry), triton_block_compress(raw2, w2, **geometry)
+    return BlockCompressFunction.apply(
+        block_len, block_stride, first, raw, raw2, *(x.contiguous() for x in (*w, *w2))
+    )
+
+
+def _check_geometry(block_len: int, block_stride: int, first: int) -> None:
+    if block_len < 1 or block_stride < 1 or first < 0:
+        raise ValueError(f"block_len={block_len}, block_stride={block_stride} and first={first} are invalid")

@@ -564,6 +564,25 @@ def _bwd_dq_kernel(
     tl.store(dq + q_ptr, dq_acc.to(dq.dtype.element_ty), mask=q_mask)
 
 
+@Launcher
+@triton.jit(do_not_specialize=["n", "splits"])
+def _dkdv_sum_kernel(dk_part, dv_part, dk, dv, n, splits, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per BLOCK elements of dK and of dV: the splits' partial sums added in split order (the
+    # same sum whatever the order the programs run in), plus what dk/dv hold where ADD, cast on the store
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc_k = tl.zeros([BLOCK], dtype=dk_part.dtype.element_ty)
+    acc_v = tl.zeros([BLOCK], dtype=dv_part.dtype.element_ty)
+    for s in range(splits):
+        acc_k += tl.load(dk_part + s * n + offs, mask=mask, other=0.0)
+        acc_v += tl.load(dv_part + s * n + offs, mask=mask, other=0.0)
+    if ADD:
+        acc_k += tl.load(dk + offs, mask=mask, other=0.0).to(acc_k.dtype)
+        acc_v += tl.load(dv + offs, mask=mask, other=0.0).to(acc_v.dtype)
+    tl.store(dk + offs, acc_k.to(dk.dtype.element_ty), mask=mask)
+    tl.store(dv + offs, acc_v.to(dv.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------------------------------------- launchers
 
 LOG2_E = 1.0 / math.log(2.0)
@@ -630,6 +649,7 @@ def block_sizes(head_dim: int) -> tuple[int, int, int]:
 
 # query tiles a dK/dV chunk holds at least (`dkdv_splits`): fewer is more partial sums for little work
 DKDV_MIN_CHUNK = 8
+SUM_BLOCK = 1024  # elements of dK and of dV a program of `_dkdv_sum_kernel` adds
 SPLIT_WORKSPACE_BYTES = 256 << 20  # float32 partial dK + dV of the splits (heads, query chunks), at most
 
 
@@ -772,11 +792,14 @@ def banded_backward(
     scale: float,
     delta: torch.Tensor | None = None,
     dq: torch.Tensor | None = None,
+    dkdv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of `banded_forward`'s output for the output gradient ``do``.
 
-    The fused op (`nsa_core.ops.triton.nsa`) passes ``delta [B, HQ, Tq]`` (then ``o`` is not read) and a
-    ``dq`` to add this branch's gradient into (returned as ``dq``).
+    The fused op (`nsa_core.ops.triton.nsa`) passes ``delta [B, HQ, Tq]`` (then ``o`` is not read), a ``dq``
+    to add this branch's gradient into (returned as ``dq``), and, where another branch read the same keys
+    and values, their gradients ``dkdv`` (contiguous, ``k``'s shape) to add this branch's into (returned
+    as ``dk, dv``: one tensor each where autograd would have added two).
     """
     B, Tq, HQ, D = q.shape
     Nk, HKV = k.shape[1], k.shape[2]
@@ -803,11 +826,13 @@ def banded_backward(
         Tq, Nk, B * HKV, G, D, q_offset, key_stride, key_offset, window or 0,
         dkdv_config["BLOCK_M"], dkdv_config["BLOCK_N"], program_target(q.device), DKDV_MIN_CHUNK,
     )  # fmt: skip
+    if dkdv is not None:
+        assert all(x.shape == k.shape and x.is_contiguous() for x in dkdv)
     if splits == 1:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dk_out, dv_out = dk, dv
         d_strides = (0, *dk.stride()[:3])
-    else:  # partial sums per split, in float32, then one sum
+    else:  # partial sums per split, in float32, then one sum (into dkdv where given)
         part_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
         dk_out = torch.empty(splits, B, Nk, HKV, D, dtype=part_dtype, device=k.device)
         dv_out = torch.empty_like(dk_out)
@@ -822,7 +847,16 @@ def banded_backward(
         **common, **dkdv_config,
     )  # fmt: skip
     if splits > 1:
-        dk, dv = dk_out.sum(0).to(k.dtype), dv_out.sum(0).to(v.dtype)
+        if dkdv is None:
+            dk, dv = k.new_empty(k.shape), v.new_empty(v.shape)
+        else:
+            dk, dv = dkdv
+        n = dk.numel()
+        _dkdv_sum_kernel[(cdiv(n, SUM_BLOCK),)](
+            dk_out, dv_out, dk, dv, n, splits, ADD=dkdv is not None, BLOCK=SUM_BLOCK
+        )
+    elif dkdv is not None:
+        dk, dv = dkdv[0].add_(dk), dkdv[1].add_(dv)
     _bwd_dq_kernel[(cdiv(Tq, dq_config["BLOCK_M"]), B * HQ)](
         q, k, v, do, lse, delta, dq, *q.stride()[:3], *k.stride()[:3],
         HQ, HQ // HKV, Tq, Nk, D, q_offset, window or 0, scale, scale * LOG2_E, ACCUMULATE=accumulate,

@@ -10,7 +10,9 @@ then run on the raw ``do`` and give the gradients of ``s_b * o_b`` (their ``p`` 
 ``ds = s_b p (dp - delta_b)`` and ``dv = (s_b p)^T do``), and each adds its ``dq`` into one tensor
 (selection first, then window, then compression: a fixed order, so the gradients stay deterministic).
 The workspace of the backward drops by four ``[B, T, HQ, D]`` tensors (the three gated output
-gradients and two of the three ``dq``) and by the torch sum over ``dq``.
+gradients and two of the three ``dq``) and by the torch sum over ``dq``. Where the selection and the window
+read the same ``k`` and ``v`` (the same tensors passed twice), the window's dK/dV are added into the
+selection's as its partial sums are summed: one gradient each, not two for autograd to add.
 
 ``on_branch(phase, branch)``, if given, is called on the host as each branch's kernels are about to be
 launched (``"forward"`` or ``"backward"``, then ``"cmp"``, ``"sel"`` or ``"win"``), and with ``branch=None``
@@ -102,6 +104,9 @@ class NSAAttentionFunction(torch.autograd.Function):
             o_cmp, o_sel, o_win, lse_cmp, lse_sel, lse_win, block_idx,
         )  # fmt: skip
         ctx.geometry, ctx.q_offset, ctx.scale, ctx.mark = geometry, q_offset, scale, mark
+        # the window reads the selection's keys and values (the op's common use): its backward adds its
+        # dK/dV into the selection's, one gradient each where autograd would add two
+        ctx.shared_kv = k_win is k_sel and v_win is v_sel
         # tiles of one token, and the scan's, are block_idx itself (an output: not kept on ctx, which would
         # hold it in a cycle); dq builds nothing for them
         kept = token_tiles[0] if token_tiles else None
@@ -131,10 +136,13 @@ class NSAAttentionFunction(torch.autograd.Function):
             delta=delta_sel, token_tiles=ctx.token_tiles,
         )  # fmt: skip
         mark("backward", "win")
+        shared = ctx.shared_kv
         _, dk_win, dv_win = banded_backward(
             do, q, k_win, v_win, o_win, lse2_win, scale=scale, delta=delta_win, dq=dq,
-            **geometry.sliding(q_offset),
+            dkdv=(dk_sel, dv_sel) if shared else None, **geometry.sliding(q_offset),
         )  # fmt: skip
+        if shared:  # dk_win, dv_win hold both branches' gradients; k_win is k_sel
+            dk_sel, dv_sel, dk_win, dv_win = dk_win, dv_win, None, None
         mark("backward", "cmp")
         _, dk_cmp, dv_cmp = banded_backward(
             do, q, k_cmp, v_cmp, o_cmp, lse2_cmp, scale=scale, delta=delta_cmp, dq=dq,
