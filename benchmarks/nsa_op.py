@@ -10,8 +10,9 @@ The op takes ``q [B, T, HQ, D]``, ``k/v [B, T, HKV, D]`` shared by the three bra
 ``[B, T, HQ, 3]``: compressed keys/values through a learnable phi (an MLP over each block of l tokens,
 `nsa_core.layers.attention.BlockCompressor`, run as the model's fused path runs it: its Triton kernels,
 keys and values in the same launches, `triton_block_compress_pair`; ``--phi torch``: the module's torch
-operations), compressed attention with the importance (Eq. 9, group sum) and top-n fused in (`triton_compressed_attention(select=...)`), selected
-attention, sliding window, sigmoid gates (`triton_gated_sum`: one pass forward, one backward).
+operations), compressed attention with the importance (Eq. 9, group sum) and top-n fused in
+(`triton_compressed_attention(select=...)`), selected attention, sliding window, sigmoid gates
+(`triton_gated_sum`: one pass forward, one backward).
 
     python benchmarks/nsa_op.py                                  # 2k .. 64k, and 256k for ours alone
     python benchmarks/nsa_op.py --seq-lens 8192 65536 --breakdown  # plus each branch's own time

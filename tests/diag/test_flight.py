@@ -134,7 +134,13 @@ def test_fr_refuses_what_is_not_a_dump_folder(tmp_path: Path, capsys) -> None:
         assert len(err.strip().splitlines()) == 1, err
     assert not marker.exists()  # never unpickled into a call
     assert not out.exists()  # nothing half-written
-    (hostile / "nccl_trace_rank_0").write_bytes(b"")
+    for content, message in (
+        (b"step 3 loss 2.1\n", "neither a pickle nor JSON: it begins b'step 3 loss 2.1\\n'"),  # a log
+        (b"", "the file is empty"),
+    ):
+        (hostile / "nccl_trace_rank_0").write_bytes(content)
+        assert run_cli(["fr", str(hostile), "--out", str(out)]) == 2
+        assert f"not a flight recorder dump ({message})" in capsys.readouterr().err
     shutil.copy(RECORDED / "skipped" / "gloo_trace_rank_1", hostile / "other_rank_0")
     assert run_cli(["fr", str(hostile), "--out", str(out)]) == 2
     assert "two files for rank 0" in capsys.readouterr().err

@@ -42,6 +42,12 @@ def load_dump(path: Path) -> dict[str, Any]:
         data = path.read_bytes()
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if not data:
+        raise UsageError(f"{path}: not a flight recorder dump (the file is empty)")
+    if data[:1] not in (b"{", b"[", b"\x80"):  # JSON, or a pickle of protocol 2 or later (every dump's)
+        raise UsageError(
+            f"{path}: not a flight recorder dump (neither a pickle nor JSON: it begins {data[:20]!r})"
+        )
     try:
         dump = json.loads(data) if data[:1] in (b"{", b"[") else _PlainUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, json.JSONDecodeError, EOFError, ValueError, UnicodeDecodeError) as exc:
