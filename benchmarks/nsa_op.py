@@ -23,8 +23,8 @@ operations), compressed attention with the importance (Eq. 9, group sum) and top
 ``--graphs`` also times forward+backward captured in CUDA graphs (`torch.cuda.make_graphed_callables`, one
 graph for the forward and one for the backward), ours and cuDNN's, and checks that the graphed op's
 output and gradients equal the eager ones bit for bit. At short lengths the eager op is bound by the host
-(Python and autograd issue 56 kernels per forward+backward at m7c's geometry and 2k, phi included, in
-3.05 ms against 0.57 ms of kernel time: `nsa_host.py`, H200, 2026-12-02); a captured graph replays them
+(Python and autograd issue 44 kernels per forward+backward at m7c's geometry and 2k, phi included, in
+2.28 ms against 0.49 ms of kernel time: `nsa_host.py`, H200, 2026-12-03); a captured graph replays them
 without the host.
 
 The op is `triton_nsa_attention` (one autograd function); ``--composed`` also times the three branch
