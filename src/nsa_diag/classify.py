@@ -756,9 +756,8 @@ def _crash(ev: Evidence) -> Classification:
         )
     tail = _last_line(ev.stderr_tail)
     said = f"; stderr: {tail}" if tail else ""
-    return Classification(
-        "crash", None, f"exited with code {ev.exit_code} without a result at {at}{where_frame}{said}"
-    )
+    ended = f"exited with code {ev.exit_code}" if ev.exit_code is not None else "ended (exit status unknown)"
+    return Classification("crash", None, f"{ended} without a result at {at}{where_frame}{said}")
 
 
 # C++'s std::terminate on an uncaught exception (then abort: SIGABRT), as libstdc++ prints it

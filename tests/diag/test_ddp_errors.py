@@ -422,6 +422,36 @@ def test_a_dataloader_worker_killed_by_sigkill_points_at_the_oom_killer(
     assert result.reason == said + ("" if we_killed else note)
 
 
+def test_a_helper_that_ended_with_the_job_is_not_said_to_have_crashed(tmp_path: Path) -> None:
+    """A multiprocessing Pool's worker (a helper) that its pool terminated as the job ended: its exit
+    status is not nsa-diag's to know, and its account says so, not "exited with code None without a
+    result" (its own unit's crash classification, which never was a verdict of the job)."""
+    root = _unit("pass", "the job exited with code 0", 0)
+    helper = _unit_ended_unknown()
+    end = Ending(tmp_path, "exited", {99: root, 120: helper}, None, StopReport(exit_code=0), 1.0, JobNotes())
+    result = job.combine(
+        CaseSpec(name="watch"), end, root=99, infos={}, ranks={}, rates={}, folders={},
+        roles={99: "training", 120: "helper"}, parents={120: 99},
+    )  # fmt: skip
+    assert result.verdict == "pass"
+    record = result.evidence.processes["120"]
+    assert record.verdict is None
+    assert record.reason == record.state
+    assert record.state.startswith("ended (exit status unknown")
+    assert "code None" not in record.reason
+
+
+def _unit_ended_unknown() -> CaseResult:
+    # what a unit's classification gives a process that ended without a result or a known exit status
+    from nsa_diag.classify import Evidence, classify
+    from nsa_diag.spec import Where
+
+    c = classify(Evidence(outcome="exited", exit_code=None, where=Where(phase="done", event="begin")))
+    assert c.verdict == "crash"
+    assert "ended (exit status unknown) without a result at done" in c.reason
+    return _unit(c.verdict, c.reason, None)
+
+
 def test_a_breakpoint_left_in_the_code_is_said_as_such(tmp_path: Path) -> None:
     """pdb's BdbQuit (no message) from a breakpoint() left in a watched job, whose stdin is /dev/null: the
     reason says the debugger was entered and quit, at the job's line."""

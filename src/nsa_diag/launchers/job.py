@@ -562,11 +562,15 @@ def _record(
     alive: bool,
 ) -> ProcessRecord:
     training = role in TRAINING_ROLES or role is None
+    state = process_state(key, res, role, info, folder, alive)
+    reason = res.reason
+    if not training and res.verdict == "crash" and res.exit_code is None and not res.signal:
+        # a helper that ended with the job (a Pool's worker its pool terminated): no crash of ours to name
+        reason = state
     return ProcessRecord(
-        label=_label(key, info, ranks, root), role=role,
-        state=process_state(key, res, role, info, folder, alive),
+        label=_label(key, info, ranks, root), role=role, state=state,
         verdict=res.verdict if training else None, hang_kind=res.hang_kind if training else None,
-        reason=res.reason, where=location(res, key if key in ranks else None),
+        reason=reason, where=location(res, key if key in ranks else None),
         exit_code=res.exit_code,
     )  # fmt: skip
 
