@@ -69,7 +69,9 @@ for part in "$@"; do
         rows+=("$(cat "$lanes_dir/tests-$i.row")")
         [[ -f $lanes_dir/tests-$i.log ]] && { echo "===== tests-$i"; cat "$lanes_dir/tests-$i.log"; } >> "$out/tests.log"
       done
-      grep -h -E "^(FAILED|ERROR)" "$lanes_dir"/tests-*.log | head -n 30 ;;
+      grep -h -E "^(FAILED|ERROR)" "$lanes_dir"/tests-*.log | head -n 30
+      # and each failure's last error line, in the reply itself (the logs come back only under $OUT)
+      grep -h -E "^E   " "$lanes_dir"/tests-*.log | cut -c1-200 | head -n 20 ;;
     profile)
       step profile "${PROFILE_S:-150}" python3 benchmarks/nsa_profile.py --seq-lens 8192 65536
       [[ ${SKIP_G6:-} ]] || step profile-g6 60 python3 benchmarks/nsa_profile.py --heads 12 --kv-heads 2 --head-dim 64 --seq-lens 16384 ;;
