@@ -21,7 +21,7 @@ import pytest
 
 from nsa_diag import artifacts
 from nsa_diag.beacon import BeaconState, read_beacon
-from nsa_diag.evidence import gpu, procfs, stacks
+from nsa_diag.evidence import gpu, live, procfs, stacks
 from nsa_diag.executor import run_case, run_cases
 from nsa_diag.spec import CaseResult, CaseSpec, Injection
 
@@ -319,8 +319,17 @@ def test_pyspy_missing_points_at_the_one_installed_beside_nsa_diag(
         "PATH (activate its environment) for native frames"
     )
     assert stacks.pyspy_dump(1, tmp_path / "none.txt")["why"] == stacks.pyspy_missing()
+    # attach's advice says the same (it said "py-spy is not installed" of the one beside it)
+    advice = live.pyspy_advice([5], installed=False, refused=False, ptrace={"ptrace_scope": 0})
+    assert advice is not None
+    assert advice.startswith(
+        f"py-spy is not on PATH; the one installed with nsa-diag is {scripts / 'py-spy'}"
+    )
     monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
     assert stacks.pyspy_missing() == f"py-spy is not on PATH; {stacks.PYSPY_HINT}"
+    advice = live.pyspy_advice([5], installed=False, refused=False, ptrace={"ptrace_scope": 0})
+    assert advice is not None
+    assert advice.startswith("py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)")
 
 
 def test_pyspy_dump_or_why_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

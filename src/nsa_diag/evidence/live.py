@@ -503,9 +503,15 @@ def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: Ptrace
             if scope and not ptrace.get("root")
             else ""
         )
+        beside = stacks.pyspy_beside()
+        missing = (
+            f"py-spy is not on PATH; the one installed with nsa-diag is {beside}: put "
+            f"{os.path.dirname(beside)} on PATH (activate its environment)"
+            if beside
+            else "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)"
+        )
         return (
-            "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`): it adds the stack of "
-            f"every Python process (native frames too), handler or not{then}"
+            f"{missing}: it adds the stack of every Python process (native frames too), handler or not{then}"
         )
     if refused:
         scope = ptrace.get("ptrace_scope")
