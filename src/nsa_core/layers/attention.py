@@ -344,12 +344,13 @@ class NSAAttention(nn.Module):
             pair = triton_op("compressor", "triton_block_compress_pair")
             return pair((k_raw, v_raw), (self.phi_k.weights(), self.phi_v.weights()), **geometry)
         compress = triton_op("compressor", "triton_block_compress")
-        return tuple(  # type: ignore[return-value]
-            compress(raw, phi.weights(), **geometry)
-            if phi.plain()
-            else phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))
-            for phi, raw in ((self.phi_k, k_raw), (self.phi_v, v_raw))
-        )
+
+        def one(phi: BlockCompressor, raw: torch.Tensor) -> torch.Tensor:
+            if phi.plain():
+                return compress(raw, phi.weights(), **geometry)
+            return phi(unfold_blocks(raw, nsa.block_len, nsa.block_stride, first))
+
+        return one(self.phi_k, k_raw), one(self.phi_v, v_raw)
 
     def _projections(self, x: torch.Tensor) -> torch.Tensor:
         """``[q | k_cmp v_cmp | k_sel v_sel | k_win v_win]`` of ``x`` as one GEMM over the four weights side

@@ -503,12 +503,9 @@ def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: Ptrace
             if scope and not ptrace.get("root")
             else ""
         )
-        beside = stacks.pyspy_beside()
         missing = (
-            f"py-spy is not on PATH; the one installed with nsa-diag is {beside}: put "
-            f"{os.path.dirname(beside)} on PATH (activate its environment)"
-            if beside
-            else "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)"
+            stacks.pyspy_off_path()
+            or "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)"
         )
         return (
             f"{missing}: it adds the stack of every Python process (native frames too), handler or not{then}"

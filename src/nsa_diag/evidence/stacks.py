@@ -48,18 +48,22 @@ def pyspy_missing() -> str:
     """Why no py-spy runs: none on PATH, and whether the one installed with nsa-diag is beside this Python
     (a virtual environment run without activating it, pipx's or uv tool's: their programs are not on
     PATH but nsa-diag's own)."""
-    beside = pyspy_beside()
+    beside = pyspy_off_path()
     if beside is None:
         return f"py-spy is not on PATH; {PYSPY_HINT}"
+    return f"{beside} for native frames"
+
+
+def pyspy_off_path() -> str | None:
+    """Where the py-spy installed with nsa-diag is (this Python's scripts folder) and how to reach it, for a
+    py-spy not on PATH; None where there is none there either."""
+    beside = shutil.which("py-spy", path=sysconfig.get_path("scripts"))
+    if beside is None:
+        return None
     return (
         f"py-spy is not on PATH; the one installed with nsa-diag is {beside}: put "
-        f"{os.path.dirname(beside)} on PATH (activate its environment) for native frames"
+        f"{os.path.dirname(beside)} on PATH (activate its environment)"
     )
-
-
-def pyspy_beside() -> str | None:
-    """The py-spy installed with nsa-diag, in this Python's scripts folder (on PATH or not), or None."""
-    return shutil.which("py-spy", path=sysconfig.get_path("scripts"))
 
 
 _THREAD_RE = re.compile(
