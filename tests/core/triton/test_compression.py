@@ -350,6 +350,31 @@ def test_top_n_kernel_matches_select_blocks_on_ties(
     assert torch.equal(triton_top_n_blocks(imp, **kwargs), select_blocks(imp, **kwargs))
 
 
+@pytest.mark.parametrize("tile, warps", [(16, None), (1024, None), (4096, 4), (1 << 16, 2)])
+def test_top_n_launch_options_same_blocks(
+    tile: int, warps: int | None, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One pair a program up to 64, on one to four warps: the same blocks (ties everywhere)."""
+    monkeypatch.setattr(triton_compression, "TOP_N_TILE", tile)
+    monkeypatch.setattr(triton_compression, "TOP_N_WARPS", warps)
+    launch = triton_compression.top_n_launch(70)
+    block_r = max(1, min(64, tile // 128))
+    assert launch == dict(NS_PAD=128, BLOCK_R=block_r, num_warps=warps or max(1, min(4, block_r // 4)))
+    gen = torch.Generator().manual_seed(tile)
+    imp = torch.randint(0, 3, (2, 97, 3, 70), generator=gen).float().to(device)
+    kwargs = dict(sel_block_len=4, n_sel=6, n_init=1, n_local=2, q_offset=183)
+    assert torch.equal(triton_top_n_blocks(imp, **kwargs), select_blocks(imp, **kwargs))
+
+
+def test_top_n_launch_rule() -> None:
+    launch = triton_compression.top_n_launch
+    assert launch(32) == dict(NS_PAD=32, BLOCK_R=8, num_warps=1)  # m7c-125m at 2k: 8 pairs a program
+    assert launch(70) == dict(NS_PAD=128, BLOCK_R=2, num_warps=1)
+    assert launch(512) == dict(NS_PAD=512, BLOCK_R=1, num_warps=1)
+    assert launch(1024) == dict(NS_PAD=1024, BLOCK_R=1, num_warps=2)
+    assert launch(4000) == dict(NS_PAD=4096, BLOCK_R=1, num_warps=4)
+
+
 def test_selection_in_row_chunks_equals_one_pass(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case(B=1, T=SIZES.seq_lens[-1], HKV=2, G=2, D=SIZES.head_dims[0])  # chunks of one sequence's rows
     q, k, v, _ = (x.float() for x in _inputs(case, device))

@@ -237,8 +237,22 @@ def _top_n_kernel(
 
 
 # top-n: (query row, KV group) pairs a program ranks, so that a tile holds about this many scores (one pair
-# a program left 31 of 32 lanes of each warp idle at 2k: ~80 us a layer of m7c-125m's step at 8 x 2048)
-TOP_N_TILE = 4096
+# a program left 31 of 32 lanes of each warp idle at 2k: ~80 us a layer of m7c-125m's step at 8 x 2048),
+# on a warp per 512 scores, one to four (`top_n_launch`): 8 to 16 scores a thread. Against 4096 scores on
+# four warps (the rule before) the kernel took 46 us against 479 at 8k with 16 heads a group (4 KV groups),
+# 70 against 254 at m7c-125m's 16k, 28 against 41 at its 8 x 2k, 150 against 177 a chunk of 64k (G = 16)
+# and 156 against 172 a chunk of 128k (H200, benchmarks in BENCHMARKS.md).
+TOP_N_TILE = 256
+TOP_N_WARPS: int | None = None  # the rule's warps; an int: that many (benchmarks time other choices)
+
+
+def top_n_launch(num_sel_blocks: int) -> dict[str, int]:
+    """``NS_PAD`` (the blocks of a row up to a power of two), ``BLOCK_R`` (pairs a program) and
+    ``num_warps`` of the top-n kernel for rows of ``num_sel_blocks`` selection blocks."""
+    ns_pad = max(16, next_power_of_2(num_sel_blocks))
+    block_r = max(1, min(64, TOP_N_TILE // ns_pad))
+    warps = TOP_N_WARPS if TOP_N_WARPS is not None else max(1, min(4, ns_pad * block_r // 512))
+    return dict(NS_PAD=ns_pad, BLOCK_R=block_r, num_warps=warps)
 
 
 # ---------------------------------------------------------------------------------------------- launchers
@@ -295,12 +309,11 @@ def _launch_top_n(
     assert imp.stride()[1:] == (HKV * num_sel_blocks, num_sel_blocks, 1)
     assert block_idx.is_contiguous()
     n_sel = block_idx.shape[-1]
-    ns_pad = max(16, next_power_of_2(num_sel_blocks))
-    block_r = max(1, min(64, TOP_N_TILE // ns_pad))
-    _top_n_kernel[(cdiv(rows * HKV, block_r), B)](
+    launch = top_n_launch(num_sel_blocks)
+    _top_n_kernel[(cdiv(rows * HKV, launch["BLOCK_R"]), B)](
         imp, block_idx, imp.stride(0), block_idx.stride(0), HKV, num_sel_blocks, q_offset, row0, rows,
-        SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=n_sel, NS_PAD=ns_pad,
-        BLOCK_N=next_power_of_2(n_sel), BLOCK_R=block_r,
+        SEL_BLOCK_LEN=sel_block_len, N_INIT=n_init, N_LOCAL=n_local, N_SEL=n_sel,
+        BLOCK_N=next_power_of_2(n_sel), **launch,
     )  # fmt: skip
 
 
