@@ -118,6 +118,19 @@ def test_branch_marks_reach_the_jobs_probe_and_replay(tmp_path: Path) -> None:
         assert probe_env(tmp_path, {}, spec.branch_marks)[BRANCHES_ENV] == ("1" if marks else "0")
 
 
+def test_probe_env_sets_the_recorders_buffer_by_its_current_name_only(tmp_path: Path) -> None:
+    """The flight recorder's buffer by TORCH_FR_BUFFER_SIZE: torch (2.9 on) warns in every rank's output
+    where its old name is set; a size the user gave under either name stands (the new name would outrank
+    the old one)."""
+    from nsa_diag.launchers.command import probe_env
+
+    env = probe_env(tmp_path, {})
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env
+    assert "TORCH_FR_BUFFER_SIZE" not in probe_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"})
+    assert "TORCH_FR_BUFFER_SIZE" not in probe_env(tmp_path, {"TORCH_FR_BUFFER_SIZE": "50"})
+
+
 def test_straggler_ratio_is_watchs_own_kept_out_of_the_hash_and_replayed(tmp_path: Path) -> None:
     """`watch --straggler-ratio`: ddp's option (declared once, on DdpSpec) into the command's spec; what a
     straggler is changes nothing the job computes, so not its hash; replay.sh gives it where it was given."""

@@ -64,6 +64,7 @@ from nsa_diag.launchers.torchrun import (
     FR_FILE,
     FR_PREFIX,
     FR_WAIT_S,
+    LEGACY_FR_BUFFER_ENV,
     PIPE_PREFIX,
     RankProcess,
     flight_recorder_says,
@@ -92,11 +93,14 @@ def probe_env(case_dir: Path, environ: Mapping[str, str], branch_marks: bool = F
     env[FR_PREFIX_ENV] = str(procs / FR_PREFIX)  # a gloo rank's probe dumps its recorder there at a hang
     recorder = {
         "TORCH_FR_BUFFER_SIZE": str(FR_BUFFER),  # the recorder of every backend that keeps one (gloo's too)
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(procs / FR_PREFIX),
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(procs / PIPE_PREFIX),
     }
+    # the buffer's older name (torch < 2.9) is only an alias now, and torch warns in every rank's output where
+    # it is set; the new name outranks it, so a size the user gave under the old one stands untouched
+    if LEGACY_FR_BUFFER_ENV in environ:
+        del recorder["TORCH_FR_BUFFER_SIZE"]
     env.update({k: v for k, v in recorder.items() if k not in environ})
     return env
 

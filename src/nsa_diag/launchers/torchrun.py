@@ -59,7 +59,8 @@ FR_PREFIX = "nccl_trace_rank_"  # TORCH_NCCL_DEBUG_INFO_TEMP_FILE: torch appends
 PIPE_PREFIX = "nccl_pipe_rank_"  # TORCH_NCCL_DEBUG_INFO_PIPE_FILE: torch reads <prefix><rank>.pipe
 FR_FILE = "nccl_flight_recorder.pickle"  # where each rank's dump ends up, in ranks/<r>/
 FR_WAIT_S = 5.0
-FR_BUFFER = 2000
+FR_BUFFER = 2000  # TORCH_FR_BUFFER_SIZE; not its alias LEGACY_FR_BUFFER_ENV: torch warns of it in each rank
+LEGACY_FR_BUFFER_ENV = "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
 def free_port() -> int:
@@ -83,7 +84,6 @@ def ddp_env(spec: CaseSpec, case_dir: Path) -> dict[str, str]:
     timeout = str(int(pg_timeout_s(spec)))
     env = {
         "TORCH_FR_BUFFER_SIZE": str(FR_BUFFER),  # the recorder of every backend that keeps one (gloo's too)
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FR_BUFFER),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(ranks / FR_PREFIX),
         "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": str(ranks / PIPE_PREFIX),
