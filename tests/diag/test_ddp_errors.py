@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from nsa_diag.analysis.ddp_errors import explain_ddp_error
 from nsa_diag.analysis.ranks import ends_said, rank_exit_codes
-from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank
+from nsa_diag.analysis.tracebacks import last_exception, rank_exceptions, split_by_rank, thread_deaths
 from nsa_diag.classify import cpp_terminate
 from nsa_diag.launchers import job
 from nsa_diag.launchers.base import Ending
@@ -254,6 +254,37 @@ def test_bare_tracebacks_go_to_the_failed_ranks() -> None:
     # a single process: no rank to give it to
     assert rank_exceptions(named.replace("for rank 1", "here")) == {}
     assert last_exception(named) is not None
+
+
+def test_a_threads_uncaught_exception_is_told_by_threadings_header() -> None:
+    """threading's default excepthook prints "Exception in thread <name>:" before the traceback; a
+    traceback without it (the process's own, a rank's) is no thread's death. A hang's reason names the
+    last thread that died (`job._dead_threads`)."""
+    thread = [
+        "Exception in thread Thread-1 (producer):",
+        "Traceback (most recent call last):",
+        '  File "/usr/lib/python3.11/threading.py", line 1045, in _bootstrap_inner',
+        "    self.run()",
+        '  File "/data/prefetch.py", line 9, in producer',
+        '    raise RuntimeError("corrupt record in shard-00042.tar")',
+        "RuntimeError: corrupt record in shard-00042.tar",
+    ]
+    own = ["Traceback (most recent call last):", '  File "t.py", line 2, in <module>', "KeyError: 'x'"]
+    text = "\n".join(
+        ["step 4 loss 0.37", *thread, "step 5 loss 0.36", *own, *(f"[rank1]: {x}" for x in thread)]
+    )
+    deaths = thread_deaths(text)
+    assert [(name, tb.type, tb.rank) for name, tb in deaths] == [
+        ("Thread-1 (producer)", "RuntimeError", None)
+    ] * 2
+    assert thread_deaths("\n".join(own)) == []
+    clause = job._dead_threads("\n".join(thread))
+    assert clause == (
+        "; earlier, the job's thread 'Thread-1 (producer)' died of an uncaught exception: RuntimeError: "
+        "corrupt record in shard-00042.tar at prefetch.py:9 in producer"
+    )
+    assert "(2 threads died; the last)" in job._dead_threads(text)
+    assert job._dead_threads("\n".join(own)) == ""
 
 
 def test_message_ends_at_a_log_record_and_a_chained_exception_is_the_last() -> None:

@@ -461,6 +461,11 @@ def test_a_wait_entered_between_the_stack_samples_is_a_deadlock(tmp_path: Path) 
     result = _result(out)
     assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
     assert "called from `uploaded.wait()` at upload_thread_dies.py:" in result["reason"]
+    # what a person reads first in the job's output: the thread it waits for died
+    assert (
+        "; earlier, the job's thread 'upload' died of an uncaught exception: ConnectionError: object store "
+        "refused the upload at upload_thread_dies.py:23 in upload"
+    ) in result["reason"]
     sleep_line = (
         (JOBS / "upload_thread_dies.py")
         .read_text()

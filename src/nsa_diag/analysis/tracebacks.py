@@ -51,6 +51,8 @@ _DUMP_REPR = re.compile(r"^object repr\s*: (.*)$")
 _LOST = "lost sys.stderr"
 _DUMP_LINES = 8  # the dump's lines from its first ("object address") to "lost sys.stderr"
 _OS_ERROR_REPR = re.compile(r"^\((\d+), '(.*)'\)$")
+# threading's default excepthook: the header it prints before an uncaught exception of a thread
+_THREAD_DIED = re.compile(r"^Exception in thread (.+?):\s*$")
 
 
 @dataclass(frozen=True)
@@ -241,3 +243,19 @@ def last_exception(text: str) -> Traceback | None:
     streams, bare = split_by_rank(text)
     found = [tb for lines in [*streams.values(), bare] for tb in parse(lines) if not tb.is_launcher]
     return max(found, key=lambda tb: tb.order, default=None)
+
+
+def thread_deaths(text: str) -> list[tuple[str, Traceback]]:
+    """The threads whose uncaught exception ``text`` (a job's stderr) shows, as threading's default
+    excepthook prints it ("Exception in thread <name>:", then the traceback): ``(name, exception)`` in
+    order. A thread that died this way leaves its process running: a loop that waits for what it would
+    have produced (a prefetch queue, an event) then waits for ever."""
+    streams, bare = split_by_rank(text)
+    deaths = []
+    for lines in [*streams.values(), bare]:
+        before = {position: lines[i - 1][1] for i, (position, _) in enumerate(lines) if i}
+        for tb in parse(lines):
+            m = _THREAD_DIED.match(before.get(tb.order, "").strip())
+            if m is not None:
+                deaths.append((m.group(1), tb))
+    return sorted(deaths, key=lambda death: death[1].order)

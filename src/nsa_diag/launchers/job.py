@@ -38,7 +38,7 @@ from nsa_diag.analysis.ranks import (
     rank_exit_codes,
 )
 from nsa_diag.analysis.restarts import split_attempts
-from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions
+from nsa_diag.analysis.tracebacks import Traceback, last_exception, rank_exceptions, thread_deaths
 from nsa_diag.classify import (
     cpp_terminate,
     dataloader_worker_idle,
@@ -721,6 +721,8 @@ def combine(
         )
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
         evidence.waits_on = waited
+    if base.verdict == "hang":
+        reason += _dead_threads(stderr)
     # the label names the rank ("rank 1 (pid 4242)"): the place goes on without it
     where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {location(base, None)}"
     reason += again.text() + _connect_hint(again, reason)
@@ -733,6 +735,22 @@ def combine(
         "hang_kind": kind,
     }
     return base.model_copy(update=update)
+
+
+def _dead_threads(stderr: str) -> str:
+    """A clause for a hang whose job printed a thread's uncaught exception before it stalled (a producer
+    thread that died leaves the loop waiting for its next item): the last such thread, where it raised,
+    and how many died; "" when none did."""
+    deaths = thread_deaths(stderr)
+    if not deaths:
+        return ""
+    name, tb = deaths[-1]
+    at = _frames(tb.text)
+    more = f" ({len(deaths)} threads died; the last)" if len(deaths) > 1 else ""
+    return (
+        f"; earlier, the job's thread '{name}' died of an uncaught exception{more}: "
+        f"{tb.type}: {tb.first_line}" + (f" at {at}" if at else "")
+    )
 
 
 # what the main process gets when a DataLoader worker dies while it sends a batch (torch raises its own
