@@ -269,9 +269,10 @@ def _is_probe(frame: Frame) -> bool:
 
 
 def _is_library(frame: Frame) -> bool:
-    """A frame of Python's own library (threading, ctypes, ...): the interesting one is its caller."""
+    """A frame of Python's own library (threading, ctypes, ...; a frozen module such as ``<frozen
+    genericpath>`` from Python 3.11 on): the interesting one is its caller."""
     path = frame.file.replace("\\", "/")
-    return "/lib/python3" in path and "-packages/" not in path
+    return ("/lib/python3" in path and "-packages/" not in path) or path.startswith("<frozen ")
 
 
 def _exiting(thread: ThreadStack) -> bool:

@@ -777,6 +777,18 @@ def test_frames_that_move_between_samples_with_cpu_are_work() -> None:
     assert hang_kind(moving)[0] == "unknown"  # busy, but not on one frame: never python-busy
 
 
+def test_a_spin_in_a_frozen_module_names_the_jobs_line_that_called_it() -> None:
+    """`while not os.path.exists(path): pass`: from Python 3.11 the innermost frame is the frozen
+    ``<frozen genericpath>``, Python's own library: the reason names the job's line that calls it."""
+    spin = dump(("<frozen genericpath>", 19, "exists"), (TRAIN, 6, "wait_for_shard"), (TRAIN, 16, "main"))
+    ev = Evidence(outcome="stalled", stack_samples=[spin, spin], cpu_percent=73.0, heartbeat_advancing=True)
+    kind, why = hang_kind(ev)
+    assert kind == "python-busy"
+    assert why.startswith(
+        "busy in Python at <frozen genericpath>:19 in exists, called from train.py:6 in wait_for_shard"
+    )
+
+
 def test_a_batch_its_dataloader_worker_produces_is_a_pause_an_idle_or_stuck_worker_is_not() -> None:
     main = Evidence(
         outcome="stalled", stack_samples=[WAITS_FOR_BATCH, WAITS_FOR_BATCH], cpu_percent=0.0,
