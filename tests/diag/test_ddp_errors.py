@@ -287,6 +287,20 @@ def test_a_threads_uncaught_exception_is_told_by_threadings_header() -> None:
     assert job._dead_threads("\n".join(own)) == ""
 
 
+def test_a_world_size_the_job_did_not_start_is_named() -> None:
+    """The probe notes the world size a rank's own init_process_group asks for (before the call) beside
+    torchrun's WORLD_SIZE; a hang's reason names a difference. After a call that returned both are the
+    group's, so no difference is left to name."""
+    waiting = {11: {"rank": 0, "world_size": 2, "init_world_size": 3}, 12: {"rank": 1, "world_size": 2}}
+    assert job._world_mismatch(waiting) == (  # type: ignore[arg-type]
+        "; rank 0's init_process_group asked for world_size=3, but the job started 2 ranks (WORLD_SIZE=2): "
+        "the process group waits for ranks that never come"
+    )
+    joined = {11: {"rank": 0, "world_size": 2, "init_world_size": 2}}
+    assert job._world_mismatch(joined) == ""  # type: ignore[arg-type]
+    assert job._world_mismatch({11: {"init_world_size": 4}}) == ""  # type: ignore[arg-type]  # spawn: unknown
+
+
 def test_message_ends_at_a_log_record_and_a_chained_exception_is_the_last() -> None:
     text = "\n".join([
         "[rank0]: Traceback (most recent call last):",

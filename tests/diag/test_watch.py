@@ -896,6 +896,23 @@ def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
 
 
+@pytest.mark.slow  # ~70 s: ranks that never report progress are judged by the timeout alone
+def test_ranks_waiting_for_a_world_size_the_job_never_started_are_a_hang_that_says_so(tmp_path: Path) -> None:
+    """init_process_group(world_size=3) under torchrun's two ranks: both wait in it for ever. Before any
+    progress a rank is judged by the timeout (a rank may load data for minutes first); at it, the hang
+    names the mismatch the probe noted before the call."""
+    job = _torchrun("ddp_wrong_world_size.py")
+    proc, out = _watch(tmp_path, "--timeout", "60", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    result = _result(out)
+    assert (result["verdict"], result["hang_kind"]) == ("hang", "collective"), result["reason"]
+    assert (
+        "init_process_group asked for world_size=3, but the job started 2 ranks (WORLD_SIZE=2)"
+        in (result["reason"])
+    )
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 @pytest.mark.slow  # ~25 s each: two gloo ranks importing torch, 8 steps of 0.1-0.4 s
 @pytest.mark.parametrize("slow_rank", [1, -1], ids=["rank-1-slow", "healthy"])
 def test_a_watched_torchrun_rank_slow_in_its_data_loading_is_a_straggler_and_the_job_passes(

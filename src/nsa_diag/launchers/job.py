@@ -722,7 +722,7 @@ def combine(
         reason += f"; the stalled process waits for {what}: " + "; ".join(texts)
         evidence.waits_on = waited
     if base.verdict == "hang":
-        reason += _dead_threads(stderr)
+        reason += _dead_threads(stderr) + _world_mismatch(infos)
     # the label names the rank ("rank 1 (pid 4242)"): the place goes on without it
     where_text = f"{_label(key, infos.get(key, {}), ranks, root)}: {location(base, None)}"
     reason += again.text() + _connect_hint(again, reason)
@@ -735,6 +735,21 @@ def combine(
         "hang_kind": kind,
     }
     return base.model_copy(update=update)
+
+
+def _world_mismatch(infos: Mapping[int, ProbeJson]) -> str:
+    """A clause for a hang of a job whose own ``init_process_group(world_size=N)`` asked for another number
+    of ranks than its launcher started (``WORLD_SIZE``, torchrun's): the group waits for ranks that never
+    come (a world size written into the code or a config for another machine); "" otherwise."""
+    for pid, info in sorted(infos.items()):
+        asked, started = info.get("init_world_size"), info.get("world_size")
+        if asked is not None and started is not None and asked != started:
+            who = f"rank {info['rank']}" if info.get("rank") is not None else f"pid {pid}"
+            return (
+                f"; {who}'s init_process_group asked for world_size={asked}, but the job started {started} "
+                f"ranks (WORLD_SIZE={started}): the process group waits for ranks that never come"
+            )
+    return ""
 
 
 def _dead_threads(stderr: str) -> str:

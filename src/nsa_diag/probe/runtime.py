@@ -110,6 +110,9 @@ class ProbeJson(TypedDict, total=False):
     rank: int | None
     local_rank: int | None
     world_size: int | None
+    # the world size the job's own init_process_group call asked for (its world_size argument), noted
+    # before the call: a group asked for more ranks than the job started waits in it for ever
+    init_world_size: int
     restart_count: int | None  # torchrun's TORCHELASTIC_RESTART_COUNT: the ranks' attempt, from 0
     sigusr1: str  # probe | user
     torch: bool
@@ -781,7 +784,8 @@ def _wrap_dataloader_worker(torch: Any) -> None:
 
 def _wrap_init_process_group(torch: Any) -> None:
     """A process that joins a process group notes its rank (``torch.multiprocessing.spawn``'s workers have
-    no RANK variable): it is a rank of the job."""
+    no RANK variable): it is a rank of the job; and, before the call, the world size it asks for where it
+    gives one (``init_world_size``)."""
     import functools
 
     dist = getattr(torch, "distributed", None)
@@ -793,6 +797,10 @@ def _wrap_init_process_group(torch: Any) -> None:
 
     @functools.wraps(init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        asked = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
+        if _probe is not None and isinstance(asked, int) and asked > 0:
+            with contextlib.suppress(Exception):
+                _probe.note("init_world_size", asked)
         result = init(*args, **kwargs)
         if _probe is not None:
             with contextlib.suppress(Exception):
