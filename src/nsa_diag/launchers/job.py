@@ -741,10 +741,10 @@ def _world_mismatch(infos: Mapping[int, ProbeJson]) -> str:
     """A clause for a hang of a job whose own ``init_process_group(world_size=N)`` asked for another number
     of ranks than its launcher started (``WORLD_SIZE``, torchrun's): the group waits for ranks that never
     come (a world size written into the code or a config for another machine); "" otherwise."""
-    for pid, info in sorted(infos.items()):
+    for key, info in sorted(infos.items()):
         asked, started = info.get("init_world_size"), info.get("world_size")
         if asked is not None and started is not None and asked != started:
-            who = f"rank {info['rank']}" if info.get("rank") is not None else f"pid {pid}"
+            who = f"rank {info['rank']}" if info.get("rank") is not None else f"pid {info.get('pid', key)}"
             return (
                 f"; {who}'s init_process_group asked for world_size={asked}, but the job started {started} "
                 f"ranks (WORLD_SIZE={started}): the process group waits for ranks that never come"
