@@ -260,6 +260,18 @@ def test_dkdv_chunks_cover_every_query_tile() -> None:
     assert dkdv_splits(6, 0, 2, 6, 64, 0, *cmp, 528, 8) == (1, 1, 1)  # no compressed key yet
 
 
+def test_dkdv_splits_follow_the_workspace_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The splits are cached per shape and per cap: a cap set after a shape's first call applies to it
+    (a test that set it to 0 for one program per key tile got the splits of an earlier test's same shape,
+    on the GPU, in a lane that ran that test first)."""
+    from nsa_core.ops.triton import flash
+
+    cmp = (16, 31, 0, 32, 64)
+    assert flash.dkdv_splits(16384, 1023, 2, 6, 64, 0, *cmp, 528)[2] > 1
+    monkeypatch.setattr(flash, "SPLIT_WORKSPACE_BYTES", 0)
+    assert flash.dkdv_splits(16384, 1023, 2, 6, 64, 0, *cmp, 528) == (1, 512, 1)
+
+
 def _check_importance_and_selection(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The importance and the fused selection in float32 against the reference; returns the selection."""
     ref_imp, ref_idx = _reference_selection(case, inputs)

@@ -665,16 +665,18 @@ def _program_target(index: int) -> int:
     return 4 * torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
+def head_splits(programs: int, G: int, kv_elements: int, target: int, workspace: int | None = None) -> int:
     """Into how many parts the dK/dV programs split the G query heads of a group: the smallest divisor of G
-    that gives ``target`` programs, as far as the float32 partial sums fit `SPLIT_WORKSPACE_BYTES`.
+    that gives ``target`` programs, as far as the float32 partial sums fit ``workspace`` bytes (default
+    `SPLIT_WORKSPACE_BYTES`).
 
     Few key tiles (the compressed keys are T/d; short windows of short sequences) would otherwise leave
     most of the GPU idle while each program walks every query of every head of its group.
     """
+    workspace = SPLIT_WORKSPACE_BYTES if workspace is None else workspace
     best = 1
     for splits in range(2, G + 1):
-        if G % splits or splits * kv_elements * 8 > SPLIT_WORKSPACE_BYTES:
+        if G % splits or splits * kv_elements * 8 > workspace:
             continue
         if programs * best >= target:
             break
@@ -682,7 +684,6 @@ def head_splits(programs: int, G: int, kv_elements: int, target: int) -> int:
     return best
 
 
-@functools.lru_cache(maxsize=256)  # a shape's splits, once: its loop runs over the key tiles
 def dkdv_splits(
     Tq: int,
     Nk: int,
@@ -706,13 +707,36 @@ def dkdv_splits(
     over the compressed keys the first key tile reads every query (m7c-125m at 16k: 512 query tiles a head,
     the last tile 32), so one program walked a whole head's queries while most of the GPU had finished.
     A chunk holds at least ``min_chunk`` query tiles; the float32 partial sums of all splits stay within
-    `SPLIT_WORKSPACE_BYTES`.
+    `SPLIT_WORKSPACE_BYTES` (read at each call: the cached splits are kept per cap).
     """
+    return _dkdv_splits(
+        Tq, Nk, groups, G, D, q_offset, key_stride, key_offset, window, block_m, block_n, target, min_chunk,
+        SPLIT_WORKSPACE_BYTES,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)  # a shape's splits, once: its loop runs over the key tiles
+def _dkdv_splits(
+    Tq: int,
+    Nk: int,
+    groups: int,
+    G: int,
+    D: int,
+    q_offset: int,
+    key_stride: int,
+    key_offset: int,
+    window: int,
+    block_m: int,
+    block_n: int,
+    target: int,
+    min_chunk: int,
+    workspace: int,
+) -> tuple[int, int, int]:
     key_tiles = cdiv(Nk, block_n)
     kv_elements = groups * Nk * D
     if kv_elements == 0:  # no keys (no compressed block yet): nothing to split
         return 1, 1, 1
-    h_splits = head_splits(key_tiles * groups, G, kv_elements, target)
+    h_splits = head_splits(key_tiles * groups, G, kv_elements, target, workspace)
 
     tiles = []  # each key tile's query tiles, as the kernel's lo and hi give them
     for tile in range(key_tiles):
@@ -723,7 +747,7 @@ def dkdv_splits(
         tiles.append(max(cdiv(hi - lo, block_m), 0))
     longest = max(tiles, default=0)
     chunk = max(cdiv(sum(tiles) * groups * h_splits, target), min_chunk)  # a program's tiles, dealt evenly
-    most = max(SPLIT_WORKSPACE_BYTES // (kv_elements * 8) // h_splits, 1)
+    most = max(workspace // (kv_elements * 8) // h_splits, 1)
     chunks = min(cdiv(longest, chunk), most)
     if chunks <= 1:
         return h_splits, max(longest, 1), h_splits
