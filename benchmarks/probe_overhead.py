@@ -28,13 +28,23 @@ host bounds),
 the progress events per step as the beacon counted them (``null`` records
 none) and the autograd graph's nodes per step (``old`` adds nodes; the graph hooks add none).
 
+With ``--compile BACKEND`` (issue 30) every variant is its own copy of the model (the same weights), its
+probe attached before ``torch.compile(model, backend=BACKEND)``, as ``nsa-diag run --compile`` and a
+watched job that compiles its model have it: inside the compiled graph the blocks' hooks are traced as
+nothing (no graph break), so what a variant adds is its events around the graph and any guard or
+recompilation its hooks cause. Each copy compiles on its first steps (the warm-up, per variant); the
+table then counts the graph breaks and recompilations of the whole run. ``old`` (an autograd Function
+per hooked module) is left out there.
+
     python benchmarks/probe_overhead.py                   # the three shapes on the GPU
     python benchmarks/probe_overhead.py --smoke           # CPU, tiny widths at 12 layers, under a minute
+    python benchmarks/probe_overhead.py --compile inductor --variants plain probe --shapes 8x2048 1x16384
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import statistics
@@ -216,9 +226,13 @@ class Bench:
     def __init__(self, args: argparse.Namespace, B: int, S: int) -> None:
         self.sync = args.device.type == "cuda"
         self.beacon_path = args.beacon.path
+        self.backend: str | None = args.compile
         torch.manual_seed(0)
         self.model = build(args.smoke, args.device, args.dtype)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        # --compile: per variant, its copy of the model with its probe attached, compiled, and its optimizer
+        self.compiled: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        self.base = copy.deepcopy(self.model) if self.backend else None
         vocab = self.model.cfg.vocab
         self.tokens = torch.randint(0, vocab, (B, S + 1), device=args.device)
         self.sinks: dict[str, Any] = {
@@ -236,7 +250,7 @@ class Bench:
         sink = self.sink
         if sink is not None:
             sink.step = (sink.step or 0) + 1
-        logits = self.model(self.tokens[:, :-1])
+        logits = self.model(self.tokens[:, :-1])  # under --compile: the variant's compiled copy
         loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[:, 1:].flatten())
         if count_nodes:
             self.nodes = graph_nodes(loss)
@@ -271,17 +285,38 @@ class Bench:
         state = read_beacon(self.beacon_path)
         return state.seq if state else 0
 
+    def _attach(self, model: nn.Module, variant: str) -> list[Any]:
+        if variant == "old":
+            return old_attach_progress(model, self.sink)
+        if variant == "marks":
+            return attach_progress(model, self.sink, branches=True)
+        return [] if variant == "plain" else attach_progress(model, self.sink)
+
+    def use(self, variant: str, warmup: int = 0) -> None:
+        """--compile: make ``variant``'s compiled copy the model the steps run (the first use builds it,
+        attaches its probe for good, compiles it and runs ``warmup`` steps, which compile)."""
+        if variant not in self.compiled:
+            assert self.base is not None
+            model = copy.deepcopy(self.base)
+            self.sink = self.sinks[variant]
+            self._attach(model, variant)
+            compiled = torch.compile(model, backend=self.backend)
+            self.compiled[variant] = (compiled, torch.optim.AdamW(model.parameters(), lr=1e-4))
+            self.model, self.opt = self.compiled[variant]
+            for _ in range(warmup):
+                self.step()
+            self.sink = None
+        self.model, self.opt = self.compiled[variant]
+
     def block(self, variant: str, steps: int) -> tuple[list[tuple[float, float]], int, int]:
         """``steps`` timed steps with ``variant``'s probe on: ((step ms, host ms) each, events per step,
         graph nodes)."""
         self.sink = self.sinks[variant]
         handles: list[Any] = []
-        if variant == "old":
-            handles = old_attach_progress(self.model, self.sink)
-        elif variant == "marks":
-            handles = attach_progress(self.model, self.sink, branches=True)
-        elif variant != "plain":
-            handles = attach_progress(self.model, self.sink)
+        if self.backend:
+            self.use(variant)
+        else:
+            handles = self._attach(self.model, variant)
         try:
             seq = self._events()
             self.step(count_nodes=True)  # not timed: the first step after attaching
@@ -299,7 +334,14 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     row: dict[str, Any] = {"shape": shape, "B": B, "S": S}
     try:
         bench = Bench(args, B, S)
-        for _ in range(args.warmup):
+        if args.compile:
+            from torch._dynamo.utils import counters
+
+            torch._dynamo.reset()
+            counters.clear()
+            for variant in args.variants:  # each copy compiles in its warm-up
+                bench.use(variant, args.warmup)
+        for _ in range(0 if args.compile else args.warmup):
             bench.step()
         times: dict[str, list[float]] = {v: [] for v in args.variants}
         hosts: dict[str, list[float]] = {v: [] for v in args.variants}
@@ -332,6 +374,13 @@ def measure(args: argparse.Namespace, shape: str) -> dict[str, Any]:
                 host_added_pct=statistics.median(host_added[variant]) / plain * 100,
                 steps=len(times[variant]),
             )
+        if args.compile:
+            row["compile"] = {
+                "backend": args.compile,
+                "graph_breaks": sum(counters["graph_break"].values()),
+                "unique_graphs": counters["stats"]["unique_graphs"],
+                "recompilations": counters["recompiles"].total() if "recompiles" in counters else 0,
+            }
     except torch.cuda.OutOfMemoryError:
         row["error"] = "OOM"
     return row
@@ -341,6 +390,11 @@ def print_row(row: dict[str, Any], variants: list[str]) -> None:
     if "error" in row:
         print(f"{row['shape']:>8}  {row['error']}")
         return
+    if "compile" in row:
+        c = row["compile"]
+        counts = f"{c['graph_breaks']} graph break(s), {c['unique_graphs']} graph(s)"
+        print(f"{row['shape']:>8}  torch.compile ({c['backend']}), all variants: {counts}, "
+              f"{c['recompilations']} recompilation(s)")  # fmt: skip
     for variant in variants:
         r = row[variant]
         added = "" if variant == "plain" else f"{r['added_ms']:+.2f}"
@@ -358,7 +412,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", nargs="+", help=f"BxS (default {' '.join(SHAPES)})")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all (--compile: but old)")
     parser.add_argument("--rounds", type=int, default=5, help="blocks per variant (default 5)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per block (default 6)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -367,8 +421,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="CPU, fp32, one thread: the tiny preset at 12 layers, small shapes",
     )
+    parser.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        help="each variant's model copy torch.compile'd with this backend (inductor, aot_eager, eager)",
+    )
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args(argv)
+    if args.compile and args.variants and "old" in args.variants:
+        parser.error("--compile runs without the old variant: its autograd Function per module breaks graphs")
+    if args.variants is None:
+        args.variants = [v for v in VARIANTS if not (args.compile and v == "old")]
     if "plain" not in args.variants:
         args.variants.insert(0, "plain")
     if args.smoke:
@@ -392,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
 
         header |= {"device": torch.cuda.get_device_name(), "triton": triton.__version__}
     header |= {"date": datetime.date.today().isoformat(), "rounds": args.rounds, "steps": args.steps}
+    if args.compile:
+        header["compile"] = args.compile
     print(", ".join(f"{k} {v}" for k, v in header.items()))
     columns = f"{'variant':<7} {'step ms':>9} {'added ms':>9} {'overhead':>9} {'paired':>9} "
     columns += f"{'host ms':>8} {'host added':>16} {'events':>7} {'nodes':>7}"
