@@ -684,7 +684,15 @@ def head_splits(programs: int, G: int, kv_elements: int, target: int, workspace:
     return best
 
 
-def dkdv_splits(
+def dkdv_splits(*args: int) -> tuple[int, int, int]:
+    """`_dkdv_splits` (its arguments from ``Tq`` on) under the current `SPLIT_WORKSPACE_BYTES`: the splits
+    are cached per shape and per cap, so a cap set after a shape's first call applies."""
+    return _dkdv_splits(SPLIT_WORKSPACE_BYTES, *args)
+
+
+@functools.lru_cache(maxsize=256)  # a shape's splits, once: its loop runs over the key tiles
+def _dkdv_splits(
+    workspace: int,
     Tq: int,
     Nk: int,
     groups: int,
@@ -707,31 +715,8 @@ def dkdv_splits(
     over the compressed keys the first key tile reads every query (m7c-125m at 16k: 512 query tiles a head,
     the last tile 32), so one program walked a whole head's queries while most of the GPU had finished.
     A chunk holds at least ``min_chunk`` query tiles; the float32 partial sums of all splits stay within
-    `SPLIT_WORKSPACE_BYTES` (read at each call: the cached splits are kept per cap).
+    ``workspace`` bytes.
     """
-    return _dkdv_splits(
-        Tq, Nk, groups, G, D, q_offset, key_stride, key_offset, window, block_m, block_n, target, min_chunk,
-        SPLIT_WORKSPACE_BYTES,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=256)  # a shape's splits, once: its loop runs over the key tiles
-def _dkdv_splits(
-    Tq: int,
-    Nk: int,
-    groups: int,
-    G: int,
-    D: int,
-    q_offset: int,
-    key_stride: int,
-    key_offset: int,
-    window: int,
-    block_m: int,
-    block_n: int,
-    target: int,
-    min_chunk: int,
-    workspace: int,
-) -> tuple[int, int, int]:
     key_tiles = cdiv(Nk, block_n)
     kv_elements = groups * Nk * D
     if kv_elements == 0:  # no keys (no compressed block yet): nothing to split
