@@ -61,6 +61,7 @@ from torch import nn
 
 import nsa_core
 from nsa_diag.beacon import BeaconWriter, read_beacon
+from nsa_diag.options import CompileBackend
 from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
 from nsa_diag.worker.probes import Heartbeat, Progress
 
@@ -232,7 +233,7 @@ class Bench:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         # --compile: per variant, its copy of the model with its probe attached, compiled, and its optimizer
         self.compiled: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-        self.base = copy.deepcopy(self.model) if self.backend else None
+        self.base = self.model if self.backend else None  # the copies' weights: it never runs itself
         vocab = self.model.cfg.vocab
         self.tokens = torch.randint(0, vocab, (B, S + 1), device=args.device)
         self.sinks: dict[str, Any] = {
@@ -423,8 +424,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--compile",
-        metavar="BACKEND",
-        help="each variant's model copy torch.compile'd with this backend (inductor, aot_eager, eager)",
+        choices=[backend.value for backend in CompileBackend],
+        help="each variant's model copy torch.compile'd with this backend",
     )
     parser.add_argument("--json", help="write the results to this file as well")
     args = parser.parse_args(argv)
