@@ -224,8 +224,25 @@ class NSAAttention(nn.Module):
             chosen.append(self._choose_blocks(p, pos0 + start))
         return torch.cat(chosen, dim=1)
 
+    @property
+    def runs_triton(self) -> bool:
+        """Whether any branch runs on the Triton backends (the fused op among them)."""
+        nsa = self.nsa
+        return "triton" in (nsa.sel_backend, nsa.cmp_backend, nsa.win_backend)
+
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """``x [B, T, dim]`` -> ``[B, T, dim]``; with a cache, ``x`` is the next tokens; the cache grows."""
+        """``x [B, T, dim]`` -> ``[B, T, dim]``; with a cache, ``x`` is the next tokens; the cache grows.
+
+        Under ``torch.compile`` a layer on the Triton backends runs as it does eagerly, between two graphs
+        (one graph break per layer): traced, its kernels would become the graph's own user-defined Triton
+        kernels, which inductor compiles again with its own launch signature (a Python float argument
+        becomes fp64 there, and no kernel of ours is written for that). The layers' projections, norms and
+        MLPs around it compile as usual; with the torch backends the whole layer is traced."""
+        if self.runs_triton and torch.compiler.is_compiling():
+            return _untraced(self._forward, x, cache)
+        return self._forward(x, cache)
+
+    def _forward(self, x: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
         cfg, nsa = self.cfg, self.nsa
         B, T, _ = x.shape
         c = cache if cache is not None else LayerCache()
@@ -382,3 +399,9 @@ def _global_module_hooks() -> bool:
         or module_hooks._global_backward_hooks
         or module_hooks._global_backward_pre_hooks
     )
+
+
+@torch.compiler.disable
+def _untraced(forward: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
+    """``forward(*args)`` where torch.compile does not trace it (`NSAAttention.forward`)."""
+    return forward(*args)

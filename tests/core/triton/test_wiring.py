@@ -169,3 +169,31 @@ def test_the_fused_layer_runs_phi_as_kernels_unless_a_hook_is_on_it() -> None:
         kernel.launch = original
     assert len(seen) == 1
     assert members == [1] + [2] * (len(model.blocks) - 1)  # the hooked layer's phi_k alone
+
+
+@pytest.mark.parametrize("overrides", [{}, {"fused": False}], ids=["fused", "composed"])
+def test_a_compiled_model_runs_its_triton_layers_between_graphs(overrides: dict[str, object]) -> None:
+    """torch.compile (inductor on CUDA, aot_eager under the interpreter) of a model on the Triton backends:
+    each layer's attention runs as it does eagerly, between graphs (traced, inductor recompiled the kernels
+    with fp64 float arguments and refused them: the first GPU run of `run --compile inductor`); the only
+    graph breaks are those calls (Dynamo counts a break inside an inlined call at each frame it resumes),
+    and the logits and every gradient are the eager model's."""
+    from torch._dynamo.utils import counters
+
+    _, model = pair(**overrides)
+    tokens = random_tokens(BATCH, SEQ_LEN).to(SIZES.device)
+    eager_logits, eager_grads = run(model, tokens)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="inductor" if SIZES.real else "aot_eager")
+    model.zero_grad(set_to_none=True)
+    logits = compiled(tokens)
+    logits_loss(logits.double().cpu()).backward()
+    grads = {n: p.grad.double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    breaks = dict(counters["graph_break"])
+    assert breaks
+    assert all("_untraced" in reason for reason in breaks), breaks
+    assert_close("logits", eager_logits, logits.detach().double().cpu(), 1e-5)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        assert_close(name, eager_grads[name], grad, 1e-5)
