@@ -53,9 +53,13 @@ class ThreadStack:
 
     @property
     def is_main(self) -> bool:
-        """The interpreter's main thread: its outermost Python frame is a module body or runpy."""
+        """The interpreter's main thread: its outermost Python frame is a module body or runpy (``python
+        -m``: ``<frozen runpy>`` in faulthandler's dumps since Python 3.11, ``runpy.py`` before and in
+        py-spy's)."""
         outer = self.python_frames[-1:] or ()
-        return any(f.func == "<module>" or f.file.endswith("runpy.py") for f in outer)
+        return any(
+            f.func == "<module>" or f.file.endswith("runpy.py") or f.file == "<frozen runpy>" for f in outer
+        )
 
     @property
     def started_by_threading(self) -> bool:

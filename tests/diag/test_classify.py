@@ -844,3 +844,24 @@ def test_native_frames_that_change_between_pyspy_dumps_are_work_a_native_spin_is
     assert pause_reason(spin) is None
     waiting = replace(ev, pyspy_more=(_pyspy_main("pthread_cond_wait", "c10::Notifier"),))
     assert pause_reason(waiting) is None  # a wait in one dump is no computation
+
+
+def test_a_python_m_main_thread_is_found_in_a_sample_the_heartbeat_thread_wrote() -> None:
+    """Recorded on an H200: `run --compile inductor --inject gpu-spin:layer=1,phase=forward` (our worker,
+    ``python -m``). SIGUSR1 wrote nothing, so the heartbeat thread dumped the stacks: the current thread is
+    the heartbeat, and the main thread, waiting for the GPU, starts at ``<frozen runpy>``. Taken for an
+    inductor compile worker's timer thread, it was a python-busy hang; it is a cuda-kernel one."""
+    texts = samples("gpu_spin_compiled")
+    threads = parse_faulthandler(texts[0])
+    focus = focus_thread(threads)
+    assert focus is not None
+    assert focus.is_main
+    assert focus.python_frames[0].func == "synchronize"
+    assert focus.python_frames[-1].file == "<frozen runpy>"
+    evidence = Evidence(
+        outcome="stalled", stack_samples=texts, where=WHERE, heartbeat_advancing=True, cpu_percent=100.0,
+        gpu_utilization=100.0,
+    )  # fmt: skip
+    v = classify(evidence)
+    assert v.hang_kind == "cuda-kernel", v.reason
+    assert "in synchronize" in v.reason
