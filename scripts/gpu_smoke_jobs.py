@@ -10,9 +10,15 @@ knows the job would give. Prints one line per job and exits 1 when one is wrong.
   parameters named.
 - attach-nccl (2+ GPUs): a 2-rank NCCL job stuck because rank 1's prefetch thread died (rank 1 waits for
   a batch, rank 0 in the barrier), attached to with py-spy: `stalled`, the minority rank (1) named.
+- compiled: a loop that torch.compiles its model with inductor on the GPU, from an empty cache, under
+  `watch --stall 60`: `pass` with its 5 steps, and Dynamo's own count of graph breaks 0 (the probe forces
+  none).
+- fsdp2: an FSDP2 job (fully_shard per block) on NCCL, one rank per GPU (at most 2): `pass` with its 5
+  steps; with 2+ GPUs again with rank 1's batch read blocked at step 3: `hang (collective)`, rank 1 the
+  minority, at its read.
 
 Usage: python3 scripts/gpu_smoke_jobs.py OUT_DIR [NSA_DIAG...]   (NSA_DIAG default: python3 -m nsa_diag;
-GPU_SMOKE_JOBS=per-token,ddp-unused,attach-nccl picks checks)
+GPU_SMOKE_JOBS=per-token,compiled,fsdp2,ddp-unused,attach-nccl picks checks)
 """
 
 from __future__ import annotations
@@ -106,10 +112,42 @@ def attach_nccl(diag: list[str], out: Path) -> tuple[bool, str]:
     return ok, f"{state} ({record.get('hang_kind')}): {reason[:400]}"
 
 
+def compiled(diag: list[str], out: Path) -> tuple[bool, str]:
+    cache = str(out) + "-inductor-cache"  # empty: inductor compiles from nothing, as on a first run
+    env = {**os.environ, "COMPILE_BACKEND": "inductor", "TORCHINDUCTOR_CACHE_DIR": cache}
+    job = [PY, "compiled_loop.py", "--device", "cuda"]
+    proc = subprocess.run([*diag, "watch", "--stall", "60", "--out", str(out), "--", *job],
+                          cwd=JOBS, capture_output=True, text=True, env=env, check=False)  # fmt: skip
+    r = _result(out)
+    breaks = next((line for line in proc.stdout.splitlines() if line.startswith("graph breaks")), "no count")
+    ok = r["verdict"] == "pass" and r["steps_done"] == 5 and breaks == "graph breaks 0"
+    return ok, f"{r['verdict']}, {r['steps_done']} steps, {breaks}: {r['reason'][:300]}"
+
+
+def fsdp2(diag: list[str], out: Path) -> tuple[bool, str]:
+    ranks = min(_gpus(), 2)
+    texts, ok = [], True
+    for stuck in [-1, 1] if ranks == 2 else [-1]:
+        job = [*_torchrun("fsdp2_stuck_rank.py", "--device", "cuda", "--stuck-rank", str(stuck))]
+        job[job.index("--nproc-per-node") + 1] = str(ranks)
+        folder = out / ("healthy" if stuck < 0 else "rank-1-stuck")
+        subprocess.run([*diag, "watch", "--stall", "10", "--out", str(folder), "--", *job], cwd=JOBS,
+                       capture_output=True, check=False)  # fmt: skip
+        r = _result(folder)
+        if stuck < 0:
+            ok &= r["verdict"] == "pass" and r["steps_done"] == 5
+        else:
+            ok &= (r["verdict"], r["hang_kind"]) == ("hang", "collective")
+            ok &= r["evidence"].get("minority_ranks") == [1] and "in read_batch" in r["reason"]
+        verdict = f"{r['verdict']} ({r.get('hang_kind')})"
+        texts.append(f"{ranks} rank(s), stuck {stuck}: {verdict}: {r['reason'][:200]}")
+    return ok, " | ".join(texts)
+
+
 def main() -> int:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("nsa-diag-runs") / "gpu-smoke-jobs"
     diag = sys.argv[2:] or [PY, "-m", "nsa_diag"]
-    checks = [("per-token", per_token)]
+    checks = [("per-token", per_token), ("compiled", compiled), ("fsdp2", fsdp2)]
     if _gpus() >= 2:
         checks += [("ddp-unused", ddp_unused), ("attach-nccl", attach_nccl)]
     only = [name for name in os.environ.get("GPU_SMOKE_JOBS", "").split(",") if name]

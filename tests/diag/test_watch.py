@@ -833,7 +833,7 @@ def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuc
     assert "rank 0 (pid " in result["reason"]
     assert "waits for it" in result["reason"]
     assert "all_gather" in result["reason"]
-    assert "fsdp2_stuck_rank.py:27 in read_batch" in result["reason"]
+    assert "fsdp2_stuck_rank.py:28 in read_batch" in result["reason"]
     assert result["steps_done"] == 2
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 

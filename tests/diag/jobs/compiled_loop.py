@@ -1,5 +1,7 @@
-"""A training loop with torch.compile, as users write it; prints the graph breaks Dynamo counted."""
+"""A training loop with torch.compile, as users write it; prints the graph breaks Dynamo counted.
+--device cuda: the same on the GPU (`make gpu-smoke`, with inductor)."""
 
+import argparse
 import os
 
 import torch
@@ -19,12 +21,15 @@ class Net(nn.Module):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(args.device)
     compiled = torch.compile(model, backend=os.environ.get("COMPILE_BACKEND", "inductor"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, 6):
-        x, y = torch.randn(8, 16), torch.randn(8, 1)
+        x, y = torch.randn(8, 16, device=args.device), torch.randn(8, 1, device=args.device)
         loss = nn.functional.mse_loss(compiled(x), y)
         opt.zero_grad()
         loss.backward()
