@@ -47,7 +47,7 @@ from nsa_diag.launchers import (
     pinned_env,
 )
 from nsa_diag.records import CaseEvidence, JobNotes, Pause, StopReport
-from nsa_diag.results import case_files, error_result, stalled_pause
+from nsa_diag.results import case_files, error_result, signal_name, stalled_pause
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
     BeaconSource,
@@ -178,6 +178,12 @@ def gather_evidence(
     return out
 
 
+def _exit_text(code: int) -> str:
+    """An exit status as a pause says it: "exit code 0", "killed by SIGKILL"."""
+    name = signal_name(code)
+    return f"killed by {name}" if name else f"exit code {code}"
+
+
 def _pause(
     spec: CaseSpec, units: Sequence[Unit], watched: Watched, hangs: Mapping[int, HangEvidence]
 ) -> str | None:
@@ -239,10 +245,10 @@ def _watch(
         notes.add(taken.notes)
         hangs = gather_evidence(spec, units, watched.units, taken.targets)
         # a job that ended by itself while its evidence was taken was not hung: its end decides
-        ended = proc.poll() is not None and watched.outcome == "stalled"
+        code = proc.poll() if watched.outcome == "stalled" else None
         paused = (
-            "it ended by itself while the evidence was taken"
-            if ended
+            f"it ended by itself ({_exit_text(code)}) while the evidence was taken"
+            if code is not None
             else _pause(spec, units, watched, hangs)
         )
         if paused is None:

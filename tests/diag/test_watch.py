@@ -879,7 +879,7 @@ def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: P
     pauses = result["evidence"].get("pauses", [])
     assert any(
         p["why"].startswith("it waits for its child process(es), which are working: pid ") for p in pauses
-    ), pauses
+    ), (pauses, result["reason"], proc.stderr[-3000:])
     if not stuck:
         assert proc.returncode == 0, result["reason"]
         assert result["verdict"] == "pass", result["reason"]
