@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # `make gpu-smoke`: the gpu-smoke matrix and `selftest` on the GPUs of this machine, one command; with two
 # or more GPUs also `selftest --ddp` on NCCL; then real jobs written as users write them under `watch` and
-# `attach` (scripts/gpu_smoke_jobs.py: a per-token layer at S=2048 under --stall 60 is slow; with two GPUs
-# an NCCL job with an unused parameter is grad-missing with its names, and attach to a stuck NCCL job
-# names the minority rank). A short table at the end; the run folders stay under $GPU_SMOKE_OUT (default
-# nsa-diag-runs/gpu-smoke-<UTC time>), with JUnit XML and a report per run.
+# `attach` (scripts/gpu_smoke_jobs.py: a per-token layer at S=2048 under --stall 60 is slow; a loop that
+# compiles its model with inductor passes with 0 graph breaks; FSDP2 on NCCL passes; with two GPUs an NCCL
+# job with an unused parameter is grad-missing with its names, FSDP2 with a stuck rank is a collective
+# hang about it, and attach to a stuck NCCL job names the minority rank). A short table at the end; the
+# run folders stay under $GPU_SMOKE_OUT (default nsa-diag-runs/gpu-smoke-<UTC time>), with JUnit XML and a
+# report per run.
 # Exit 0 when every step passed, 1 when one did not, 2 when this machine has no usable GPU.
 #   NSA_DIAG: the nsa-diag command (default .venv/bin/nsa-diag; on a machine whose Python already has the
 #   dependencies: NSA_DIAG='python3 -m nsa_diag' with PYTHONPATH=src).
