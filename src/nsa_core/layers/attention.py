@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from nsa_core.cache import LayerCache, append
 from nsa_core.config import ModelConfig
-from nsa_core.ops.common import triton_op
+from nsa_core.ops.common import triton_op, untraced
 from nsa_core.ops.compression import compressed_attention, num_compressed_blocks, unfold_blocks
 from nsa_core.ops.reference import naive_select_blocks
 from nsa_core.ops.selection import block_importance, select_blocks, selected_attention
@@ -239,7 +239,7 @@ class NSAAttention(nn.Module):
         becomes fp64 there, and no kernel of ours is written for that). The layers' projections, norms and
         MLPs around it compile as usual; with the torch backends the whole layer is traced."""
         if self.runs_triton and torch.compiler.is_compiling():
-            return _untraced(self._forward, x, cache)
+            return untraced(self._forward, x, cache)
         return self._forward(x, cache)
 
     def _forward(self, x: torch.Tensor, cache: LayerCache | None) -> torch.Tensor:
@@ -399,9 +399,3 @@ def _global_module_hooks() -> bool:
         or module_hooks._global_backward_hooks
         or module_hooks._global_backward_pre_hooks
     )
-
-
-@torch.compiler.disable
-def _untraced(forward: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-    """``forward(*args)`` where torch.compile does not trace it (`NSAAttention.forward`)."""
-    return forward(*args)

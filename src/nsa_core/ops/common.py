@@ -2,10 +2,35 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def eager_under_compile(fn: F) -> F:
+    """``fn``, which torch.compile runs as it is, between two graphs (a graph break), rather than tracing
+    it; an eager call costs one check more. For the functions that launch our Triton kernels: traced, the
+    kernels become the graph's user-defined Triton kernels, which inductor compiles again with a launch
+    signature of its own (a Python float argument becomes fp64 there), and ours are not written for it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return untraced(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@torch.compiler.disable
+def untraced(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` where torch.compile does not trace it (`eager_under_compile`)."""
+    return fn(*args, **kwargs)
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:

@@ -304,3 +304,34 @@ def test_fused_op_rejects_bad_arguments(device: str) -> None:
         triton_nsa_attention(q, *kv, gate, **{**SMALL, "window": 0})
     with pytest.raises(NotImplementedError, match="float16, bfloat16 or float32"):
         triton_nsa_attention(q, *kv, gate, **SMALL)  # float64
+
+
+@pytest.mark.parametrize("op", ["fused", "composed"])
+def test_the_ops_run_between_graphs_of_a_compiled_function(op: str, device: str) -> None:
+    """torch.compile (inductor on CUDA, aot_eager under the interpreter) of a function that calls the ops
+    between other torch ops: each op runs as it does eagerly, between graphs (traced, inductor compiled its
+    kernels again with fp64 float arguments and refused them); its calls are the only graph breaks, and
+    the output and every gradient are the eager function's."""
+    from torch._dynamo.utils import counters
+
+    case = _cases()[0]
+    xs = _inputs(case, device)
+    ops = _fused if op == "fused" else _composed
+
+    def fn(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        q, *rest = inputs
+        out, block_idx = ops(case, [q * 0.5, *rest])
+        return torch.tanh(out) * 2.0, block_idx
+
+    eager, eager_idx = _run(fn, xs, torch.float32)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, compiled_idx = _run(
+        torch.compile(fn, backend="inductor" if SIZES.real else "aot_eager"), xs, torch.float32
+    )
+    breaks = dict(counters["graph_break"])
+    assert breaks
+    assert all("untraced" in reason for reason in breaks), breaks
+    assert torch.equal(compiled_idx, eager_idx)
+    for name, e, c in zip(NAMES, eager, compiled, strict=True):
+        assert_close(name, e.double(), c.double(), 1e-5)

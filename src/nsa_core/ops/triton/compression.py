@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_core.ops.common import check_qkv
+from nsa_core.ops.common import check_qkv, eager_under_compile
 from nsa_core.ops.compression import num_compressed_blocks
 from nsa_core.ops.triton.flash import (
     LOG2_E,
@@ -468,6 +468,7 @@ def check_select(select: dict[str, Any], kv_heads: int, block_stride: int) -> No
         raise ValueError(f"n_sel >= 1, n_init >= 0 and n_local >= 0 are required; got {select}")
 
 
+@eager_under_compile
 def triton_compressed_attention(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -514,6 +515,7 @@ def triton_compressed_attention(
     return o, block_idx
 
 
+@eager_under_compile
 def triton_compressed_block_select(
     q: torch.Tensor,
     k_cmp: torch.Tensor,

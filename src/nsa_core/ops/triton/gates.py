@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nsa_core.ops.common import eager_under_compile
 from nsa_core.ops.triton.flash import cdiv, next_power_of_2
 from nsa_core.ops.triton.launch import Launcher
 
@@ -208,6 +209,7 @@ class GatedSumFunction(torch.autograd.Function):
         return d_gate, d_cmp, d_sel, d_win
 
 
+@eager_under_compile
 def triton_gated_sum(
     gate_logits: torch.Tensor, o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor
 ) -> torch.Tensor:

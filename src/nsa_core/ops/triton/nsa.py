@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa_core.ops.common import check_qkv
+from nsa_core.ops.common import check_qkv, eager_under_compile
 from nsa_core.ops.triton.compression import (
     SELECT_KEYS,
     check_compressed,
@@ -181,6 +181,7 @@ def _composed(
     return triton_gated_sum(gate_logits, o_cmp, o_sel, o_win), block_idx
 
 
+@eager_under_compile
 def triton_nsa_attention(
     q: torch.Tensor,
     k_cmp: torch.Tensor,

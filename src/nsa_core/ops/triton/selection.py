@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nsa_core.ops.common import check_qkv
+from nsa_core.ops.common import check_qkv, eager_under_compile
 from nsa_core.ops.triton.flash import cdiv, next_power_of_2
 from nsa_core.ops.triton.launch import Launcher
 
@@ -1481,6 +1481,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+@eager_under_compile
 def triton_selected_attention(
     q: torch.Tensor,
     k: torch.Tensor,

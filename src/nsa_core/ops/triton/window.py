@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.ops.common import check_qkv
+from nsa_core.ops.common import check_qkv, eager_under_compile
 from nsa_core.ops.triton.flash import banded_backward, banded_forward
 
 
@@ -33,6 +33,7 @@ class SlidingWindowAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+@eager_under_compile
 def triton_sliding_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
