@@ -143,6 +143,8 @@ class Evidence:
     exe: str | None = None  # the program it ran then (/proc/<pid>/exe)
     exec_from: str | None = None  # the program it ran when first seen, where that differs: it exec'd `exe`
     file_locks: Sequence[str] = ()  # file locks other processes hold (`procfs.held_file_locks`)
+    # its descendants that used the CPU while the evidence was taken (`procfs.busy_descendants`)
+    children_working: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -535,6 +537,9 @@ def _not_stuck(ev: Evidence, sleep: bool) -> str | None:
                 + "; ".join(busy)
                 + ")"
             )
+    elif ev.children_working and waits_on_children(last):
+        # a program it runs and waits for (a compiler, a packer, a Pool's worker) uses the CPU
+        return "it waits for its child process(es), which are working: " + "; ".join(ev.children_working)
     return None
 
 

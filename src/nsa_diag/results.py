@@ -176,6 +176,7 @@ def unit_evidence(
         gpu_utilization=hang.gpu_utilization if hang else None,
         main_wchan=hang.main_wchan if hang else None,
         file_locks=hang.file_locks if hang else (),
+        children_working=tuple(hang.children_working) if hang else (),
         main_state=hang.main_state if hang else None,
         where=Where(**last.where()) if last is not None else None,
         stalled_for_s=decision.silence_s if decision is not None else None,

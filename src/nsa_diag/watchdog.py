@@ -685,6 +685,8 @@ class HangEvidence:
     exe: str | None = None  # the program the process runs (/proc/<pid>/exe), and its command line
     argv: list[str] = field(default_factory=list)
     file_locks: list[str] = field(default_factory=list)  # held by other processes, when it waits in filelock
+    # its descendants that used the CPU between the two samples ("pid 4242 (cc1plus) at CPU 97%")
+    children_working: list[str] = field(default_factory=list)
     # what else was gathered (memory at the hang, py-spy, GPU files, why stacks were not sampled), as the
     # case's evidence writes it
     notes: CaseEvidence = field(default_factory=CaseEvidence)
@@ -765,7 +767,7 @@ def gather_hang_evidence(
     before = len(stacks.read_stacks(stacks_path).samples)
     first = before + 1
     t0 = time.monotonic()
-    cpu0, io0 = procfs.cpu_seconds(pid), procfs.io_bytes(pid)
+    cpu0, io0, kids0 = procfs.cpu_seconds(pid), procfs.io_bytes(pid), procfs.descendants_cpu(pid)
     beat0 = _heartbeat(case_dir)
     writers = []  # who wrote each stack sample
     if sampling:
@@ -780,6 +782,7 @@ def gather_hang_evidence(
     time.sleep(max(0.0, t0 + SAMPLE_INTERVAL_S - time.monotonic()))
     # CPU time, heartbeat and thread states before the second signal, whose handler runs for a moment.
     cpu1, io1, t1 = procfs.cpu_seconds(pid), procfs.io_bytes(pid), time.monotonic()
+    ev.children_working = procfs.busy_descendants(kids0, pid, t1 - t0, WORK_CPU_MIN)
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:

@@ -865,3 +865,48 @@ def test_a_python_m_main_thread_is_found_in_a_sample_the_heartbeat_thread_wrote(
     v = classify(evidence)
     assert v.hang_kind == "cuda-kernel", v.reason
     assert "in synchronize" in v.reason
+
+
+SUBPROCESS_WAIT = """Current thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/subprocess.py", line 2004 in _try_wait
+  File "/usr/lib/python3.11/subprocess.py", line 2046 in _wait
+  File "/usr/lib/python3.11/subprocess.py", line 1264 in wait
+  File "/usr/lib/python3.11/subprocess.py", line 550 in run
+  File "/jobs/external_tool.py", line 26 in main
+  File "/jobs/external_tool.py", line 31 in <module>
+"""
+
+
+def test_a_process_waiting_for_a_busy_program_is_paused() -> None:
+    """Waiting in subprocess for a child program (no probe: a compiler, a packer) that uses the CPU is a
+    pause; waiting for one that does not is not (the watch test runs both for real)."""
+    ev = Evidence(
+        outcome="stalled", stack_samples=[SUBPROCESS_WAIT, SUBPROCESS_WAIT], where=WHERE, cpu_percent=1.0,
+        heartbeat_advancing=True, children_working=("pid 4242 (cc1plus) at CPU 97%",),
+    )  # fmt: skip
+    assert (
+        pause_reason(ev)
+        == "it waits for its child process(es), which are working: pid 4242 (cc1plus) at CPU 97%"
+    )
+    assert pause_reason(replace(ev, children_working=())) is None
+
+
+def test_busy_descendants_are_the_programs_that_use_the_cpu_but_python() -> None:
+    """A shell loop (busy), a sleeping shell (idle) and a Python loop (left to its own evidence)."""
+    kids = [
+        subprocess.Popen(["sh", "-c", "timeout 5 sh -c 'while :; do :; done'"]),
+        subprocess.Popen(["sleep", "5"]),
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]),
+    ]
+    try:
+        time.sleep(0.3)
+        before = procfs.descendants_cpu(os.getpid())
+        assert {k.pid for k in kids} <= set(before)
+        time.sleep(1.0)
+        busy = procfs.busy_descendants(before, os.getpid(), 1.0, 5.0)
+    finally:
+        for kid in kids:
+            kid.kill()
+            kid.wait()
+    assert any(" (sh) at CPU " in b for b in busy), busy
+    assert not any(f"pid {kids[1].pid} " in b or f"pid {kids[2].pid} " in b for b in busy), busy

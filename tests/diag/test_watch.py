@@ -892,6 +892,35 @@ def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: P
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
+@pytest.mark.slow  # ~20 s each: a job importing torch, an 8 s tool or a stall
+@pytest.mark.parametrize("stuck", [False, True], ids=["tool-works", "tool-stuck"])
+def test_a_process_waiting_for_a_program_that_works_is_paused(tmp_path: Path, stuck: bool) -> None:
+    """After step 3 the job runs an external program and waits in subprocess.run (a shell loop at full CPU
+    for 8 s), past the stall limit of 3 s: it waits for a child that works, so it is paused and the job
+    passes (it was a python-deadlock: the program has no probe, and only probed children counted; seen
+    as `run --compile inductor` waiting for g++ in CI). When the program only sleeps, the job is hung in
+    subprocess's wait, at its call."""
+    job = [PY, "external_tool.py", *(["--stuck"] if stuck else [])]
+    proc, out = _watch(tmp_path, "--stall", "3", job=job)
+    result = _result(out)
+    pauses = result["evidence"].get("pauses", [])
+    working = [
+        p
+        for p in pauses
+        if p["why"].startswith("it waits for its child process(es), which are working: pid ")
+    ]
+    if not stuck:
+        assert proc.returncode == 0, result["reason"]
+        assert result["verdict"] == "pass", result["reason"]
+        assert working, pauses
+        assert " (sh) at CPU " in working[0]["why"]
+        return
+    assert not working, pauses
+    assert result["verdict"] == "hang", result["reason"]
+    assert "external_tool.py:26 in main" in result["reason"]
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 def _torchrun(script: str, *args: str) -> list[str]:
     return [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", script, *args]
 

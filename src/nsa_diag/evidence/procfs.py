@@ -9,6 +9,7 @@ Every reader returns what it could read and never raises for a process that has 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -126,6 +127,42 @@ def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of all threads of ``pid`` so far; None if it is gone."""
     stat = read_stat(pid)
     return None if stat is None else stat["utime_s"] + stat["stime_s"]
+
+
+def descendants_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live descendant of ``pid`` (children, theirs, ...), by pid: its command name and CPU seconds so
+    far (`cpu_seconds`), from every process's ``/proc/<pid>/stat``; empty without /proc."""
+    stats: dict[int, Stat] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(PROC):
+            if entry.isdigit() and (stat := read_stat(int(entry))) is not None and stat["state"] != "Z":
+                stats[int(entry)] = stat
+    children: dict[int, list[int]] = {}
+    for child, stat in stats.items():
+        children.setdefault(stat["ppid"], []).append(child)
+    found, todo = {}, list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        stat = stats[child]
+        found[child] = (stat["comm"], stat["utime_s"] + stat["stime_s"])
+        todo += children.get(child, ())
+    return found
+
+
+def busy_descendants(
+    before: dict[int, tuple[str, float]], pid: int, wall_s: float, min_percent: float
+) -> list[str]:
+    """The descendants of ``pid`` but Python interpreters that used at least ``min_percent`` of a core
+    since ``before`` (its `descendants_cpu` ``wall_s`` seconds ago), as "pid 4242 (cc1plus) at CPU 97%".
+    A Python child is left to its own evidence (a probed process of a watched job: its frames must move;
+    a busy loop on one line uses the CPU too)."""
+    busy = []
+    for child, (comm, seconds) in sorted(descendants_cpu(pid).items()):
+        if child in before and before[child][0] == comm and not is_python(comm):
+            percent = cpu_percent(before[child][1], seconds, wall_s)
+            if percent is not None and percent >= min_percent:
+                busy.append(f"pid {child} ({comm}) at CPU {percent:.0f}%")
+    return busy
 
 
 def io_bytes(pid: int) -> int | None:
