@@ -234,10 +234,9 @@ class NSAAttention(nn.Module):
         """``x [B, T, dim]`` -> ``[B, T, dim]``; with a cache, ``x`` is the next tokens; the cache grows.
 
         Under ``torch.compile`` a layer on the Triton backends runs as it does eagerly, between two graphs
-        (one graph break per layer): traced, its kernels would become the graph's own user-defined Triton
-        kernels, which inductor compiles again with its own launch signature (a Python float argument
-        becomes fp64 there, and no kernel of ours is written for that). The layers' projections, norms and
-        MLPs around it compile as usual; with the torch backends the whole layer is traced."""
+        (Dynamo counts the call as a graph break; `nsa_core.ops.common.eager_under_compile` says why). The
+        projections, norms and MLPs around it compile as usual; with the torch backends the whole layer is
+        traced."""
         if self.runs_triton and torch.compiler.is_compiling():
             return untraced(self._forward, x, cache)
         return self._forward(x, cache)
