@@ -538,7 +538,8 @@ def _not_stuck(ev: Evidence, sleep: bool) -> str | None:
                 + ")"
             )
     elif ev.children_working and waits_on_children(last):
-        # a program it runs and waits for (a compiler, a packer, a Pool's worker) uses the CPU
+        # a program it runs and waits for uses the CPU (a compiler, a packer: not Python, whose children have
+        # their own evidence)
         return "it waits for its child process(es), which are working: " + "; ".join(ev.children_working)
     return None
 
