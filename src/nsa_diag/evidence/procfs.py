@@ -132,11 +132,7 @@ def cpu_seconds(pid: int) -> float | None:
 def descendants_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """Each live descendant of ``pid`` (children, theirs, ...), by pid: its command name and CPU seconds so
     far (`cpu_seconds`), from every process's ``/proc/<pid>/stat``; empty without /proc."""
-    stats: dict[int, Stat] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(PROC):
-            if entry.isdigit() and (stat := read_stat(int(entry))) is not None and stat["state"] != "Z":
-                stats[int(entry)] = stat
+    stats = {p: stat for p, stat in _all_stats().items() if stat["state"] != "Z"}
     children: dict[int, list[int]] = {}
     for child, stat in stats.items():
         children.setdefault(stat["ppid"], []).append(child)
@@ -284,15 +280,19 @@ def wchan(pid: int, tid: int | None = None) -> str | None:
     return None if text in ("", "0") else text
 
 
+def _all_stats() -> dict[int, Stat]:
+    """Every process's ``/proc/<pid>/stat``, by pid; empty without /proc."""
+    stats: dict[int, Stat] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(PROC):
+            if entry.isdigit() and (stat := read_stat(int(entry))) is not None:
+                stats[int(entry)] = stat
+    return stats
+
+
 def session_pids(session: int) -> list[int]:
     """Every live process whose session id is ``session`` (the worker's descendants that did not setsid)."""
-    pids = []
-    for entry in PROC.iterdir() if available() else ():
-        if entry.name.isdigit():
-            stat = read_stat(int(entry.name))
-            if stat is not None and (stat["session"] == session or stat["pgrp"] == session):
-                pids.append(int(entry.name))
-    return sorted(pids)
+    return sorted(p for p, stat in _all_stats().items() if session in (stat["session"], stat["pgrp"]))
 
 
 def _status(pid: int) -> dict[str, str]:
