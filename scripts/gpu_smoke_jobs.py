@@ -50,9 +50,9 @@ def _result(out: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _torchrun(*args: str) -> list[str]:
+def _torchrun(*args: str, ranks: int = 2) -> list[str]:
     found = shutil.which("torchrun") or str(Path(PY).parent / "torchrun")
-    return [found, "--standalone", "--nproc-per-node", "2", *args]
+    return [found, "--standalone", "--nproc-per-node", str(ranks), *args]
 
 
 def calibrate_batch() -> int:
@@ -128,8 +128,7 @@ def fsdp2(diag: list[str], out: Path) -> tuple[bool, str]:
     ranks = min(_gpus(), 2)
     texts, ok = [], True
     for stuck in [-1, 1] if ranks == 2 else [-1]:
-        job = [*_torchrun("fsdp2_stuck_rank.py", "--device", "cuda", "--stuck-rank", str(stuck))]
-        job[job.index("--nproc-per-node") + 1] = str(ranks)
+        job = _torchrun("fsdp2_stuck_rank.py", "--device", "cuda", "--stuck-rank", str(stuck), ranks=ranks)
         folder = out / ("healthy" if stuck < 0 else "rank-1-stuck")
         subprocess.run([*diag, "watch", "--stall", "10", "--out", str(folder), "--", *job], cwd=JOBS,
                        capture_output=True, check=False)  # fmt: skip
