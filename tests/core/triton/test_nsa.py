@@ -306,6 +306,7 @@ def test_fused_op_rejects_bad_arguments(device: str) -> None:
         triton_nsa_attention(q, *kv, gate, **SMALL)  # float64
 
 
+@pytest.mark.slow  # Dynamo and the interpreter: ~7-10 s each on the CPU (make test-slow runs it there)
 @pytest.mark.parametrize("op", ["fused", "composed"])
 def test_the_ops_run_between_graphs_of_a_compiled_function(op: str, device: str) -> None:
     """torch.compile (inductor on CUDA, aot_eager under the interpreter) of a function that calls the ops

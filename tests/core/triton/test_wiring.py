@@ -171,6 +171,7 @@ def test_the_fused_layer_runs_phi_as_kernels_unless_a_hook_is_on_it() -> None:
     assert members == [1] + [2] * (len(model.blocks) - 1)  # the hooked layer's phi_k alone
 
 
+@pytest.mark.slow  # Dynamo and the interpreter: ~7-10 s each on the CPU (make test-slow runs it there)
 @pytest.mark.parametrize("overrides", [{}, {"fused": False}], ids=["fused", "composed"])
 def test_a_compiled_model_runs_its_triton_layers_between_graphs(overrides: dict[str, object]) -> None:
     """torch.compile (inductor on CUDA, aot_eager under the interpreter) of a model on the Triton backends:
