@@ -7,6 +7,8 @@
 #                installing the hf extra (transformers) first
 #   make lint    ruff check + ruff format --check
 #   make bench   the backend benchmarks (benchmarks/backends.py)
+#   make bench-hangs  the hang benchmark's CPU set (benchmarks/hangs/run.py; ~10 min; HANGS_ARGS='--only
+#                poll-file lock-order', '--slow' for the long run); make test-slow runs it with --check
 #   make wheel-check  build the wheel, install it into a fresh venv outside the repository (offline: the
 #                venv reuses .venv's dependencies) and run nsa-diag branch, matrix --list, matrix cpu-smoke
 #                and a replay.sh from other directories (scripts/wheel_check.sh, about 30 s)
@@ -49,7 +51,7 @@ STAMP := $(VENV)/.installed
 # The Hugging Face extra, for the slow tests only (transformers: half a minute of the install)
 STAMP_HF := $(VENV)/.installed-hf
 
-.PHONY: install demo test test-slow lint bench gpu-smoke wheel-check
+.PHONY: install demo test test-slow lint bench bench-hangs gpu-smoke wheel-check
 
 install: $(STAMP)
 
@@ -101,6 +103,17 @@ test-slow: $(STAMP_HF)
 	@$(BIN)/python $(COMPILE) >/dev/null
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile -m slow $(PYTEST_ARGS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m slow tests/core/triton $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory bench-hangs HANGS_ARGS='--check $(HANGS_ARGS)'
+
+# The hang benchmark's CPU set (benchmarks/hangs/: users' jobs that hang or stay healthy, each under
+# `nsa-diag watch` with its defaults, scored against its truth): a table, and JSON in the run folder.
+# make test-slow runs it with --check (exit 1 when one of issue 48's bars is missed).
+HANGS_JOBS ?= 3
+HANGS_ARGS ?=
+bench-hangs: $(STAMP)
+	@out=nsa-diag-runs/hangs-$$(date +%Y%m%d-%H%M%S); \
+		echo "$(BIN)/python benchmarks/hangs/run.py --jobs $(HANGS_JOBS) --out $$out --json $$out/hangs.json $(HANGS_ARGS)"; \
+		$(BIN)/python benchmarks/hangs/run.py --jobs $(HANGS_JOBS) --out $$out --json $$out/hangs.json $(HANGS_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -132,9 +132,10 @@ SlurmOptOpt = Annotated[
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def typer_annotation(opt: Opt, panel: str) -> Any:
-    """The `Annotated` type through which Typer reads `opt`, listed in the help panel `panel`."""
-    declared = opt.default
+def typer_annotation(opt: Opt, panel: str, default: Any = None) -> Any:
+    """The `Annotated` type through which Typer reads `opt`, listed in the help panel `panel`; ``default``
+    the command's own default where it replaces the declared one (`case_options`'s ``defaults``)."""
+    declared = opt.default if default is None else default
     return Annotated[
         opt.type if declared is not None else opt.type | None,
         typer.Option(
@@ -176,7 +177,9 @@ def case_options(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
                 default=defaults.get(name, CASE_OPTIONS[name].default),
-                annotation=typer_annotation(CASE_OPTIONS[name], panel),
+                annotation=typer_annotation(
+                    CASE_OPTIONS[name], panel, defaults.get(name, CASE_OPTIONS[name].default)
+                ),
             )
             for name, panel in taken.items()
         ]

@@ -58,6 +58,7 @@ from nsa_diag.analysis.ranks import cross_rank_diff, minority_by_counts, minorit
 from nsa_diag.beacon import BeaconState
 from nsa_diag.classify import (
     DEADLOCK_CPU_MAX,
+    SLEEP_NO_WORK,
     Evidence,
     dataloader_worker_idle,
     focus_thread,
@@ -315,7 +316,7 @@ def _sleeping(ob: ProcessObservation, cpu: float | None) -> str | None:
     )
     return (
         f"sleeping: its main thread in the kernel's {naps[-1]} {rounds_text}, "
-        f"{_cpu_text(cpu, None)} (no stack): a sleep ends by itself"
+        f"{_cpu_text(cpu, None)} (no stack): {SLEEP_NO_WORK} while attach watched"
     )
 
 
@@ -352,7 +353,7 @@ def judge_process(
         cpu_percent=cpu, heartbeat_advancing=heartbeat, gpu_utilization=_gpu_percent(ob),
         main_wchan=thread.get("wchan"), main_state=thread.get("state"),
         where=_where(beacons[-1] if beacons else None), source_lines=stacks.source_lines(threads),
-        workers=dict(workers or {}), file_locks=ob.file_locks,
+        loops=stacks.enclosing_loops(threads), workers=dict(workers or {}), file_locks=ob.file_locks,
     )  # fmt: skip
     if ob.info.python:
         kind: HangKind | None
@@ -403,6 +404,8 @@ def judge_process(
 
     # not working, not stuck
     pause = pause_reason(ev) if samples else _sleeping(ob, cpu)
+    if pause is None and samples and why.startswith("sleeping"):  # a sleep: no work, for as long as seen
+        pause = f"{why}, while attach watched (under watch, no work for the stall limit is a hang)"
     if pause:
         return act("paused", kind, pause)
 

@@ -320,7 +320,7 @@ def check_output(out: Path | None, tag: str | None) -> None:
 def check_options(options: CaseOptions) -> None:
     """What can be checked before any case is built: values, the tag, the device, the model factory."""
     parse_stall(options.stall)
-    if not 0 < options.timeout < math.inf:
+    if options.timeout is not None and not 0 < options.timeout < math.inf:
         raise UsageError(f"--timeout {options.timeout:g}: must be more than 0 seconds, and finite")
     if not 0 < options.lr < math.inf:
         raise UsageError(f"--lr {options.lr}: the learning rate must be > 0, and finite")
@@ -611,7 +611,8 @@ def _watch_flags(spec: CaseSpec) -> list[str]:
     ``--`` and the user's command."""
     cmd = spec.command
     assert cmd is not None
-    argv = ["--stall", str(spec.stall), "--timeout", f"{spec.timeout:g}"]
+    argv = ["--stall", str(spec.stall)]
+    argv += ["--timeout", f"{spec.timeout:g}"] if spec.timeout is not None else []
     argv += ["--keep-alive"] * cmd.keep_alive
     argv += ["--total-steps", str(cmd.total_steps)] if cmd.total_steps else []
     if cmd.straggler_ratio != CommandSpec.model_fields["straggler_ratio"].default:

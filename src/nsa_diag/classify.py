@@ -76,6 +76,10 @@ _BLOCKING_PY = {
 _BLOCKING_SOURCE = (
     (re.compile(r"\b(flock|lockf)\(|F_SETLKW"), FILE_LOCK_WAIT + " (fcntl)"),
     (re.compile(r"\.acquire\("), "threading lock acquire"),
+    (
+        re.compile(r"^(async\s+)?with\s[^:]*(lock|mutex|sem)\w*\s*[:,]", re.IGNORECASE),
+        "threading lock acquire",
+    ),
     (re.compile(r"\.wait\("), "wait"),
     (re.compile(r"\.join\("), "join"),
     (re.compile(r"\bsleep\("), "sleep"),
@@ -133,6 +137,12 @@ class Evidence:
     progressed: bool | None = None  # a progress event came while the evidence was taken
     longest_gap_s: float | None = None  # the longest time between progress events before (after setup)
     source_lines: Mapping[str, str] = field(default_factory=dict)  # "file:line" -> source text
+    # "file:line" -> the loop around it: "`while not os.path.exists(p):` at poll.py:20" (`enclosing_loops`)
+    loops: Mapping[str, str] = field(default_factory=dict)
+    # "file:line" -> the context managers of the with statements around it (`stacks.enclosing_withs`)
+    withs: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    # thread id as faulthandler writes it ("0x00007f...") -> its name (the probe's at_hang.json)
+    thread_names: Mapping[str, str] = field(default_factory=dict)
     stderr_tail: str = ""
     interrupted_by: str | None = None  # "SIGINT" / "SIGTERM" to nsa-diag
     io_bytes: int | None = None  # read + written while the evidence was taken (/proc)
@@ -145,6 +155,7 @@ class Evidence:
     file_locks: Sequence[str] = ()  # file locks other processes hold (`procfs.held_file_locks`)
     # its descendants that used the CPU while the evidence was taken (`procfs.busy_descendants`)
     children_working: Sequence[str] = ()
+    children_idle: Sequence[str] = ()  # those that did not (`procfs.idle_descendants`)
 
 
 @dataclass(frozen=True)
@@ -283,6 +294,13 @@ def _exiting(thread: ThreadStack) -> bool:
     return bool(frames) and frames[0].func == "_shutdown" and frames[0].file.endswith("threading.py")
 
 
+def _own_frame(thread: ThreadStack | None) -> Frame | None:
+    """The innermost frame of the job's own code (not Python's library, an installed package or the
+    probe): the user's line under a wait in torch, or None."""
+    frames = thread.python_frames if thread else ()
+    return next((f for f in frames if not (_is_library(f) or _is_installed(f) or _is_probe(f))), None)
+
+
 def _is_installed(frame: Frame) -> bool:
     """A frame of an installed package (site-packages): not the job's own code either."""
     path = frame.file.replace("\\", "/")
@@ -389,6 +407,11 @@ def _cuda_source(focus: ThreadStack | None, sources: Mapping[str, str]) -> str |
     return _frame_text(top, sources) if _CUDA_SOURCE.search(source) else None
 
 
+# what a wait made of sleeps is: no work (issue 48); `attach` reports it as a pause it saw, `watch` past the
+# stall limit as a hang
+SLEEP_NO_WORK = "no work, only sleeps"
+
+
 def is_sleep(blocked: str | None) -> bool:
     """Whether a `_blocking` answer is a sleep (``time.sleep``, nanosleep): a pause, not a deadlock."""
     return bool(blocked) and blocked.startswith("sleep")  # type: ignore[union-attr]
@@ -485,17 +508,14 @@ def native_moved(ev: Evidence) -> str | None:
 
 
 def pause_reason(ev: Evidence) -> str | None:
-    """Why a unit past its stall limit is not stuck (module docstring), or None when nothing says so."""
-    return _not_stuck(ev, sleep=True)
+    """Why a unit past its stall limit is not stuck (module docstring), or None when nothing says so: what
+    shows it doing work (progress, a moving frame at CPU, I/O, a checkpoint, a disk wait, its DataLoader
+    worker producing its batch, its child programs working). A sleep is no work: a job that only sleeps and
+    checks for the stall waits for something that does not come (issue 48)."""
+    return _not_stuck(ev)
 
 
-def work_reason(ev: Evidence) -> str | None:
-    """`pause_reason` but for a sleep: what shows the unit doing work (progress, a moving frame at CPU, I/O,
-    a checkpoint, a disk wait, its DataLoader worker producing its batch), or None."""
-    return _not_stuck(ev, sleep=False)
-
-
-def _not_stuck(ev: Evidence, sleep: bool) -> str | None:
+def _not_stuck(ev: Evidence) -> str | None:
     if ev.progressed:
         return "a progress event came while the evidence was taken"
     samples = [threads for threads in map(parse_faulthandler, ev.stack_samples) if threads]
@@ -522,13 +542,6 @@ def _not_stuck(ev: Evidence, sleep: bool) -> str | None:
         return f"reading or writing a checkpoint (torch.serialization, {saving.short()}) at {at}"
     if ev.main_state == "D" and last is not None and last.is_main:
         return f"in a disk wait (state D: file I/O) at {_thread_text(last, sources)}"
-    pyspy_focus = _pyspy_match(parse_pyspy(ev.pyspy), last) if ev.pyspy else None
-    native = innermost_native(pyspy_focus)
-    blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
-    asleep = last if is_sleep(blocked) else _last_asleep(focus, sources)
-    naps = _naps(focus, asleep, sources) if asleep is not None else None
-    if sleep and naps is not None and (cpu is None or cpu < DEADLOCK_CPU_MAX):
-        return f"sleeping at {_thread_text(asleep, sources)}{naps}: a sleep ends by itself"
     if waits_on_dataloader(last):
         busy = [f"{label}: {why}" for label, why in ev.workers.items() if why]
         if busy:
@@ -649,7 +662,9 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
     dist = _distributed(last, native)
     if dist and (same or all(_distributed(t, ()) for t in focus)):
-        return "collective", f"blocked in torch.distributed at {dist.short()} {both}"
+        own = _own_frame(last)
+        called = f", called from {_frame_text(own, sources)}" if own is not None else ""
+        return "collective", f"blocked in torch.distributed at {dist.short()}{called} {both}"
 
     sync = _cuda_sync(last, native)
     if sync and same:
@@ -675,20 +690,28 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
         )
 
     blocked = _blocking(last, native, sources, ev.main_wchan if last is not None and last.is_main else None)
-    if blocked and settled and (ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX):
-        if is_sleep(blocked) and _file_lock(last):
+    idle = ev.cpu_percent is None or ev.cpu_percent < DEADLOCK_CPU_MAX
+    asleep = last if is_sleep(blocked) else _last_asleep(focus, sources)
+    naps = _naps(focus, asleep, sources) if asleep is not None else None
+    if asleep is not None and naps is not None and idle:
+        at_nap = _thread_text(asleep, sources)
+        if _file_lock(asleep):
             return "unknown", (
-                f"waiting for a file lock (filelock polls it with a sleep) at {at_top} {both}, {cpu}: "
+                f"waiting for a file lock (filelock polls it with a sleep) at {at_nap} {both}, {cpu}: "
                 + _held(ev.file_locks)
             )
-        if is_sleep(blocked):
-            return "unknown", f"sleeping ({blocked}) at {at_top} {both}, {cpu}: a sleep is not a deadlock"
+        return "python-deadlock", _sleep_text(asleep, at_nap, naps or f" {both}", ev)
+    if blocked and settled and idle:
         if blocked.startswith(FILE_LOCK_WAIT):
             return "unknown", (
                 f"waiting for a file lock ({blocked.removeprefix(FILE_LOCK_WAIT).strip(' ()')}) "
                 f"at {at_top} {both}, {cpu}: {_held(ev.file_locks)}"
             )
-        return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}"
+        cycle = lock_cycle(samples[-1], ev) if samples else None
+        more = f"; {cycle}" if cycle else ""
+        if ev.children_idle and waits_on_children(last):
+            more += "; the child program(s) it waits for do no work: " + ", ".join(ev.children_idle)
+        return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}{more}"
 
     if _busy(ev) and last is not None:
         top = pyspy_focus.frames[0] if pyspy_focus is not None and pyspy_focus.frames else None
@@ -708,6 +731,94 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
     if blocked:
         seen.append(f"waiting in {blocked}")
     return "unknown", "cause unclear: " + ", ".join(seen)
+
+
+_WITH_HEAD = re.compile(r"^(?:async\s+)?with\s+(.+?)\s*:\s*$")
+_ACQUIRE = re.compile(r"([\w.\[\]'\"]+)\.acquire\(")
+
+
+def _lock_name(text: str) -> str:
+    """``self._state_lock`` -> ``_state_lock``: locks are matched by their last name (a lock is one object
+    under several paths: ``self.lock`` in a method, ``model.lock`` outside)."""
+    return text.strip().rsplit(".", 1)[-1]
+
+
+def _waits_for(thread: ThreadStack, sources: Mapping[str, str]) -> tuple[str, Frame] | None:
+    """The lock a thread waits to take, where its own innermost frame's source shows it (``with x:``,
+    ``x.acquire()``), and that frame."""
+    own = _own_frame(thread)
+    text = sources.get(own.key, "") if own is not None else ""
+    if own is None or not text:
+        return None
+    head = _WITH_HEAD.match(text)
+    if head:
+        return head.group(1).split(" as ")[0].split(",")[0].strip(), own
+    acquire = _ACQUIRE.search(text)
+    return (acquire.group(1), own) if acquire else None
+
+
+def thread_label(thread: ThreadStack, names: Mapping[str, str]) -> str:
+    """ "the main thread", "thread checkpoint-saver" (its name, from the probe), or "thread 0x7f..."."""
+    if thread.is_main:
+        return "the main thread"
+    name = thread.name or names.get(thread.thread_id)
+    return f"thread {name}" if name else f"thread {thread.thread_id}"
+
+
+def lock_cycle(threads: Sequence[ThreadStack], ev: Evidence) -> str | None:
+    """A lock-order deadlock, where the stacks show it: each thread of a cycle waits to take a lock (its
+    own line: ``with b:``) that the next one holds (a ``with`` around one of its frames), as "a lock-order
+    deadlock: the main thread holds `a` (train.py:44) and waits for `b` at train.py:45; thread saver holds
+    `b` (train.py:26) and waits for `a` at train.py:27"; None where no cycle shows."""
+    waits: dict[int, tuple[str, Frame]] = {}
+    holds: dict[int, list[tuple[str, str]]] = {}
+    candidates = [t for t in threads if not _is_tooling(t) and t.python_frames]
+    for i, thread in enumerate(candidates):
+        wait = _waits_for(thread, ev.source_lines)
+        if wait is not None:
+            waits[i] = wait
+        held = [w for f in thread.python_frames for w in ev.withs.get(f.key, ())]
+        holds[i] = [(_lock_name(h.split(" at ")[0]), h) for h in held]
+
+    def holder(lock: str, not_by: int) -> int | None:
+        return next((j for j, hs in holds.items() if j != not_by and any(n == lock for n, _ in hs)), None)
+
+    for start in sorted(waits, key=lambda k: not candidates[k].is_main):  # from the main thread's side
+        chain, i = [start], start
+        while True:
+            j = holder(_lock_name(waits[i][0]), i)
+            if j is None or j not in waits:
+                break
+            if j == start:
+                parts = []
+                for at_k, k in enumerate(chain):
+                    before = chain[at_k - 1]  # it waits for what this one holds
+                    wanted = _lock_name(waits[before][0])
+                    held = next((h for n, h in holds[k] if n == wanted), wanted)
+                    name, _, at = held.partition(" at ")
+                    lock, frame = waits[k]
+                    parts.append(
+                        f"{thread_label(candidates[k], ev.thread_names)} holds `{name}` ({at}) and waits for "
+                        f"`{lock}` at {frame.short()}"
+                    )
+                return "a lock-order deadlock: " + "; ".join(parts)
+            if j in chain:
+                break
+            chain.append(j)
+            i = j
+    return None
+
+
+def _sleep_text(asleep: ThreadStack, at: str, naps: str, ev: Evidence) -> str:
+    """A wait made of sleeps, no work for the stall (issue 48): the loop that sleeps and what it checks,
+    where the source shows it: "sleeping in the loop `while not os.path.exists(path):` at poll.py:20, at
+    `time.sleep(1)` at poll.py:21 in <module> in both stack samples, CPU 0%: ..."."""
+    loop = next(
+        (ev.loops[f.key] for f in asleep.python_frames[:3] if f.key in ev.loops and not _is_library(f)), None
+    )
+    head = f"sleeping in the loop {loop}, at " if loop else "sleeping at "
+    what = ": what the loop checks for does not come" if loop else ""
+    return f"{head}{at}{naps}, CPU {_pct(ev.cpu_percent)}: {SLEEP_NO_WORK}{what}"
 
 
 def _slow_reason(ev: Evidence) -> str:

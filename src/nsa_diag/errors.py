@@ -18,6 +18,9 @@ import typer
 
 EXIT_USAGE = 2
 EXIT_INTERNAL = 3
+# `watch`: the job hung (its evidence taken; stopped, or left running with --keep-alive). A scheduler or a
+# retry loop tells it from a job that failed (exit code 1): a hang is worth a restart, a traceback is not.
+EXIT_HANG = 4
 EXIT_ABORTED = 130  # as for Ctrl-C, which Typer turns into exit code 130 itself
 
 

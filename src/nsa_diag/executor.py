@@ -33,6 +33,7 @@ from nsa_diag import artifacts, interrupts
 from nsa_diag.beacon import BeaconState
 from nsa_diag.classify import samples_disagree
 from nsa_diag.evidence.env import collect_env
+from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.guard import CASE_ENV, Guardian, sweep
 from nsa_diag.interrupts import Interrupted
 from nsa_diag.launchers import (
@@ -228,11 +229,23 @@ def _watch(
 ) -> _Watch:
     """Watch the job until it exits, stalls or runs out of time; at a stall or timeout take the evidence
     before any kill, and where the unit that stalled is only paused, watch on (the pauses in the notes)."""
+    training = None
     if launcher.units_appear:  # a user's job: its processes come and go; asked again at every poll
-        beacons: BeaconSource = lambda: [u.beacon for u in launcher.units(case_dir)]  # noqa: E731
+        seen: list[Unit] = []
+
+        def beacons() -> list[Path | None]:
+            seen[:] = launcher.units(case_dir)
+            return [u.beacon for u in seen]
+
+        def training() -> list[bool]:  # of the units `beacons` just gave: judged from their start
+            return [u.role in TRAINING_ROLES for u in seen]
+
+        source: BeaconSource = beacons
     else:
-        beacons = [u.beacon for u in launcher.units(case_dir)]
-    watcher = Watcher(proc, beacons, spec, started, on_progress, optional_beacons=launcher.units_appear)
+        source = [u.beacon for u in launcher.units(case_dir)]
+    watcher = Watcher(
+        proc, source, spec, started, on_progress, optional_beacons=launcher.units_appear, training=training
+    )
     pauses: list[Pause] = []
     while True:
         watched = watcher.run()

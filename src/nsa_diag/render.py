@@ -368,6 +368,11 @@ def stall_text(stall: float | str) -> str:
     return "auto" if stall == "auto" else f"{stall:g} s"
 
 
+def timeout_text(timeout: float | None) -> str:
+    """``"300 s"``, or ``"none"`` (no time box: `watch`'s default)."""
+    return "none" if timeout is None else f"{timeout:g} s"
+
+
 def verdict_line(head: str, result: CaseResult) -> str:
     """``<head>: <verdict> (<hang kind>) in <time>`` in rich markup; ``head`` is escaped here."""
     from rich.markup import escape
@@ -454,7 +459,8 @@ class LiveProgress(LiveDisplay):
             self._refresh()
         else:
             self.console.print(
-                f"{self._prefix()}: running (stall {stall_text(spec.stall)}, timeout {spec.timeout:g} s)",
+                f"{self._prefix()}: running (stall {stall_text(spec.stall)}, "
+                f"timeout {timeout_text(spec.timeout)})",
                 markup=False,
                 highlight=False,
             )

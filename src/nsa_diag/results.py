@@ -11,6 +11,7 @@ case that the toolkit could not finish, or that nsa-diag's own interrupt ended. 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -30,9 +31,9 @@ from nsa_diag.classify import (
     last_focus,
     pause_reason,
     waits_on_children,
-    work_reason,
 )
 from nsa_diag.evidence import stacks
+from nsa_diag.probe.runtime import AT_HANG_JSON
 from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
 from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
@@ -142,6 +143,23 @@ def _steps(spec: CaseSpec, report: WorkerReport | None, last: BeaconState | None
     return report.steps_done if report else steps_done(last, spec.steps)
 
 
+MAX_THREAD_NAMES = 1024  # a job's at_hang.json is its own to write: names beyond this are not read
+
+
+def thread_names(unit_dir: Path) -> dict[str, str]:
+    """The probe's names of the unit's threads at the hang (``at_hang.json``'s ``threads``): id -> name; {}
+    where there is none or it is not what the probe writes (a job-written file is evidence, never a crash)."""
+    try:
+        data = artifacts.read_json(Path(unit_dir) / AT_HANG_JSON)
+    except (OSError, ValueError):
+        return {}
+    threads = data.get("threads") if isinstance(data, dict) else None
+    if not isinstance(threads, dict):
+        return {}
+    named = ((k, v) for k, v in threads.items() if isinstance(k, str) and isinstance(v, str))
+    return {k[:40]: v[:80] for k, v in itertools.islice(named, MAX_THREAD_NAMES)}
+
+
 def unit_evidence(
     spec: CaseSpec,
     unit_dir: Path,
@@ -177,6 +195,7 @@ def unit_evidence(
         main_wchan=hang.main_wchan if hang else None,
         file_locks=hang.file_locks if hang else (),
         children_working=tuple(hang.children_working) if hang else (),
+        children_idle=tuple(hang.children_idle) if hang else (),
         main_state=hang.main_state if hang else None,
         where=Where(**last.where()) if last is not None else None,
         stalled_for_s=decision.silence_s if decision is not None else None,
@@ -186,6 +205,9 @@ def unit_evidence(
         progressed=hang.progressed if hang else None,
         longest_gap_s=watched.longest_gap_s,
         source_lines=stacks.source_lines(stack_file.threads()),
+        loops=stacks.enclosing_loops(stack_file.threads()),
+        withs=stacks.enclosing_withs(stack_file.threads()),
+        thread_names=thread_names(unit_dir),
         stderr_tail=stderr_tail(unit_dir),
         io_bytes=hang.io_bytes if hang else None,
         work=watched.work,
@@ -268,7 +290,7 @@ def _evidence(spec: CaseSpec, unit: Observed) -> Evidence | None:
 def unit_work(unit: Observed, ev: Evidence | None, progress: bool = True) -> str | None:
     """What shows a unit (another rank, a child process; ``ev`` its `_evidence`) working at a stall: with
     ``progress``, progress within its own stall limit (a rank's steps; a helper's start-up events are not
-    progress); the work of `classify.work_reason` and of its liveness window; None when nothing does, or
+    progress); the work of `classify.pause_reason` and of its liveness window; None when nothing does, or
     the process has ended."""
     if process_ended(unit.watched.history):
         return None
@@ -283,7 +305,7 @@ def unit_work(unit: Observed, ev: Evidence | None, progress: bool = True) -> str
     ):
         limit = decision.stall_limit_s
         return f"progress {decision.silence_s:.0f} s ago, within its stall limit of {limit:.0f} s"
-    why = work_reason(ev) if ev is not None else None
+    why = pause_reason(ev) if ev is not None else None
     return why or window_work(unit.watched.work, unit.hang)
 
 

@@ -447,11 +447,12 @@ class CaseSpec(BaseModel):
         1e-3, gt=0, allow_inf_nan=False, description="AdamW learning rate"
     )
     timeout: Annotated[
-        float,
+        float | None,
         Opt(
             "--timeout",
             float,
-            "The case ran longer than this while progress continued: slow (with rate and ETA).",
+            "A time box: the case ran longer than this while progress continued: slow (with rate and "
+            "ETA). `watch` has none unless given: it runs as long as the job does.",
             metavar="SECONDS",
             replay="always",
         ),
@@ -459,7 +460,7 @@ class CaseSpec(BaseModel):
         300.0,
         gt=0,
         allow_inf_nan=False,
-        description="seconds for the whole case; past it with progress: slow",
+        description="seconds for the whole case; past it with progress: slow; None: no time box (watch)",
     )
     # The command line gives the text ("auto" or seconds); `nsa_diag.cases.parse_stall` reads it.
     stall: Annotated[
@@ -564,6 +565,8 @@ class CaseSpec(BaseModel):
             raise ValueError(f"model={self.model!r} must be 'pkg.module:factory' (a function's name)")
         if self.layers_attr is not None and self.model is None:
             raise ValueError("layers_attr: names the layers of a --model; the built-in model's are blocks")
+        if self.timeout is None and self.command is None:
+            raise ValueError("timeout: give seconds; only watch runs without a time box")
         return self
 
     def nsa_config(self) -> Any:
@@ -633,7 +636,12 @@ PG_TIMEOUT_MARGIN_S = 600.0
 def pg_timeout_s(spec: CaseSpec) -> float:
     """Seconds before torch gives up on a collective: the case's timeout and stall, plus a margin."""
     stall = 120.0 if spec.stall == "auto" else float(spec.stall)
-    return max(spec.timeout, stall) + PG_TIMEOUT_MARGIN_S
+    return max(spec.timeout or 0.0, stall) + PG_TIMEOUT_MARGIN_S
+
+
+def past_timeout(spec: CaseSpec, elapsed_s: float) -> bool:
+    """Whether a case that ran ``elapsed_s`` seconds is past its time box (never, without one)."""
+    return spec.timeout is not None and elapsed_s > spec.timeout
 
 
 PRE_FLIGHT = "pre-flight"  # the phase of a ddp rank's pre-flight, and the prefix of its forward, backward

@@ -33,7 +33,7 @@ from nsa_diag import artifacts
 from nsa_diag.beacon import FLAG_DATALOADER, FLAG_SAVING, BeaconState, read_beacon
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.records import CaseEvidence, GpuFiles, MemoryDump, Rate, WorkSeen
-from nsa_diag.spec import CaseSpec
+from nsa_diag.spec import CaseSpec, past_timeout
 from nsa_diag.stopping import alive
 
 Status = Literal["running", "stalled", "timeout"]
@@ -63,15 +63,19 @@ EXPORT_STALL_S = 120.0
 # - Then: max(floor, AUTO_FACTOR x the longest step). The factor 3 absorbs a machine that gets loaded
 #   mid-run (another job, swapping, CPU frequency, a GC pause) slowing a step two- to threefold. The floor of
 #   our worker's cases, AUTO_FLOOR_S 10 s, keeps a millisecond step of a tiny model from being called hung
-#   over a scheduling hiccup or a garbage-collection pause, while a hang is still reported within seconds;
-#   a user's job pauses between two steps in ways a case never does (a checkpoint save, an evaluation, a slow
-#   batch), so its floor is AUTO_JOB_FLOOR_S 60 s, and any pause longer than that is still not a hang while
-#   the liveness signals show work or the process sleeps (the executor's pause check).
+#   over a scheduling hiccup or a garbage-collection pause, while a hang is still reported within seconds.
+# - A user's job (`watch`, issue 48) has one limit from its start: AUTO_JOB_S 30 s of no progress AND no work
+#   before its first step (start-up, rendezvous, the first batch) as after it, or 3 x its longest step when
+#   that is longer. It pauses between two steps in ways a case never does (a checkpoint save, an evaluation,
+#   a slow batch, a compile), but those work: the liveness signals and the executor's pause check (bytes
+#   moving, a DataLoader worker producing, child programs or other ranks that work, a moving frame at CPU)
+#   keep it running past the limit. What does no work for 30 s (a lock, a queue, a sleep-and-check loop, a
+#   read that never returns) is a hang: the verdict comes about half a minute after the fault.
 AUTO_START_S = 120.0
 AUTO_FIRST_STEP_S = 120.0
 AUTO_FACTOR = 3.0
 AUTO_FLOOR_S = 10.0
-AUTO_JOB_FLOOR_S = 60.0
+AUTO_JOB_S = 30.0
 # Liveness below the block events (`work_in`): a unit past its stall limit that did work in the last
 # min(limit, WORK_WINDOW_S) seconds (at least WORK_WINDOW_MIN_S) is still running. Work is any of: a CUDA
 # allocation; WORK_IO_BYTES read or written (a checkpoint; a log line is far less); WORK_MOVES_MIN moves of
@@ -91,7 +95,7 @@ DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory
 SAMPLE_INTERVAL_S = 1.0
 # py-spy dumps after the first of a unit that uses the CPU at a stall (each takes ~0.1-0.5 s): C code that
 # computes (a CPU backward, a GEMM) shows different functions across them; one that spins, the same.
-PYSPY_MORE = 2
+PYSPY_MORE = 4
 _KEEP_TAIL = 160  # observations kept verbatim at the end of a compacted history (32 s of polls: the window)
 
 
@@ -253,22 +257,26 @@ def step_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
     job = is_job(spec)
     intervals = step_intervals(history, from_first_event=not job)
     if not intervals:
-        pending = "no step measured yet: a job's first is its second" if job else "step 1 not finished yet"
-        return StallLimit(AUTO_FIRST_STEP_S, f"auto: first-step limit {AUTO_FIRST_STEP_S:g} s ({pending})")
+        if job:
+            return StallLimit(
+                AUTO_JOB_S, f"auto: {AUTO_JOB_S:g} s of no progress and no work (no step measured yet)"
+            )
+        return StallLimit(
+            AUTO_FIRST_STEP_S, f"auto: first-step limit {AUTO_FIRST_STEP_S:g} s (step 1 not finished yet)"
+        )
     longest = max(intervals)
     scaled = AUTO_FACTOR * longest
     reason = f"auto: {AUTO_FACTOR:g} x longest step {longest:.2f} s = {scaled:.1f} s"
-    floor = AUTO_JOB_FLOOR_S if job else AUTO_FLOOR_S
+    floor = AUTO_JOB_S if job else AUTO_FLOOR_S
     if scaled < floor:
-        why = " (a job's floor: a checkpoint save or a slow batch between two steps)" if job else ""
-        return StallLimit(floor, reason + f" -> floor {floor:g} s{why}")
+        return StallLimit(floor, reason + f" -> floor {floor:g} s")
     return StallLimit(scaled, reason)
 
 
 def stall_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
     """The stall limit where the worker is now: `step_limit`, longer during setup and after "done"."""
     state = _last_state(history)
-    if in_setup(state):
+    if in_setup(state) and not is_job(spec):  # a job's start-up is judged as its steps are (issue 48)
         if spec.stall == "auto":
             reason = f"auto: start-up limit {AUTO_START_S:g} s (before the first step)"
             return StallLimit(AUTO_START_S, reason)
@@ -355,7 +363,7 @@ def decide(
     if idle >= limit.seconds:
         work = work_in(history, now, work_window(limit.seconds))
         status = "running" if work.working else "stalled"
-    if status == "running" and elapsed > spec.timeout:
+    if status == "running" and past_timeout(spec, elapsed):
         status = "timeout"
     return Decision(status, elapsed, idle, limit.seconds, limit.reason, work, silent)
 
@@ -510,7 +518,7 @@ def _judge(decision: Decision, has_beacon: bool, spec: CaseSpec) -> Decision:
     timeout applies to it; its hangs show in the evidence, not in missing progress events."""
     if has_beacon or decision.status != "stalled":
         return decision
-    return replace(decision, status="timeout" if decision.elapsed_s > spec.timeout else "running")
+    return replace(decision, status="timeout" if past_timeout(spec, decision.elapsed_s) else "running")
 
 
 def process_ended(history: Sequence[Observation]) -> bool:
@@ -560,7 +568,10 @@ class Watcher:
 
     ``beacons`` may be a function, asked at every poll, for a job whose processes appear over time (a
     user's command: torchrun starts its ranks later, a DataLoader forks workers): its list only grows, and
-    `Watched.units` follows its last answer. ``optional_beacons``: see `reports_progress`.
+    `Watched.units` follows its last answer. ``optional_beacons``: see `reports_progress`; ``training``,
+    asked after ``beacons`` at every poll, says which of those units are training processes (the main
+    process, a rank): they are judged from their start, before their first progress event too (issue 48:
+    a hang in start-up, a rendezvous or the first batch is a hang by the same rule as any other).
 
     After a stall that the executor found to be a pause, `rearm` starts that unit's stall clock again and
     `run` goes on where it stopped (the histories are kept)."""
@@ -574,9 +585,11 @@ class Watcher:
         on_progress: Callable[[BeaconState | None, float], None] | None = None,
         poll_s: float = POLL_S,
         optional_beacons: bool = False,
+        training: Callable[[], Sequence[bool]] | None = None,
     ) -> None:
         self.proc, self.beacons, self.spec, self.started = proc, beacons, spec, started
         self.on_progress, self.poll_s, self.optional = on_progress, poll_s, optional_beacons
+        self.training = training
         self.histories: list[list[Observation]] = []
         self.gaps: list[float | None] = []
         self.since: list[float | None] = []
@@ -612,8 +625,15 @@ class Watcher:
             now = time.time()
             beacons_now = self._read(now)
             histories = self.histories
+            training = list(self.training()) if self.training is not None else []
             if self.on_progress is not None:
-                states = [h[-1].state for h in histories if h[-1].state is not None]
+                # of a job, its training processes' (not torchrun's agent's, nor a DataLoader worker's)
+                followed = [
+                    h
+                    for i, h in enumerate(histories)
+                    if not any(training) or (i < len(training) and training[i])
+                ]
+                states = [h[-1].state for h in followed if h[-1].state is not None]
                 behind = min(states, key=lambda s: s.seq) if states else None
                 self.on_progress(behind, now - self.started)
             if code is not None:
@@ -623,8 +643,13 @@ class Watcher:
                 ]
                 return Watched("exited", units, None)
             decisions = [
-                _judge(decide(h, now, spec, since), reports_progress(beacon, h, self.optional), spec)
-                for h, beacon, since in zip(histories, beacons_now, self.since, strict=True)
+                _judge(
+                    decide(h, now, spec, since),
+                    reports_progress(beacon, h, self.optional)
+                    or (beacon is not None and i < len(training) and training[i]),
+                    spec,
+                )
+                for i, (h, beacon, since) in enumerate(zip(histories, beacons_now, self.since, strict=True))
             ]
             # a unit whose process has exited neither stalls nor times out (`process_ended`)
             decisions = [
@@ -634,7 +659,7 @@ class Watcher:
             # A unit that has not reported yet is in setup (the start-up limit), not a hang of the others.
             stalled = [i for i, d in enumerate(decisions) if d.status == "stalled"]
             timed_out = [i for i, d in enumerate(decisions) if d.status == "timeout"]
-            if not decisions and now - self.started > spec.timeout:  # no unit (yet): the job's own limit
+            if not decisions and past_timeout(spec, now - self.started):  # no unit (yet): the job's own limit
                 return Watched("timeout", [], None)
             if stalled or timed_out:
                 status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
@@ -687,6 +712,8 @@ class HangEvidence:
     file_locks: list[str] = field(default_factory=list)  # held by other processes, when it waits in filelock
     # its descendants that used the CPU between the two samples ("pid 4242 (cc1plus) at CPU 97%")
     children_working: list[str] = field(default_factory=list)
+    # those that did not ("pid 4243 `cat /mnt/pipe` at CPU 0%"): what a process waiting for them waits on
+    children_idle: list[str] = field(default_factory=list)
     # what else was gathered (memory at the hang, py-spy, GPU files, why stacks were not sampled), as the
     # case's evidence writes it
     notes: CaseEvidence = field(default_factory=CaseEvidence)
@@ -783,6 +810,7 @@ def gather_hang_evidence(
     # CPU time, heartbeat and thread states before the second signal, whose handler runs for a moment.
     cpu1, io1, t1 = procfs.cpu_seconds(pid), procfs.io_bytes(pid), time.monotonic()
     ev.children_working = procfs.busy_descendants(kids0, pid, t1 - t0, WORK_CPU_MIN)
+    ev.children_idle = procfs.idle_descendants(kids0, pid, t1 - t0, WORK_CPU_MIN)
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:

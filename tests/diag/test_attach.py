@@ -274,7 +274,8 @@ def test_busy_loop_at_one_frame_is_unclear_not_progressing(start_job: Any, tmp_p
 
 def test_sleeping_job_and_its_child_get_no_signal(sleeping: Attached) -> None:
     """Neither process catches SIGUSR1: attach sends none (its default action would kill them). The job
-    naps in time.sleep: paused, not stalled (a sleep ends by itself), seen in py-spy's samples or, without
+    naps in time.sleep: paused (no work while attach watched; `watch` calls it a hang past its stall limit),
+    seen in py-spy's samples or, without
     py-spy, in its main thread's kernel wait channel; its child is a helper, never the culprit. Both live
     on and finish normally."""
     code, record, err = sleeping.code, sleeping.record, sleeping.err
@@ -283,7 +284,7 @@ def test_sleeping_job_and_its_child_get_no_signal(sleeping: Attached) -> None:
         record
     )
     assert "sleeping" in record["reason"]
-    assert "a sleep ends by itself" in record["reason"]
+    assert "no work, only sleeps" in record["reason"]
     assert len(record["processes"]) == 2  # the job and its child
     assert [p["role"] for p in record["processes"]] == ["training", "helper"]
     for p in record["processes"]:
@@ -623,14 +624,16 @@ def test_moving_stacks_with_cpu_are_progress() -> None:
 
 
 def test_sleeping_is_paused_not_deadlocked(tmp_path: Path) -> None:
-    """time.sleep is no deadlock (it ends by itself): paused, from its stacks (py-spy's here) or, with no
-    stack, from its main thread's wait channel in every round; a lock wait at 0% CPU is python-deadlock."""
+    """time.sleep seen for seconds is a pause (no work while attach watched; under `watch`, a hang past the
+    stall limit), from its stacks (py-spy's here, where its kind is the wait's) or, with no stack, from its
+    main thread's wait channel in every round; a lock wait at 0% CPU is stalled, python-deadlock."""
     script = tmp_path / "train.py"
     script.write_text("import time\n\nwhile True:\n    time.sleep(30)\n")
     naps = [_pyspy([(str(script), 4, "<module>")])] * 3
     napping = judge_process(_observation(7, (1.0, 1.0, 1.0), pyspy=naps, caught=False, state="S"))
-    assert (napping.state, napping.kind) == ("paused", "unknown"), napping.why
-    assert "a sleep ends by itself" in napping.why
+    assert (napping.state, napping.kind) == ("paused", "python-deadlock"), napping.why
+    assert "sleeping in the loop `while True:` at train.py:3" in napping.why
+    assert "no work, only sleeps" in napping.why
     blind = judge_process(
         _observation(7, (1.0, 1.0, 1.0), caught=False, state="S", wchan="hrtimer_nanosleep")
     )
@@ -685,7 +688,7 @@ def test_a_loop_that_naps_is_paused_when_caught_awake_between_naps(tmp_path: Pat
     napping = judge_process(_observation(7, (1.0, 1.0, 1.0), pyspy=caught_awake, caught=False, state="S"))
     assert napping.state == "paused", napping.why
     assert "in 2 of 3 stack samples (in the others between two naps, in <module>)" in napping.why
-    assert "a sleep ends by itself" in napping.why
+    assert "no work, only sleeps" in napping.why
     last_awake = [_pyspy(nap), _pyspy(nap), _pyspy(check)]
     assert (
         judge_process(_observation(7, (1.0,) * 3, pyspy=last_awake, caught=False, state="S")).state
@@ -1092,7 +1095,7 @@ def test_report_and_compare_read_an_attach_run_folder(sleeping: Attached, tmp_pa
     report = (run / "report.md").read_text()
     assert "# nsa-diag attach" in report
     assert "paused" in report
-    assert "a sleep ends by itself" in report
+    assert "no work, only sleeps" in report
     done = run_cli("compare", run, run, "--json")
     assert done.returncode == 0, done.stderr
     comparison = json.loads(done.stdout)

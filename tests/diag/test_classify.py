@@ -34,6 +34,7 @@ from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import fatal_error, parse_faulthandler, parse_pyspy, split_samples
 from nsa_diag.records import Rate
 from nsa_diag.spec import Where, WorkerReport
+from nsa_diag.stackframes import Frame, ThreadStack
 
 RECORDED = Path(__file__).parent / "recorded"
 WHERE = Where(phase="backward", step=1, layer=1, event="begin", module="blocks.1")
@@ -746,20 +747,114 @@ WAITS_FOR_BATCH = dump(
 )
 
 
-def test_a_sleep_is_a_pause_not_a_deadlock() -> None:
+def test_a_sleep_is_no_work_a_hang_past_the_stall_that_names_its_loop() -> None:
+    """Issue 48: a wait made of sleeps does no work; past the stall it is a hang whatever it waits for, and
+    the loop around the sleep says what it checks."""
     ev = Evidence(
         outcome="stalled", stack_samples=[SLEEP, SLEEP], cpu_percent=0.0, heartbeat_advancing=True,
         source_lines={f"{TRAIN}:33": "time.sleep(PAUSE_S)"}, where=WHERE,
     )  # fmt: skip
-    assert pause_reason(ev) == (
-        "sleeping at `time.sleep(PAUSE_S)` at train.py:33 in save_checkpoint: a sleep ends by itself"
-    )
+    assert pause_reason(ev) is None
     kind, why = hang_kind(ev)
-    assert kind != "python-deadlock"
-    assert "a sleep is not a deadlock" in why
-    slow = classify(replace(ev, outcome="timeout", progressed=False, timeout_s=300, stalled_for_s=200.0))
-    assert slow.verdict == "slow"
-    assert "paused for 200 s, not stuck (sleeping at `time.sleep(PAUSE_S)`" in slow.reason
+    assert kind == "python-deadlock"
+    assert why == (
+        "sleeping at `time.sleep(PAUSE_S)` at train.py:33 in save_checkpoint in both stack samples, CPU 0%: "
+        "no work, only sleeps"
+    )
+    polling = replace(ev, loops={f"{TRAIN}:33": "`while not os.path.exists(path):` at train.py:32"})
+    assert hang_kind(polling)[1] == (
+        "sleeping in the loop `while not os.path.exists(path):` at train.py:32, at `time.sleep(PAUSE_S)` at "
+        "train.py:33 in save_checkpoint in both stack samples, CPU 0%: no work, only sleeps: what the loop "
+        "checks for does not come"
+    )
+    assert classify(polling).verdict == "hang"
+    # past a time box, idle for longer than any gap before, with no work: a hang too, not slow
+    late = classify(
+        replace(
+            ev, outcome="timeout", progressed=False, timeout_s=300, stalled_for_s=200.0, longest_gap_s=1.0
+        )
+    )
+    assert late.verdict == "hang"
+
+
+def test_a_lock_order_deadlock_names_both_threads_what_each_holds_and_waits_for(tmp_path: Path) -> None:
+    """Issue 48: the cycle, where the stacks show it: each thread waits to take (its line's ``with``) the
+    lock the other holds (a ``with`` around one of its frames); the probe names the threads."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import threading\n"  # 1
+        "metrics_lock = threading.Lock()\n"  # 2
+        "state_lock = threading.Lock()\n"  # 3
+        "def saver():\n"  # 4
+        "    with state_lock:\n"  # 5
+        "        with metrics_lock:\n"  # 6
+        "            pass\n"  # 7
+        "def step(self):\n"  # 8
+        "    with self.metrics_lock:\n"  # 9
+        "        with state_lock:\n"  # 10
+        "            pass\n"  # 11
+    )
+    path = str(script)
+    sample = (
+        "Thread 0x00007f00000000aa (most recent call first):\n"
+        f'  File "{path}", line 6 in saver\n'
+        '  File "/usr/lib/python3.11/threading.py", line 982 in run\n'
+        "\n"
+        "Current thread 0x00007f0000000001 (most recent call first):\n"
+        f'  File "{path}", line 10 in step\n'
+        f'  File "{path}", line 12 in <module>\n'
+    )
+    threads = parse_faulthandler(sample)
+    ev = Evidence(
+        outcome="stalled", stack_samples=[sample, sample], cpu_percent=0.0, heartbeat_advancing=True,
+        source_lines=stack_samples.source_lines(threads), withs=stack_samples.enclosing_withs(threads),
+        thread_names={"0x00007f00000000aa": "checkpoint-saver"}, where=WHERE,
+    )  # fmt: skip
+    kind, why = hang_kind(ev)
+    assert kind == "python-deadlock", why
+    assert why.endswith(
+        "; a lock-order deadlock: the main thread holds `self.metrics_lock` (train.py:9) and waits for "
+        "`state_lock` at train.py:10 in step; thread checkpoint-saver holds `state_lock` (train.py:5) and "
+        "waits for `metrics_lock` at train.py:6 in saver"
+    ), why
+    # one thread waiting on a lock nobody's stack shows held: no cycle claimed
+    alone = replace(ev, stack_samples=[sample.split("\n\n")[1]] * 2)
+    assert "lock-order" not in hang_kind(alone)[1]
+
+
+def test_a_wait_for_child_programs_that_do_nothing_names_them() -> None:
+    waits = dump(
+        ("/usr/lib/python3.11/subprocess.py", 2004, "_try_wait"),
+        ("/usr/lib/python3.11/subprocess.py", 1264, "wait"),
+        (TRAIN, 33, "sync_checkpoint"),
+    )
+    ev = Evidence(
+        outcome="stalled", stack_samples=[waits, waits], cpu_percent=0.0, heartbeat_advancing=True,
+        where=WHERE, children_idle=("pid 41 `cat /mnt/backup/pipe` at CPU 0%",),
+    )  # fmt: skip
+    kind, why = hang_kind(ev)
+    assert kind == "python-deadlock", why
+    assert "called from train.py:33 in sync_checkpoint" in why
+    assert why.endswith(
+        "; the child program(s) it waits for do no work: pid 41 `cat /mnt/backup/pipe` at CPU 0%"
+    )
+
+
+def test_the_loop_around_a_frame_is_read_from_its_source(tmp_path: Path) -> None:
+    script = tmp_path / "poll.py"
+    script.write_text(
+        "import os, time\n"
+        "for step in range(3):\n"
+        "    path = '/data/shard_7'\n"
+        "    while not os.path.exists(path):  # the next shard\n"
+        "        time.sleep(1)\n"
+    )
+    thread = ThreadStack("0x1", (Frame(str(script), 5, "<module>"),))
+    assert stack_samples.enclosing_loops([thread]) == {
+        f"{script}:5": "`while not os.path.exists(path):` at poll.py:4"
+    }
+    script.write_text("def f(:\n")  # not Python: nothing, never an error
+    assert stack_samples.enclosing_loops([thread]) == {}
 
 
 def test_frames_that_move_between_samples_with_cpu_are_work() -> None:

@@ -140,6 +140,7 @@ def test_busy_and_gil_held_hangs_without_pyspy(
 ) -> None:
     path = os.environ.get("PATH", "").split(os.pathsep)
     monkeypatch.setenv("PATH", os.pathsep.join(d for d in path if not (Path(d) / "py-spy").exists()))
+    monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "no-scripts"))
     case_dir = tmp_path / inject
     result = run_case(make_spec(inject, inject), case_dir)
     assert (result.verdict, result.hang_kind) == ("hang", kind), result.reason
@@ -303,30 +304,24 @@ def test_gpu_utilization_of_the_case() -> None:
     assert gpu.worker_utilization({"available": False, "why": "no GPU"}, [11]) is None
 
 
-def test_pyspy_missing_points_at_the_one_installed_beside_nsa_diag(
+def test_pyspy_off_path_is_the_one_installed_beside_nsa_diag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A virtual environment run without activating it (pipx's, uv tool's): py-spy, a dependency, is in its
-    scripts folder but not on PATH; the reason says where it is and what to do."""
+    scripts folder but not on PATH; that one runs. With neither, the reason says what to install."""
     scripts = tmp_path / "venv-bin"
     scripts.mkdir()
     (scripts / "py-spy").write_text("#!/bin/sh\n")
     (scripts / "py-spy").chmod(0o755)
     monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(scripts))
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert stacks.pyspy_missing() == (
-        f"py-spy is not on PATH; the one installed with nsa-diag is {scripts / 'py-spy'}: put {scripts} on "
-        "PATH (activate its environment) for native frames"
+    assert stacks.pyspy_exe() == str(scripts / "py-spy")
+    monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
+    assert stacks.pyspy_exe() is None
+    assert (
+        stacks.pyspy_missing() == f"py-spy is not on PATH, nor beside nsa-diag's Python; {stacks.PYSPY_HINT}"
     )
     assert stacks.pyspy_dump(1, tmp_path / "none.txt")["why"] == stacks.pyspy_missing()
-    # attach's advice says the same (it said "py-spy is not installed" of the one beside it)
-    advice = live.pyspy_advice([5], installed=False, refused=False, ptrace={"ptrace_scope": 0})
-    assert advice is not None
-    assert advice.startswith(
-        f"py-spy is not on PATH; the one installed with nsa-diag is {scripts / 'py-spy'}"
-    )
-    monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "empty"))
-    assert stacks.pyspy_missing() == f"py-spy is not on PATH; {stacks.PYSPY_HINT}"
     advice = live.pyspy_advice([5], installed=False, refused=False, ptrace={"ptrace_scope": 0})
     assert advice is not None
     assert advice.startswith("py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)")
@@ -337,16 +332,17 @@ def test_pyspy_dump_or_why_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     try:
         time.sleep(0.5)
         taken = stacks.pyspy_dump(sleeper.pid, tmp_path / "pyspy.txt")
-        if shutil.which("py-spy"):
+        if stacks.pyspy_exe():
             assert taken["taken"] is True, taken
             threads = stacks.parse_pyspy((tmp_path / "pyspy.txt").read_text())
             assert any(t.is_main for t in threads)
         else:
             assert "py-spy is not on PATH" in taken["why"]
         monkeypatch.setenv("PATH", str(tmp_path))
+        monkeypatch.setattr(stacks.sysconfig, "get_path", lambda name: str(tmp_path / "no-scripts"))
         missing = stacks.pyspy_dump(sleeper.pid, tmp_path / "none.txt")
         assert missing == {"taken": False, "why": stacks.pyspy_missing()}
-        assert missing["why"].startswith("py-spy is not on PATH; ")
+        assert missing["why"].startswith("py-spy is not on PATH, nor beside")
     finally:
         sleeper.kill()
         sleeper.wait()

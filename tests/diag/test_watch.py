@@ -27,6 +27,7 @@ from diag_cli import cli_env, run_cli
 from nsa_diag import artifacts
 from nsa_diag.app import run_cli as cli_main
 from nsa_diag.classify import focus_thread
+from nsa_diag.errors import EXIT_HANG
 from nsa_diag.evidence import stacks as stack_samples
 from nsa_diag.evidence.stacks import parse_faulthandler
 from nsa_diag.launchers import job
@@ -221,7 +222,7 @@ def test_plain_loop_passes(tmp_path: Path) -> None:
 
 def test_deadlock_in_backward_is_a_python_deadlock_at_step_3(tmp_path: Path) -> None:
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "deadlock_backward.py"])
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "python-deadlock", result["reason"]
@@ -457,7 +458,7 @@ def test_a_wait_entered_between_the_stack_samples_is_a_deadlock(tmp_path: Path) 
     disagreed). Where the stall came after the sleep had ended, both samples are in the wait."""
     env = {"SLOW_STORAGE_S": "3.6"}
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "upload_thread_dies.py"], env=env)
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
     assert "called from `uploaded.wait()` at upload_thread_dies.py:" in result["reason"]
@@ -507,7 +508,7 @@ def test_a_save_blocked_on_a_file_lock_another_job_holds_names_the_lock_and_its_
     finally:
         holder.kill()
         holder.wait()
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert (result["verdict"], result["hang_kind"]) == ("hang", "unknown"), result["reason"]
     assert (
@@ -529,7 +530,7 @@ def test_a_job_waiting_for_its_evaluation_subprocess_names_the_child_and_what_it
     it waits for and that the child is paused in its sleep (a child started by exec, not forked: found by
     its parent pid). Both are stopped."""
     proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "eval_subprocess.py"])
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert (result["verdict"], result["hang_kind"]) == ("hang", "python-deadlock"), result["reason"]
     assert "blocked in subprocess wait" in result["reason"]
@@ -932,7 +933,7 @@ def test_ranks_waiting_for_a_world_size_the_job_never_started_are_a_hang_that_sa
     names the mismatch the probe noted before the call."""
     job = _torchrun("ddp_wrong_world_size.py")
     proc, out = _watch(tmp_path, "--timeout", "60", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert (result["verdict"], result["hang_kind"]) == ("hang", "collective"), result["reason"]
     mismatch = "init_process_group asked for world_size=3, but the job started 2 ranks (WORLD_SIZE=2)"
@@ -1185,7 +1186,7 @@ def test_a_job_that_execs_into_sleep_is_a_hang_of_a_program_no_longer_python(
     """3 optimizer steps, then os.execvp("sleep"): the probe's heartbeat stops with the Python image, the
     process lives on as `sleep` (no GIL held by anyone). At a stall, and at a timeout that comes first."""
     proc, out = _watch(tmp_path, *limits, job=[PY, "exec_sleep.py"])
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "unknown", result["reason"]
@@ -1202,7 +1203,7 @@ def test_an_idle_program_without_progress_at_the_timeout_is_a_hang_not_slow(tmp_
     """`sleep` reports no progress (not Python: no probe) and does nothing: not slow, which needs progress
     or work that went on; idle, it is a hang, and the reason says what was seen."""
     proc, out = _watch(tmp_path, "--timeout", "3", job=["sleep", "60"], timeout=60)
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "unknown", result["reason"]

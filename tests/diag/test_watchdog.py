@@ -29,7 +29,7 @@ from nsa_diag.watchdog import (
     AUTO_FACTOR,
     AUTO_FIRST_STEP_S,
     AUTO_FLOOR_S,
-    AUTO_JOB_FLOOR_S,
+    AUTO_JOB_S,
     AUTO_START_S,
     EXIT_STALL_S,
     EXPORT_STALL_S,
@@ -464,7 +464,7 @@ def job_spec(**kwargs: object) -> CaseSpec:
     return spec(command=CommandSpec(argv=("python", "train.py"), cwd="/tmp"), **kwargs)
 
 
-def test_a_jobs_steps_run_optimizer_step_to_optimizer_step_and_its_floor_covers_a_checkpoint() -> None:
+def test_a_jobs_steps_run_optimizer_step_to_optimizer_step_and_one_limit_holds_from_its_start() -> None:
     # The first hook of step 1 comes after the DataLoader's first batch: a job's step 1 is not measured.
     h = history(
         (0.5, beacon(2, T0 + 0.4, step=1)),
@@ -475,14 +475,26 @@ def test_a_jobs_steps_run_optimizer_step_to_optimizer_step_and_its_floor_covers_
     assert step_intervals(h, from_first_event=False) == [pytest.approx(3.2)]
     assert step_intervals(h)[0] == pytest.approx(0.15)  # our worker's rule: from step 1's first event
     d = decide(h, T0 + 4.0, job_spec(stall="auto", timeout=600))
-    assert d.stall_limit_s == AUTO_JOB_FLOOR_S
-    assert d.limit_reason == (
-        "auto: 3 x longest step 3.20 s = 9.6 s -> floor 60 s (a job's floor: a checkpoint save or a slow "
-        "batch between two steps)"
-    )
+    assert d.stall_limit_s == AUTO_JOB_S
+    assert d.limit_reason == "auto: 3 x longest step 3.20 s = 9.6 s -> floor 30 s"
     before = decide(h[:3], T0 + 1.0, job_spec(stall="auto", timeout=600))
-    assert before.stall_limit_s == AUTO_FIRST_STEP_S
-    assert "a job's first is its second" in before.limit_reason
+    assert before.stall_limit_s == AUTO_JOB_S
+    assert "no step measured yet" in before.limit_reason
+    # before any progress (start-up, rendezvous, the first batch): the same limit, not a longer one
+    start = decide(history(), T0 + AUTO_JOB_S + 0.1, job_spec(stall="auto", timeout=None))
+    assert (start.status, start.stall_limit_s) == ("stalled", AUTO_JOB_S)
+    slow_steps = history(
+        (0.5, beacon(2, T0 + 0.4, step=1)),
+        (0.6, beacon(9, T0 + 0.55, phase="step", event="end", step=1)),
+        (20.7, beacon(19, T0 + 20.6, phase="step", event="end", step=2)),
+    )
+    assert decide(slow_steps, T0 + 21.0, job_spec(stall="auto")).stall_limit_s == pytest.approx(3 * 20.05)
+
+
+def test_a_job_without_a_time_box_never_times_out() -> None:
+    h = history((0.5, beacon(2, T0 + 0.4, step=1)), (1e5, beacon(3, T0 + 1e5 - 0.1, step=1)))
+    assert decide(h, T0 + 1e5, job_spec(stall="auto", timeout=None)).status == "running"
+    assert decide(h, T0 + 1e5, job_spec(stall="auto", timeout=600)).status == "timeout"
 
 
 def test_steps_done_of_a_job_are_not_capped_by_the_cases_steps() -> None:

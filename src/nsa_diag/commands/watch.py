@@ -19,7 +19,13 @@ _NOT_FOR_A_JOB += tuple(name for name in DDP.names if name != "straggler_ratio")
 
 
 @case_options(
-    WATCHDOG, EVIDENCE, DDP, OUTPUT, CASE_NAME, omit=("junit", *_NOT_FOR_A_JOB), defaults={"name": "watch"}
+    WATCHDOG,
+    EVIDENCE,
+    DDP,
+    OUTPUT,
+    CASE_NAME,
+    omit=("junit", *_NOT_FOR_A_JOB),
+    defaults={"name": "watch", "timeout": None},
 )
 def watch(
     options: CaseOptions,
@@ -57,11 +63,14 @@ def watch(
     process of it (torchrun's ranks and DataLoader workers included) gets a light probe at start-up: a
     heartbeat and progress beacon, faulthandler on SIGUSR1, and once torch is imported hooks on the
     model's blocks and the optimizer step, so progress reads "rank 1, step 5, backward, layers.7".
-    No progress and no work for the stall limit is a **hang** (`--stall auto`: 3x the longest step, optimizer
-    step to optimizer step, at least 60 s). Work below the blocks (CUDA allocations, a moving frame with CPU,
-    I/O) keeps a job running, and a pause (a sleep, a checkpoint, a batch a DataLoader worker is reading,
-    child processes or another rank that work) is watched on, not stopped; progress or work past `--timeout`
-    is **slow**, with its rate and ETA. Before anything is stopped, evidence from every process: two stack
+    No progress and no work for the stall limit is a **hang** (`--stall auto`: 30 s, or 3x the longest
+    step, optimizer step to optimizer step, when that is longer; from the start, before the first step
+    too), whatever the wait: a lock, a queue, a read, a loop that sleeps and checks for a file that never
+    comes. Work keeps a job running however long its pause: a checkpoint written (bytes moving), a
+    DataLoader worker producing the batch, child programs or other ranks that work, a moving frame with
+    CPU, CUDA allocations, a compile. There is no time box: `watch` runs as long as the job does;
+    `--timeout` sets one for a diagnosis run (progress or work past it is **slow**, with its rate and ETA).
+    Before anything is stopped, evidence from every process: two stack
     samples, py-spy when installed, /proc, GPU, the NCCL flight recorder, the ranks' minority. The verdict is
     about the training process (or each rank); DataLoader workers, torchrun's agent and helpers are reported
     as what they are. Then the job is stopped (SIGTERM, grace, SIGKILL) unless `--keep-alive`. A job that
@@ -70,13 +79,15 @@ def watch(
     named, with the phase its extra time is in, also when the job passes. Its output streams here and into
     `<out>/<time>-watch/cases/<name>/` with `replay.sh`.
 
-    Exit code 0 when the job passes, 1 when not, 2 for a bad option or command, 130 on Ctrl-C (the job
-    is stopped).
+    Exit code 0 when the job passes, 4 when it hung (a restart may help), 1 for any other verdict (an
+    error, a crash: read the traceback), 2 for a bad option or command, 3 for an internal error of
+    nsa-diag, 130 on Ctrl-C (the job is stopped).
 
     Examples:
 
         nsa-diag watch -- python train.py --lr 3e-4
-        nsa-diag watch --stall 60 --timeout 3600 -- torchrun --nproc-per-node 2 train.py
+        nsa-diag watch -- torchrun --nproc-per-node 2 train.py
+        nsa-diag watch --stall 120 -- python train.py   # no progress event for minutes: a longer stall
         nsa-diag watch --stall 30 --keep-alive -- ./run_training.sh
         nsa-diag watch --timeout 600 --total-steps 1000 --json -- python train.py
     """

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import stat
 import time
@@ -503,10 +502,7 @@ def pyspy_advice(pids: list[int], installed: bool, refused: bool, ptrace: Ptrace
             if scope and not ptrace.get("root")
             else ""
         )
-        missing = (
-            stacks.pyspy_off_path()
-            or "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)"
-        )
+        missing = "py-spy is not installed (a dependency of nsa-diag: `pip install py-spy`)"
         return (
             f"{missing}: it adds the stack of every Python process (native frames too), handler or not{then}"
         )
@@ -556,7 +552,7 @@ class _PySpy:
     """py-spy for one tree: whether it is on PATH, and whether ptrace was refused (then never tried again)."""
 
     def __init__(self) -> None:
-        self.installed = shutil.which("py-spy") is not None
+        self.installed = stacks.pyspy_exe() is not None
         self.refused = False
 
     def sample(self, ob: ProcessObservation) -> None:

@@ -161,6 +161,24 @@ def busy_descendants(
     return busy
 
 
+def idle_descendants(
+    before: dict[int, tuple[str, float]], pid: int, wall_s: float, min_percent: float, limit: int = 4
+) -> list[str]:
+    """The descendants of ``pid`` but Python interpreters that used less than ``min_percent`` of a core
+    since ``before`` (`busy_descendants`' others), as "pid 4243 `cat /mnt/backup/pipe` at CPU 0%": the
+    programs a process waits for that do nothing; the innermost first, at most ``limit``."""
+    idle = []
+    for child, (comm, seconds) in sorted(descendants_cpu(pid).items(), reverse=True):
+        if child in before and before[child][0] == comm and not is_python(comm):
+            percent = cpu_percent(before[child][1], seconds, wall_s)
+            if percent is not None and percent < min_percent:
+                words = redact_argv(cmdline(child)) or [comm]
+                text = " ".join(words)
+                text = text if len(text) <= 80 else text[:77] + "..."
+                idle.append(f"pid {child} `{text}` at CPU {percent:.0f}%")
+    return idle[:limit]
+
+
 def io_bytes(pid: int) -> int | None:
     """Bytes ``pid`` has read and written so far through read/write system calls (``rchar`` + ``wchar`` of
     ``/proc/<pid>/io``: files, pipes and sockets, whether or not they reached a disk); None where /proc does

@@ -20,7 +20,9 @@ records.
 
 from __future__ import annotations
 
+import ast
 import datetime
+import functools
 import linecache
 import os
 import re
@@ -44,26 +46,16 @@ DUMP_START_TIMEOUT_S = 3.0  # how long a sample waits for the worker's handler t
 PYSPY_HINT = "install it for native frames: pip install py-spy (a dependency of nsa-diag)"
 
 
+def pyspy_exe() -> str | None:
+    """The py-spy to run: the one on PATH, else the one installed with nsa-diag beside this Python (a
+    virtual environment run without activating it, pipx's, uv tool's: their programs are not on PATH, but
+    py-spy is a dependency of nsa-diag and installed beside it); None where there is neither."""
+    return shutil.which("py-spy") or shutil.which("py-spy", path=sysconfig.get_path("scripts"))
+
+
 def pyspy_missing() -> str:
-    """Why no py-spy runs: none on PATH, and whether the one installed with nsa-diag is beside this Python
-    (a virtual environment run without activating it, pipx's or uv tool's: their programs are not on
-    PATH but nsa-diag's own)."""
-    beside = pyspy_off_path()
-    if beside is None:
-        return f"py-spy is not on PATH; {PYSPY_HINT}"
-    return f"{beside} for native frames"
-
-
-def pyspy_off_path() -> str | None:
-    """Where the py-spy installed with nsa-diag is (this Python's scripts folder) and how to reach it, for a
-    py-spy not on PATH; None where there is none there either."""
-    beside = shutil.which("py-spy", path=sysconfig.get_path("scripts"))
-    if beside is None:
-        return None
-    return (
-        f"py-spy is not on PATH; the one installed with nsa-diag is {beside}: put "
-        f"{os.path.dirname(beside)} on PATH (activate its environment)"
-    )
+    """Why no py-spy runs: none on PATH, none beside nsa-diag's Python."""
+    return f"py-spy is not on PATH, nor beside nsa-diag's Python; {PYSPY_HINT}"
 
 
 _THREAD_RE = re.compile(
@@ -221,6 +213,99 @@ def source_lines(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str, st
     return found
 
 
+# a source file larger than this is not parsed for its loops (a generated file; reading it is the cost)
+LOOP_SOURCE_MAX_BYTES = 2 << 20
+
+
+def enclosing_loops(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str, str]:
+    """``{"file:line": "`while not os.path.exists(path):` at file.py:20"}``: the innermost ``while`` or
+    ``for`` around each of the innermost ``depth`` Python frames of each thread, from its source file.
+
+    A wait in a loop that sleeps and checks (``while not os.path.exists(p): time.sleep(1)``) shows the
+    sleep in the stack; the loop's head says what it waits for. Read on this machine, bounded in size; a
+    file that cannot be read or parsed gives nothing."""
+    found: dict[str, str] = {}
+    for thread in threads:
+        for frame in thread.python_frames[:depth]:
+            if not frame.line or frame.key in found or not frame.file.endswith(".py"):
+                continue
+            around = [b for b in _blocks_of(frame.file) if b.loop and b.start < frame.line <= b.end]
+            if around:
+                inner = max(around, key=lambda b: b.start)
+                found[frame.key] = f"`{inner.text}` at {os.path.basename(frame.file)}:{inner.start}"
+    return found
+
+
+def enclosing_withs(threads: Iterable[ThreadStack], depth: int = 16) -> dict[str, tuple[str, ...]]:
+    """``{"file:line": ("metrics_lock at train.py:44", ...)}``: the context managers of the ``with``
+    statements whose body holds each of the innermost ``depth`` Python frames of each thread (what the
+    thread holds there, where its stack shows it: a lock taken with ``with``), innermost last."""
+    found: dict[str, tuple[str, ...]] = {}
+    for thread in threads:
+        for frame in thread.python_frames[:depth]:
+            if not frame.line or frame.key in found or not frame.file.endswith(".py"):
+                continue
+            name = os.path.basename(frame.file)
+            withs = sorted(
+                (b for b in _blocks_of(frame.file) if not b.loop and b.start < frame.line <= b.end),
+                key=lambda b: b.start,
+            )
+            held = tuple(f"{item} at {name}:{b.start}" for b in withs for item in b.items)
+            if held:
+                found[frame.key] = held
+    return found
+
+
+@dataclass(frozen=True)
+class _Block:
+    """A loop or a ``with`` statement of a source file: its lines, its head, its context managers."""
+
+    loop: bool
+    start: int
+    end: int
+    text: str  # the head's first line, stripped
+    items: tuple[str, ...] = ()  # a with's context managers, as written (``self._lock``)
+
+
+def _blocks_of(path: str) -> tuple[_Block, ...]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    if st.st_size > LOOP_SOURCE_MAX_BYTES:
+        return ()
+    return _blocks(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _blocks(path: str, mtime_ns: int, size: int) -> tuple[_Block, ...]:
+    """The loops and with statements of a source file; () when it cannot be read or parsed."""
+    del mtime_ns, size  # the cache's key: a changed file is read again
+    try:
+        with open(path, "rb") as f:
+            source = f.read(LOOP_SOURCE_MAX_BYTES + 1)
+        if len(source) > LOOP_SOURCE_MAX_BYTES:
+            return ()
+        tree = ast.parse(source)
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return ()
+    lines = source.decode("utf-8", errors="replace").splitlines()
+    out = []
+    for node in ast.walk(tree):
+        loop = isinstance(node, (ast.While, ast.For, ast.AsyncFor))
+        if not (loop or isinstance(node, (ast.With, ast.AsyncWith))) or node.end_lineno is None:
+            continue
+        head = lines[node.lineno - 1].strip() if node.lineno <= len(lines) else ""
+        items: tuple[str, ...] = ()
+        if not loop:
+            try:
+                items = tuple(ast.unparse(i.context_expr)[:80] for i in node.items)  # type: ignore[attr-defined]
+            except (ValueError, RecursionError):
+                items = ()
+        out.append(_Block(loop, node.lineno, node.end_lineno, head.split("  #")[0].rstrip()[:120], items))
+    return tuple(out)
+
+
 def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="milliseconds")
 
@@ -302,7 +387,7 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
 
     Falls back to a dump without ``--native`` when the native unwinder fails (some kernels and builds).
     """
-    exe = shutil.which("py-spy")
+    exe = pyspy_exe()
     if exe is None:
         return PyspyDump(taken=False, why=pyspy_missing())
     attempts = []
@@ -331,7 +416,7 @@ def pyspy_dump(pid: int, out_path: Path, timeout_s: float = PYSPY_TIMEOUT_S) -> 
 def pyspy_sample(pid: int, timeout_s: float = PYSPY_TIMEOUT_S) -> tuple[str | None, str]:
     """One ``py-spy dump --pid`` (Python frames only: quicker than ``--native``): (its text with its
     command line's secrets withheld, or None; what happened)."""
-    exe = shutil.which("py-spy")
+    exe = pyspy_exe()
     if exe is None:
         return None, pyspy_missing()
     try:

@@ -497,16 +497,17 @@ def job_rate(w: WatchResult, spec: CaseSpec, total: int | None) -> Rate:
     return Rate.model_validate({**known, "steps_total": None, "eta": eta})
 
 
-def _slow_reason(rate: Rate, timeout: float, where: str, evidence: CaseEvidence) -> str:
+def _slow_reason(rate: Rate, timeout: float | None, where: str, evidence: CaseEvidence) -> str:
     """A slow job's reason: what showed it still worked (the liveness signals) or the pause it was in
     (``evidence``'s ``work`` and ``activity``), its steps and rate, and its ETA."""
     work, activity = evidence.work, evidence.activity
+    box = f"{timeout:g} s timeout" if timeout is not None else "time box"
     if work is not None and work.working:
-        still = f"still working past the {timeout:g} s timeout ({work.text})"
+        still = f"still working past the {box} ({work.text})"
     elif activity:
-        still = f"not stuck when the {timeout:g} s timeout ran out ({activity})"
+        still = f"not stuck when the {box} ran out ({activity})"
     else:
-        still = f"progress continued past the {timeout:g} s timeout"
+        still = f"progress continued past the {box}"
     text = f"{still}: {rate.steps_done} step(s) done at {rate.steps_per_s:g} steps/s, now at {where}"
     if rate.eta_s is not None:
         return (

@@ -131,7 +131,7 @@ def node_of(spec: CaseSpec, rank: int) -> int:
 def barrier_s(spec: CaseSpec) -> float:
     """How long a node waits for the others before it stops its ranks (`EVIDENCE_MARGIN_S`)."""
     stall = AUTO_BARRIER_S if spec.stall == "auto" else float(spec.stall)
-    return min(stall + EVIDENCE_MARGIN_S, spec.timeout + EVIDENCE_MARGIN_S)
+    return min(stall, spec.timeout or stall) + EVIDENCE_MARGIN_S
 
 
 def _read(path: Path) -> object:

@@ -46,7 +46,11 @@ def model_facts(specs: Sequence[CaseSpec], timeout: float | None = None) -> list
     assert specs
     assert all(spec.model is not None for spec in specs)
     model = specs[0].model
-    limit = timeout if timeout is not None else min(PREFLIGHT_TIMEOUT_S, *(spec.timeout for spec in specs))
+    limit = (
+        timeout
+        if timeout is not None
+        else min(PREFLIGHT_TIMEOUT_S, *(spec.timeout for spec in specs if spec.timeout is not None))
+    )
     with tempfile.TemporaryDirectory(prefix="nsa-diag-preflight-") as tmp:
         paths = []
         for i, spec in enumerate(specs):

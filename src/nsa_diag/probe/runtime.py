@@ -148,6 +148,9 @@ class AtHang(TypedDict, total=False):
     step: int
     collectives: dict[str, int]
     waiting: Waiting | None
+    # the name of each thread, by its id as faulthandler writes it ("0x00007f3a2c1fe6c0"): a stack sample
+    # names no thread
+    threads: dict[str, str]
 
 
 class NonFiniteLoss(TypedDict):
@@ -482,6 +485,7 @@ class Probe:
                         step=self.sink.step,
                         collectives=dict(self.sink.collectives),
                         waiting=self.sink.waiting,
+                        threads={f"0x{t.ident:016x}": t.name for t in threading.enumerate() if t.ident},
                     )
                     _write_json(self.folder / AT_HANG_JSON, at_hang)
                     with contextlib.suppress(Exception):  # best effort, as the memory's

@@ -140,6 +140,10 @@ class Plan:
         """The plan's measure of success for the exit code; None: every case ok (``summary.ok``)."""
         return None
 
+    def exit_code(self, summary: RunSummary) -> int:
+        """The exit code once `succeeded` decided it (``summary.exit_code``); a plan may say more."""
+        return summary.exit_code
+
     def junit_suite(self, summary: RunSummary) -> str:
         return summary.command
 
@@ -347,6 +351,7 @@ class Session:
             err=self.err,
         )
         summary.decide(plan.succeeded(summary))
+        summary.exit_code = plan.exit_code(summary)
         self._junit(summary, results)
         render.write_summary(plan.home(self.run_dir), summary)
         plan.finish(self, summary)

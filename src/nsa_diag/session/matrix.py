@@ -342,7 +342,8 @@ class MatrixProgress(render.LiveDisplay):
             on_gpu = f" on GPU {gpu}" if gpu is not None else ""
             self.console.print(
                 f"[{info.index}/{self.total}] {case.name}: running{on_gpu} "
-                f"(stall {render.stall_text(case.spec.stall)}, timeout {case.spec.timeout:g} s)",
+                f"(stall {render.stall_text(case.spec.stall)}, "
+                f"timeout {render.timeout_text(case.spec.timeout)})",
                 markup=False,
                 highlight=False,
             )

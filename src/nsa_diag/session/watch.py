@@ -4,8 +4,9 @@
 and records the command, its directory and its environment (env.json's names, secrets withheld) in a
 `CaseSpec` whose ``command`` is set. `WatchPlan` runs it through the session (`Session.run_case`, the one
 executor) with `nsa_diag.launchers.command.CommandLauncher`; its ``replay.sh`` runs the same
-``nsa-diag watch`` again, from any directory. No live display: the job's own output streams to
-the terminal (its stdout to stderr under ``--json``, which keeps stdout for the summary).
+``nsa-diag watch`` again, from any directory. The job's own output streams to the terminal (its stdout
+to stderr under ``--json``, which keeps stdout for the summary); between its lines, now and then, a status
+line of nsa-diag's on stderr (`nsa_diag.session.status.JobStatus`: step, rate, trend, ETA, a pause).
 """
 
 from __future__ import annotations
@@ -16,14 +17,19 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nsa_diag.cases import CaseOptions, check_output, parse_stall, validate_spec
-from nsa_diag.errors import UsageError
+from nsa_diag.errors import EXIT_HANG, UsageError
 from nsa_diag.launchers.command import CommandLauncher, recorded_env
 from nsa_diag.redact import redact_argv
 from nsa_diag.session.core import Session, read_result
 from nsa_diag.session.plans import CaseList
+from nsa_diag.session.status import JobStatus
 from nsa_diag.spec import CaseSpec
+
+if TYPE_CHECKING:
+    from nsa_diag.summary import RunSummary
 
 USAGE = "nsa-diag watch [OPTIONS] -- CMD [ARGS...]"
 
@@ -112,7 +118,7 @@ def build_watch_spec(
 ) -> CaseSpec:
     """The case of ``nsa-diag watch ... -- argv``; a `UsageError` (exit 2, one line) for bad input."""
     _check_command(argv)
-    if not 0 < options.timeout < math.inf:
+    if options.timeout is not None and not 0 < options.timeout < math.inf:
         raise UsageError(f"--timeout {options.timeout:g}: give a positive, finite number of seconds")
     check_output(options.out, options.tag)  # as `run` and `attach`: a tag names a folder, no `../`
     command = {
@@ -151,11 +157,18 @@ class WatchPlan(CaseList):
         argv = redact_argv(self.spec.command.argv)
         session.note(f"nsa-diag watch: {' '.join(argv)} -> {session.case_dir(self.spec.name)}")
 
+    def exit_code(self, summary: RunSummary) -> int:
+        """`EXIT_HANG` when the job hung, else the usual code (0 pass, 1 any other verdict, 130)."""
+        hung = any(r.verdict == "hang" for r in self._results)
+        return EXIT_HANG if hung and summary.exit_code == 1 else summary.exit_code
+
     def execute(self, session: Session) -> None:
         echo = sys.stderr.buffer if session.json_output else None
         launcher = CommandLauncher(self.spec, echo_stdout=echo)
+        assert self.spec.command is not None
+        status = JobStatus(sys.stderr, total_steps=self.spec.command.total_steps)
         try:
-            self._results.append(session.run_case(self.spec, launcher=launcher))
+            self._results.append(session.run_case(self.spec, launcher=launcher, on_progress=status))
         except KeyboardInterrupt:  # the runner wrote the stopped job's result.json
             found = read_result(session.case_dir(self.spec.name))
             self._results = [found] if found is not None else []
