@@ -709,7 +709,7 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
             )
         cycle = lock_cycle(samples[-1], ev) if samples else None
         more = f"; {cycle}" if cycle else ""
-        if ev.children_idle and waits_on_children(last):
+        if ev.children_idle and waits_on_children(last) and not waits_on_dataloader(last):
             more += "; the child program(s) it waits for do no work: " + ", ".join(ev.children_idle)
         return "python-deadlock", f"blocked in {blocked} at {at_top} {both}, {cpu}{more}"
 

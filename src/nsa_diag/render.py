@@ -255,6 +255,11 @@ def _expected_text(case: CaseEntry) -> str:
     return expected.verdict + (f" / {expected.hang_kind}" if expected.hang_kind else "")
 
 
+# what a passing case's reason may say beyond "it passed" that its person must see (issue 48): a straggler
+# rank and its phase, steps that kept getting slower
+PASS_FINDINGS = ("; straggler ", " slower over the run")
+
+
 def render_summary(summary: RunSummary, console: Console | None = None) -> None:
     """The result table, then one line per case that did not pass, the run folder and the replay hint."""
     from rich.markup import escape
@@ -289,7 +294,7 @@ def render_summary(summary: RunSummary, console: Console | None = None) -> None:
     console.print(table)
 
     for case in cases:
-        if case.verdict != "pass" or not case.ok:
+        if case.verdict != "pass" or not case.ok or any(f in case.reason for f in PASS_FINDINGS):
             reason = f"[bold]{escape(case.name)}[/bold]: {escape(case.reason)}"
             console.print(reason, soft_wrap=True, highlight=False)
         if case.stack:

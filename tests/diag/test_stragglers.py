@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from nsa_diag.analysis.stragglers import MIN_STEPS, find_stragglers, step_times, watched_stragglers
+from nsa_diag.analysis.stragglers import MIN_STEPS, find_stragglers, slowdown, step_times, watched_stragglers
 from nsa_diag.probe.runtime import StepClock
 from nsa_diag.records import Metrics, PhaseSeconds
 
@@ -167,3 +167,19 @@ def test_the_probes_step_clock_splits_a_step_into_its_phases() -> None:
         (0.1, 0.2, 0.1)
     )
     assert StepClock().end(1, 5.0) is None  # no event: no start known
+
+
+def test_a_job_whose_steps_keep_getting_slower_is_said_so() -> None:
+    """Issue 48: the slowdown of a passing job, from its probe's steps.jsonl (the first step a warm-up)."""
+
+    def line(n: int, seconds: float) -> str:
+        return json.dumps(
+            {"step": n, "step_s": seconds, "forward_s": 0.1, "backward_s": 0.1, "optimizer_s": 0.0}
+        )
+
+    slowing = [line(n, 0.3 + 0.01 * n) for n in range(1, 81)]
+    assert slowdown(["not json", *slowing]) == (
+        "steps got 2.9x slower over the run (steps 2-11: 0.365 s each, steps 71-80: 1.06 s)"
+    )
+    assert slowdown([line(n, 0.3) for n in range(1, 81)]) is None
+    assert slowdown(slowing[:15]) is None  # too few steps to say

@@ -21,6 +21,7 @@ timed, the last `MAX_WATCHED_STEPS` of a long job.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Iterable, Mapping
 
@@ -130,6 +131,30 @@ def step_times(lines: Iterable[str]) -> dict[int, StepTimes]:
         if isinstance(step, int) and all(isinstance(v, int | float) and v >= 0 for v in seconds):
             found[step] = record
     return found
+
+
+SLOWDOWN_STEPS = 10  # steps averaged at each end of a run
+SLOWDOWN_MIN = 1.5  # the last steps' mean over the first steps': "got slower"
+
+
+def slowdown(lines: Iterable[str]) -> str | None:
+    """Whether a job's steps kept getting slower (a probe's ``steps.jsonl`` lines, in order): the mean of
+    its last `SLOWDOWN_STEPS` steps over that of its first (after the first, a warm-up), when at least
+    `SLOWDOWN_MIN` and the two sets do not overlap, as "steps got 2.4x slower over the run (steps 2-11:
+    0.36 s each, steps 71-80: 0.87 s)"; None otherwise."""
+    times = step_times(lines)
+    steps = sorted(times)[1:]
+    if len(steps) < 2 * SLOWDOWN_STEPS:
+        return None
+    first, last = steps[:SLOWDOWN_STEPS], steps[-SLOWDOWN_STEPS:]
+    mean_first = sum(times[s]["step_s"] for s in first) / len(first)
+    mean_last = sum(times[s]["step_s"] for s in last) / len(last)
+    if not (mean_first > 0 and mean_last / mean_first >= SLOWDOWN_MIN and math.isfinite(mean_last)):
+        return None
+    return (
+        f"steps got {mean_last / mean_first:.1f}x slower over the run (steps {first[0]}-{first[-1]}: "
+        f"{mean_first:.3g} s each, steps {last[0]}-{last[-1]}: {mean_last:.3g} s)"
+    )
 
 
 def watched_stragglers(per_rank: Mapping[int, Iterable[str]], threshold: float) -> Stragglers | None:

@@ -169,10 +169,12 @@ def idle_descendants(
     programs a process waits for that do nothing; the innermost first, at most ``limit``."""
     idle = []
     for child, (comm, seconds) in sorted(descendants_cpu(pid).items(), reverse=True):
-        if child in before and before[child][0] == comm and not is_python(comm):
+        argv = cmdline(child)
+        python = is_python(comm) or bool(argv and is_python(argv[0]))  # a DataLoader worker: pt_data_worker
+        if child in before and before[child][0] == comm and not python:
             percent = cpu_percent(before[child][1], seconds, wall_s)
             if percent is not None and percent < min_percent:
-                words = redact_argv(cmdline(child)) or [comm]
+                words = redact_argv(argv) or [comm]
                 text = " ".join(words)
                 text = text if len(text) <= 80 else text[:77] + "..."
                 idle.append(f"pid {child} `{text}` at CPU {percent:.0f}%")

@@ -218,8 +218,9 @@ LOOP_SOURCE_MAX_BYTES = 2 << 20
 
 
 def enclosing_loops(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str, str]:
-    """``{"file:line": "`while not os.path.exists(path):` at file.py:20"}``: the innermost ``while`` or
-    ``for`` around each of the innermost ``depth`` Python frames of each thread, from its source file.
+    """``{"file:line": "`while not os.path.exists(path):` at file.py:20"}``: the innermost ``while`` loop
+    around each of the innermost ``depth`` Python frames of each thread, from its source file (a ``for``
+    over the steps is no check that waits).
 
     A wait in a loop that sleeps and checks (``while not os.path.exists(p): time.sleep(1)``) shows the
     sleep in the stack; the loop's head says what it waits for. Read on this machine, bounded in size; a
@@ -230,6 +231,9 @@ def enclosing_loops(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str,
             if not frame.line or frame.key in found or not frame.file.endswith(".py"):
                 continue
             around = [b for b in _blocks_of(frame.file) if b.loop and b.start < frame.line <= b.end]
+            around = [
+                b for b in around if b.text.startswith("while")
+            ]  # a loop that checks, not `for step in`
             if around:
                 inner = max(around, key=lambda b: b.start)
                 found[frame.key] = f"`{inner.text}` at {os.path.basename(frame.file)}:{inner.start}"

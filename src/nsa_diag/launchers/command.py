@@ -40,7 +40,7 @@ from typing import Any
 import psutil
 
 from nsa_diag import artifacts
-from nsa_diag.analysis.stragglers import watched_stragglers
+from nsa_diag.analysis.stragglers import slowdown, watched_stragglers
 from nsa_diag.artifacts import RANKS_DIR
 from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import never_progressed
@@ -522,7 +522,23 @@ class CommandLauncher(Launcher):
         said = flight_recorder_says(end.notes.flight_recorder) if result.verdict == "hang" else None
         if said:  # the ranks' recorders, read as `nsa-diag fr` reads them
             result = result.model_copy(update={"reason": result.reason + f"; flight recorder: {said}"})
+        slower = self._slowdown() if result.verdict in ("pass", "slow") else None
+        if slower:  # a job that kept getting slower (issue 48): said at its end, as a straggler is
+            result = result.model_copy(update={"reason": result.reason + f"; {slower}"})
         return result
+
+    def _slowdown(self) -> str | None:
+        """Whether the training process's steps kept getting slower (`analysis.stragglers.slowdown`, from its
+        ``steps.jsonl``: rank 0's under torchrun)."""
+        ranks = self.ranks()
+        pid = ranks.get(0) if ranks else self.proc.pid if self.proc is not None else None
+        folder = self.procs[pid].folder if pid in self.procs else None
+        if folder is None:
+            return None
+        try:
+            return slowdown(artifacts.read_text(folder / STEPS_JSONL).splitlines())
+        except (OSError, ValueError):
+            return None
 
     def _stragglers(self) -> Stragglers | None:
         """The ranks' step times compared (`nsa_diag.analysis.stragglers.watched_stragglers`), from each
