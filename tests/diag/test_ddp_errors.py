@@ -809,3 +809,19 @@ def test_probe_records_ddps_parameter_order(tmp_path: Path) -> None:
     assert all(name in names for name, names in zip(info["ddp_params"], aliases, strict=True))
     assert info["ddp_params"] == ["scale", "last", "a.weight", "a.bias", "b.0.bias"]
     assert info["ddp_options"] == {"find_unused_parameters": False, "static_graph": False}
+
+
+def test_a_script_that_does_not_compile_is_an_exception_at_its_line() -> None:
+    """Issue 48: Python prints no "Traceback" for the script it cannot compile; the error is still the
+    job's exception, at the file and line Python names."""
+    stderr = (
+        '  File "/home/me/train.py", line 12\n'
+        "    x = (1,\n"
+        "        ^\n"
+        "SyntaxError: '(' was never closed\n"
+    )
+    tb = last_exception(stderr)
+    assert tb is not None
+    assert (tb.type, tb.message) == ("SyntaxError", "'(' was never closed")
+    assert 'File "/home/me/train.py", line 12, in <module>' in tb.text
+    assert last_exception('  File "/home/me/train.py", line 12\n    x = 1\n') is None

@@ -46,6 +46,9 @@ LAUNCHER_ERRORS = (  # a launcher's account of a rank's failure, not the failure
 )
 MAX_MESSAGE_LINES = 80
 # CPython's fallback when writing an exception to sys.stderr fails (_PyObject_Dump, then "lost sys.stderr")
+# A script that does not compile: no "Traceback" header, its file and line, the code and a caret, the error
+_SYNTAX_FILE = re.compile(r'^\s*File "([^"]+)", line (\d+)\s*$')
+_SYNTAX_ERROR = re.compile(r"^(SyntaxError|IndentationError|TabError)(?:: (.*))?$")
 _DUMP_TYPE = re.compile(r"object type name: ([A-Za-z_][\w.]*)\s*$")
 _DUMP_REPR = re.compile(r"^object repr\s*: (.*)$")
 _LOST = "lost sys.stderr"
@@ -147,6 +150,21 @@ def _repr_message(kind: str, text: str) -> str:
     return text
 
 
+def _syntax_error(lines: Sequence[Line], at: int) -> tuple[Traceback, int] | None:
+    """The script Python could not compile, printed without a traceback (``File "train.py", line 12``, the
+    code, a caret, ``SyntaxError: ...``), as a traceback whose frame is that line; and the next line."""
+    start, head = lines[at]
+    m = _SYNTAX_FILE.match(head)
+    assert m is not None
+    for j in range(at + 1, min(at + 5, len(lines))):
+        error = _SYNTAX_ERROR.match(lines[j][1].rstrip())
+        if error is not None:
+            frame = f'  File "{m.group(1)}", line {m.group(2)}, in <module>'
+            text = "\n".join([TRACEBACK, frame, *(line.rstrip() for _, line in lines[at + 1 : j + 1])])
+            return Traceback(type=error.group(1), message=error.group(2) or "", text=text, order=start), j + 1
+    return None
+
+
 def parse(lines: Sequence[Line]) -> list[Traceback]:
     """Every complete traceback in ``lines`` (one stream: one rank's, or the bare lines), in order, with
     the exceptions CPython dumped when it could not print them."""
@@ -154,6 +172,11 @@ def parse(lines: Sequence[Line]) -> list[Traceback]:
     i, n = 0, len(lines)
     while i < n:
         start, line = lines[i]
+        syntax = _syntax_error(lines, i) if _SYNTAX_FILE.match(line) else None
+        if syntax is not None:
+            found.append(syntax[0])
+            i = syntax[1]
+            continue
         if line.strip() != TRACEBACK:
             dump = _dumped(lines, i) if _DUMP_TYPE.search(line) or "object address" in line else None
             if dump is None:
