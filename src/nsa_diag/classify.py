@@ -19,15 +19,16 @@ GPU utilisation, where the beacon last was) and `classify` decides, without touc
   gil-held     the heartbeat thread stopped ticking (before or between the samples): no Python thread
                can run, so a C call holds the GIL;
   python-deadlock  the same top frame in every sample, blocked in a lock/wait (a blocking stdlib frame,
-               the source line's call, py-spy's native frames or the kernel wait channel) and CPU < 20%;
-               a sleep is not a deadlock (it ends by itself);
+               the source line's call, py-spy's native frames or the kernel wait channel) and CPU < 20%,
+               or napping in time.sleep (a loop that sleeps and checks, named from its source: no work,
+               only sleeps, issue 48); a lock-order cycle between threads is named where the stacks and
+               the ``with`` statements around their frames show it;
   python-busy  CPU >= 50% (or a running main thread at >= 20%) with the heartbeat alive, Python on top
                (py-spy, when there, agrees) and the same innermost frame in every sample;
   unknown      anything else, with what was seen.
 
 `pause_reason` says when a stalled unit is not stuck at all, from the same evidence: a progress event came
-while it was taken, its innermost frame moved between the samples while it used the CPU, it sleeps
-(``time.sleep`` in every sample, or in most and the others in the loop around it, in no wait), it
+while it was taken, its innermost frame moved between the samples while it used the CPU, it
 writes or reads a checkpoint (``torch.serialization``) or files (/proc's I/O bytes, a disk wait), or it
 waits for a DataLoader batch that one of its workers is busy producing. The executor then watches on
 (`nsa_diag.watchdog.Watcher.rearm`) instead of stopping the job.
