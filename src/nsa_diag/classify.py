@@ -669,7 +669,9 @@ def hang_kind(ev: Evidence) -> tuple[HangKind, str]:
 
     sync = _cuda_sync(last, native)
     if sync and same:
-        return "cuda-kernel", f"waiting for the GPU in {sync} {both}, {gpu}"
+        own = _own_frame(last)
+        called = f", called from {_frame_text(own, sources)}" if own is not None else ""
+        return "cuda-kernel", f"waiting for the GPU in {sync}{called} {both}, {gpu}"
     cuda_line = _cuda_source(last, sources)
     if cuda_line and same and (ev.gpu_utilization or 0) > 0:
         return "cuda-kernel", f"waiting for the GPU at {cuda_line} {both}, {gpu}"

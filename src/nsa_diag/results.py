@@ -39,7 +39,6 @@ from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
 from nsa_diag.watchdog import (
     BUSY_WORKER_CPU,
-    WORK_CPU_MIN,
     HangEvidence,
     StallLimit,
     WatchResult,
@@ -309,14 +308,19 @@ def unit_work(unit: Observed, ev: Evidence | None, progress: bool = True) -> str
     return why or window_work(unit.watched.work, unit.hang)
 
 
+IDLE_CPU_MAX = 5.0  # percent of a core: a process that waits uses (almost) none
+
+
 def window_work(work: Work | None, hang: HangEvidence | None) -> str | None:
     """The work of a unit's liveness window (`Work.describe`), or None: none, or only frame moves while the
     process no longer uses the CPU as its evidence is taken (a Pool worker that finished its tasks and
-    idles keeps its earlier moves in the window for up to 20 s)."""
+    idles keeps its earlier moves in the window for up to 20 s): under `IDLE_CPU_MAX`, what an idle process
+    uses; a working one on a machine shared by more busy processes than cores gets a smaller share, not
+    none."""
     if work is None or not work.working:
         return None
     cpu_now = hang.cpu_percent if hang is not None else None
-    if work.signals == ["moves"] and cpu_now is not None and cpu_now < WORK_CPU_MIN:
+    if work.signals == ["moves"] and cpu_now is not None and cpu_now < IDLE_CPU_MAX:
         return None
     return work.describe()
 

@@ -95,7 +95,7 @@ DUMP_WAIT_S = 2.0  # how long the worker's heartbeat thread gets to write memory
 SAMPLE_INTERVAL_S = 1.0
 # py-spy dumps after the first of a unit that uses the CPU at a stall (each takes ~0.1-0.5 s): C code that
 # computes (a CPU backward, a GEMM) shows different functions across them; one that spins, the same.
-PYSPY_MORE = 4
+PYSPY_MORE = 2
 _KEEP_TAIL = 160  # observations kept verbatim at the end of a compacted history (32 s of polls: the window)
 
 
@@ -276,11 +276,11 @@ def step_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
 def stall_limit(history: Sequence[Observation], spec: CaseSpec) -> StallLimit:
     """The stall limit where the worker is now: `step_limit`, longer during setup and after "done"."""
     state = _last_state(history)
-    if in_setup(state) and not is_job(spec):  # a job's start-up is judged as its steps are (issue 48)
-        if spec.stall == "auto":
+    if in_setup(state):
+        if spec.stall == "auto" and not is_job(spec):  # a job's: its steps' 30 s (issue 48)
             reason = f"auto: start-up limit {AUTO_START_S:g} s (before the first step)"
             return StallLimit(AUTO_START_S, reason)
-        if spec.stall < SETUP_STALL_S:
+        if spec.stall != "auto" and spec.stall < SETUP_STALL_S:
             return StallLimit(SETUP_STALL_S, f"--stall {spec.stall:g} s; setup allows {SETUP_STALL_S:g} s")
     limit = step_limit(history, spec)
     if (
@@ -596,6 +596,18 @@ class Watcher:
         self.proc_read_at: list[float] = []
         self.first_exes: list[str | None] = []
 
+    def _judged(
+        self, i: int, beacon: Path | None, history: Sequence[Observation], training: Sequence[bool]
+    ) -> bool:
+        """Whether unit ``i`` is judged by its progress. Where the job says which units are its training
+        processes (``training``, where it names one), those and only those, from their start: a helper,
+        a Pool's or a DataLoader's worker idles by design between its tasks, and is judged through the
+        training process that waits on it (the executor's pause check), never as the culprit. Else
+        `reports_progress`."""
+        if any(training):  # none yet (a shell that has not started Python): as any probed process
+            return beacon is not None and i < len(training) and training[i]
+        return reports_progress(beacon, history, self.optional)
+
     def rearm(self, index: int, now: float | None = None) -> None:
         """Unit ``index``'s stall clock starts again at ``now`` (it paused; it did not hang)."""
         self.since[index] = time.time() if now is None else now
@@ -643,12 +655,7 @@ class Watcher:
                 ]
                 return Watched("exited", units, None)
             decisions = [
-                _judge(
-                    decide(h, now, spec, since),
-                    reports_progress(beacon, h, self.optional)
-                    or (beacon is not None and i < len(training) and training[i]),
-                    spec,
-                )
+                _judge(decide(h, now, spec, since), self._judged(i, beacon, h, training), spec)
                 for i, (h, beacon, since) in enumerate(zip(histories, beacons_now, self.since, strict=True))
             ]
             # a unit whose process has exited neither stalls nor times out (`process_ended`)
@@ -665,9 +672,17 @@ class Watcher:
                 status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
                 first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
                 units = []
-                for h, d, g, exe in zip(histories, decisions, self.gaps, self.first_exes, strict=True):
-                    # since the last progress event only: the work of a unit that made progress is that
-                    window = min(work_window(d.stall_limit_s), d.idle_s)
+                for i, (h, d, g, exe) in enumerate(
+                    zip(histories, decisions, self.gaps, self.first_exes, strict=True)
+                ):
+                    # since the last progress event only: the work of a unit that made progress is that;
+                    # a unit not judged by its progress (a Pool's worker) shows its work over the window
+                    judged = self._judged(i, beacons_now[i], h, training)
+                    window = (
+                        min(work_window(d.stall_limit_s), d.idle_s)
+                        if judged
+                        else work_window(d.stall_limit_s)
+                    )
                     work = d.work or (work_in(h, now, window) if window >= WORK_WINDOW_MIN_S else None)
                     units.append(WatchResult(status, list(h), d, None, g, work, exe))
                 return Watched(status, units, first)

@@ -351,7 +351,7 @@ def test_ranks_one_spinning_one_blocked_are_unclear_without_stacks_and_stalled_w
         "attach_ranks", launcher=(str(torchrun), "--standalone", "--nproc-per-node", "2"),
         env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, ready_count=2,
     )  # fmt: skip
-    blind = {"PATH": path_without_pyspy()}
+    blind = {"PATH": path_without_pyspy(), "NSA_DIAG_PYSPY": "none"}  # not the one beside nsa-diag either
     code, record, err = attach(job.pid, tmp_path / "runs", *QUICK, "--no-signal", env=blind)
     assert code == 1, err
     assert not record["pyspy_installed"]

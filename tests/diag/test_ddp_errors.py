@@ -815,10 +815,7 @@ def test_a_script_that_does_not_compile_is_an_exception_at_its_line() -> None:
     """Issue 48: Python prints no "Traceback" for the script it cannot compile; the error is still the
     job's exception, at the file and line Python names."""
     stderr = (
-        '  File "/home/me/train.py", line 12\n'
-        "    x = (1,\n"
-        "        ^\n"
-        "SyntaxError: '(' was never closed\n"
+        "  File \"/home/me/train.py\", line 12\n    x = (1,\n        ^\nSyntaxError: '(' was never closed\n"
     )
     tb = last_exception(stderr)
     assert tb is not None

