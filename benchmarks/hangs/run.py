@@ -474,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print("hangs: no scenario chosen", file=sys.stderr)
         return 2
     nsa_diag = shlex.split(args.nsa_diag) if args.nsa_diag else _default_nsa_diag(args.python)
-    out_root = args.out or Path(tempfile.mkdtemp(prefix="nsa-hangs-"))
+    # absolute: each scenario runs in the scenarios' folder, and its run folder is found from here
+    out_root = (args.out or Path(tempfile.mkdtemp(prefix="nsa-hangs-"))).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     watch_args = shlex.split(args.watch_args)
     print(f"{len(chosen)} scenarios, {args.jobs} at a time, run folders under {out_root}", flush=True)
