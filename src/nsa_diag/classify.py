@@ -156,7 +156,7 @@ class Evidence:
     file_locks: Sequence[str] = ()  # file locks other processes hold (`procfs.held_file_locks`)
     # its descendants that used the CPU while the evidence was taken (`procfs.busy_descendants`)
     children_working: Sequence[str] = ()
-    children_idle: Sequence[str] = ()  # those that did not (`procfs.idle_descendants`)
+    children_idle: Sequence[str] = ()  # those that did not (`procfs.descendants_work`)
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def _own_frame(thread: ThreadStack | None) -> Frame | None:
     """The innermost frame of the job's own code (not Python's library, an installed package or the
     probe): the user's line under a wait in torch, or None."""
     frames = thread.python_frames if thread else ()
-    return next((f for f in frames if not (_is_library(f) or _is_installed(f) or _is_probe(f))), None)
+    return next((f for f in frames if is_own_code(f.file)), None)
 
 
 def _is_installed(frame: Frame) -> bool:

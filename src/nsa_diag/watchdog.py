@@ -596,17 +596,15 @@ class Watcher:
         self.proc_read_at: list[float] = []
         self.first_exes: list[str | None] = []
 
-    def _judged(
-        self, i: int, beacon: Path | None, history: Sequence[Observation], training: Sequence[bool]
-    ) -> bool:
-        """Whether unit ``i`` is judged by its progress. Where the job says which units are its training
-        processes (``training``, where it names one), those and only those, from their start: a helper,
-        a Pool's or a DataLoader's worker idles by design between its tasks, and is judged through the
-        training process that waits on it (the executor's pause check), never as the culprit. Else
-        `reports_progress`."""
-        if any(training):  # none yet (a shell that has not started Python): as any probed process
-            return beacon is not None and i < len(training) and training[i]
-        return reports_progress(beacon, history, self.optional)
+    def _judged(self, beacons: Sequence[Path | None], training: Sequence[bool]) -> list[bool]:
+        """Whether each unit is judged by its progress. Where the job names its training processes
+        (``training``), those and only those, from their start: a helper, a Pool's or a DataLoader's worker
+        idles by design between its tasks, and is judged through the training process that waits on it
+        (the executor's pause check), never as the culprit. Where it names none yet (a shell that has not
+        started Python), `reports_progress`."""
+        if any(training):
+            return [b is not None and i < len(training) and training[i] for i, b in enumerate(beacons)]
+        return [reports_progress(b, h, self.optional) for b, h in zip(beacons, self.histories, strict=True)]
 
     def rearm(self, index: int, now: float | None = None) -> None:
         """Unit ``index``'s stall clock starts again at ``now`` (it paused; it did not hang)."""
@@ -638,13 +636,10 @@ class Watcher:
             beacons_now = self._read(now)
             histories = self.histories
             training = list(self.training()) if self.training is not None else []
+            judged = self._judged(beacons_now, training)
             if self.on_progress is not None:
                 # of a job, its training processes' (not torchrun's agent's, nor a DataLoader worker's)
-                followed = [
-                    h
-                    for i, h in enumerate(histories)
-                    if not any(training) or (i < len(training) and training[i])
-                ]
+                followed = [h for h, j in zip(histories, judged, strict=True) if j or not any(training)]
                 states = [h[-1].state for h in followed if h[-1].state is not None]
                 behind = min(states, key=lambda s: s.seq) if states else None
                 self.on_progress(behind, now - self.started)
@@ -655,8 +650,8 @@ class Watcher:
                 ]
                 return Watched("exited", units, None)
             decisions = [
-                _judge(decide(h, now, spec, since), self._judged(i, beacon, h, training), spec)
-                for i, (h, beacon, since) in enumerate(zip(histories, beacons_now, self.since, strict=True))
+                _judge(decide(h, now, spec, since), j, spec)
+                for h, j, since in zip(histories, judged, self.since, strict=True)
             ]
             # a unit whose process has exited neither stalls nor times out (`process_ended`)
             decisions = [
@@ -672,16 +667,13 @@ class Watcher:
                 status: Literal["stalled", "timeout"] = "stalled" if stalled else "timeout"
                 first = max(stalled, key=lambda i: decisions[i].idle_s) if stalled else timed_out[0]
                 units = []
-                for i, (h, d, g, exe) in enumerate(
-                    zip(histories, decisions, self.gaps, self.first_exes, strict=True)
+                for h, d, g, exe, j in zip(
+                    histories, decisions, self.gaps, self.first_exes, judged, strict=True
                 ):
                     # since the last progress event only: the work of a unit that made progress is that;
                     # a unit not judged by its progress (a Pool's worker) shows its work over the window
-                    judged = self._judged(i, beacons_now[i], h, training)
                     window = (
-                        min(work_window(d.stall_limit_s), d.idle_s)
-                        if judged
-                        else work_window(d.stall_limit_s)
+                        min(work_window(d.stall_limit_s), d.idle_s) if j else work_window(d.stall_limit_s)
                     )
                     work = d.work or (work_in(h, now, window) if window >= WORK_WINDOW_MIN_S else None)
                     units.append(WatchResult(status, list(h), d, None, g, work, exe))
@@ -824,8 +816,7 @@ def gather_hang_evidence(
     time.sleep(max(0.0, t0 + SAMPLE_INTERVAL_S - time.monotonic()))
     # CPU time, heartbeat and thread states before the second signal, whose handler runs for a moment.
     cpu1, io1, t1 = procfs.cpu_seconds(pid), procfs.io_bytes(pid), time.monotonic()
-    ev.children_working = procfs.busy_descendants(kids0, pid, t1 - t0, WORK_CPU_MIN)
-    ev.children_idle = procfs.idle_descendants(kids0, pid, t1 - t0, WORK_CPU_MIN)
+    ev.children_working, ev.children_idle = procfs.descendants_work(kids0, pid, t1 - t0, WORK_CPU_MIN)
     beat1 = _heartbeat(case_dir)
     proc_json = procfs.group_snapshot(pid)
     if sampling:

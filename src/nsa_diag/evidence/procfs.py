@@ -152,33 +152,32 @@ def busy_descendants(
     since ``before`` (its `descendants_cpu` ``wall_s`` seconds ago), as "pid 4242 (cc1plus) at CPU 97%".
     A Python child is left to its own evidence (a probed process of a watched job: its frames must move;
     a busy loop on one line uses the CPU too)."""
-    busy = []
+    return descendants_work(before, pid, wall_s, min_percent)[0]
+
+
+def descendants_work(
+    before: dict[int, tuple[str, float]], pid: int, wall_s: float, min_percent: float, idle_limit: int = 4
+) -> tuple[list[str], list[str]]:
+    """`busy_descendants`, and from the same read of /proc the others: the programs (not Python: a
+    DataLoader worker renames itself pt_data_worker, its command line still says python) that used less
+    than ``min_percent``, as "pid 4243 `cat /mnt/backup/pipe` at CPU 0%", the innermost first, at most
+    ``idle_limit``: what a process waiting for them waits on."""
+    busy, idle = [], []
     for child, (comm, seconds) in sorted(descendants_cpu(pid).items()):
-        if child in before and before[child][0] == comm and not is_python(comm):
-            percent = cpu_percent(before[child][1], seconds, wall_s)
-            if percent is not None and percent >= min_percent:
-                busy.append(f"pid {child} ({comm}) at CPU {percent:.0f}%")
-    return busy
-
-
-def idle_descendants(
-    before: dict[int, tuple[str, float]], pid: int, wall_s: float, min_percent: float, limit: int = 4
-) -> list[str]:
-    """The descendants of ``pid`` but Python interpreters that used less than ``min_percent`` of a core
-    since ``before`` (`busy_descendants`' others), as "pid 4243 `cat /mnt/backup/pipe` at CPU 0%": the
-    programs a process waits for that do nothing; the innermost first, at most ``limit``."""
-    idle = []
-    for child, (comm, seconds) in sorted(descendants_cpu(pid).items(), reverse=True):
+        if child not in before or before[child][0] != comm or is_python(comm):
+            continue
+        percent = cpu_percent(before[child][1], seconds, wall_s)
+        if percent is None:
+            continue
+        if percent >= min_percent:
+            busy.append(f"pid {child} ({comm}) at CPU {percent:.0f}%")
+            continue
         argv = cmdline(child)
-        python = is_python(comm) or bool(argv and is_python(argv[0]))  # a DataLoader worker: pt_data_worker
-        if child in before and before[child][0] == comm and not python:
-            percent = cpu_percent(before[child][1], seconds, wall_s)
-            if percent is not None and percent < min_percent:
-                words = redact_argv(argv) or [comm]
-                text = " ".join(words)
-                text = text if len(text) <= 80 else text[:77] + "..."
-                idle.append(f"pid {child} `{text}` at CPU {percent:.0f}%")
-    return idle[:limit]
+        if argv and is_python(argv[0]):
+            continue
+        text = " ".join(redact_argv(argv) or [comm])
+        idle.append(f"pid {child} `{text if len(text) <= 80 else text[:77] + '...'}` at CPU {percent:.0f}%")
+    return busy, idle[::-1][:idle_limit]
 
 
 def io_bytes(pid: int) -> int | None:

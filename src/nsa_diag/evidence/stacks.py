@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sysconfig
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -238,17 +238,12 @@ def enclosing_loops(threads: Iterable[ThreadStack], depth: int = 3) -> dict[str,
     sleep in the stack; the loop's head says what it waits for. Read on this machine, bounded in size; a
     file that cannot be read or parsed gives nothing."""
     found: dict[str, str] = {}
-    for thread in threads:
-        for frame in thread.python_frames[:depth]:
-            if not frame.line or frame.key in found or not frame.file.endswith(".py"):
-                continue
-            around = [b for b in _blocks_of(frame.file) if b.loop and b.start < frame.line <= b.end]
-            around = [
-                b for b in around if b.text.startswith("while")
-            ]  # a loop that checks, not `for step in`
-            if around:
-                inner = max(around, key=lambda b: b.start)
-                found[frame.key] = f"`{inner.text}` at {os.path.basename(frame.file)}:{inner.start}"
+    for frame in _source_frames(threads, depth):
+        around = [b for b in _blocks_of(frame.file) if b.loop and b.start < frame.line <= b.end]
+        around = [b for b in around if b.text.startswith("while")]  # a loop that checks, not `for step in`
+        if around:
+            inner = max(around, key=lambda b: b.start)
+            found[frame.key] = f"`{inner.text}` at {os.path.basename(frame.file)}:{inner.start}"
     return found
 
 
@@ -257,19 +252,26 @@ def enclosing_withs(threads: Iterable[ThreadStack], depth: int = 16) -> dict[str
     statements whose body holds each of the innermost ``depth`` Python frames of each thread (what the
     thread holds there, where its stack shows it: a lock taken with ``with``), innermost last."""
     found: dict[str, tuple[str, ...]] = {}
+    for frame in _source_frames(threads, depth):
+        name = os.path.basename(frame.file)
+        withs = sorted(
+            (b for b in _blocks_of(frame.file) if not b.loop and b.start < frame.line <= b.end),
+            key=lambda b: b.start,
+        )
+        held = tuple(f"{item} at {name}:{b.start}" for b in withs for item in b.items)
+        if held:
+            found[frame.key] = held
+    return found
+
+
+def _source_frames(threads: Iterable[ThreadStack], depth: int) -> Iterator[Frame]:
+    """The innermost ``depth`` Python frames of each thread that have a line in a .py file, each once."""
+    seen = set()
     for thread in threads:
         for frame in thread.python_frames[:depth]:
-            if not frame.line or frame.key in found or not frame.file.endswith(".py"):
-                continue
-            name = os.path.basename(frame.file)
-            withs = sorted(
-                (b for b in _blocks_of(frame.file) if not b.loop and b.start < frame.line <= b.end),
-                key=lambda b: b.start,
-            )
-            held = tuple(f"{item} at {name}:{b.start}" for b in withs for item in b.items)
-            if held:
-                found[frame.key] = held
-    return found
+            if frame.line and frame.file.endswith(".py") and frame.key not in seen:
+                seen.add(frame.key)
+                yield frame
 
 
 @dataclass(frozen=True)
