@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 from nsa_diag import artifacts, interrupts
-from nsa_diag.beacon import BeaconState
+from nsa_diag.beacon import BeaconState, read_beacon
 from nsa_diag.classify import samples_disagree
 from nsa_diag.evidence.env import collect_env
 from nsa_diag.evidence.roles import TRAINING_ROLES
@@ -185,6 +185,18 @@ def _exit_text(code: int) -> str:
     return f"killed by {name}" if name else f"exit code {code}"
 
 
+def _progressed_since(unit: Unit, seen: WatchResult, hang: HangEvidence | None) -> None:
+    """Mark ``hang`` progressed when the unit that stalled reported progress after the watcher's last read,
+    by the end of every unit's evidence, not of its own alone: the others' (py-spy dumps of busy processes,
+    seconds each on a loaded machine) can outlast the wait it was stalled in (a Pool's map that returned
+    meanwhile)."""
+    if hang is None or hang.progressed or unit.beacon is None:
+        return
+    after, last = read_beacon(unit.beacon), seen.last_state
+    if after is not None and (last is None or after.seq > last.seq):
+        hang.progressed = True
+
+
 def _pause(
     spec: CaseSpec, units: Sequence[Unit], watched: Watched, hangs: Mapping[int, HangEvidence]
 ) -> str | None:
@@ -193,6 +205,7 @@ def _pause(
         return None
     observed = observed_units(units, watched.units, hangs)
     key = units[watched.decider].key
+    _progressed_since(units[watched.decider], watched.units[watched.decider], hangs.get(key))
 
     def is_rank(unit: Unit) -> bool:  # torchrun's ranks under `ddp`; a watched job's by their role
         return unit.role == "rank" or (unit.role is None and spec.ddp is not None)

@@ -290,8 +290,10 @@ def unit_work(unit: Observed, ev: Evidence | None, progress: bool = True) -> str
     """What shows a unit (another rank, a child process; ``ev`` its `_evidence`) working at a stall: with
     ``progress``, progress within its own stall limit (a rank's steps; a helper's start-up events are not
     progress); the work of `classify.pause_reason` and of its liveness window; None when nothing does, or
-    the process has ended."""
-    if process_ended(unit.watched.history):
+    the process had ended before its evidence was taken. One that ended since is judged by that evidence:
+    a Pool's worker that finished its last task while the others were sampled (the main process it worked
+    for goes on), not a process that never worked."""
+    if ev is None and process_ended(unit.watched.history):
         return None
     decision = unit.watched.decision
     if (

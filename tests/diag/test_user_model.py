@@ -470,7 +470,12 @@ def transformers_on_path() -> None:
 )
 def test_hugging_face_gpt2(tmp_path: Path, command: list[str]) -> None:
     code, summary, stderr = run_cli_json(*command, *HF, "--out", str(tmp_path), timeout=400)
-    assert code == 0, (stderr, [c["reason"] for c in summary.get("cases", [])])
+    # each case's verdict first (the table of a selftest says which one missed), then nsa-diag's stderr
+    got = [
+        f"{c['name']}: {c['verdict']} {c.get('hang_kind') or ''}: {c['reason'][:300]}"
+        for c in summary.get("cases", [])
+    ]
+    assert code == 0, "\n".join([*got, stderr[-4000:]])
 
 
 def test_a_factory_without_parameters_is_called_as_it_is(tmp_path: Path) -> None:

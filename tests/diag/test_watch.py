@@ -870,17 +870,19 @@ def test_a_rank_waiting_for_a_rank_that_works_is_paused_not_hung(tmp_path: Path,
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
-@pytest.mark.slow  # ~15 s healthy, ~25 s stuck
+@pytest.mark.slow  # ~35 s healthy, ~25 s stuck
 @pytest.mark.parametrize("stuck", [False, True], ids=["healthy", "stuck-worker"])
 def test_a_process_waiting_in_a_pool_for_workers_that_work_is_paused(tmp_path: Path, stuck: bool) -> None:
-    """Each epoch the job tokenizes its shards in a multiprocessing Pool (6 s of CPU a shard) while the
-    main process waits in pool.map, past the stall limit of 3 s: it waits for its child processes and they
-    work, so it is paused and the job passes. When one worker blocks on a lock for ever, the other finishes
-    its shards and idles: then the job is hung, the main process waiting for its children, the blocked one
-    named at its line."""
-    # shards of 6 s: a wait for the pool outlasts the 3 s stall and the evidence after it (the job's
-    # start-up is judged too: epoch 0's pool.map comes before its first step)
-    job = [PY, "pool_preprocess.py", "--shard-s", "6", *(["--stuck"] if stuck else [])]
+    """Each epoch the job tokenizes its shards in a multiprocessing Pool (10 s of CPU a shard; 6 s in the
+    stuck job) while the main process waits in pool.map, past the stall limit of 3 s: it waits for its
+    child processes and they work, so it is paused and the job passes. When one worker blocks on a lock
+    for ever, the other finishes its shards and idles: then the job is hung, the main process waiting for
+    its children, the blocked one named at its line."""
+    # shards of 6 s (10 s healthy: epoch 1's pool then works 20 s): a wait for the pool outlasts the 3 s
+    # stall and the evidence after it, which takes 3 s alone and up to 9 s beside two more such jobs on 2
+    # cores (its py-spy dumps of busy workers); the stuck job's other worker works its 3 shards, 18 s
+    shard_s = "6" if stuck else "10"
+    job = [PY, "pool_preprocess.py", "--shard-s", shard_s, *(["--stuck"] if stuck else [])]
     proc, out = _watch(tmp_path, "--stall", "3", job=job)
     result = _result(out)
     pauses = result["evidence"].get("pauses", [])

@@ -59,9 +59,10 @@ def beacon(
     event: str | None = "begin",
     heartbeat: int = 10,
     heartbeat_time: float | None = None,
+    pid: int = 1234,
 ) -> BeaconState:
     return BeaconState(
-        seq=seq, time=t, step=step, layer=layer, phase=phase, branch=None, event=event, pid=1234,
+        seq=seq, time=t, step=step, layer=layer, phase=phase, branch=None, event=event, pid=pid,
         heartbeat=heartbeat, heartbeat_time=t if heartbeat_time is None else heartbeat_time, module=None,
     )  # fmt: skip
 
@@ -82,6 +83,25 @@ def test_a_unit_whose_process_exited_has_ended_and_one_alive_has_not() -> None:
     assert process_ended(history((1.0, replace(done, pid=gone))))
     assert not process_ended(history((1.0, replace(done, pid=os.getpid()))))
     assert not process_ended(history((1.0, None)))
+
+
+def test_a_child_that_ended_since_its_evidence_showed_work_counts_as_working(tmp_path: Path) -> None:
+    """A Pool's worker that worked while the evidence was taken and ended since (its last task done, while
+    the other units were sampled) is judged by that evidence: the process waiting for it is paused. One
+    that had ended before (no evidence taken) does not work; nor one whose evidence shows none."""
+    from nsa_diag.classify import Evidence
+    from nsa_diag.results import Observed, unit_work
+    from nsa_diag.watchdog import HangEvidence, WatchResult
+
+    helper = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    gone = int(helper.stdout)
+    seen = WatchResult("stalled", history((1.0, beacon(1, T0 + 0.5, phase="setup", pid=gone))), None, None)
+    child = Observed("pid 4242", tmp_path, seen, HangEvidence(progressed=True))
+    assert process_ended(seen.history)
+    worked = Evidence(outcome="stalled", progressed=True)
+    assert unit_work(child, worked, progress=False) == "a progress event came while the evidence was taken"
+    assert unit_work(child, Evidence(outcome="stalled", progressed=False), progress=False) is None
+    assert unit_work(replace(child, hang=None), None, progress=False) is None
 
 
 def test_running_while_progress_is_recent() -> None:
