@@ -236,7 +236,8 @@ class Parity(Record):
 class NonFinite(Record):
     """Where values first went non-finite (``nonfinite`` of result.json): in our worker, the module a re-run
     of the step found them in (``where`` loss or grad); in a watched job, the loss its probe was told of
-    (its value, time and pid)."""
+    (its value, time and pid) and, where its probe found the model's blocks, the first block whose output
+    was non-finite and its step ``module_step`` (None: all ``blocks_checked`` were finite)."""
 
     where: str | None = None  # loss | grad
     module: str | None = None
@@ -245,6 +246,8 @@ class NonFinite(Record):
     value: str | None = None
     time: float | None = None
     pid: int | None = None
+    module_step: int | None = None
+    blocks_checked: int | None = None
 
 
 class Rate(Record):

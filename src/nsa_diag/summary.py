@@ -457,6 +457,8 @@ def _where(result: CaseResult) -> str | None:
     """Where the case went wrong: the first non-finite module, else the beacon's last location."""
     nonfinite = result.nonfinite
     if nonfinite is not None and nonfinite.module:
+        if nonfinite.module_step is not None:  # a watched job's probe: the block's output, at its step
+            return f"{nonfinite.module} (output) step {nonfinite.module_step}"
         step = f" step {nonfinite.step}" if nonfinite.step is not None else ""
         return f"{nonfinite.module} ({nonfinite.where or '?'}){step}"
     if result.where is None or result.where.phase == "done":  # the worker finished: the beacon says nothing

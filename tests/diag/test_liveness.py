@@ -89,6 +89,58 @@ def test_a_nan_loss_is_recorded_where_backward_is_called(tmp_path: Path) -> None
         probe._heartbeat_stop = True
 
 
+def test_the_first_block_whose_output_went_non_finite_is_named_with_its_step(tmp_path: Path) -> None:
+    """A NaN born in block 1 at step 2 in rows the loss ignores (a finite loss), which reaches the weights
+    and makes step 3's loss NaN: the record names block 1 at step 2, not the first block of step 3 (every
+    block is NaN by then). A loss that goes NaN after finite blocks says they were finite."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index, self.linear = index, torch.nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x)
+            if self.index == 1 and probe.sink.step == 2:
+                y = y.clone()
+                y[0] = float("nan")  # row 0: masked out of the loss below
+            return y
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Block(i) for i in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    for case, steps in (("nan", 3), ("finite", 1)):
+        probe = runtime.Probe(tmp_path / case)
+        try:
+            model, watch = Model(), runtime.LossWatch(probe)
+            probe.block_watch = runtime.BlockWatch.attach(model, probe.sink)
+            for step in range(1, steps + 1):
+                probe.sink.step = step
+                out = model(torch.ones(2, 2))
+                loss = out[1:].sum() if case == "nan" else torch.log(out.sum() - 1e6)
+                watch.seen(loss, torch)
+                loss.backward()
+                with torch.no_grad():  # what an optimizer step does with a NaN gradient
+                    for p in model.parameters():
+                        p -= 0.1 * p.grad
+                        p.grad = None
+            record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+            if case == "nan":
+                assert (record["step"], record["module"], record["module_step"]) == (3, "layers.1", 2)
+            else:
+                assert (record["step"], record["module"]) == (1, None)
+            assert record["blocks_checked"] == 3
+        finally:
+            probe._heartbeat_stop = True
+
+
 # --- roles ---------------------------------------------------------------------------------------------
 
 

@@ -638,6 +638,24 @@ def test_a_nan_loss_is_nonfinite_without_a_code_change(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_a_nan_names_the_block_where_it_first_appeared_without_a_code_change(tmp_path: Path) -> None:
+    """An all-padding row makes the first global-attention layer's softmax NaN at step 3; the loss ignores
+    that row and stays finite, the gradients carry the NaN into the weights, the loss is NaN from step 4.
+    The verdict names layers.1 at step 3 (at step 4 every layer is NaN)."""
+    proc, out = _watch(tmp_path, job=[PY, "nan_padding_row.py"])
+    assert "done" in proc.stdout
+    result = _result(out)
+    assert result["verdict"] == "nonfinite", result["reason"]
+    found = result["nonfinite"]
+    assert (found["step"], found["module"], found["module_step"]) == (4, "layers.1", 3), found
+    assert (
+        "the first non-finite values came out of layers.1 at step 3, whose loss was finite"
+        in result["reason"]
+    )
+    assert "layers.1 (output) step 3" in proc.stdout  # the table's where
+
+
+@pytest.mark.slow
 def test_an_interrupted_watch_keeps_where_the_job_was_and_its_stacks(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     nsa = subprocess.Popen(

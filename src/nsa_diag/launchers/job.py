@@ -120,6 +120,22 @@ def _nonfinite(case_dir: Path, infos: Mapping[int, ProbeJson]) -> NonFinite | No
     return None
 
 
+def _first_block(nonfinite: NonFinite) -> str:
+    """Where that step's values first went non-finite, as its probe's block sums say (none checked: "")."""
+    if not nonfinite.blocks_checked:
+        return ""
+    if nonfinite.module:
+        at = nonfinite.module_step
+        earlier = f" at step {at}, whose loss was finite" if at is not None and at != nonfinite.step else ""
+        return (
+            f"; the first non-finite values came out of {nonfinite.module}{earlier} (block outputs checked)"
+        )
+    return (
+        f"; the outputs of its {nonfinite.blocks_checked} blocks were finite: it went non-finite after them "
+        "(the head or the loss)"
+    )
+
+
 def job_report(code: int, case_dir: Path, infos: Mapping[int, ProbeJson]) -> WorkerReport | None:
     """The job's account (module docstring); None when its exit status alone tells (a crash).
     ``infos``: every probed process's ``probe.json``, by pid."""
@@ -127,8 +143,8 @@ def job_report(code: int, case_dir: Path, infos: Mapping[int, ProbeJson]) -> Wor
     if nonfinite is not None:
         reason = (
             f"non-finite loss {nonfinite.value} at step {nonfinite.step} "
-            f"(pid {nonfinite.pid}, {nonfinite.seen or 'told to nsa_diag.probe.loss'}); "
-            f"the job exited with code {code}"
+            f"(pid {nonfinite.pid}, {nonfinite.seen or 'told to nsa_diag.probe.loss'})"
+            f"{_first_block(nonfinite)}; the job exited with code {code}"
         )
         return WorkerReport(status="nonfinite", reason=reason, nonfinite=nonfinite)
     if code == 0:

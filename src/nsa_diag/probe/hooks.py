@@ -277,16 +277,16 @@ def on_backward(
             return
         if forward_end is not None:
             forward_end(mod)
-        out = output if isinstance(output, tensor_type) else _requiring_grad(output, tensor_type)
+        out = output if isinstance(output, tensor_type) else requiring_grad(output, tensor_type)
         if out is None or not out.requires_grad or out.grad_fn is None:
             return
         node = out.grad_fn
         if end is None:
             node.register_prehook(lambda grads: begin(mod, grads))  # type: ignore[misc]
             return
-        x = _requiring_grad(args, tensor_type)
+        x = requiring_grad(args, tensor_type)
         if x is None:
-            x = _requiring_grad(kwargs, tensor_type)
+            x = requiring_grad(kwargs, tensor_type)
         if x is not None and input_shared:
             if begin is not None:
                 node.register_prehook(lambda grads: begin(mod, grads))
@@ -329,7 +329,7 @@ class _Span:
             self.end(self.module)
 
 
-def _requiring_grad(value: Any, tensor_type: type, depth: int = 2) -> torch.Tensor | None:
+def requiring_grad(value: Any, tensor_type: type, depth: int = 2) -> torch.Tensor | None:
     """The first tensor requiring grad in ``value``: a tensor, or one inside a tuple, list or dict (a
     Hugging Face output object is a dict) up to ``depth`` levels down."""
     if isinstance(value, tensor_type):
@@ -343,7 +343,7 @@ def _requiring_grad(value: Any, tensor_type: type, depth: int = 2) -> torch.Tens
     else:
         return None
     for item in items:
-        found = _requiring_grad(item, tensor_type, depth - 1)
+        found = requiring_grad(item, tensor_type, depth - 1)
         if found is not None:
             return found
     return None

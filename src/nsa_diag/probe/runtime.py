@@ -153,15 +153,21 @@ class AtHang(TypedDict, total=False):
     threads: dict[str, str]
 
 
-class NonFiniteLoss(TypedDict):
+class NonFiniteLoss(TypedDict, total=False):
     """``nonfinite.json``: the first non-finite loss the job told the probe of (`nsa_diag.probe.loss`, or
-    the tensor ``backward()`` was called on)."""
+    the tensor ``backward()`` was called on); where the model's blocks were found and checked in its
+    steps' forwards (`BlockWatch`), the first block whose output was non-finite and the step (that step's
+    loss may have been finite: a NaN in a row the loss ignores reaches the weights through the gradients),
+    None when all were, and how many blocks were checked."""
 
     where: str  # loss
     value: str
     step: int
     time: float
     seen: str
+    module: str | None
+    module_step: int
+    blocks_checked: int
 
 
 def flight_recorder_dump(backend: str = "nccl") -> bytes | None:
@@ -410,6 +416,7 @@ class Probe:
         self.step_lines = 0
         self.nonfinite_seen = False
         self.loss_watch: LossWatch | None = None
+        self.block_watch: BlockWatch | None = None
         self._heartbeat_stop = False
         self._setup_signals()
         self.save()
@@ -514,18 +521,31 @@ class Probe:
     # --- the job's own reports ----------------------------------------------------------------------
 
     def record_loss(
-        self, value: Any, step: int | None = None, seen: str = "told to nsa_diag.probe.loss"
+        self,
+        value: Any,
+        step: int | None = None,
+        seen: str = "told to nsa_diag.probe.loss",
     ) -> None:
+        """Record a non-finite loss (the first one), with where the block watch first saw non-finite
+        values (this step's block outputs read now where they were not read yet)."""
         try:
             number = float(value.item() if hasattr(value, "item") else value)
         except (TypeError, ValueError, RuntimeError):
             return
         if not math.isfinite(number) and not self.nonfinite_seen:
             self.nonfinite_seen = True
-            record = NonFiniteLoss(
-                where="loss", value=str(number), step=self.sink.step if step is None else step,
-                time=time.time(), seen=seen,
-            )  # fmt: skip
+            step = self.sink.step if step is None else step
+            record = NonFiniteLoss(where="loss", value=str(number), step=step, time=time.time(), seen=seen)
+            watch = self.block_watch
+            if watch is not None:
+                with contextlib.suppress(Exception):  # the loss is recorded whatever the blocks say
+                    if watch.first is None and watch.read != step:
+                        watch.saw(step, watch.values(step))
+                    if watch.checked:
+                        record["module"] = watch.first[1] if watch.first else None
+                        if watch.first:
+                            record["module_step"] = watch.first[0]
+                        record["blocks_checked"] = watch.checked
             _write_json(self.folder / NONFINITE_JSON, record)
 
     def record_step(self, times: StepTimes) -> None:
@@ -712,29 +732,107 @@ class LossWatch:
 
     def __init__(self, probe: Probe) -> None:
         self.probe = probe
-        self.pending: list[tuple[int, Any, Any]] = []  # (step, pinned value, event)
+        self.pending: list[tuple[int, Any, Any, list[str]]] = []  # (step, pinned values, event, block names)
 
     def seen(self, tensor: Any, torch: Any) -> None:
         if self.probe.nonfinite_seen or tensor.numel() != 1 or not tensor.is_floating_point():
             return
         step = self.probe.sink.step
         self.check_pending()
+        watch = self.probe.block_watch
         if tensor.device.type == "cpu":
+            if watch is not None:
+                watch.saw(step, watch.values(step))
             self.probe.record_loss(tensor.detach(), step, seen="the tensor backward() was called on")
             return
         if tensor.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        value = torch.empty(1, dtype=torch.float32, pin_memory=True)
-        value.copy_(tensor.detach().reshape(1), non_blocking=True)
+        # the loss, then the sums of this step's block outputs (`BlockWatch`) where they are on its device
+        names, sums = watch.sums(step) if watch is not None else ([], [])
+        if any(s.device != tensor.device for s in sums):
+            names, sums = [], []
+        values = torch.cat([tensor.detach().reshape(1).float(), *(s.reshape(1) for s in sums)])
+        value = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
+        value.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending.append((step, value, event))
+        self.pending.append((step, value, event, names))
         del self.pending[: -self.PENDING_MAX]
 
     def check_pending(self) -> None:
         while self.pending and self.pending[0][2].query():
-            step, value, _ = self.pending.pop(0)
-            self.probe.record_loss(float(value[0]), step, seen="the tensor backward() was called on")
+            step, value, _, names = self.pending.pop(0)
+            loss, *sums = value.tolist()
+            if names and self.probe.block_watch is not None:
+                self.probe.block_watch.saw(step, list(zip(names, sums, strict=True)))
+            self.probe.record_loss(loss, step, seen="the tensor backward() was called on")
+
+
+class BlockWatch:
+    """Where a NaN first appears, without a code change: the sum of each block's forward output (fp32,
+    one reduction kernel a block, no sync: a NaN or Inf anywhere in the output makes it non-finite), kept
+    for the step under way and read with its loss (`LossWatch`: on a GPU behind the same event). The
+    first block of the first step whose sum is not finite is where the values went bad, whether or not
+    that step's loss was (all finite when the loss is not: after the blocks, in the head or the loss). A
+    recompute inside backward, and a forward Dynamo traces, are not summed."""
+
+    def __init__(self, sink: Sink, names: list[str]) -> None:
+        self.sink = sink
+        self.names = names
+        self.step: int | None = None
+        self.by_block: dict[int, Any] = {}  # block index -> 0-d sum tensor, this step's first forward
+        self.first: tuple[int, str] | None = None  # (step, block) of the first non-finite output seen
+        self.checked = 0  # the most blocks read in one step
+        self.read: int | None = None  # the last step read
+
+    def saw(self, step: int, values: list[tuple[str, float]]) -> None:
+        """The block sums of ``step``, read."""
+        self.read = step
+        self.checked = max(self.checked, len(values))
+        if self.first is None:
+            bad = next((name for name, value in values if not math.isfinite(value)), None)
+            if bad is not None:
+                self.first = (step, bad)
+
+    @classmethod
+    def attach(cls, model: Any, sink: Sink) -> BlockWatch:
+        import torch
+
+        from nsa_diag.probe.hooks import find_blocks, requiring_grad, tracing
+
+        prefix, blocks = find_blocks(model)
+        watch = cls(sink, [f"{prefix}.{i}" if prefix else str(i) for i in range(len(blocks))])
+        compiling = tracing()
+
+        def summed(index: int) -> Any:
+            def hook(module: Any, args: Any, output: Any) -> None:
+                if compiling() or sink.in_backward:
+                    return
+                out = requiring_grad(output, torch.Tensor)
+                if out is None or not out.is_floating_point():
+                    return
+                if watch.step != sink.step:
+                    watch.step, watch.by_block = sink.step, {}
+                if index not in watch.by_block:  # a block run twice a step (a shared layer): its first
+                    watch.by_block[index] = torch.sum(out.detach(), dtype=torch.float32)
+
+            return hook
+
+        for index, block in enumerate(blocks):
+            block.register_forward_hook(summed(index))
+        return watch
+
+    def sums(self, step: int) -> tuple[list[str], list[Any]]:
+        """The names and sums of ``step``'s block outputs in block order (none for another step)."""
+        if self.step != step:
+            return [], []
+        indices = sorted(self.by_block)
+        return [self.names[i] for i in indices], [self.by_block[i] for i in indices]
+
+    def values(self, step: int) -> list[tuple[str, float]]:
+        """`sums` read, by block name (a sync on a GPU: called once, when the loss is non-finite)."""
+        names, sums = self.sums(step)
+        return [(name, float(s)) for name, s in zip(names, sums, strict=True)]
 
 
 def _wrap_backward(torch: Any) -> None:
@@ -908,6 +1006,7 @@ class _ModelFinder:
             return
         try:
             attach_progress(module, _probe.sink, branches=os.environ.get(BRANCHES_ENV) == "1")
+            _probe.block_watch = BlockWatch.attach(module, _probe.sink)
         except Exception as exc:  # e.g. nsa_core not importable: the step counter still works
             _probe.note("model_hooks_error", f"{type(exc).__name__}: {exc}")
             return
