@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -434,6 +435,10 @@ def test_probe_beacon_gives_progress_and_place_and_no_signal_without_handler(
     assert me["location"].endswith(", backward, layers.7")
     assert me["signals_sent"] == 0
     assert "the kernel says nothing does" in me["sigusr1"]
+    # watch's status line, from another shell
+    (status,) = record["status"]
+    assert status.startswith(f"rank 1 (pid {job.pid}): step "), status
+    assert re.search(r" · layer 7 backward · [0-9.]+ steps/s \([0-9]+ step\(s\) in [0-9.]+ s\)$", status)
     assert len(record["processes"]) == 1  # --no-children
     code, stdout, _ = job.finish()
     assert (code, stdout) == (0, "ready\nchild done\nchild exited with 0\n")

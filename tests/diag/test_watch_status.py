@@ -80,3 +80,67 @@ def test_a_line_comes_every_so_often(monkeypatch: pytest.MonkeyPatch) -> None:
     status(None, 1.0)
     assert err.getvalue().startswith("nsa-diag watch 0m01s: starting (no progress reported yet)")
     assert time.monotonic() - status.said_at < 5
+
+
+def test_on_a_terminal_the_line_lives_on_its_last_row_and_goes_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pseudo-terminal of 24 rows: the rows above the last become the scroll region (the job's output
+    scrolls there), each update rewrites row 24 between a cursor save and restore, and closing gives the
+    terminal its 24 rows back with the row cleared. Another process's output in between keeps its place."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    monkeypatch.setenv("TERM", "xterm")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    err = os.fdopen(slave, "w")
+    try:
+        status = JobStatus(err, every_s=0.0)
+        assert status.live is not None
+        status(None, 1.0)
+        os.write(slave, b"step 1 loss 4.2\n")  # the job's output, echoed by the log process
+        status(beacon(3, time.time(), 1), 2.0)
+        status.close()
+        status.close()  # once is enough: nothing more
+        out = b""
+        while True:
+            import select
+
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if not ready:
+                break
+            out += os.read(master, 65536)
+    finally:
+        err.close()
+        os.close(master)
+    text = out.decode()
+    assert text.startswith("\r\n\x1b7\x1b[1;23r\x1b8\x1b[1A"), repr(text[:40])  # room, then the region
+    assert text.count("\x1b[1;23r") == 1  # set once
+    first = "\x1b7\x1b[24;1H\x1b[2Knsa-diag watch 0m01s: starting (no progress reported yet)\x1b8"
+    assert first in text
+    assert (
+        text.index(first)
+        < text.index("step 1 loss 4.2")
+        < text.index("\x1b[24;1H\x1b[2Knsa-diag watch 0m02s")
+    )
+    assert text.endswith("\x1b7\x1b[r\x1b[24;1H\x1b[2K\x1b8")  # the whole height back, the row cleared
+    assert "\n" not in text.split("step 1 loss 4.2")[1].replace("\r\n", "", 1)  # the line adds no newline
+
+
+def test_a_dumb_terminal_gets_the_periodic_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import pty
+
+    monkeypatch.setenv("TERM", "dumb")
+    master, slave = pty.openpty()
+    err = os.fdopen(slave, "w")
+    try:
+        assert JobStatus(err).live is None
+        assert JobStatus(err).every_s == status_mod.EVERY_S
+    finally:
+        err.close()
+        os.close(master)

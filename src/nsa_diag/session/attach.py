@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -38,7 +39,9 @@ from nsa_diag.evidence.live import (
     check_target,
     observe_tree,
 )
+from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.records import GpuFiles, PyspyDump, StackDiff
+from nsa_diag.session.status import progress_line
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -128,6 +131,9 @@ class AttachResult(TypedDict, total=False):
     pyspy_installed: bool
     ptrace: PtraceFacts
     gpu: GpuFiles
+    # each training process with the probe, as watch's status line says it (`progress_line`): "rank 1
+    # (pid 4242): step 1234 · backward · 3.2 steps/s (3 step(s) in 0.9 s)"
+    status: list[str]
     processes: list[AttachedProcess]
 
 
@@ -151,6 +157,11 @@ def result_record(
                 "files": _files(run_dir, ob.pid),
             }
         )
+    status = [
+        f"{by_pid[ob.pid].label()}: {progress_line(ob.beacons(), time.time())}"
+        for ob in tree.processes
+        if by_pid[ob.pid].role in TRAINING_ROLES and ob.beacons()
+    ]
     return {
         "command": "attach",
         "pid": req.pid,
@@ -172,6 +183,7 @@ def result_record(
         "pyspy_installed": tree.pyspy_installed,
         "ptrace": tree.ptrace,
         "gpu": _gpu_files(run_dir, tree),
+        "status": status,
         "processes": processes,
     }
 
@@ -241,6 +253,8 @@ def render_attach(record: AttachResult, run_dir: Path, console: Console | None =
     colour = {"progressing": "green", "stalled": "red", "gone": "red"}.get(record["state"], "yellow")
     kind = f" ({record['hang_kind']})" if record["hang_kind"] else ""
     console.print(f"[bold {colour}]{record['state']}{kind}[/] {escape(record['reason'])}")
+    for line in record.get("status", []):
+        console.print(f"[dim]status:[/] {escape(line)}")
     table = Table(show_edge=False, pad_edge=False)
     for column in ("pid", "role", "rank", "command", "state", "kind", "CPU %", "GPU %", "where", "stacks"):
         table.add_column(column)

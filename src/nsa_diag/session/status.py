@@ -2,8 +2,9 @@
 "slow, not hung" from this line, not from the job being stopped.
 
 `JobStatus` is fed the training processes' furthest beacon at every poll of the watchdog (the executor's
-``on_progress``) and writes one line to stderr now and then: every `EVERY_S` seconds (`EVERY_TTY_S` on a
-terminal), and at once when the job goes quiet for `QUIET_S` seconds or comes back::
+``on_progress``). On a terminal it keeps one live line on the terminal's last row (`LiveLine`), redrawn
+every `LIVE_EVERY_S`; otherwise (a batch job's log) it writes one line to stderr now and then: every
+`EVERY_S` seconds, and at once when the job goes quiet for `QUIET_S` seconds or comes back::
 
     nsa-diag watch 5m00s: step 1234 · backward · 3.2 steps/s (last 100 steps) · steps 1.8x slower than
     the first 100 · ETA 4m10s (from the trend, step 2000 of 2000)
@@ -18,8 +19,10 @@ it will really need, not its mean rate's.
 from __future__ import annotations
 
 import collections
+import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import TextIO
 
 from nsa_diag.beacon import FLAG_DATALOADER, FLAG_DISTRIBUTED, FLAG_SAVING, BeaconState
@@ -27,7 +30,7 @@ from nsa_diag.render import describe_state
 from nsa_diag.watchdog import steps_done
 
 EVERY_S = 60.0  # a batch job's log: a line a minute
-EVERY_TTY_S = 20.0
+LIVE_EVERY_S = 1.0  # a terminal's live line
 QUIET_S = 10.0  # no progress event for this long: said at once, with what the beacon knows of why
 FIRST_STEPS = 100
 LAST_STEPS = 100
@@ -53,16 +56,93 @@ def _why_quiet(state: BeaconState) -> str | None:
     return None
 
 
+def progress_line(states: Sequence[BeaconState], now: float) -> str:
+    """What one process's beacon reads over a short look (`nsa-diag attach`'s rounds) say, as watch's line
+    says it: where it is, its rate over the look when steps ended in it, and how long it has been quiet
+    and in what, when `QUIET_S` or more."""
+    first, last = states[0], states[-1]
+    parts = [describe_state(last)]
+    steps = steps_done(last, sys.maxsize) - steps_done(first, sys.maxsize)
+    if steps > 0 and last.time > first.time:
+        spent = last.time - first.time
+        parts.append(f"{steps / spent:.3g} steps/s ({steps} step(s) in {spent:.1f} s)")
+    silent = now - last.time
+    if last.seq > 1 and silent >= QUIET_S:
+        why = _why_quiet(last)
+        parts.append(f"no progress for {silent:.0f} s" + (f": {why}" if why else ""))
+    return " · ".join(parts)
+
+
+class LiveLine:
+    """One line kept on a terminal's last row while everything else scrolls above it, as apt's progress
+    line is: a scroll region over the other rows (DECSTBM), and each update one write that saves the
+    cursor, rewrites the last row and restores the cursor. The job's output (echoed by another process,
+    `nsa_diag.logcap`) and nsa-diag's own lines scroll in the region, whoever writes them: no write has to
+    wait for another. `close` gives the terminal its whole height back and clears the row."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.rows: int | None = None  # the height the scroll region was set for; None: not set
+
+    def _write(self, text: str) -> bool:
+        try:
+            os.write(self.fd, text.encode(errors="replace"))
+        except OSError:
+            return False
+        return True
+
+    def draw(self, text: str) -> None:
+        try:
+            size = os.get_terminal_size(self.fd)
+        except OSError:
+            return
+        rows, cols = size.lines, size.columns
+        if rows < 3 or cols < 10:  # no room for a line of its own
+            return
+        setup = ""
+        if self.rows != rows:
+            # the first time a new line for room (the cursor then goes back up into the region); after a
+            # resize the region again for the new height
+            setup = ("\n" if self.rows is None else "") + f"\x1b7\x1b[1;{rows - 1}r\x1b8"
+            setup += "\x1b[1A" if self.rows is None else ""
+        line = text if len(text) < cols else text[: cols - 4] + "..."
+        if self._write(f"{setup}\x1b7\x1b[{rows};1H\x1b[2K{line}\x1b8"):
+            self.rows = rows
+
+    def close(self) -> None:
+        if self.rows is None:
+            return
+        try:
+            rows = os.get_terminal_size(self.fd).lines
+        except OSError:
+            rows = self.rows
+        self._write(f"\x1b7\x1b[r\x1b[{rows};1H\x1b[2K\x1b8")
+        self.rows = None
+
+
+def _live_fd(err: TextIO) -> int | None:
+    """The descriptor of ``err`` when it is a terminal that understands cursor movement, else None."""
+    try:
+        fd = err.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    if not os.isatty(fd) or os.environ.get("TERM", "") in ("", "dumb"):
+        return None
+    return fd
+
+
 class JobStatus:
-    """The ``on_progress`` of a watched job: one status line on ``err`` now and then (module docstring)."""
+    """The ``on_progress`` of a watched job: a live line on a terminal, else one status line on ``err`` now
+    and then (module docstring). `close` once the job has ended."""
 
     def __init__(
         self, err: TextIO | None = None, total_steps: int | None = None, every_s: float | None = None
     ):
         self.err = err if err is not None else sys.stderr
         self.total = total_steps
-        tty = hasattr(self.err, "isatty") and self.err.isatty()
-        self.every_s = every_s if every_s is not None else (EVERY_TTY_S if tty else EVERY_S)
+        fd = _live_fd(self.err)
+        self.live = LiveLine(fd) if fd is not None else None
+        self.every_s = every_s if every_s is not None else (LIVE_EVERY_S if self.live else EVERY_S)
         self.first: list[float] = []  # the first steps' durations
         self.last: collections.deque[tuple[int, float]] = collections.deque(maxlen=LAST_STEPS)
         self.done = 0
@@ -93,11 +173,22 @@ class JobStatus:
     def say(self, text: str) -> None:
         self.said_at = time.monotonic()
         self.lines += 1
+        if self.live is not None:
+            with_flush = getattr(self.err, "flush", None)
+            if with_flush is not None:  # what nsa-diag wrote through the stream first
+                with_flush()
+            self.live.draw(text)
+            return
         try:
             self.err.write(text + "\n")
             self.err.flush()
         except (OSError, ValueError):  # a closed stderr: the job goes on, the status is only said
             pass
+
+    def close(self) -> None:
+        """The job has ended: a live line goes (the terminal gets its last row back)."""
+        if self.live is not None:
+            self.live.close()
 
     def rate(self) -> float | None:
         """Steps per second over the last steps."""

@@ -173,3 +173,5 @@ class WatchPlan(CaseList):
             found = read_result(session.case_dir(self.spec.name))
             self._results = [found] if found is not None else []
             raise
+        finally:
+            status.close()
