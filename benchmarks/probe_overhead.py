@@ -16,6 +16,10 @@ not timed):
     marks    the same with ``branches=True`` (``--branch-marks``): a mark per NSA branch in backward too
     beacon   the probe's hooks with a sink that only updates the beacon (what a light probe's sink does)
     null     the probe's hooks with a sink that does nothing: what the hooks cost without any sink
+    watch    ``probe`` plus what a watched job's probe adds each step (issue 48): the loss's check
+             (`LossWatch`: on a GPU a copy into pinned memory behind an event, no sync) and the sum of each
+             block's output (`BlockWatch`: one reduction a block, read with the loss), which name a NaN's
+             first block
 
 The worker's heartbeat thread (`Heartbeat`, 10 ticks a second, writing the queued lines) runs for the whole
 run, as it does in a case. Each step is timed with CUDA events and ends with a synchronize (``--smoke``: the
@@ -47,6 +51,7 @@ import argparse
 import copy
 import datetime
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -63,9 +68,10 @@ import nsa_core
 from nsa_diag.beacon import BeaconWriter, read_beacon
 from nsa_diag.options import CompileBackend
 from nsa_diag.probe.hooks import attach_progress, find_blocks, nsa_attentions
+from nsa_diag.probe.runtime import BlockWatch, LossWatch
 from nsa_diag.worker.probes import Heartbeat, Progress
 
-VARIANTS = ("plain", "old", "probe", "marks", "beacon", "null")
+VARIANTS = ("plain", "old", "probe", "marks", "beacon", "null", "watch")
 SHAPES = ("8x2048", "1x16384", "32x512")
 SMOKE_SHAPES = ("1x64", "4x64")
 SMOKE_LAYERS = (
@@ -115,6 +121,18 @@ def _old_json(value: str | int | None) -> str:
     if value.isidentifier() or (value.replace(".", "_").isidentifier() and value.isascii()):
         return f'"{value}"'
     return json.dumps(value)
+
+
+class _LossProbe:
+    """What `LossWatch` uses of the probe (`nsa_diag.probe.runtime.Probe`): its sink, its block watch and
+    the loss's record (here only whether it was finite: nonfinite.json is written once, at a NaN)."""
+
+    def __init__(self, sink: Any, block_watch: BlockWatch) -> None:
+        self.sink, self.block_watch = sink, block_watch
+        self.nonfinite_seen = False
+
+    def record_loss(self, value: Any, step: int | None = None, seen: str = "") -> None:
+        self.nonfinite_seen = not math.isfinite(float(value))
 
 
 class NullSink(BeaconSink):
@@ -243,8 +261,11 @@ class Bench:
             "beacon": BeaconSink(args.beacon),
             "null": NullSink(args.beacon),
             "marks": args.progress,
+            "watch": args.progress,
         }
         self.sink: Any = None
+        self.variant: str | None = None
+        self.loss_watches: dict[str, LossWatch] = {}  # the ``watch`` variant's (per compiled copy)
         self.nodes = 0
 
     def step(self, count_nodes: bool = False) -> None:
@@ -255,6 +276,9 @@ class Bench:
         loss = F.cross_entropy(logits.float().flatten(0, 1), self.tokens[:, 1:].flatten())
         if count_nodes:
             self.nodes = graph_nodes(loss)
+        loss_watch = self.loss_watches.get(self.variant) if self.variant else None
+        if loss_watch is not None:  # what the probe's Tensor.backward wrapper does with the loss
+            loss_watch.seen(loss, torch)
         if sink is not None:
             sink.in_backward = True
         loss.backward()
@@ -291,6 +315,11 @@ class Bench:
             return old_attach_progress(model, self.sink)
         if variant == "marks":
             return attach_progress(model, self.sink, branches=True)
+        if variant == "watch":
+            handles = attach_progress(model, self.sink)
+            blocks = BlockWatch.attach(model, self.sink)
+            self.loss_watches[variant] = LossWatch(_LossProbe(self.sink, blocks))  # type: ignore[arg-type]
+            return handles + blocks.handles
         return [] if variant == "plain" else attach_progress(model, self.sink)
 
     def use(self, variant: str, warmup: int = 0) -> None:
@@ -312,7 +341,7 @@ class Bench:
     def block(self, variant: str, steps: int) -> tuple[list[tuple[float, float]], int, int]:
         """``steps`` timed steps with ``variant``'s probe on: ((step ms, host ms) each, events per step,
         graph nodes)."""
-        self.sink = self.sinks[variant]
+        self.sink, self.variant = self.sinks[variant], variant
         handles: list[Any] = []
         if self.backend:
             self.use(variant)
@@ -326,7 +355,9 @@ class Bench:
         finally:
             for handle in handles:
                 handle.remove()
-            self.sink = None
+            self.sink, self.variant = None, None
+            if not self.backend:
+                self.loss_watches.pop(variant, None)
         return times, events, self.nodes
 
 

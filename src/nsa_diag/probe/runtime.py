@@ -776,11 +776,12 @@ class BlockWatch:
     that step's loss was (all finite when the loss is not: after the blocks, in the head or the loss). A
     recompute inside backward, and a forward Dynamo traces, are not summed."""
 
-    def __init__(self, sink: Sink, names: list[str]) -> None:
+    def __init__(self, sink: Any, names: list[str]) -> None:
         self.sink = sink
         self.names = names
         self.step: int | None = None
         self.by_block: dict[int, Any] = {}  # block index -> 0-d sum tensor, this step's first forward
+        self.handles: list[Any] = []  # the blocks' forward hooks
         self.first: tuple[int, str] | None = None  # (step, block) of the first non-finite output seen
         self.checked = 0  # the most blocks read in one step
         self.read: int | None = None  # the last step read
@@ -795,7 +796,9 @@ class BlockWatch:
                 self.first = (step, bad)
 
     @classmethod
-    def attach(cls, model: Any, sink: Sink) -> BlockWatch:
+    def attach(cls, model: Any, sink: Any) -> BlockWatch:
+        """Sum the blocks of ``model`` (`nsa_diag.probe.hooks.find_blocks`) for ``sink`` (its ``step`` and
+        ``in_backward``, as `Sink` keeps them)."""
         import torch
 
         from nsa_diag.probe.hooks import find_blocks, requiring_grad, tracing
@@ -818,8 +821,7 @@ class BlockWatch:
 
             return hook
 
-        for index, block in enumerate(blocks):
-            block.register_forward_hook(summed(index))
+        watch.handles = [block.register_forward_hook(summed(index)) for index, block in enumerate(blocks)]
         return watch
 
     def sums(self, step: int) -> tuple[list[str], list[Any]]:

@@ -1,12 +1,18 @@
 """A small transformer that alternates local (causal window) and global (padding-masked) attention
 layers, trained on padded batches. At step 3 one row of the batch is all padding: in the first global
 layer (layers.1) every key of that row is masked, the softmax of a row of -inf is NaN, and the loss is
-NaN from there on. The script prints its losses and exits 0, as such a run does."""
+NaN from there on. The script prints its losses and exits 0, as such a run does. --device cuda: on a GPU.
+"""
+
+import argparse
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", default="cpu")
+device = torch.device(parser.parse_args().device)
 torch.manual_seed(0)
 VOCAB, DIM, HEADS, SEQ, WINDOW = 64, 32, 4, 16, 4
 
@@ -26,7 +32,7 @@ class Block(nn.Module):
         if self.global_attention:  # every key that is not padding
             masked = pad[:, None, None, :].expand(b, 1, t, t)
         else:  # a causal window over the positions, padding or not
-            i = torch.arange(t)
+            i = torch.arange(t, device=x.device)
             masked = ((i[None, :] > i[:, None]) | (i[:, None] - i[None, :] >= WINDOW))[None, None]
         attn = scores.masked_fill(masked, float("-inf")).softmax(-1)
         x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, t, DIM))
@@ -53,10 +59,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     if step == 3:
         lengths[2] = 0  # an empty document in the batch: all padding
     pad = torch.arange(SEQ)[None, :] >= lengths[:, None]
-    return tokens.masked_fill(pad, 0), pad
+    return tokens.masked_fill(pad, 0).to(device), pad.to(device)
 
 
-model = TinyLM()
+model = TinyLM().to(device)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 for step in range(1, 7):
     tokens, pad = batch(step)
