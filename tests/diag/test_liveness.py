@@ -141,6 +141,53 @@ def test_the_first_block_whose_output_went_non_finite_is_named_with_its_step(tmp
             probe._heartbeat_stop = True
 
 
+def test_a_gpu_loss_and_its_block_sums_are_read_once_their_event_completes(tmp_path: Path) -> None:
+    """The GPU path without a GPU: what `LossWatch.staged` puts behind a step's event (the loss, then
+    the blocks' sums: here CPU tensors standing in for the pinned copy) is read when the event says done
+    (not before), the first NaN block kept with its step, the loss recorded at its own step."""
+
+    class Event:
+        done = False
+
+        def query(self) -> bool:
+            return self.done
+
+    probe = runtime.Probe(tmp_path)
+    try:
+        watch = runtime.LossWatch(probe)
+        probe.block_watch = runtime.BlockWatch(probe.sink, ["layers.0", "layers.1"])
+        events = []
+        for step, middle in ((1, 1.0), (2, float("nan"))):
+            probe.block_watch.step = step
+            probe.block_watch.by_block = {0: torch.tensor(1.0), 1: torch.tensor(middle)}
+            loss = torch.tensor(3.0 if step == 1 else float("nan"))
+            names, values = watch.staged(loss, step, torch)
+            assert names == ["layers.0", "layers.1"]
+            events.append(Event())
+            watch.pending.append((step, values, events[-1], names))
+        watch.check_pending()
+        assert len(watch.pending) == 2  # not done: not read
+        assert probe.block_watch.read is None
+        for event in events:
+            event.done = True
+        watch.check_pending()
+        assert not watch.pending
+        record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+        assert (record["step"], record["module"], record["module_step"], record["blocks_checked"]) == (
+            2, "layers.1", 2, 2,
+        )  # fmt: skip
+        watch.pending.append((3, "not a tensor", Event(), []))  # a bad entry: the probe's, said once
+        watch.pending[0][2].done = True
+        watch.check_pending()
+        assert not watch.pending
+        assert (
+            "AttributeError"
+            in json.loads((probe.folder / runtime.PROBE_JSON).read_text())["loss_watch_error"]
+        )
+    finally:
+        probe._heartbeat_stop = True
+
+
 # --- roles ---------------------------------------------------------------------------------------------
 
 

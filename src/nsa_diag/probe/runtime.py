@@ -747,11 +747,7 @@ class LossWatch:
             return
         if tensor.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return
-        # the loss, then the sums of this step's block outputs (`BlockWatch`) where they are on its device
-        names, sums = watch.sums(step) if watch is not None else ([], [])
-        if any(s.device != tensor.device for s in sums):
-            names, sums = [], []
-        values = torch.cat([tensor.detach().reshape(1).float(), *(s.reshape(1) for s in sums)])
+        names, values = self.staged(tensor, step, torch)
         value = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
         value.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
@@ -759,13 +755,31 @@ class LossWatch:
         self.pending.append((step, value, event, names))
         del self.pending[: -self.PENDING_MAX]
 
+    def staged(self, tensor: Any, step: int, torch: Any) -> tuple[list[str], Any]:
+        """What is read of a step once its event completes: the loss, then the sums of the step's block
+        outputs (`BlockWatch`, where they are on the loss's device), one fp32 tensor on that device, and
+        the blocks' names."""
+        watch = self.probe.block_watch
+        names, sums = watch.sums(step) if watch is not None else ([], [])
+        if any(s.device != tensor.device for s in sums):
+            names, sums = [], []
+        return names, torch.cat([tensor.detach().reshape(1).float(), *(s.reshape(1) for s in sums)])
+
     def check_pending(self) -> None:
-        while self.pending and self.pending[0][2].query():
-            step, value, _, names = self.pending.pop(0)
-            loss, *sums = value.tolist()
-            if names and self.probe.block_watch is not None:
-                self.probe.block_watch.saw(step, list(zip(names, sums, strict=True)))
-            self.probe.record_loss(loss, step, seen="the tensor backward() was called on")
+        """Read the values of the steps whose event has completed. Called from the job's own calls (its
+        backward, its optimizer's step): a failure here is the probe's, said once, never the job's."""
+        try:
+            while self.pending and self.pending[0][2].query():
+                step, value, _, names = self.pending.pop(0)
+                loss, *sums = value.tolist()
+                if names and self.probe.block_watch is not None:
+                    self.probe.block_watch.saw(step, list(zip(names, sums, strict=True)))
+                self.probe.record_loss(loss, step, seen="the tensor backward() was called on")
+        except Exception as exc:
+            self.pending.clear()
+            note = getattr(self.probe, "note", None)
+            if note is not None and not self.probe.info.get("loss_watch_error"):
+                note("loss_watch_error", f"{type(exc).__name__}: {exc}")
 
 
 class BlockWatch:
