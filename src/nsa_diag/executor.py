@@ -47,7 +47,7 @@ from nsa_diag.launchers import (
     observed_units,
     pinned_env,
 )
-from nsa_diag.records import CaseEvidence, JobNotes, Pause, StopReport
+from nsa_diag.records import CaseEvidence, JobNotes, Pause, RestartedHang, StopReport
 from nsa_diag.results import case_files, error_result, signal_name, stalled_pause
 from nsa_diag.spec import CaseResult, CaseSpec
 from nsa_diag.watchdog import (
@@ -222,6 +222,31 @@ def _pause(
     return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks, children)
 
 
+def _restart_hung(end: JobEnd, launcher: Launcher, elapsed: float) -> RestartedHang | None:
+    """A hang the job's own launcher can restart (`Launcher.restart_hung`: torchrun with restarts left):
+    the verdict the job would get if stopped now (`Launcher.outcome`: the culprit rank, its line), kept,
+    and the hung attempt's ranks killed so that torchrun starts the next; None where the launcher cannot
+    (or the watch did not stall): the job is then stopped."""
+    if end.watched.outcome != "stalled" or end.decider is None:
+        return None
+    # the ranks' flight recorders, analysed as after a stop: what names the rank the others wait for
+    notes = end.notes.model_copy(deep=True)
+    notes.add(launcher.evidence(end.case_dir, Stage.STOPPED).notes)
+    judged = launcher.outcome(replace(end, notes=notes))
+    if judged.verdict != "hang":
+        return None
+    restart = launcher.restart_hung()
+    if restart is None:
+        return None
+    attempt, killed = restart
+    minority = judged.evidence.minority_ranks
+    return RestartedHang(
+        attempt=attempt, unit=minority[0] if len(minority) == 1 else end.decider, at_s=round(elapsed, 1),
+        hang_kind=judged.hang_kind,
+        reason=judged.reason, stopped=killed,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Watch:
     """What watching a job found: how it ended, the units watched, their evidence at a hang, the notes."""
@@ -260,6 +285,7 @@ def _watch(
         proc, source, spec, started, on_progress, optional_beacons=launcher.units_appear, training=training
     )
     pauses: list[Pause] = []
+    restarted_hangs: list[RestartedHang] = []
     while True:
         watched = watcher.run()
         units = launcher.units(case_dir)[: len(watched.units)]
@@ -278,7 +304,15 @@ def _watch(
             else _pause(spec, units, watched, hangs)
         )
         if paused is None:
-            break
+            t0 = time.monotonic() - (time.time() - started)
+            end = JobEnd(case_dir, units, watched, hangs, StopReport(), notes, t0)
+            restarted = _restart_hung(end, launcher, time.time() - started)
+            if restarted is None:
+                break
+            restarted_hangs.append(restarted)
+            assert watched.decider is not None
+            watcher.rearm(watched.decider)
+            continue
         assert watched.decider is not None
         decision = watched.units[watched.decider].decision
         pauses.append(
@@ -290,6 +324,8 @@ def _watch(
         watcher.rearm(watched.decider)
     if pauses:
         notes.pauses = pauses
+    if restarted_hangs:
+        notes.restarted_hangs = restarted_hangs
     return _Watch(watched, units, hangs, notes)
 
 

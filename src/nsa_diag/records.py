@@ -513,6 +513,18 @@ class Pause(Record):
     why: str
 
 
+class RestartedHang(Record):
+    """A hang of a torchrun attempt with restarts left (``--max-restarts``): its evidence taken, its ranks
+    stopped by nsa-diag so that torchrun restarts them, the watch gone on (``evidence.restarted_hangs``)."""
+
+    attempt: int  # torchrun's restart count of the attempt that hung (0: the first)
+    unit: int  # the rank the others waited for (the ranks' minority, one rank), else the unit that decided
+    at_s: float
+    hang_kind: str | None = None
+    reason: str
+    stopped: list[int] = []  # the pids nsa-diag killed: that attempt's ranks and what they started
+
+
 class Barrier(Record):
     """How long a node of a multi-node case waited for the others' evidence before it stopped its ranks."""
 
@@ -588,6 +600,7 @@ class JobNotes(Record):
     processes_alive: list[int] = []
     flight_recorder: FlightRecorder | None = None
     pauses: list[Pause] = []
+    restarted_hangs: list[RestartedHang] = []
 
 
 # --- the evidence of a case ----------------------------------------------------------------------------
@@ -714,6 +727,7 @@ class EndedAttempt(Record):
     rank: int | None = None
     exit_code: int
     exception: RankException | None = None
+    hang: str | None = None  # it hung: nsa-diag took the evidence and stopped the ranks (`RestartedHang`)
 
 
 class CaseEvidence(Record):
@@ -762,6 +776,7 @@ class CaseEvidence(Record):
     processes: dict[str, ProcessRecord] = {}
     rank_exceptions: dict[str, RankException] = {}  # the last attempt's, where torchrun restarted the ranks
     restarts: list[EndedAttempt] = []
+    restarted_hangs: list[RestartedHang] = []
     stack_diff: StackDiff | None = None
     minority_ranks: list[int] = []
     waits_on: list[int] = []

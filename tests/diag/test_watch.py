@@ -1080,6 +1080,57 @@ def test_torchrun_ranks_restarted_after_a_failure_are_said_and_followed(
     assert not any(_alive(p) for p in _job_pids(case))
 
 
+def test_torchruns_max_restarts_is_read_from_its_command_line() -> None:
+    from nsa_diag.launchers.command import max_restarts
+
+    assert max_restarts(["torchrun", "--standalone", "--max-restarts", "3", "train.py"]) == 3
+    assert max_restarts(["/venv/bin/python", "-m", "torch.distributed.run", "--max_restarts=2", "t.py"]) == 2
+    assert max_restarts(["torchrun", "--nproc-per-node", "2", "train.py"]) == 0
+    assert max_restarts(["torchrun", "--max-restarts"]) == 0  # torchrun itself refuses it
+    assert max_restarts(["torchrun", "--max-restarts", "x"]) == 0
+
+
+@pytest.mark.slow  # ~30 s: two attempts of two gloo ranks, a 5 s stall
+@pytest.mark.parametrize("restarts", [1, 0], ids=["restarts-left", "no-restart"])
+def test_a_hung_torchrun_attempt_with_restarts_left_is_restarted_and_its_hang_kept(
+    tmp_path: Path, restarts: int
+) -> None:
+    """A DDP job under ``torchrun --max-restarts 1`` whose rank 1 hangs reading its shard in step 3 of the
+    first attempt, rank 0 waiting in DDP's all-reduce: nothing fails, so torchrun alone would wait for
+    ever. watch takes the evidence, kills that attempt's ranks, torchrun restarts them from the last
+    checkpoint, the job passes, and its reason keeps the first attempt's hang: rank 1 at its line. Without
+    a restart left the hang is the verdict, as before."""
+    env = {"GLOO_SOCKET_IFNAME": "lo", "CKPT_DIR": str(tmp_path), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    torchrun = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    job = [*torchrun, "--max-restarts", str(restarts), "elastic_hang.py"]
+    proc, out = _watch(tmp_path, "--stall", "5", job=job, env=env)
+    result = _result(out)
+    line = "called from `threading.Event().wait()` at elastic_hang.py:24 in read_shard"
+    if not restarts:
+        assert proc.returncode == 4, result["reason"]
+        assert result["verdict"] == "hang", result["reason"]
+        assert result["reason"].startswith("rank 1 (pid "), result["reason"]
+        assert line in result["reason"]
+        assert not result["evidence"].get("restarted_hangs")
+        return
+    assert proc.returncode == 0, (result["reason"], proc.stderr[-2000:])
+    assert result["verdict"] == "pass", result["reason"]
+    (hang,) = result["evidence"]["restarted_hangs"]
+    assert (hang["attempt"], hang["unit"]) == (0, 1), hang
+    assert hang["reason"].startswith("rank 1 (pid "), hang["reason"]
+    assert line in hang["reason"]
+    assert len(hang["stopped"]) >= 2  # both ranks of the attempt
+    (ended,) = result["evidence"]["restarts"]
+    assert (ended["attempt"], ended["hang"]) == (1, hang["reason"])
+    assert "; torchrun restarted the ranks 1 time: attempt 1 ended with a hang (" in result["reason"]
+    assert "(nsa-diag stopped its ranks for torchrun to restart)" in result["reason"]
+    for rank in (0, 1):  # each rank's folder is its restarted process's, which finished
+        rank_json = json.loads((_case(out) / "ranks" / str(rank) / "rank.json").read_text())
+        info = json.loads((_case(out) / rank_json["folder"] / "probe.json").read_text())
+        assert (info["rank"], info["restart_count"]) == (rank, 1)
+    assert not any(_alive(p) for p in _job_pids(_case(out)))
+
+
 @pytest.mark.slow
 def test_torchrun_ddp_with_reentrant_checkpointing_names_the_cause(tmp_path: Path) -> None:
     job = _torchrun("ddp_reentrant_checkpoint.py")

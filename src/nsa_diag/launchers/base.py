@@ -313,6 +313,12 @@ class Launcher(ABC):
                 self.logs.finish()
         return report
 
+    def restart_hung(self) -> tuple[int, list[int]] | None:
+        """At a hang, before the job is stopped: where the job's own launcher restarts failed ranks and has
+        a restart left (torchrun ``--max-restarts``), kill the hung attempt's ranks so that it does, and
+        say (that attempt, the pids killed); None where it cannot (the job is then stopped)."""
+        return None
+
     @abstractmethod
     def stop_processes(self) -> StopReport:
         """Stop every process of the started job (also those it started in sessions of their own); what it

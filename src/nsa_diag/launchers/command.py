@@ -119,6 +119,16 @@ def _fileno(stream: Any) -> int | None:
         return None
 
 
+def max_restarts(argv: Sequence[str]) -> int:
+    """torchrun's ``--max-restarts N`` (``--max_restarts``, ``=N``) in a command line; 0 without one."""
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if name in ("--max-restarts", "--max_restarts"):
+            text = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(text) if text.isdigit() else 0
+    return 0
+
+
 class Proc:
     """One process of the job that nsa-diag saw: its pid, psutil handle (for a safe kill: same start time)
     and, when probed, its folder and ``probe.json``."""
@@ -323,6 +333,29 @@ class CommandLauncher(Launcher):
     def ranks(self) -> dict[int, int]:
         """rank -> pid of the job's rank processes."""
         return {k: pid for pid, k in self.keys.items() if k != pid}
+
+    def restart_hung(self) -> tuple[int, list[int]] | None:
+        """torchrun with ``--max-restarts N`` (its agent's command line, from its probe): while the
+        attempt under way is not its N-th restart, kill that attempt's ranks and their descendants
+        (SIGKILL: a rank stuck in a collective or a C call may never act on SIGTERM); torchrun's agent then
+        stops what is left of the attempt and starts the next. (attempt, pids killed), or None."""
+        launchers = [p.info for p in self.procs.values() if p.info.get("role") == "launcher"]
+        allowed = max((max_restarts(list(i.get("argv") or [])) for i in launchers), default=0)
+        ranks = [self.procs[pid] for pid in self.ranks().values() if pid in self.procs]
+        attempt = max((job.attempt_of(p.info) for p in ranks), default=0)
+        if not ranks or attempt >= allowed:
+            return None
+        killed: list[int] = []
+        for proc in ranks:
+            if proc.handle is None or job.attempt_of(proc.info) != attempt:
+                continue
+            with contextlib.suppress(psutil.Error):  # psutil checks it is the same process (start time)
+                tree = [proc.handle, *proc.handle.children(recursive=True)]
+                for each in tree:
+                    with contextlib.suppress(psutil.Error):
+                        each.kill()
+                        killed.append(each.pid)
+        return (attempt, killed) if killed else None
 
     # --- evidence ------------------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ from nsa_diag.records import (
     ProcessRecord,
     RankException,
     Rate,
+    RestartedHang,
     StackDiff,
     StopReport,
     Stragglers,
@@ -252,17 +253,27 @@ class Restarts:
         return f"; torchrun restarted the ranks {times}: {ends}"
 
 
-def restarts(text: str, infos: Mapping[int, ProbeJson]) -> Restarts:
+def restarts(text: str, infos: Mapping[int, ProbeJson], hangs: Sequence[RestartedHang] = ()) -> Restarts:
     """The attempts of the job that torchrun restarted (``--max-restarts``; `nsa_diag.analysis.restarts`),
     from its stderr ``text`` and every probed process's ``probe.json`` (``infos``, any keys): the first
-    process that failed in each, with its exception where that attempt's stderr shows one."""
+    process that failed in each, with its exception where that attempt's stderr shows one; an attempt
+    that hung and whose ranks nsa-diag stopped for torchrun to restart (``hangs``) ended with that hang."""
     restarted = max((attempt_of(info) for info in infos.values()), default=0)
     if restarted == 0:
         return Restarts([], [], text)
     ends, last = split_attempts(text, restarted)
     by_pid = {info.get("pid", pid): info for pid, info in infos.items()}
+    hung = {h.attempt: h for h in hangs}
     ended, said = [], []
     for n, end in enumerate(ends, 1):
+        if (hang := hung.get(n - 1)) is not None:
+            kind = f" ({hang.hang_kind})" if hang.hang_kind else ""
+            said.append(f"a hang{kind}: {hang.reason} (nsa-diag stopped its ranks for torchrun to restart)")
+            rank = hang.unit if hang.unit in {i.get("rank") for i in infos.values()} else None
+            ended.append(
+                EndedAttempt(attempt=n, pid=end.pid, rank=rank, exit_code=end.exit_code, hang=hang.reason)
+            )
+            continue
         rank = by_pid.get(end.pid, {}).get("rank")
         attempt = {pid: info for pid, info in by_pid.items() if attempt_of(info) == n - 1}
         errors = rank_errors(end.text, rank_infos(attempt))
@@ -638,7 +649,7 @@ def combine(
     training = [k for k in per_unit if roles.get(k) in TRAINING_ROLES]
     steps = max((per_unit[k].steps_done for k in training or per_unit), default=0)
     stderr = _stderr(end.case_dir)  # the job's stderr, read once
-    again = restarts(stderr, infos) if ranks else Restarts([], [], "")
+    again = restarts(stderr, infos, end.notes.restarted_hangs) if ranks else Restarts([], [], "")
     if again.ended:
         evidence.restarts = again.ended
     if outcome == "exited":
