@@ -185,16 +185,14 @@ def _exit_text(code: int) -> str:
     return f"killed by {name}" if name else f"exit code {code}"
 
 
-def _progressed_since(unit: Unit, seen: WatchResult, hang: HangEvidence | None) -> None:
-    """Mark ``hang`` progressed when the unit that stalled reported progress after the watcher's last read,
-    by the end of every unit's evidence, not of its own alone: the others' (py-spy dumps of busy processes,
-    seconds each on a loaded machine) can outlast the wait it was stalled in (a Pool's map that returned
-    meanwhile)."""
-    if hang is None or hang.progressed or unit.beacon is None:
-        return
+def _progressed_since(unit: Unit, seen: WatchResult) -> bool:
+    """Whether the unit that stalled reported progress after the watcher's last read, by the end of every
+    unit's evidence, not of its own alone: the others' (py-spy dumps of busy processes, seconds each on a
+    loaded machine) can outlast the wait it was stalled in (a Pool's map that returned meanwhile)."""
+    if unit.beacon is None:
+        return False
     after, last = read_beacon(unit.beacon), seen.last_state
-    if after is not None and (last is None or after.seq > last.seq):
-        hang.progressed = True
+    return after is not None and (last is None or after.seq > last.seq)
 
 
 def _pause(
@@ -205,7 +203,6 @@ def _pause(
         return None
     observed = observed_units(units, watched.units, hangs)
     key = units[watched.decider].key
-    _progressed_since(units[watched.decider], watched.units[watched.decider], hangs.get(key))
 
     def is_rank(unit: Unit) -> bool:  # torchrun's ranks under `ddp`; a watched job's by their role
         return unit.role == "rank" or (unit.role is None and spec.ddp is not None)
@@ -219,7 +216,10 @@ def _pause(
         for u in units
         if u.parent == key and u.role == "helper"
     ]
-    return stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks, children)
+    why = stalled_pause(spec, observed[key], dataloader_workers(key, units, observed), ranks, children)
+    if why is None and _progressed_since(units[watched.decider], watched.units[watched.decider]):
+        why = "it reported progress while the evidence of the job's processes was taken"
+    return why
 
 
 def _restart_hung(end: JobEnd, launcher: Launcher, elapsed: float) -> RestartedHang | None:

@@ -582,7 +582,9 @@ def test_a_checkpoint_pause_under_the_default_stall_passes(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_slow_dataloader_items_are_a_pause_while_the_workers_read_them(tmp_path: Path) -> None:
-    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "slow_batches.py"])
+    # 0.5 MiB/s: a batch takes 12 s to read, which outlasts the stall (3 s) and the evidence after it
+    # (3 s alone, up to 9 s on a loaded 2-core machine, when the batch would come in the meantime)
+    proc, out = _watch(tmp_path, "--stall", "3", job=[PY, "slow_batches.py", "--mib-per-s", "0.5"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = _result(out)
     assert result["verdict"] == "pass", result["reason"]
@@ -862,14 +864,16 @@ def test_a_watched_fsdp2_job_passes_or_names_its_stuck_rank(tmp_path: Path, stuc
     assert not any(_alive(p) for p in _job_pids(_case(out)))
 
 
-@pytest.mark.slow  # ~20 s each: two gloo ranks importing torch, a 10 s evaluation
+@pytest.mark.slow  # ~30 s each: two gloo ranks importing torch, a 20 s evaluation
 @pytest.mark.parametrize("spin", [False, True], ids=["evaluates", "spins"])
 def test_a_rank_waiting_for_a_rank_that_works_is_paused_not_hung(tmp_path: Path, spin: bool) -> None:
-    """Rank 0 alone evaluates for 10 s after step 3 while rank 1 waits in the barrier after it, past the
+    """Rank 0 alone evaluates for 20 s after step 3 while rank 1 waits in the barrier after it, past the
     stall limit of 4 s. Rank 0 works (its frames move at full CPU): rank 1's wait is a pause, the job
     passes with that pause noted. When rank 0's evaluation never ends in a loop on one line (no work seen:
     a busy loop), the job is hung there, about rank 0."""
-    job = _torchrun("ddp_rank0_eval.py", "--eval-s", "10", *(["--spin"] if spin else []))
+    # 20 s of evaluation: the stall (4 s) and the evidence of both ranks after it (3 s alone, up to 9 s on
+    # a loaded 2-core machine) end well before it does
+    job = _torchrun("ddp_rank0_eval.py", "--eval-s", "20", *(["--spin"] if spin else []))
     proc, out = _watch(tmp_path, "--stall", "4", job=job, env={"GLOO_SOCKET_IFNAME": "lo"})
     result = _result(out)
     if not spin:

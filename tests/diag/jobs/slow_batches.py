@@ -1,6 +1,7 @@
 """A DataLoader whose samples take about 1.5 s each to read from a slow network filesystem (1.5 MiB a
-sample, read in 64 KiB pieces at about 1 MiB/s), two workers."""
+sample, read in 64 KiB pieces at about 1 MiB/s: --mib-per-s), two workers."""
 
+import argparse
 import os
 import tempfile
 import time
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 SAMPLE_BYTES = 3 << 19  # 1.5 MiB
+PIECE_S = 0.06  # a 64 KiB piece at about 1 MiB/s
 
 
 class RemoteSamples(Dataset):
@@ -22,12 +24,16 @@ class RemoteSamples(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         with open(os.path.join(self.folder, f"sample{index}.bin"), "rb", buffering=0) as f:
             while f.read(64 << 10):  # the store serves about 1 MiB/s
-                time.sleep(0.06)
+                time.sleep(PIECE_S)
         g = torch.Generator().manual_seed(index)
         return torch.randn(16, generator=g), torch.randn(1, generator=g)
 
 
 def main() -> None:
+    global PIECE_S
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib-per-s", type=float, default=1.0)
+    PIECE_S = 0.06 / parser.parse_args().mib_per_s
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     folder = tempfile.mkdtemp(prefix="remote-")
