@@ -227,7 +227,7 @@ def _restart_hung(end: JobEnd, launcher: Launcher, elapsed: float) -> RestartedH
     the verdict the job would get if stopped now (`Launcher.outcome`: the culprit rank, its line), kept,
     and the hung attempt's ranks killed so that torchrun starts the next; None where the launcher cannot
     (or the watch did not stall): the job is then stopped."""
-    if end.watched.outcome != "stalled" or end.decider is None:
+    if end.watched.outcome != "stalled" or end.decider is None or not launcher.can_restart():
         return None
     # the ranks' flight recorders, analysed as after a stop: what names the rank the others wait for
     notes = end.notes.model_copy(deep=True)
@@ -240,9 +240,9 @@ def _restart_hung(end: JobEnd, launcher: Launcher, elapsed: float) -> RestartedH
         return None
     attempt, killed = restart
     minority = judged.evidence.minority_ranks
+    culprit = minority[0] if len(minority) == 1 else end.decider
     return RestartedHang(
-        attempt=attempt, unit=minority[0] if len(minority) == 1 else end.decider, at_s=round(elapsed, 1),
-        hang_kind=judged.hang_kind,
+        attempt=attempt, unit=culprit, at_s=round(elapsed, 1), hang_kind=judged.hang_kind,
         reason=judged.reason, stopped=killed,
     )  # fmt: skip
 

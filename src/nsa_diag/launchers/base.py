@@ -313,6 +313,10 @@ class Launcher(ABC):
                 self.logs.finish()
         return report
 
+    def can_restart(self) -> bool:
+        """Whether the job's own launcher would restart its ranks if they failed now (`restart_hung`)."""
+        return False
+
     def restart_hung(self) -> tuple[int, list[int]] | None:
         """At a hang, before the job is stopped: where the job's own launcher restarts failed ranks and has
         a restart left (torchrun ``--max-restarts``), kill the hung attempt's ranks so that it does, and

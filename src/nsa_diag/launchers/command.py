@@ -334,17 +334,26 @@ class CommandLauncher(Launcher):
         """rank -> pid of the job's rank processes."""
         return {k: pid for pid, k in self.keys.items() if k != pid}
 
-    def restart_hung(self) -> tuple[int, list[int]] | None:
-        """torchrun with ``--max-restarts N`` (its agent's command line, from its probe): while the
-        attempt under way is not its N-th restart, kill that attempt's ranks and their descendants
-        (SIGKILL: a rank stuck in a collective or a C call may never act on SIGTERM); torchrun's agent then
-        stops what is left of the attempt and starts the next. (attempt, pids killed), or None."""
+    def _attempt(self) -> tuple[int, list[Proc]] | None:
+        """torchrun with ``--max-restarts N`` (its agent's command line, from its probe) whose attempt under
+        way is not its N-th restart: that attempt and its ranks; None otherwise."""
         launchers = [p.info for p in self.procs.values() if p.info.get("role") == "launcher"]
         allowed = max((max_restarts(list(i.get("argv") or [])) for i in launchers), default=0)
         ranks = [self.procs[pid] for pid in self.ranks().values() if pid in self.procs]
         attempt = max((job.attempt_of(p.info) for p in ranks), default=0)
-        if not ranks or attempt >= allowed:
+        return (attempt, ranks) if ranks and attempt < allowed else None
+
+    def can_restart(self) -> bool:
+        return self._attempt() is not None
+
+    def restart_hung(self) -> tuple[int, list[int]] | None:
+        """Kill the ranks of the attempt under way (`_attempt`) and their descendants (SIGKILL: a rank
+        stuck in a collective or a C call may never act on SIGTERM); torchrun's agent then stops what is
+        left of the attempt and starts the next. (attempt, pids killed), or None."""
+        found = self._attempt()
+        if found is None:
             return None
+        attempt, ranks = found
         killed: list[int] = []
         for proc in ranks:
             if proc.handle is None or job.attempt_of(proc.info) != attempt:
