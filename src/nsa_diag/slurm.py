@@ -208,6 +208,27 @@ def require_submitit() -> ModuleType:
 SLURM_ONLY = ("--partition", "--account", "--gpus-per-node", "--time", "--slurm-opt", "--submitit-cluster")
 
 
+def refuse_slurm_options(
+    executor: JobExecutor,
+    *,
+    partition: str | None,
+    account: str | None,
+    gpus_per_node: int | None,
+    time: str | None,
+    slurm_opts: Sequence[str],
+    submitit_cluster: SubmititCluster | None,
+) -> bool:
+    """For `ddp` and `matrix`: False under ``--executor slurm``; True under ``--executor local``, where
+    any of `SLURM_ONLY` given is refused (`UsageError`, the first in that order named)."""
+    if executor == JobExecutor.slurm:
+        return False
+    given = (partition, account, gpus_per_node, time, list(slurm_opts) or None, submitit_cluster)
+    named = [flag for flag, value in zip(SLURM_ONLY, given, strict=True) if value is not None]
+    if named:
+        raise UsageError(f"{named[0]} applies to --executor slurm; this run is --executor local")
+    return True
+
+
 @dataclass(frozen=True)
 class NodesJob:
     """How `nsa-diag ddp --executor slurm` submits a case's nodes: one job of these settings, through
@@ -233,11 +254,10 @@ def nodes_job(
     """None for ``--executor local`` (refusing the Slurm options there); else the job that runs the case's
     ``nnodes`` nodes. `UsageError` (exit 2) for what cannot work: no submitit, no Slurm, one node, a node
     rank or endpoint given (the job chooses them), a bad ``--time`` or ``--slurm-opt``."""
-    given = (partition, account, gpus_per_node, time, list(slurm_opts) or None, submitit_cluster)
-    if executor != JobExecutor.slurm:
-        named = [flag for flag, value in zip(SLURM_ONLY, given, strict=True) if value is not None]
-        if named:
-            raise UsageError(f"{named[0]} applies to --executor slurm; this run is --executor local")
+    if refuse_slurm_options(
+        executor, partition=partition, account=account, gpus_per_node=gpus_per_node, time=time,
+        slurm_opts=slurm_opts, submitit_cluster=submitit_cluster,
+    ):  # fmt: skip
         return None
     if nnodes < 2:
         raise UsageError(

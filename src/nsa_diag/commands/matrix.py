@@ -252,9 +252,6 @@ def matrix(
     raise typer.Exit(session.run())
 
 
-_SLURM_ONLY = ("--partition", "--gpus-per-node", "--time", "--account", "--slurm-opt", "--submitit-cluster")
-
-
 def _cluster_config(
     executor: JobExecutor,
     loaded: Matrix,
@@ -270,15 +267,13 @@ def _cluster_config(
     """None for --executor local (refusing Slurm options there); else how the cases are submitted: the
     file's `slurm:` section under the command's Slurm options. `UsageError` (exit 2) for a bad option or
     no submitit."""
-    from nsa_diag.errors import UsageError
     from nsa_diag.session.cluster import ClusterConfig
-    from nsa_diag.slurm import SlurmSettings, require_submitit, settings_from_options
+    from nsa_diag.slurm import SlurmSettings, refuse_slurm_options, require_submitit, settings_from_options
 
-    given = (partition, gpus_per_node, time_limit, account, slurm_opt or None, submitit_cluster)
-    if executor == JobExecutor.local:
-        named = [flag for flag, value in zip(_SLURM_ONLY, given, strict=True) if value is not None]
-        if named:
-            raise UsageError(f"{named[0]} applies to --executor slurm; this run is --executor local")
+    if refuse_slurm_options(
+        executor, partition=partition, account=account, gpus_per_node=gpus_per_node, time=time_limit,
+        slurm_opts=slurm_opt, submitit_cluster=submitit_cluster,
+    ):  # fmt: skip
         return None
     require_submitit()
     options = settings_from_options(
