@@ -33,7 +33,6 @@ from nsa_diag.classify import (
     waits_on_children,
 )
 from nsa_diag.evidence import stacks
-from nsa_diag.probe.runtime import AT_HANG_JSON
 from nsa_diag.records import CaseEvidence, ExecChange, Heartbeat, MainThread, Metrics, StopReport
 from nsa_diag.redact import redact_argv
 from nsa_diag.spec import BuiltModel, CaseResult, CaseSpec, Where, WorkerReport
@@ -50,6 +49,7 @@ from nsa_diag.watchdog import (
     step_limit,
     steps_done,
 )
+from nsa_diag.wire import AT_HANG_JSON
 
 STDERR_TAIL_BYTES = 4096
 _CONTROL_FILES = {artifacts.DUMP_REQUEST, artifacts.DUMP_DONE, artifacts.STACK_REQUEST}

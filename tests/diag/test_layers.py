@@ -11,9 +11,9 @@ hints alone and never run. Three rules:
 And three about what crosses a boundary, type hints included (a type taken from above is a dependency too):
 
 - nothing below the face (the CLI: `_cli_utils`, commands, app) imports it;
-- the probe, which a user's process loads, imports only the wire format (`nsa_diag.beacon`) and the standard
-  library (and `nsa_diag.redact`, standard library only itself; torch and nsa_core only inside functions,
-  once the job has imported them);
+- the probe, which a user's process loads, imports only the wire format (`nsa_diag.beacon`, `nsa_diag.wire`)
+  and the standard library (and `nsa_diag.redact`, standard library only itself; torch and nsa_core only
+  inside functions, once the job has imported them);
 - analysis takes plain records: it imports neither the readers of run folders nor evidence modules.
 
 nsa_core never imports nsa_diag.
@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      "nsa_diag.artifacts",
      "nsa_diag.logcap",
      "nsa_diag.redact",
-     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon",
+     "nsa_diag.cases", "nsa_diag.matrix", "nsa_diag.matrices", "nsa_diag.beacon", "nsa_diag.wire",
      "nsa_diag.stackframes", "nsa_diag.devices",
      "nsa_diag.interrupts", "nsa_diag.stopping", "nsa_diag.guard", "nsa_diag.probe", "nsa_diag.slurm"),
     # pure analysis and evidence taking
@@ -196,7 +196,7 @@ def _hinted() -> dict[str, set[str]]:
 
 
 CLI = ("nsa_diag._cli_utils", "nsa_diag.commands", "nsa_diag.app", "nsa_diag.__main__", "nsa_diag.demo")
-WIRE = "nsa_diag.beacon"
+WIRE = ("nsa_diag.beacon", "nsa_diag.wire")
 # What else the probe may import of nsa_diag: which values are secrets (standard library only itself).
 PROBE_ALSO = ("nsa_diag.redact",)
 PROBE_LATE = ("torch", "nsa_core")  # inside functions only: the job imported them, the probe follows
@@ -274,7 +274,7 @@ def test_nothing_below_the_face_imports_the_cli() -> None:
 
 def test_the_probe_imports_only_the_wire_format_and_the_standard_library() -> None:
     """A user's process loads the probe: it must not pay for (or break on) pydantic, typer or our worker."""
-    allowed = {"nsa_diag.probe", WIRE, *PROBE_ALSO}
+    allowed = {"nsa_diag.probe", *WIRE, *PROBE_ALSO}
     found = [
         f"{module} imports {target}"
         for module, targets in sorted(_hinted().items())
@@ -284,7 +284,7 @@ def test_the_probe_imports_only_the_wire_format_and_the_standard_library() -> No
     ]
     assert found == []
     for module, path in _modules("nsa_diag").items():
-        if not _under(module, ("nsa_diag.probe", WIRE, *PROBE_ALSO)):
+        if not _under(module, ("nsa_diag.probe", *WIRE, *PROBE_ALSO)):
             continue
         for name, at_import in _top_level_imports(path):
             top = name.partition(".")[0]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nsa_diag import wire
 from nsa_diag.beacon import FLAG_DATALOADER, BeaconWriter, read_beacon
 from nsa_diag.evidence.roles import ProcessFacts, assign_roles, describe, training_pids
 from nsa_diag.probe import runtime
@@ -78,10 +79,10 @@ def test_a_nan_loss_is_recorded_where_backward_is_called(tmp_path: Path) -> None
         watch = runtime.LossWatch(probe)
         weight = torch.ones(2, requires_grad=True)
         watch.seen((weight * 2).sum(), torch)  # finite: nothing recorded
-        assert not (probe.folder / runtime.NONFINITE_JSON).exists()
+        assert not (probe.folder / wire.NONFINITE_JSON).exists()
         probe.sink.step = 3
         watch.seen(torch.log(weight.sum() - 10), torch)
-        record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+        record = json.loads((probe.folder / wire.NONFINITE_JSON).read_text())
         assert (record["value"], record["step"]) == ("nan", 3)
         assert record["seen"] == "the tensor backward() was called on"
         watch.seen(torch.ones(3, requires_grad=True), torch)  # not a loss (3 elements): ignored
@@ -131,7 +132,7 @@ def test_the_first_block_whose_output_went_non_finite_is_named_with_its_step(tmp
                     for p in model.parameters():
                         p -= 0.1 * p.grad
                         p.grad = None
-            record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+            record = json.loads((probe.folder / wire.NONFINITE_JSON).read_text())
             if case == "nan":
                 assert (record["step"], record["module"], record["module_step"]) == (3, "layers.1", 2)
             else:
@@ -172,7 +173,7 @@ def test_a_gpu_loss_and_its_block_sums_are_read_once_their_event_completes(tmp_p
             event.done = True
         watch.check_pending()
         assert not watch.pending
-        record = json.loads((probe.folder / runtime.NONFINITE_JSON).read_text())
+        record = json.loads((probe.folder / wire.NONFINITE_JSON).read_text())
         assert (record["step"], record["module"], record["module_step"], record["blocks_checked"]) == (
             2, "layers.1", 2, 2,
         )  # fmt: skip
@@ -181,8 +182,7 @@ def test_a_gpu_loss_and_its_block_sums_are_read_once_their_event_completes(tmp_p
         watch.check_pending()
         assert not watch.pending
         assert (
-            "AttributeError"
-            in json.loads((probe.folder / runtime.PROBE_JSON).read_text())["loss_watch_error"]
+            "AttributeError" in json.loads((probe.folder / wire.PROBE_JSON).read_text())["loss_watch_error"]
         )
     finally:
         probe._heartbeat_stop = True

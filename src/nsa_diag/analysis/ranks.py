@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from nsa_diag.analysis.stragglers import find_stragglers
-from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import (
     CaseEvidence,
     CollectiveState,
@@ -41,6 +40,7 @@ from nsa_diag.records import (
 )
 from nsa_diag.spec import TRAIN_GROUP, CaseResult, CaseSpec
 from nsa_diag.stackframes import ThreadStack, gpu_wait
+from nsa_diag.wire import AtHang
 
 # A verdict from several ranks: the case takes the first in this order (a crash explains the rest).
 SEVERITY = (

@@ -13,7 +13,7 @@ times). A rank slow inside backward's own computation is not seen this way:
 its collectives keep the others waiting in the same phase, so every rank's backward ends together.
 
 `watched_stragglers` asks the same of a user's job under ``nsa-diag watch``: each rank's steps as its
-probe timed them (``steps.jsonl``, `nsa_diag.probe.runtime.StepTimes`: a step is an optimizer step, its
+probe timed them (``steps.jsonl``, `nsa_diag.wire.StepTimes`: a step is an optimizer step, its
 forward from the model's first block, its backward from ``Tensor.backward``), over the steps every rank
 timed, the last `MAX_WATCHED_STEPS` of a long job.
 """
@@ -25,8 +25,8 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 
-from nsa_diag.probe.runtime import StepTimes
 from nsa_diag.records import Metrics, PhaseSeconds, StragglerRank, Stragglers
+from nsa_diag.wire import StepTimes
 
 # A rank slower in more than this share of the steps compared is consistently slower.
 MOST_STEPS = 0.5

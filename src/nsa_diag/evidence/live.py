@@ -45,8 +45,8 @@ from nsa_diag.errors import UsageError
 from nsa_diag.evidence import gpu, procfs, stacks
 from nsa_diag.evidence.env import select_env_vars, withheld_env_vars
 from nsa_diag.evidence.probefiles import ProbeInfo, ProbeInfoJson, find_probe, read_at_hang, read_probe_beacon
-from nsa_diag.probe.runtime import AtHang
 from nsa_diag.records import PyspyDump
+from nsa_diag.wire import AtHang
 
 SIGUSR1_BIT = 1 << (signal.SIGUSR1 - 1)
 PTRACE_SCOPE = Path("/proc/sys/kernel/yama/ptrace_scope")

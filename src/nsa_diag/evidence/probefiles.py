@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from nsa_diag.beacon import BeaconState, read_beacon
-from nsa_diag.probe.runtime import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS, AtHang
+from nsa_diag.wire import AT_HANG_JSON, BEACON, PROBE_DIR_ENV, PROBE_JSON, STACKS, AtHang
 
 # A probe.json whose start time is this much earlier than the process's own start was written by an
 # earlier process with the same pid (the probe writes it during interpreter start-up, after the exec).

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from nsa_diag.probe.runtime import launcher_argv
+from nsa_diag.wire import launcher_argv
 
 Role = Literal["training", "rank", "launcher", "dataloader-worker", "helper", "shell"]
 TRAINING_ROLES: tuple[Role, ...] = ("training", "rank")

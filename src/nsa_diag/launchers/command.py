@@ -71,12 +71,12 @@ from nsa_diag.launchers.torchrun import (
     with_files,
 )
 from nsa_diag.probe import BRANCHES_ENV, PROBE_DIR_ENV, SITE_DIR
-from nsa_diag.probe.runtime import FR_PREFIX_ENV, STEPS_JSONL, ProbeJson
 from nsa_diag.records import FlightRecorder, JobNotes, StopReport, Stragglers
 from nsa_diag.results import interrupted_result
 from nsa_diag.spec import CaseResult, CaseSpec, CommandSpec, Where
 from nsa_diag.stopping import ProcessTree, stop_tree
 from nsa_diag.watchdog import ProcessHandle, steps_done
+from nsa_diag.wire import FR_PREFIX_ENV, STEPS_JSONL, ProbeJson
 
 PROCS_DIR = "procs"
 RANK_JSON = "rank.json"

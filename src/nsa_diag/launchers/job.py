@@ -51,7 +51,6 @@ from nsa_diag.classify import (
 from nsa_diag.evidence.roles import TRAINING_ROLES
 from nsa_diag.evidence.stacks import read_stacks
 from nsa_diag.launchers.base import Ending
-from nsa_diag.probe.runtime import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
 from nsa_diag.records import (
     CaseEvidence,
     EndedAttempt,
@@ -67,6 +66,7 @@ from nsa_diag.records import (
 from nsa_diag.spec import OOM_MESSAGES, CaseResult, CaseSpec, Where, WorkerException, WorkerReport
 from nsa_diag.stackframes import ThreadStack
 from nsa_diag.watchdog import HangEvidence, WatchResult, progress_rate
+from nsa_diag.wire import AT_HANG_JSON, NONFINITE_JSON, PROBE_JSON, AtHang, ProbeJson
 
 __all__ = ["PROBE_JSON", "combine", "job_report", "no_signal", "unit_ends"]
 

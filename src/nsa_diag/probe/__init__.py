@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from nsa_diag.probe import runtime
+from nsa_diag.wire import BRANCHES_ENV, PROBE_DIR_ENV
 
 # The folder holding the probe's sitecustomize: put it on a job's PYTHONPATH with NSA_DIAG_PROBE_DIR set.
 SITE_DIR = str(Path(__file__).resolve().parent / "site")
-PROBE_DIR_ENV = runtime.PROBE_DIR_ENV
-BRANCHES_ENV = runtime.BRANCHES_ENV
 
 __all__ = ["BRANCHES_ENV", "PROBE_DIR_ENV", "SITE_DIR", "active", "loss", "phase", "step", "total_steps"]
 

@@ -33,7 +33,6 @@ import contextlib
 import faulthandler
 import importlib.abc
 import importlib.machinery
-import itertools
 import json
 import math
 import os
@@ -42,25 +41,33 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from nsa_diag.beacon import PHASES, BeaconWriter
 from nsa_diag.probe.liveness import LivenessSampler
 from nsa_diag.redact import env_secret_values, redact_argv
+from nsa_diag.wire import (
+    AT_HANG_JSON,
+    BEACON,
+    BRANCHES_ENV,
+    DUMP_DONE,
+    DUMP_REQUEST,
+    FR_PREFIX_ENV,
+    NONFINITE_JSON,
+    PROBE_DIR_ENV,
+    PROBE_JSON,
+    STACK_REQUEST,
+    STACKS,
+    STEPS_JSONL,
+    AtHang,
+    NonFiniteLoss,
+    ProbeJson,
+    StepTimes,
+    Waiting,
+    launcher_argv,
+)
 
-PROBE_DIR_ENV = "NSA_DIAG_PROBE_DIR"
-BRANCHES_ENV = "NSA_DIAG_PROBE_BRANCHES"  # "1": mark each NSA branch's backward too (`watch --branch-marks`)
-PROBE_JSON = "probe.json"
-NONFINITE_JSON = "nonfinite.json"
-STEPS_JSONL = "steps.jsonl"
 MAX_STEP_LINES = 20_000  # ~2 MB: a long job's later steps are not written
-# The watchdog's files (`nsa_diag.artifacts`, which this module must not import: it imports typer).
-BEACON = "beacon.bin"
-STACKS = "stacks.txt"
-DUMP_REQUEST = "dump.request"
-DUMP_DONE = "dump.done"
-STACK_REQUEST = "stack.request"
-AT_HANG_JSON = "at_hang.json"  # the heartbeat thread's answer to dump.request: memory, collectives
 # torch.distributed's collectives the probe counts (per op) and marks while a call is under way: at a hang
 # the ranks' counts tell which rank never entered the collective the others wait in (also where no flight
 # recorder dump comes: a torch without the binding, a rank whose heartbeat cannot answer). One Python call
@@ -71,9 +78,6 @@ COLLECTIVES = (
     "all_to_all_single", "send", "recv", "broadcast_object_list",
 )  # fmt: skip
 HEARTBEAT_S = 0.1
-# Where a rank's probe writes its process group's flight recorder at a dump request (``<prefix><rank>``,
-# set by watch): the recorder of a backend without NCCL's debug pipe (gloo's, with TORCH_FR_BUFFER_SIZE)
-FR_PREFIX_ENV = "NSA_DIAG_FR_PREFIX"
 
 _probe: Probe | None = None
 
@@ -81,93 +85,6 @@ _probe: Probe | None = None
 def current() -> Probe | None:
     """The probe of this process, or None when it runs without one."""
     return _probe
-
-
-class DdpOptions(TypedDict):
-    """The DistributedDataParallel options a rank's job built its model with."""
-
-    find_unused_parameters: bool
-    static_graph: bool
-
-
-class ModelFound(TypedDict):
-    """The model the probe hooked: its class and where its blocks are."""
-
-    type: str
-    blocks: str
-
-
-class ProbeJson(TypedDict, total=False):
-    """``probe.json``: what the probe of one process knows of it, rewritten as it learns more (a rank, a
-    DataLoader worker's role, DDP's parameters, its exit). Read by the launcher of a watched job
-    (`nsa_diag.launchers.command`) and by attach (`nsa_diag.evidence.probefiles`)."""
-
-    pid: int
-    ppid: int
-    argv: list[str]
-    executable: str
-    started: float
-    rank: int | None
-    local_rank: int | None
-    world_size: int | None
-    # the world size the job's own init_process_group call asked for (its world_size argument), noted
-    # before the call: a group asked for more ranks than the job started waits in it for ever
-    init_world_size: int
-    restart_count: int | None  # torchrun's TORCHELASTIC_RESTART_COUNT: the ranks' attempt, from 0
-    sigusr1: str  # probe | user
-    torch: bool
-    role: str | None  # launcher | dataloader-worker
-    forked_from: int
-    worker_id: int | None
-    exit_code: int
-    exited: float
-    total_steps: int
-    ddp_options: DdpOptions
-    ddp_params: list[str]
-    model: ModelFound
-    torch_hooks_error: str
-    loss_watch_error: str
-    ddp_params_error: str
-    model_hooks_error: str
-    steps_error: str
-
-
-class Waiting(TypedDict):
-    """The collective a process's call is under way in, and its number among that op's calls."""
-
-    op: str
-    n: int
-
-
-class AtHang(TypedDict, total=False):
-    """``at_hang.json``: the heartbeat thread's answer to a watchdog's dump request: memory (RSS, and
-    CUDA's allocator statistics: torch's keys), the step, the collectives entered per op, the one under
-    way."""
-
-    memory: dict[str, Any]
-    step: int
-    collectives: dict[str, int]
-    waiting: Waiting | None
-    # the name of each thread, by its id as faulthandler writes it ("0x00007f3a2c1fe6c0"): a stack sample
-    # names no thread
-    threads: dict[str, str]
-
-
-class NonFiniteLoss(TypedDict, total=False):
-    """``nonfinite.json``: the first non-finite loss the job told the probe of (`nsa_diag.probe.loss`, or
-    the tensor ``backward()`` was called on); where the model's blocks were found and checked in its
-    steps' forwards (`BlockWatch`), the first block whose output was non-finite and the step (that step's
-    loss may have been finite: a NaN in a row the loss ignores reaches the weights through the gradients),
-    None when all were, and how many blocks were checked."""
-
-    where: str  # loss
-    value: str
-    step: int
-    time: float
-    seen: str
-    module: str | None
-    module_step: int
-    blocks_checked: int
 
 
 def flight_recorder_dump(backend: str = "nccl") -> bytes | None:
@@ -212,21 +129,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-class StepTimes(TypedDict):
-    """One line of ``steps.jsonl``: a step (the probe's number), when it ended (wall clock), its seconds
-    (from the end of the step before; step 1 from its first event) and the part of them in each phase: forward
-    (from the model's first block forward to the backward), backward (from ``Tensor.backward`` or the first
-    block's backward to the optimizer: DDP's wait for the other ranks' gradients included) and the
-    optimizer step. The rest is between steps (data loading, logging)."""
-
-    step: int
-    end: float
-    step_s: float
-    forward_s: float
-    backward_s: float
-    optimizer_s: float
 
 
 # the phases a step's time is split into, by the events' phases (a recompute is part of backward)
@@ -928,23 +830,6 @@ def _wrap_init_process_group(torch: Any) -> None:
 
     init_process_group._nsa_diag_probe = True  # type: ignore[attr-defined]
     dist.init_process_group = init_process_group
-
-
-def launcher_argv(argv: list[str]) -> bool:
-    """Whether ``argv`` is torch's launcher (torchrun, ``python -m torch.distributed.run|launch``, or either
-    file run as a script): a process that starts the ranks and waits on them, not one that trains."""
-    if not argv:
-        return False
-    names = [a.replace("\\", "/").rsplit("/", 1)[-1] for a in argv[:2]]
-    # torchrun itself, or its script run by Python (a shebang's exec: /proc's cmdline and sys.orig_argv
-    # read ``python .../bin/torchrun ...``)
-    if names[0] == "torchrun" or (names[0].startswith("python") and names[1:] == ["torchrun"]):
-        return True
-    modules = ("torch.distributed.run", "torch.distributed.launch")
-    if any(a == "-m" and b in modules for a, b in itertools.pairwise(argv)):
-        return True
-    files = ("torch/distributed/run.py", "torch/distributed/launch.py")
-    return any(a.replace("\\", "/").endswith(files) for a in argv[:3])
 
 
 def _wrap_ddp(torch: Any) -> None:
