@@ -690,7 +690,7 @@ class BlockWatch:
     for the step under way and read with its loss (`LossWatch`: on a GPU behind the same event). The
     first block of the first step whose sum is not finite is where the values went bad, whether or not
     that step's loss was (all finite when the loss is not: after the blocks, in the head or the loss). A
-    recompute inside backward, and a forward Dynamo traces, are not summed."""
+    recompute inside backward, a forward Dynamo traces and a tensor subclass (a DTensor) are not summed."""
 
     def __init__(self, sink: Any, names: list[str]) -> None:
         self.sink = sink
@@ -728,7 +728,8 @@ class BlockWatch:
                 if compiling() or sink.in_backward:
                     return
                 out = requiring_grad(output, torch.Tensor)
-                if out is None or not out.is_floating_point():
+                # a plain tensor only: a subclass's sum (a DTensor's, sharded) is no number to read here
+                if type(out) is not torch.Tensor or not out.is_floating_point():
                     return
                 if watch.step != sink.step:
                     watch.step, watch.by_block = sink.step, {}
